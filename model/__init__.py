@@ -1,11 +1,9 @@
-"""The eager PyTorch reference: config, GPT-2 decoder with a per-layer KV cache, checkpoints, generation."""
+"""The eager PyTorch reference: config (config.py), the GPT-2 decoder with its per-layer KV cache (gpt2.py),
+checkpoints (checkpoint.py) and reference generation (generate.py).
 
-from .checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_checksum
+Only the config is imported here: it is plain Python, so the torch-free server can read it too.
+"""
+
 from .config import PRESETS, DecoderConfig, preset
-from .generate import Generation, generate, left_pad, position_ids_from_mask
-from .gpt2 import GPT2, build
 
-__all__ = [
-    "CheckpointError", "DecoderConfig", "GPT2", "Generation", "PRESETS", "build", "generate", "left_pad",
-    "load_checkpoint", "position_ids_from_mask", "preset", "save_checkpoint", "weights_checksum",
-]
+__all__ = ["DecoderConfig", "PRESETS", "preset"]

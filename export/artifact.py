@@ -1,0 +1,119 @@
+"""The artifact directory: what `kvserve export` writes and what `kvserve serve` reads. No torch here.
+
+    model.onnx          the graph (model.onnx.data beside it holds the weights when they are large)
+    config.json         the decoder config, in GPT-2's config.json format
+    manifest.json       I/O names, shapes with symbolic axes, dtypes, opset, IR version, checksums, source
+    golden.npz          a fixed prompt, the eager model's greedy tokens and the logits behind each one
+    parity.json         the verify report written at export time
+    tokenizer.json ...  copied from the checkpoint when it has them
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from kvserve.model.config import DecoderConfig
+
+MODEL_FILE = "model.onnx"
+MODEL_DATA_FILE = "model.onnx.data"
+CONFIG_FILE = "config.json"
+MANIFEST_FILE = "manifest.json"
+GOLDEN_FILE = "golden.npz"
+PARITY_FILE = "parity.json"
+TOKENIZER_FILE = "tokenizer.json"
+FORMAT = "kvserve-artifact/1"
+
+
+class ArtifactError(ValueError):
+    """An artifact directory that is missing, incomplete or inconsistent; the message names the file."""
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@dataclass(frozen=True)
+class GoldenRecord:
+    """The eager reference's greedy continuation of a fixed prompt, recorded at export time."""
+
+    prompt_ids: np.ndarray  # (T,) int64
+    tokens: np.ndarray  # (N,) int64: greedy tokens
+    logits: np.ndarray  # (N, V) float32: the logits each token was the argmax of
+
+    def save(self, path: Path) -> None:
+        np.savez(path, prompt_ids=self.prompt_ids, tokens=self.tokens, logits=self.logits)
+
+    @classmethod
+    def load(cls, path: Path) -> "GoldenRecord":
+        with np.load(path) as data:
+            return cls(prompt_ids=data["prompt_ids"], tokens=data["tokens"], logits=data["logits"])
+
+
+def golden_prompt(vocab_size: int, length: int = 12) -> list[int]:
+    """A fixed prompt that exists in every vocabulary: deterministic, spread over the ids."""
+    return [(7919 * i + 13) % vocab_size for i in range(length)]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    directory: Path
+    config: DecoderConfig
+    manifest: dict
+
+    @property
+    def model_path(self) -> Path:
+        return self.directory / MODEL_FILE
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def manifest_sha256(self) -> str:
+        return sha256_file(self.directory / MANIFEST_FILE)
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        path = self.directory / TOKENIZER_FILE
+        return path if path.exists() else None
+
+    def golden(self) -> GoldenRecord:
+        return GoldenRecord.load(self.directory / GOLDEN_FILE)
+
+    def parity_report(self) -> dict | None:
+        path = self.directory / PARITY_FILE
+        return json.loads(path.read_text()) if path.exists() else None
+
+
+def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
+    """Read and cross-check an artifact directory; with check_files, the model files' checksums too."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: artifact directory not found")
+    for name in (MODEL_FILE, CONFIG_FILE, MANIFEST_FILE, GOLDEN_FILE):
+        if not (directory / name).exists():
+            raise ArtifactError(f"{directory / name}: missing (is this a kvserve export?)")
+    try:
+        manifest = json.loads((directory / MANIFEST_FILE).read_text())
+        config = DecoderConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
+    except (json.JSONDecodeError, ValueError, TypeError) as exc:
+        raise ArtifactError(f"{directory}: unreadable manifest or config ({exc})") from None
+    if manifest.get("format") != FORMAT:
+        raise ArtifactError(f"{directory / MANIFEST_FILE}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if check_files:
+        for name, expected in manifest["files"].items():
+            path = directory / name
+            if not path.exists():
+                raise ArtifactError(f"{path}: missing")
+            if sha256_file(path) != expected:
+                raise ArtifactError(f"{path}: checksum mismatch (the file changed after export)")
+    return Artifact(directory=directory, config=config, manifest=manifest)

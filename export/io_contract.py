@@ -1,0 +1,68 @@
+"""The ONNX graph's I/O contract: names, symbolic axes and dtypes, defined once.
+
+Imported by export/ (to name the graph) and by service/ (to drive it), so this module imports neither
+torch nor onnxruntime. The names are the ones Optimum's causal-LM export and onnxruntime-genai use, so
+other tools can drive a kvserve artifact:
+
+    input_ids                   (batch_size, sequence_length)                         int64
+    attention_mask              (batch_size, past_sequence_length + sequence_length)  int64, 0 = padding
+    position_ids                (batch_size, sequence_length)                         int64
+    past_key_values.{i}.key     (batch_size, num_heads, past_sequence_length, head_dim)   model dtype
+    past_key_values.{i}.value   (batch_size, num_heads, past_sequence_length, head_dim)   model dtype
+ -> logits                      (batch_size, sequence_length, vocab_size)             float32
+    present.{i}.key             (batch_size, num_heads, past_sequence_length + sequence_length, head_dim)
+    present.{i}.value           (batch_size, num_heads, past_sequence_length + sequence_length, head_dim)
+
+One graph serves both phases: a prefill passes past_sequence_length = 0.
+"""
+
+from __future__ import annotations
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+POSITION_IDS = "position_ids"
+LOGITS = "logits"
+
+BATCH = "batch_size"
+SEQUENCE = "sequence_length"
+PAST = "past_sequence_length"
+TOTAL = "past_sequence_length + sequence_length"
+
+# The KV cache axis order, (B, H, S, d_k): the sequence axis is 2.
+KV_SEQUENCE_AXIS = 2
+
+DTYPES = ("float32", "float16")
+
+
+def past_names(layer: int) -> tuple[str, str]:
+    return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
+
+
+def present_names(layer: int) -> tuple[str, str]:
+    return f"present.{layer}.key", f"present.{layer}.value"
+
+
+def input_names(n_layer: int) -> list[str]:
+    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + [n for i in range(n_layer) for n in past_names(i)]
+
+
+def output_names(n_layer: int) -> list[str]:
+    return [LOGITS] + [n for i in range(n_layer) for n in present_names(i)]
+
+
+def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str) -> dict[str, dict]:
+    """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    inputs = {
+        INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
+        ATTENTION_MASK: {"shape": [BATCH, TOTAL], "dtype": "int64"},
+        POSITION_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
+    }
+    outputs = {LOGITS: {"shape": [BATCH, SEQUENCE, vocab_size], "dtype": "float32"}}
+    for layer in range(n_layer):
+        for name in past_names(layer):
+            inputs[name] = {"shape": [BATCH, n_head, PAST, d_head], "dtype": dtype}
+        for name in present_names(layer):
+            outputs[name] = {"shape": [BATCH, n_head, TOTAL, d_head], "dtype": dtype}
+    return {"inputs": inputs, "outputs": outputs}

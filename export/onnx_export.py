@@ -1,0 +1,113 @@
+"""Trace the eager decoder into one ONNX graph whose KV cache is explicit graph I/O (see io_contract)."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import warnings
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+from torch.export import Dim
+
+from kvserve.model.gpt2 import GPT2
+
+from . import io_contract as io
+from .artifact import MODEL_DATA_FILE, MODEL_FILE
+
+OPSET = 18
+# onnxruntime 1.31 refuses the IR version onnx 1.23 writes by default (14); 10 covers opset 18.
+IR_VERSION = 10
+# Above this many bytes of weights the graph keeps them in model.onnx.data (protobuf caps files at 2 GiB).
+EXTERNAL_DATA_THRESHOLD = 64 * 2**20
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+class _FlatSignature(nn.Module):
+    """(input_ids, attention_mask, position_ids, past) -> (logits, present): the graph's signature."""
+
+    def __init__(self, model: GPT2):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, past_key_values):
+        logits, presents = self.model(input_ids, attention_mask, position_ids, list(past_key_values))
+        return logits, tuple(presents)
+
+
+def _example_inputs(model: GPT2, dtype: torch.dtype):
+    # Sizes of 2 and more keep every axis symbolic while tracing (0 and 1 would be specialised);
+    # the graph still runs with a zero-length past, which the parity checks exercise.
+    config = model.config
+    batch, seq, past = 2, 3, 4
+    kv_shape = (batch, config.n_head, past, config.d_head)  # (B, H, P, d_k)
+    return (
+        torch.zeros(batch, seq, dtype=torch.int64),
+        torch.ones(batch, past + seq, dtype=torch.int64),
+        torch.zeros(batch, seq, dtype=torch.int64),
+        tuple((torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in range(config.n_layer)),
+    )
+
+
+def _name_axes(model_proto: onnx.ModelProto, spec: dict) -> None:
+    """Replace the exporter's invented axis names (s17, 's59 + s70') with the contract's, checking fixed sizes."""
+    for values, expected in ((model_proto.graph.input, spec["inputs"]), (model_proto.graph.output, spec["outputs"])):
+        for value in values:
+            dims = value.type.tensor_type.shape.dim
+            want = expected[value.name]["shape"]
+            if len(dims) != len(want):
+                raise RuntimeError(f"exported {value.name} has rank {len(dims)}, contract says {len(want)}")
+            for dim, axis in zip(dims, want):
+                if isinstance(axis, str):
+                    dim.dim_param = axis
+                elif dim.HasField("dim_value") and dim.dim_value != axis:
+                    raise RuntimeError(f"exported {value.name} has a dimension {dim.dim_value}, contract says {axis}")
+
+
+def export_graph(model: GPT2, directory: Path, dtype: str) -> dict:
+    """Export model in dtype to directory/model.onnx; return the facts the manifest records."""
+    config = model.config
+    torch_dtype = TORCH_DTYPES[dtype]
+    model = copy.deepcopy(model).to(torch_dtype).eval()  # the caller keeps its float32 reference
+    n_layer = config.n_layer
+    dynamic = Dim.DYNAMIC
+    dynamic_shapes = {
+        "input_ids": {0: dynamic, 1: dynamic},
+        "attention_mask": {0: dynamic, 1: dynamic},
+        "position_ids": {0: dynamic, 1: dynamic},
+        "past_key_values": tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer)),
+    }
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's concern
+        logging.getLogger("torch.onnx").setLevel(logging.ERROR)
+        program = torch.onnx.export(
+            _FlatSignature(model),
+            _example_inputs(model, torch_dtype),
+            dynamo=True,
+            dynamic_shapes=dynamic_shapes,
+            input_names=io.input_names(n_layer),
+            output_names=io.output_names(n_layer),
+            opset_version=OPSET,
+            verbose=False,
+        )
+    model_proto = program.model_proto
+    spec = io.io_spec(n_layer, config.n_head, config.d_head, config.vocab_size, dtype)
+    _name_axes(model_proto, spec)
+    model_proto.ir_version = IR_VERSION
+    model_proto.producer_name = "kvserve"
+    weight_bytes = sum(t.ByteSize() for t in model_proto.graph.initializer)
+    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    path = directory / MODEL_FILE
+    onnx.save_model(
+        model_proto,
+        str(path),
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location=MODEL_DATA_FILE,
+        size_threshold=1024,
+    )
+    onnx.checker.check_model(str(path), full_check=True)
+    return {"opset": OPSET, "ir_version": IR_VERSION, "external_data": external, **spec}

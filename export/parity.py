@@ -1,0 +1,244 @@
+"""Parity: the exported graph on ONNX Runtime against the eager reference, on the same weights.
+
+Checks, each over real numbers from both sides:
+  prefill    several batch sizes and prompt lengths, left-padded; logits and present K/V at real positions
+  decode     cached single-token steps after a prefill, both sides fed the same tokens
+  recompute  the cached decode's last logits against a full recompute of the whole sequence (past = 0)
+  greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
+The present K/V divergence is kept per (layer, head), so a broken tolerance names where it starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.model.generate import generate, left_pad, position_ids_from_mask
+from kvserve.model.gpt2 import GPT2
+from kvserve.service.runtime import DecoderRuntime
+
+from .artifact import open_artifact
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    logits_max_abs: float  # largest |onnx - eager| allowed on any logit
+    kv_max_abs: float  # largest |onnx - eager| allowed on any present K/V entry, per (layer, head)
+    top1_min: float  # least share of positions whose argmax token agrees
+    greedy_identical: bool  # whether greedy tokens must match exactly
+
+
+TOLERANCES = {
+    "float32": Tolerance(logits_max_abs=1e-4, kv_max_abs=1e-4, top1_min=1.0, greedy_identical=True),
+    # float16 keeps ~3 significant digits; LayerNorm statistics and softmax run in float32 in the graph.
+    "float16": Tolerance(logits_max_abs=5e-2, kv_max_abs=5e-2, top1_min=0.95, greedy_identical=False),
+}
+
+PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
+DECODE_PROMPTS = (7, 13)
+GREEDY_PROMPTS = (5, 9)
+
+
+class _Check:
+    """Running logits statistics for one named check."""
+
+    def __init__(self, name: str):
+        self.name, self.max_abs, self.sum_abs, self.count, self.agree, self.positions = name, 0.0, 0.0, 0, 0, 0
+        self.kv_max_abs: float | None = None  # None: this check compares no K/V
+
+    def add_logits(self, onnx_logits: np.ndarray, eager_logits: np.ndarray) -> None:
+        """Both (N, V): one row per compared position."""
+        diff = np.abs(onnx_logits.astype(np.float64) - eager_logits.astype(np.float64))
+        self.max_abs = max(self.max_abs, float(diff.max()))
+        self.sum_abs += float(diff.sum())
+        self.count += diff.size
+        self.agree += int((onnx_logits.argmax(-1) == eager_logits.argmax(-1)).sum())
+        self.positions += onnx_logits.shape[0]
+
+    def result(self, tolerance: Tolerance) -> dict:
+        top1 = self.agree / self.positions
+        passed = self.max_abs <= tolerance.logits_max_abs and top1 >= tolerance.top1_min
+        passed = passed and (self.kv_max_abs is None or self.kv_max_abs <= tolerance.kv_max_abs)
+        return {
+            "name": self.name,
+            "max_abs_logits": self.max_abs,
+            "mean_abs_logits": self.sum_abs / self.count,
+            "top1_agreement": top1,
+            "kv_max_abs": self.kv_max_abs,
+            "passed": passed,
+        }
+
+
+def _kv_divergence(onnx_present: list[np.ndarray], eager_present: list, real: np.ndarray) -> np.ndarray:
+    """Max |Δ| per (layer, head) over the real (unpadded) positions. real: (B, S) bool. Returns (L, H)."""
+    per_layer = []
+    for layer, (eager_k, eager_v) in enumerate(eager_present):
+        worst = None
+        for onnx_kv, eager_kv in ((onnx_present[2 * layer], eager_k), (onnx_present[2 * layer + 1], eager_v)):
+            diff = np.abs(onnx_kv.astype(np.float64) - eager_kv.double().numpy())  # (B, H, S, d_k)
+            diff = np.where(real[:, None, :, None], diff, 0.0)
+            head_max = diff.max(axis=(0, 2, 3))  # (H,)
+            worst = head_max if worst is None else np.maximum(worst, head_max)
+        per_layer.append(worst)
+    return np.stack(per_layer)  # (L, H)
+
+
+def _onnx_step(runtime: DecoderRuntime, ids, mask, pos, past):
+    return runtime.run(ids.numpy(), mask.numpy(), pos.numpy(), past)
+
+
+@torch.no_grad()
+def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", steps: int = 8) -> dict:
+    """Run every check; return the report (see print_report). Never raises on a parity failure."""
+    artifact = open_artifact(artifact_dir)
+    config = artifact.config
+    if reference.config != config:
+        raise ValueError("the reference model's config differs from the artifact's config.json")
+    reference = reference.float().eval()
+    tolerance = TOLERANCES[artifact.dtype]
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
+    rng = np.random.default_rng(0)
+    max_prompt = max(1, min(33, config.n_ctx - steps - 1))
+    checks: list[dict] = []
+    kv_max = np.zeros((config.n_layer, config.n_head))
+
+    def empty_past(batch: int):
+        return runtime.empty_past(batch, config.n_head, config.d_head)
+
+    def prompts_of(lengths) -> list[list[int]]:
+        return [rng.integers(0, config.vocab_size, min(n, max_prompt)).tolist() for n in lengths]
+
+    # prefill: padded batches, every real position compared
+    for lengths in PREFILL_CASES:
+        check = _Check(f"prefill B={len(lengths)} T={','.join(str(min(n, max_prompt)) for n in lengths)}")
+        ids, mask = left_pad(prompts_of(lengths))  # (B, T)
+        pos = position_ids_from_mask(mask)
+        eager_logits, eager_present = reference(ids, mask, pos, reference.empty_cache(len(lengths)))
+        out = _onnx_step(runtime, ids, mask, pos, empty_past(len(lengths)))
+        real = mask.numpy().astype(bool)
+        check.add_logits(out.logits[real], eager_logits.numpy()[real])
+        divergence = _kv_divergence(runtime.to_host(out.present), eager_present, real)
+        check.kv_max_abs = float(divergence.max())
+        kv_max = np.maximum(kv_max, divergence)
+        checks.append(check.result(tolerance))
+
+    # decode: cached steps, both sides fed the eager model's greedy tokens
+    check = _Check(f"decode {steps} steps B={len(DECODE_PROMPTS)}")
+    prompts = prompts_of(DECODE_PROMPTS)
+    ids, mask = left_pad(prompts)
+    pos = position_ids_from_mask(mask)
+    eager_logits, eager_past = reference(ids, mask, pos, reference.empty_cache(len(prompts)))
+    out = _onnx_step(runtime, ids, mask, pos, empty_past(len(prompts)))
+    onnx_past = out.present
+    onnx_last = out.logits[:, -1]
+    sequences = [list(p) for p in prompts]
+    for _ in range(steps):
+        token = eager_logits[:, -1].argmax(-1)  # (B,)
+        for row, t in enumerate(token.tolist()):
+            sequences[row].append(t)
+        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+        pos = pos[:, -1:] + 1  # (B, 1)
+        eager_logits, eager_past = reference(token[:, None], mask, pos, eager_past)
+        out = _onnx_step(runtime, token[:, None], mask, pos, onnx_past)
+        onnx_past, onnx_last = out.present, out.logits[:, -1]
+        check.add_logits(onnx_last, eager_logits[:, -1].numpy())
+    divergence = _kv_divergence(runtime.to_host(onnx_past), eager_past, mask.numpy().astype(bool))
+    check.kv_max_abs = float(divergence.max())
+    kv_max = np.maximum(kv_max, divergence)
+    checks.append(check.result(tolerance))
+
+    # recompute: the cached path's last logits against one prefill over the whole sequence
+    check = _Check("cached vs full recompute")
+    full_ids, full_mask = left_pad(sequences)  # prompt + every fed token: the inputs behind onnx_last
+    full = _onnx_step(runtime, full_ids, full_mask, position_ids_from_mask(full_mask), empty_past(len(prompts)))
+    check.add_logits(onnx_last, full.logits[:, -1])
+    checks.append(check.result(tolerance))
+
+    # greedy: ONNX Runtime's own loop against the eager reference's tokens
+    greedy_prompts = prompts_of(GREEDY_PROMPTS)
+    eager_tokens = generate(reference, greedy_prompts, steps).tokens.numpy()
+    ids, mask = left_pad(greedy_prompts)
+    pos = position_ids_from_mask(mask)
+    out = _onnx_step(runtime, ids, mask, pos, empty_past(len(greedy_prompts)))
+    onnx_tokens = []
+    for step in range(steps):
+        token = torch.from_numpy(out.logits[:, -1].argmax(-1))  # (B,)
+        onnx_tokens.append(token.numpy())
+        if step == steps - 1:
+            break
+        mask = torch.cat([mask, torch.ones(len(greedy_prompts), 1, dtype=torch.int64)], dim=1)
+        pos = pos[:, -1:] + 1
+        out = _onnx_step(runtime, token[:, None], mask, pos, out.present)
+    onnx_tokens = np.stack(onnx_tokens, axis=1)  # (B, N)
+    greedy_identical = bool(np.array_equal(onnx_tokens, eager_tokens))
+
+    failures = [f"{c['name']}: outside {artifact.dtype} tolerance" for c in checks if not c["passed"]]
+    if tolerance.greedy_identical and not greedy_identical:
+        failures.append("greedy tokens differ from the eager reference")
+    first_bad = None
+    over = np.argwhere(kv_max > tolerance.kv_max_abs)
+    if len(over):
+        layer, head = (int(x) for x in over[0])  # argwhere is row-major: lowest layer, then lowest head
+        first_bad = {"layer": layer, "head": head, "max_abs": float(kv_max[layer, head])}
+        failures.append(f"present K/V first breaks tolerance at layer {layer}, head {head}")
+    return {
+        "artifact": str(artifact.directory),
+        "dtype": artifact.dtype,
+        "provider": runtime.provider,
+        "provider_note": runtime.fallback_reason,
+        "tolerance": asdict(tolerance),
+        "checks": checks,
+        "greedy": {"steps": steps, "identical": greedy_identical, "onnx": onnx_tokens.tolist(), "eager": eager_tokens.tolist()},
+        "kv_max_abs_per_layer_head": kv_max.tolist(),
+        "first_failing_layer_head": first_bad,
+        "failures": failures,
+        "passed": not failures,
+    }
+
+
+def format_report(report: dict) -> str:
+    """A markdown table of the checks, then the greedy, K/V and provider lines."""
+    lines = [
+        f"parity: {report['artifact']} ({report['dtype']}) on {report['provider']}",
+        "",
+        "| check | max abs Δ logits | mean abs Δ logits | top-1 agree | max abs Δ K/V | ok |",
+        "|---|---:|---:|---:|---:|:-:|",
+    ]
+    for c in report["checks"]:
+        kv = "n/a" if c["kv_max_abs"] is None else f"{c['kv_max_abs']:.2e}"
+        lines.append(
+            f"| {c['name']} | {c['max_abs_logits']:.2e} | {c['mean_abs_logits']:.2e} | "
+            f"{c['top1_agreement']:.3f} | {kv} | "
+            f"{'yes' if c['passed'] else 'NO'} |"
+        )
+    greedy = report["greedy"]
+    kv = np.array(report["kv_max_abs_per_layer_head"])
+    lines += [
+        "",
+        f"greedy {greedy['steps']} steps: tokens {'identical' if greedy['identical'] else 'DIFFER'}",
+        "present K/V max abs Δ per layer (worst head): "
+        + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)),
+    ]
+    bad = report["first_failing_layer_head"]
+    lines.append(
+        "first (layer, head) over tolerance: "
+        + (f"layer {bad['layer']}, head {bad['head']} (max abs Δ {bad['max_abs']:.2e})" if bad else "none")
+    )
+    tol = report["tolerance"]
+    lines.append(
+        f"tolerance ({report['dtype']}): logits {tol['logits_max_abs']:g}, K/V {tol['kv_max_abs']:g}, "
+        f"top-1 >= {tol['top1_min']:g}, greedy identical {'required' if tol['greedy_identical'] else 'reported'}"
+    )
+    if report["provider"] != "CUDAExecutionProvider":
+        note = report.get("provider_note")
+        lines.append(f"note: ran on the CPU provider, not CUDA{f' ({note})' if note else ''}")
+    lines.append(f"result: {'PASS' if report['passed'] else 'FAIL: ' + '; '.join(report['failures'])}")
+    return "\n".join(lines)
+
+
+def write_report(report: dict, path: Path) -> None:
+    path.write_text(json.dumps(report, indent=2) + "\n")

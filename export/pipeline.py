@@ -1,0 +1,128 @@
+"""`kvserve export`: checkpoint or preset -> a complete, verified artifact directory, or nothing at all.
+
+Everything is written into a temporary directory beside the destination and renamed into place only after
+the graph passed onnx.checker and the parity checks, so a failure never leaves a half-written artifact.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+
+import kvserve
+from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
+from kvserve.model.config import preset
+from kvserve.model.generate import generate
+from kvserve.model.gpt2 import GPT2, build
+
+from . import artifact as art
+from .onnx_export import export_graph
+from .parity import format_report, verify, write_report
+
+GOLDEN_STEPS = 8
+
+
+class ExportError(RuntimeError):
+    """Export refused or failed; the message says why and nothing was left at the destination."""
+
+
+def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: int = 0) -> tuple[GPT2, dict]:
+    """The eager model to export, and how to find it again (recorded in the manifest)."""
+    if (preset_name is None) == (checkpoint is None):
+        raise ExportError("give exactly one of --preset or --checkpoint")
+    if preset_name is not None:
+        return build(preset(preset_name), seed), {"kind": "preset", "name": preset_name, "seed": seed}
+    checkpoint = Path(checkpoint).resolve()
+    return load_checkpoint(checkpoint), {"kind": "checkpoint", "path": str(checkpoint)}
+
+
+def reference_for(artifact_dir: str | Path, checkpoint: str | Path | None = None) -> GPT2:
+    """The eager model an artifact is verified against: the given checkpoint, else its recorded source."""
+    manifest = art.open_artifact(artifact_dir, check_files=False).manifest
+    if checkpoint is not None:
+        return load_checkpoint(checkpoint)
+    source = manifest["source"]
+    if source["kind"] == "preset":
+        return build(preset(source["name"]), source["seed"])
+    if not Path(source["path"]).is_dir():
+        raise ExportError(f"the source checkpoint {source['path']} is gone; pass --checkpoint DIR")
+    return load_checkpoint(source["path"])
+
+
+def record_golden(model: GPT2) -> art.GoldenRecord:
+    prompt = art.golden_prompt(model.config.vocab_size, length=min(12, model.config.n_ctx - GOLDEN_STEPS))
+    result = generate(model, [prompt], GOLDEN_STEPS)
+    return art.GoldenRecord(
+        prompt_ids=np.array(prompt, dtype=np.int64),
+        tokens=result.tokens[0].numpy().astype(np.int64),  # (N,)
+        logits=result.step_logits[:, 0].numpy().astype(np.float32),  # (N, V)
+    )
+
+
+def export_artifact(
+    model: GPT2,
+    source: dict,
+    out: str | Path,
+    dtype: str = "float32",
+    overwrite: bool = False,
+    provider: str = "auto",
+    tokenizer_dir: str | Path | None = None,
+) -> dict:
+    """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
+    out = Path(out).resolve()
+    if out.exists() and not overwrite:
+        raise ExportError(f"{out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        model = model.float().eval()
+        graph = export_graph(model, staging, dtype)
+        (staging / art.CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+        if tokenizer_dir is not None:
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).exists():
+                    shutil.copy2(Path(tokenizer_dir) / name, staging / name)
+        record_golden(model).save(staging / art.GOLDEN_FILE)
+        files = sorted(p.name for p in staging.iterdir() if p.is_file())
+        manifest = {
+            "format": art.FORMAT,
+            "dtype": dtype,
+            "opset": graph["opset"],
+            "ir_version": graph["ir_version"],
+            "external_data": graph["external_data"],
+            "inputs": graph["inputs"],
+            "outputs": graph["outputs"],
+            "kv_layout": "(batch_size, num_heads, sequence, head_dim) per layer, key and value",
+            "source": source,
+            "weights_sha256": weights_checksum(model),
+            "files": {name: art.sha256_file(staging / name) for name in files},
+            "golden": {"file": art.GOLDEN_FILE, "steps": GOLDEN_STEPS},
+            "tokenizer": art.TOKENIZER_FILE if (staging / art.TOKENIZER_FILE).exists() else None,
+            "versions": {"kvserve": kvserve.__version__, "torch": torch.__version__, "onnx": onnx.__version__},
+            "created_unix": int(time.time()),
+        }
+        (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+        report = verify(staging, model, provider=provider)
+        report["artifact"] = str(out)
+        write_report(report, staging / art.PARITY_FILE)
+        staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it
+        if not report["passed"]:
+            raise ExportError("parity failed, nothing written:\n" + format_report(report))
+        if out.exists():
+            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.rename(retired / out.name)
+            staging.rename(out)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            staging.rename(out)
+        return report
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)

@@ -1,0 +1,131 @@
+"""The ONNX Runtime wrapper: the only module in kvserve that imports onnxruntime.
+
+It opens the artifact's graph on the best provider it can (CUDA, then CPU), says which one runs and why,
+and runs one step with IO binding: the K/V cache goes in and comes out as OrtValues that stay on the
+device (GPU memory under CUDA), so the decode loop never copies the cache through the host. Only the
+logits come back to host memory, because sampling happens there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io as io_text
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from kvserve.export import io_contract as io
+
+log = logging.getLogger(__name__)
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+PROVIDER_CHOICES = ("auto", "cuda", "cpu")
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+# What the CUDA provider of onnxruntime-gpu 1.31 loads; missing ones make it fall back to CPU.
+CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcudnn.so.9")
+
+
+class ProviderUnavailable(RuntimeError):
+    """The execution provider asked for cannot run here; the message says why."""
+
+
+def _cuda_missing_reason() -> str | None:
+    """Why the CUDA provider cannot start here, or None when it may. Checked up front so a CPU host gets
+    one clear sentence instead of onnxruntime's error log about a library it failed to load."""
+    if CUDA not in ort.get_available_providers():
+        return f"this onnxruntime build ({ort.__version__}) has no CUDA provider"
+    try:  # CUDA/cuDNN from pip wheels (nvidia-*) when present; it prints what it misses, we say it once
+        with contextlib.redirect_stdout(io_text.StringIO()), contextlib.redirect_stderr(io_text.StringIO()):
+            ort.preload_dlls()
+    except Exception:  # older builds have no preload_dlls; the system's libraries may still do
+        pass
+    for library in CUDA_LIBRARIES:
+        try:
+            ctypes.CDLL(library)
+        except OSError:
+            return f"{library} not found (the CUDA provider needs CUDA 13 and cuDNN 9)"
+    return None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    logits: np.ndarray  # (B, T, V) float32, in host memory
+    present: list  # per layer [K, V] interleaved, OrtValues (B, H, P + T, d_k) on the session's device
+
+
+class DecoderRuntime:
+    """One ONNX Runtime session over an exported decoder graph."""
+
+    def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0):
+        if provider not in PROVIDER_CHOICES:
+            raise ProviderUnavailable(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
+        self.n_layer = n_layer
+        self.kv_dtype = NUMPY_DTYPES[dtype]
+        self.fallback_reason: str | None = None
+        providers = [CPU]
+        if provider in ("auto", "cuda"):
+            reason = _cuda_missing_reason()
+            if reason is None:
+                providers = [CUDA, CPU]
+            elif provider == "cuda":
+                raise ProviderUnavailable(f"CUDA requested but unavailable: {reason}")
+            else:
+                self.fallback_reason = reason
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
+        self.session = ort.InferenceSession(str(model_path), options, providers=providers)
+        self.provider = self.session.get_providers()[0]
+        if providers[0] == CUDA and self.provider != CUDA:
+            if provider == "cuda":
+                raise ProviderUnavailable("CUDA requested but the session could not start on it")
+            self.fallback_reason = "the CUDA provider failed to start"
+        self.device = "cuda" if self.provider == CUDA else "cpu"
+        self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
+        self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
+
+    # --- the graph's own description, for the load-time contract check ---------------------------
+
+    def signature(self) -> dict[str, dict]:
+        """{"inputs"|"outputs": {name: {"shape": [...], "dtype": ...}}} as the live session reports it."""
+
+        def describe(args):
+            return {a.name: {"shape": list(a.shape), "dtype": ORT_TYPES.get(a.type, a.type)} for a in args}
+
+        return {"inputs": describe(self.session.get_inputs()), "outputs": describe(self.session.get_outputs())}
+
+    # --- the K/V cache as device values --------------------------------------------------------
+
+    def to_device(self, arrays: list[np.ndarray]) -> list:
+        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0) for a in arrays]
+
+    @staticmethod
+    def to_host(values: list) -> list[np.ndarray]:
+        return [v.numpy() for v in values]
+
+    def empty_past(self, batch_size: int, n_head: int, d_head: int) -> list:
+        shape = (batch_size, n_head, 0, d_head)  # (B, H, 0, d_k): a prefill
+        return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names])
+
+    # --- one step ---------------------------------------------------------------------------------
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: list) -> StepOutput:
+        """input_ids, position_ids (B, T); attention_mask (B, P + T); past: 2 * n_layer OrtValues (B, H, P, d_k)."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids, dtype=np.int64))
+        for name, value in zip(self._past_names, past):
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_output(io.LOGITS, "cpu")
+        for name in self._present_names:
+            binding.bind_output(name, self.device, 0)
+        self.session.run_with_iobinding(binding)
+        outputs = binding.get_outputs()
+        return StepOutput(logits=outputs[0].numpy(), present=list(outputs[1:]))
