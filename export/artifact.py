@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 
 MODEL_FILE = "model.onnx"
@@ -29,7 +30,7 @@ TOKENIZER_FILE = "tokenizer.json"
 FORMAT = "kvserve-artifact/1"
 
 
-class ArtifactError(ValueError):
+class ArtifactError(UserError, ValueError):
     """An artifact directory that is missing, incomplete or inconsistent; the message names the file."""
 
 

@@ -21,7 +21,7 @@ from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.gpt2 import GPT2
 from kvserve.service.runtime import DecoderRuntime
 
-from .artifact import open_artifact
+from .artifact import ArtifactError, open_artifact
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     artifact = open_artifact(artifact_dir)
     config = artifact.config
     if reference.config != config:
-        raise ValueError("the reference model's config differs from the artifact's config.json")
+        raise ArtifactError(f"{artifact.directory}: the reference checkpoint's config differs from the artifact's config.json")
     reference = reference.float().eval()
     tolerance = TOLERANCES[artifact.dtype]
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)

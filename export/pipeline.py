@@ -17,6 +17,7 @@ import onnx
 import torch
 
 import kvserve
+from kvserve.errors import JobFailed, UserError
 from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
 from kvserve.model.config import preset
 from kvserve.model.generate import generate
@@ -29,8 +30,12 @@ from .parity import format_report, verify, write_report
 GOLDEN_STEPS = 8
 
 
-class ExportError(RuntimeError):
-    """Export refused or failed; the message says why and nothing was left at the destination."""
+class ExportError(UserError):
+    """Export refused before it started (bad source, destination taken); nothing was written."""
+
+
+class ParityFailed(JobFailed):
+    """The exported graph disagrees with the eager reference; nothing was left at the destination."""
 
 
 def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: int = 0) -> tuple[GPT2, dict]:
@@ -38,7 +43,11 @@ def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: in
     if (preset_name is None) == (checkpoint is None):
         raise ExportError("give exactly one of --preset or --checkpoint")
     if preset_name is not None:
-        return build(preset(preset_name), seed), {"kind": "preset", "name": preset_name, "seed": seed}
+        try:
+            config = preset(preset_name)
+        except ValueError as exc:
+            raise ExportError(str(exc)) from None
+        return build(config, seed), {"kind": "preset", "name": preset_name, "seed": seed}
     checkpoint = Path(checkpoint).resolve()
     return load_checkpoint(checkpoint), {"kind": "checkpoint", "path": str(checkpoint)}
 
@@ -114,7 +123,7 @@ def export_artifact(
         write_report(report, staging / art.PARITY_FILE)
         staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it
         if not report["passed"]:
-            raise ExportError("parity failed, nothing written:\n" + format_report(report))
+            raise ParityFailed("parity failed, nothing written:\n" + format_report(report))
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(retired / out.name)

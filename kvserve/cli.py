@@ -7,12 +7,7 @@ import argparse
 import logging
 import sys
 
-EXIT_FAILED = 1  # the job ran and failed (parity broken, generation failed)
-EXIT_USAGE = 2  # bad input: the message names it
-
-
-class UsageError(Exception):
-    """Bad input from the command line; printed as one line, exit code 2."""
+from kvserve.errors import JobFailed, UserError
 
 
 def _export(args) -> int:
@@ -41,7 +36,7 @@ def _verify(args) -> int:
     report_path = Path(args.report) if args.report else Path(args.artifact) / PARITY_FILE
     write_report(report, report_path)
     print(f"report written to {report_path}")
-    return 0 if report["passed"] else EXIT_FAILED
+    return 0 if report["passed"] else JobFailed.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -70,21 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _known_errors() -> tuple[type[BaseException], ...]:
-    """The errors that mean bad input or an unusable environment: printed as one line, never a traceback."""
-    errors: list[type[BaseException]] = [UsageError, FileNotFoundError, PermissionError]
-    for module, names in (
-        ("kvserve.export.artifact", ("ArtifactError",)),
-        ("kvserve.service.runtime", ("ProviderUnavailable",)),
-    ):
-        mod = sys.modules.get(module)
-        errors += [getattr(mod, n) for n in names if mod is not None]
-    for module, names in (("kvserve.model.checkpoint", ("CheckpointError",)), ("kvserve.export.pipeline", ("ExportError",))):
-        mod = sys.modules.get(module)
-        errors += [getattr(mod, n) for n in names if mod is not None]
-    return tuple(errors)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     # Our own loggers speak at INFO; libraries (the exporter's passes, grpc) only when something is wrong.
@@ -94,11 +74,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:
-        if isinstance(exc, _known_errors()):
-            print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
-            return EXIT_FAILED if type(exc).__name__ == "ExportError" else EXIT_USAGE
-        raise
+    except UserError as exc:
+        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except OSError as exc:  # unreadable or unwritable paths: the OS message names the file
+        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
+        return UserError.exit_code
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from kvserve.errors import UserError
+
 from .config import DecoderConfig
 from .gpt2 import GPT2
 
@@ -23,7 +25,7 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from kvserve.errors import UserError
 from kvserve.export import io_contract as io
 
 log = logging.getLogger(__name__)
@@ -31,7 +32,7 @@ ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(i
 CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcudnn.so.9")
 
 
-class ProviderUnavailable(RuntimeError):
+class ProviderUnavailable(UserError):
     """The execution provider asked for cannot run here; the message says why."""
 
 

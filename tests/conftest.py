@@ -1,0 +1,54 @@
+"""Shared fixtures: tiny models and artifacts are built once per test session."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """Run `kvserve ARGS` as a user would, capturing output."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=REPO
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    from kvserve.model.config import preset
+    from kvserve.model.gpt2 import build
+
+    return build(preset("tiny"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
+    """The tiny preset exported (float32) and verified, as `kvserve export --preset tiny` writes it."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider="cpu")
+    return out
+
+
+@pytest.fixture(scope="session")
+def make_hf_checkpoint(tmp_path_factory):
+    """Factory: a transformers GPT2LMHeadModel with random weights from a config, saved locally."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    def make(seed: int = 0, **config):
+        torch.manual_seed(seed)
+        config.setdefault("bos_token_id", config.get("vocab_size", 50257) - 1)
+        config.setdefault("eos_token_id", config.get("vocab_size", 50257) - 1)
+        hf = GPT2LMHeadModel(GPT2Config(**config)).eval()
+        directory = tmp_path_factory.mktemp("hf-checkpoint")
+        hf.save_pretrained(directory)
+        return hf, directory
+
+    return make

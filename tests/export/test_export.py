@@ -1,0 +1,127 @@
+"""The exported artifact: files, manifest, graph contract, ONNX checker, IR version, and export's errors."""
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+from kvserve.export import io_contract as io
+from kvserve.export.artifact import open_artifact
+from kvserve.export.onnx_export import IR_VERSION
+
+from ..conftest import run_cli
+
+
+def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_artifact):
+    names = {p.name for p in tiny_artifact.iterdir()}
+    assert {"model.onnx", "config.json", "manifest.json", "golden.npz", "parity.json"} <= names
+    artifact = open_artifact(tiny_artifact)  # checks every recorded checksum
+    manifest = artifact.manifest
+    config = artifact.config
+    assert manifest["ir_version"] == IR_VERSION and manifest["opset"] >= 17
+    assert list(manifest["inputs"]) == io.input_names(config.n_layer)
+    assert list(manifest["outputs"]) == io.output_names(config.n_layer)
+    assert manifest["inputs"]["past_key_values.0.key"]["shape"] == [io.BATCH, config.n_head, io.PAST, config.d_head]
+    assert manifest["outputs"]["present.1.value"]["shape"] == [io.BATCH, config.n_head, io.TOTAL, config.d_head]
+    assert manifest["source"] == {"kind": "preset", "name": "tiny", "seed": 0}
+    assert json.loads((tiny_artifact / "parity.json").read_text())["passed"] is True
+
+
+def test_graph_has_contract_names_symbolic_axes_and_passes_the_full_checker(tiny_artifact):
+    onnx.checker.check_model(str(tiny_artifact / "model.onnx"), full_check=True)
+    model = onnx.load(str(tiny_artifact / "model.onnx"))
+    assert model.ir_version == IR_VERSION
+    manifest = open_artifact(tiny_artifact).manifest
+    for values, spec in ((model.graph.input, manifest["inputs"]), (model.graph.output, manifest["outputs"])):
+        assert [v.name for v in values] == list(spec)
+        for value in values:
+            dims = [d.dim_param or d.dim_value for d in value.type.tensor_type.shape.dim]
+            assert dims == spec[value.name]["shape"]
+
+
+def test_one_graph_runs_prefill_with_a_zero_length_past_and_then_decode(tiny_artifact, tiny_model):
+    config = tiny_model.config
+    session = ort.InferenceSession(str(tiny_artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    empty = np.zeros((1, config.n_head, 0, config.d_head), np.float32)
+    feed = {io.INPUT_IDS: np.array([[5, 6, 7]]), io.ATTENTION_MASK: np.ones((1, 3), np.int64), io.POSITION_IDS: np.array([[0, 1, 2]])}
+    feed.update({n: empty for i in range(config.n_layer) for n in io.past_names(i)})
+    logits, *present = session.run(None, feed)
+    assert logits.shape == (1, 3, config.vocab_size)
+    assert present[0].shape == (1, config.n_head, 3, config.d_head)
+    feed = {io.INPUT_IDS: np.array([[int(logits[0, -1].argmax())]]), io.ATTENTION_MASK: np.ones((1, 4), np.int64), io.POSITION_IDS: np.array([[3]])}
+    feed.update(dict(zip([n for i in range(config.n_layer) for n in io.past_names(i)], present)))
+    logits, *present = session.run(None, feed)
+    assert logits.shape == (1, 1, config.vocab_size) and present[0].shape == (1, config.n_head, 4, config.d_head)
+
+
+def test_float16_export_passes_with_float16_tolerances(tmp_path, tiny_model):
+    from kvserve.export.pipeline import export_artifact
+
+    report = export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "fp16", dtype="float16", provider="cpu")
+    assert report["passed"] and report["dtype"] == "float16"
+    assert report["tolerance"]["logits_max_abs"] > 1e-4  # judged by float16's tolerance, not float32's
+    worst = max(c["max_abs_logits"] for c in report["checks"])
+    assert 0 < worst <= report["tolerance"]["logits_max_abs"]
+    manifest = open_artifact(tmp_path / "fp16").manifest
+    assert manifest["inputs"]["past_key_values.0.key"]["dtype"] == "float16"
+    assert manifest["outputs"]["logits"]["dtype"] == "float32"
+
+
+def test_export_cli_from_a_transformers_checkpoint_copies_the_tokenizer(tmp_path, make_hf_checkpoint):
+    _, checkpoint = make_hf_checkpoint(vocab_size=200, n_positions=64, n_embd=32, n_head=2, n_layer=1)
+    (checkpoint / "tokenizer.json").write_text("{}")
+    result = run_cli("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "a"), "--provider", "cpu")
+    assert result.returncode == 0, result.stderr
+    assert "result: PASS" in result.stdout
+    assert (tmp_path / "a" / "tokenizer.json").exists()
+    assert open_artifact(tmp_path / "a").manifest["source"]["kind"] == "checkpoint"
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--checkpoint", "{missing}"], "checkpoint directory not found"),
+        (["--checkpoint", "{broken}"], "missing tensor(s)"),
+        (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+    ],
+    ids=["no such dir", "missing tensor", "unknown preset"],
+)
+def test_export_errors_are_one_line_with_no_partial_artifact(tmp_path, tiny_model, args, message):
+    from safetensors.torch import load_file, save_file
+
+    from kvserve.model.checkpoint import save_checkpoint
+
+    broken = tmp_path / "broken"
+    save_checkpoint(tiny_model, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["transformer.wpe.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    args = [a.format(missing=tmp_path / "nope", broken=broken) for a in args]
+    out = tmp_path / "out" / "artifact"
+    result = run_cli("export", *args, "--out", str(out))
+    assert result.returncode == 2
+    assert message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not out.exists()
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_export_refuses_to_clobber_without_overwrite(tiny_artifact):
+    before = (tiny_artifact / "manifest.json").read_bytes()
+    result = run_cli("export", "--preset", "tiny", "--out", str(tiny_artifact))
+    assert result.returncode == 2 and "already exists; pass --overwrite" in result.stderr
+    assert (tiny_artifact / "manifest.json").read_bytes() == before
+
+
+def test_export_failure_midway_leaves_nothing(tmp_path, tiny_model, monkeypatch):
+    from kvserve.export import pipeline
+
+    def explode(*args, **kwargs):
+        raise RuntimeError("simulated crash after the graph was written")
+
+    monkeypatch.setattr(pipeline, "record_golden", explode)
+    with pytest.raises(RuntimeError):
+        pipeline.export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "x", provider="cpu")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,68 @@
+"""The parity harness itself: it passes a good artifact and names the (layer, head) of a bad one."""
+
+import copy
+import json
+
+import torch
+
+from kvserve.export.parity import format_report, verify
+
+from ..conftest import run_cli
+
+
+def test_verify_passes_the_exported_artifact_with_float32_tolerances(tiny_artifact, tiny_model):
+    report = verify(tiny_artifact, tiny_model, provider="cpu")
+    assert report["passed"], report["failures"]
+    assert report["provider"] == "CPUExecutionProvider"
+    assert report["greedy"]["identical"] and report["greedy"]["onnx"] == report["greedy"]["eager"]
+    for check in report["checks"]:
+        assert check["max_abs_logits"] <= 1e-4 and check["top1_agreement"] == 1.0
+    assert {c["name"].split()[0] for c in report["checks"]} == {"prefill", "decode", "cached"}
+    kv = report["kv_max_abs_per_layer_head"]
+    assert len(kv) == tiny_model.config.n_layer and len(kv[0]) == tiny_model.config.n_head
+    assert report["first_failing_layer_head"] is None
+    assert "ran on the CPU provider" in format_report(report)
+
+
+def test_verify_names_the_first_layer_and_head_that_diverges(tiny_artifact, tiny_model):
+    # A reference whose layer 1, head 2 key projection differs: exactly that (layer, head) must be named.
+    config = tiny_model.config
+    altered = copy.deepcopy(tiny_model)
+    d, dk = config.d_model, config.d_head
+    with torch.no_grad():
+        key_rows = slice(d + 2 * dk, d + 3 * dk)  # c_attn output rows: [Q | K | V], head 2 of K
+        altered.transformer.h[1].attn.c_attn.bias[key_rows] += 0.5
+    report = verify(tiny_artifact, altered, provider="cpu")
+    assert not report["passed"]
+    assert report["first_failing_layer_head"]["layer"] == 1
+    assert report["first_failing_layer_head"]["head"] == 2
+    assert "layer 1, head 2" in format_report(report)
+
+
+def test_verify_cli_writes_json_and_sets_the_exit_code(tiny_artifact, tmp_path):
+    report_path = tmp_path / "report.json"
+    result = run_cli("verify", str(tiny_artifact), "--provider", "cpu", "--report", str(report_path))
+    assert result.returncode == 0, result.stderr
+    assert "| prefill B=4" in result.stdout and "result: PASS" in result.stdout
+    assert json.loads(report_path.read_text())["passed"] is True
+
+
+def test_verify_cli_fails_against_other_weights(tiny_artifact, tmp_path):
+    from kvserve.model.checkpoint import save_checkpoint
+    from kvserve.model.config import preset
+    from kvserve.model.gpt2 import build
+
+    save_checkpoint(build(preset("tiny"), seed=99), tmp_path / "other")
+    result = run_cli("verify", str(tiny_artifact), "--provider", "cpu", "--checkpoint", str(tmp_path / "other"), "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 1
+    assert "result: FAIL" in result.stdout and "first (layer, head) over tolerance: layer 0" in result.stdout
+
+
+def test_verify_cli_rejects_a_missing_artifact_and_cuda_without_a_gpu(tmp_path, tiny_artifact):
+    result = run_cli("verify", str(tmp_path / "nothing"))
+    assert result.returncode == 2 and "artifact directory not found" in result.stderr
+    from kvserve.service.runtime import _cuda_missing_reason
+
+    if _cuda_missing_reason() is not None:  # on a GPU host this request is valid and tested by bench/gpu_check
+        result = run_cli("verify", str(tiny_artifact), "--provider", "cuda", "--report", str(tmp_path / "r.json"))
+        assert result.returncode == 2 and "CUDA requested but unavailable" in result.stderr
