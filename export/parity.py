@@ -11,7 +11,7 @@ The present K/V divergence is kept per (layer, head), so a broken tolerance name
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -22,21 +22,8 @@ from kvserve.model.gpt2 import GPT2
 from kvserve.service.runtime import DecoderRuntime
 
 from .artifact import ArtifactError, open_artifact
+from .tolerances import TOLERANCES, Tolerance
 
-
-@dataclass(frozen=True)
-class Tolerance:
-    logits_max_abs: float  # largest |onnx - eager| allowed on any logit
-    kv_max_abs: float  # largest |onnx - eager| allowed on any present K/V entry, per (layer, head)
-    top1_min: float  # least share of positions whose argmax token agrees
-    greedy_identical: bool  # whether greedy tokens must match exactly
-
-
-TOLERANCES = {
-    "float32": Tolerance(logits_max_abs=1e-4, kv_max_abs=1e-4, top1_min=1.0, greedy_identical=True),
-    # float16 keeps ~3 significant digits; LayerNorm statistics and softmax run in float32 in the graph.
-    "float16": Tolerance(logits_max_abs=5e-2, kv_max_abs=5e-2, top1_min=0.95, greedy_identical=False),
-}
 
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
 DECODE_PROMPTS = (7, 13)

@@ -1,0 +1,44 @@
+# kvserve: every entry point a newcomer, CI and the images use. `make help` lists them.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+ARTIFACTS ?= artifacts
+PRESET ?= tiny
+PORT   ?= 50051
+
+.PHONY: help setup proto demo test bench constraints clean
+
+help:
+	@echo "make demo   set up, export the $(PRESET) preset, verify it, serve it and stream a generation"
+	@echo "make test   set up and run the test suite"
+	@echo "make bench  run the benchmarks in bench/ (gpt2 preset)"
+	@echo "make proto  regenerate the Python gRPC stubs from proto/"
+
+# The virtual environment, installed from pyproject.toml pinned by constraints.txt (torch is the CPU wheel).
+$(BIN)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $@
+
+setup: $(BIN)/.installed proto
+
+# The one command that builds the Python stubs from proto/ (never edited by hand, never committed).
+proto: $(BIN)/.installed
+	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvserve/v1/generation.proto
+
+demo: setup
+	$(BIN)/kvserve export --preset $(PRESET) --out $(ARTIFACTS)/$(PRESET) --overwrite
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+bench: setup
+	$(BIN)/python bench/decode_latency.py
+
+constraints:
+	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt
+
+clean:
+	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache kvserve/v1/*_pb2*.py*

@@ -1,0 +1,164 @@
+"""Decode speed of the gpt2 preset (124M): transformers' generate vs our eager model vs our ONNX graph.
+
+Batch 1, greedy, a 128-token prompt, 128 new tokens, the same weights everywhere. Decode tokens/s counts
+the 127 tokens after the first (prefill excluded). Also the cost of one ONNX decode step at past 16 vs
+past 1,000. Prints a markdown table and the machine it ran on.
+
+    python bench/decode_latency.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
+from kvserve.model.checkpoint import save_checkpoint  # noqa: E402
+from kvserve.model.generate import generate  # noqa: E402
+from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+
+PROMPT_LEN, NEW_TOKENS = 128, 128
+
+
+def best_of(repeats: int, fn) -> float:
+    """Best wall time of fn() in seconds: the least disturbed run."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def decode_rate(repeats: int, run_n) -> tuple[float, float]:
+    """(tokens/s, ms/step) of decode alone: time(N tokens) - time(1 token) over N - 1 steps."""
+    t_first = best_of(repeats, lambda: run_n(1))
+    t_all = best_of(repeats, lambda: run_n(NEW_TOKENS))
+    per_step = (t_all - t_first) / (NEW_TOKENS - 1)
+    return 1.0 / per_step, per_step * 1e3
+
+
+def onnx_generate(runtime: DecoderRuntime, config, prompt: list[int], n: int) -> list[int]:
+    ids = np.array([prompt], dtype=np.int64)
+    mask = np.ones_like(ids)
+    pos = np.arange(len(prompt), dtype=np.int64)[None]
+    out = runtime.run(ids, mask, pos, runtime.empty_past(1, config.n_head, config.d_head))
+    tokens = []
+    for step in range(n):
+        token = int(out.logits[0, -1].argmax())
+        tokens.append(token)
+        if step == n - 1:
+            break
+        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
+        pos = pos[:, -1:] + 1
+        out = runtime.run(np.array([[token]]), mask, pos, out.present)
+    return tokens
+
+
+def onnx_step_ms(runtime: DecoderRuntime, config, past_len: int, repeats: int = 30) -> float:
+    """Median latency of one decode step (B=1, T=1) over a past of past_len positions."""
+    rng = np.random.default_rng(0)
+    shape = (1, config.n_head, past_len, config.d_head)  # (B, H, P, d_k)
+    past = runtime.to_device([rng.standard_normal(shape).astype(runtime.kv_dtype) for _ in range(2 * config.n_layer)])
+    mask = np.ones((1, past_len + 1), dtype=np.int64)
+    pos = np.array([[past_len]], dtype=np.int64)
+    ids = np.array([[42]], dtype=np.int64)
+    for _ in range(3):
+        runtime.run(ids, mask, pos, past)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        runtime.run(ids, mask, pos, past)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+@torch.no_grad()
+def eager_step_ms(model, past_len: int, repeats: int = 30) -> float:
+    config = model.config
+    shape = (1, config.n_head, past_len, config.d_head)
+    past = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.n_layer)]
+    mask = torch.ones(1, past_len + 1, dtype=torch.int64)
+    pos = torch.tensor([[past_len]])
+    ids = torch.tensor([[42]])
+    for _ in range(3):
+        model(ids, mask, pos, past)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(ids, mask, pos, past)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", default="artifacts/gpt2", help="exported here first if missing")
+    parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    model, source = load_source("gpt2", None, seed=0)
+    if not Path(args.artifact).exists():
+        print(f"exporting the gpt2 preset to {args.artifact} ...", file=sys.stderr)
+        export_artifact(model, source, args.artifact, provider=args.provider)
+    artifact = open_artifact(args.artifact)
+    if artifact.manifest["source"] != source:
+        sys.exit(f"{args.artifact} was not exported from the gpt2 preset with seed 0")
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
+
+    from transformers import GPT2LMHeadModel
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(model, tmp)
+        hf = GPT2LMHeadModel.from_pretrained(tmp).eval()
+    hf_ids = torch.tensor([prompt])
+
+    def hf_run(n):
+        with torch.no_grad():
+            hf.generate(input_ids=hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=n, min_new_tokens=n,
+                        do_sample=False, pad_token_id=0)
+
+    # Same weights, same tokens: check before timing anything.
+    ours = onnx_generate(runtime, config, prompt, 16)
+    eager = generate(model, [prompt], 16).tokens[0].tolist()
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert ours == eager == theirs[0, PROMPT_LEN:].tolist(), "the three implementations disagree; not timing"
+
+    rows = [
+        ("transformers generate (torch, KV cache)", *decode_rate(args.repeats, hf_run)),
+        ("kvserve eager model (torch, KV cache)", *decode_rate(args.repeats, lambda n: generate(model, [prompt], n))),
+        (f"kvserve ONNX on ONNX Runtime ({runtime.provider})", *decode_rate(args.repeats, lambda n: onnx_generate(runtime, config, prompt, n))),
+    ]
+    hf_rate = rows[0][1]
+    print(f"## Decode, gpt2 preset (124M), batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
+    print("| implementation | decode tokens/s | ms/step | vs transformers |")
+    print("|---|---:|---:|---:|")
+    for name, rate, ms in rows:
+        print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.2f}x |")
+    onnx16, onnx1000 = onnx_step_ms(runtime, config, 16), onnx_step_ms(runtime, config, 1000)
+    eager16, eager1000 = eager_step_ms(model, 16), eager_step_ms(model, 1000)
+    print("\n## One decode step (B=1, T=1), median ms, by past length\n")
+    print("| implementation | past 16 | past 1,000 | ratio |")
+    print("|---|---:|---:|---:|")
+    print(f"| kvserve ONNX ({runtime.provider}) | {onnx16:.2f} | {onnx1000:.2f} | {onnx1000 / onnx16:.2f}x |")
+    print(f"| kvserve eager | {eager16:.2f} | {eager1000:.2f} | {eager1000 / eager16:.2f}x |")
+    print(f"\nmachine: {describe(runtime.provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+if __name__ == "__main__":
+    main()
