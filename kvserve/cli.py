@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from kvserve.errors import JobFailed, UserError
@@ -39,6 +40,40 @@ def _verify(args) -> int:
     return 0 if report["passed"] else JobFailed.exit_code
 
 
+def _serve(args) -> int:
+    import asyncio
+
+    from kvserve.service.server import ServerOptions, serve
+
+    options = ServerOptions(
+        artifact=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+        provider=args.provider, drain_seconds=args.drain_seconds, allow_parity_failure=args.allow_parity_failure,
+    )
+    if options.max_batch_size < 1 or options.max_queue < 0 or not 0 <= options.port < 65536:
+        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0 and --port in [0, 65535]")
+    return asyncio.run(serve(options))
+
+
+def _generate(args) -> int:
+    from kvserve.service.client import stream_generation
+
+    stream_generation(args.target, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.timeout)
+    return 0
+
+
+def _env(name: str, default, kind=str):
+    """Defaults for `serve` come from KVSERVE_<FLAG> environment variables (how containers configure it)."""
+    value = os.environ.get(f"KVSERVE_{name}")
+    if value is None:
+        return default
+    if kind is bool:
+        return value.lower() in ("1", "true", "yes", "on")
+    try:
+        return kind(value)
+    except ValueError:
+        raise SystemExit(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {kind.__name__}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -62,6 +97,26 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--steps", type=int, default=8, help="decode and greedy steps (default 8)")
     verify.add_argument("--report", help="where to write the JSON report (default: ARTIFACT/parity.json)")
     verify.set_defaults(run=_verify)
+
+    serve = commands.add_parser("serve", help="serve an artifact over gRPC (flags default to KVSERVE_* env vars)")
+    serve.add_argument("--model", default=_env("MODEL", None), required=_env("MODEL", None) is None, help="the artifact directory [KVSERVE_MODEL]")
+    serve.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind [KVSERVE_HOST] (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=_env("PORT", 50051, int), help="port, 0 picks a free one [KVSERVE_PORT] (default 50051)")
+    serve.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", 8, int), help="sequences per step [KVSERVE_MAX_BATCH_SIZE] (default 8)")
+    serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 64, int), help="waiting requests before RESOURCE_EXHAUSTED [KVSERVE_MAX_QUEUE] (default 64)")
+    serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=_env("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
+    serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
+    serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
+    serve.set_defaults(run=_serve)
+
+    generate = commands.add_parser("generate", help="stream a generation from a running server")
+    generate.add_argument("prompt")
+    generate.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    generate.add_argument("--seed", type=int, default=0, help="0 = chosen by the server")
+    generate.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
+    generate.set_defaults(run=_generate)
     return parser
 
 

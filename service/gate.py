@@ -11,7 +11,7 @@ from kvserve.export.artifact import Artifact
 from kvserve.export.io_contract import io_spec
 from kvserve.export.tolerances import TOLERANCES
 
-from .engine import BatchRunner, GenerationRequest, Sequence
+from .engine import BatchRunner, Sequence
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
 from .text import ByteTokenizer, IncrementalDecoder, StopSequences

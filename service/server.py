@@ -1,0 +1,283 @@
+"""The gRPC edge: a thin servicer (protobuf <-> engine domain), one interceptor that maps errors to status
+codes and logs them, and the server's lifecycle (load, parity gate, warm-up, serve, drain, stop)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from kvserve.errors import JobFailed
+from kvserve.export.artifact import open_artifact
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from .engine import (
+    Engine,
+    EngineLimits,
+    FinishReason,
+    GenerationRequest,
+    InvalidArgument,
+    QueueFull,
+    StepEvent,
+    Unavailable,
+)
+from .gate import GateResult, run_gate, warm_up
+from .runtime import DecoderRuntime
+from .sampling import SamplingParams
+from .text import load_tokenizer
+
+log = logging.getLogger("kvserve.server")
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
+}
+STATUS_OF = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE}
+
+
+class ParityGateFailed(JobFailed):
+    """The artifact failed the load-time gate and the override was not given."""
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    max_batch_size: int = 8
+    max_queue: int = 64
+    provider: str = "auto"
+    drain_seconds: float = 30.0
+    allow_parity_failure: bool = False
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """The one place errors become status codes: handlers just raise. Every failure is logged once."""
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None:
+            return None
+        method = details.method
+        if handler.unary_unary is not None:
+            inner_unary = handler.unary_unary
+
+            async def unary(request, context):
+                try:
+                    return await inner_unary(request, context)
+                except Exception as exc:
+                    await self._abort(method, exc, context)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_stream = handler.unary_stream
+
+            async def stream(request, context):
+                try:
+                    async for response in inner_stream(request, context):
+                        yield response
+                except Exception as exc:
+                    await self._abort(method, exc, context)
+
+            return grpc.unary_stream_rpc_method_handler(
+                stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+            )
+        return handler
+
+    @staticmethod
+    async def _abort(method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(exc, grpc.aio.AbortError):
+            raise exc
+        code = next((c for kind, c in STATUS_OF.items() if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("%s failed", method, exc_info=exc)
+            message = f"internal error: {exc}"
+        else:
+            log.info("%s refused: %s: %s", method, code.name, exc)
+            message = str(exc)
+        await context.abort(code, message)
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """protobuf -> engine domain -> protobuf; nothing else."""
+
+    def __init__(self, app: "App"):
+        self.app = app
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine = self.app.ready_engine()
+        async with contextlib.aclosing(engine.generate(_to_domain(request))) as events:
+            async for event in events:
+                yield _to_proto(event)
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        engine = self.app.ready_engine()
+        ids = engine.tokenize(request.text)
+        return pb.TokenizeResponse(ids=ids, pieces=[engine.tokenizer.decode([i]) for i in ids])
+
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        app = self.app
+        engine = app.ready_engine()
+        config = app.artifact.config
+        stats = engine.stats()
+        return pb.GetModelInfoResponse(
+            config=pb.ModelConfig(
+                vocab_size=config.vocab_size, context_length=config.n_ctx, d_model=config.d_model,
+                num_heads=config.n_head, num_layers=config.n_layer, eos_token_id=config.eos_token_id,
+            ),
+            manifest_sha256=app.artifact.manifest_sha256,
+            dtype=app.artifact.dtype,
+            execution_provider=app.runtime.provider,
+            provider_note=app.runtime.fallback_reason or "",
+            limits=pb.Limits(max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=config.n_ctx),
+            live=pb.LiveCounts(
+                active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"],
+                kv_cache_bytes=stats["kv_bytes"],
+                sequences=[pb.SequenceKv(sequence_id=i, tokens=t, kv_cache_bytes=b) for i, t, b in stats["sequences"]],
+            ),
+            parity_gate=pb.ParityGate(passed=app.gate.passed, overridden=app.gate.overridden, summary=app.gate.summary),
+            tokenizer=engine.tokenizer.name,
+        )
+
+
+def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
+    sampling = request.sampling
+    prompt = request.WhichOneof("prompt")
+    return GenerationRequest(
+        prompt_text=request.text if prompt == "text" else None,
+        prompt_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
+        max_new_tokens=request.max_new_tokens,
+        sampling=SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p or 1.0,
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            seed=sampling.seed,
+        ),
+        stop_sequences=tuple(request.stop_sequences),
+        stop_token_ids=tuple(request.stop_token_ids),
+        return_logprobs=request.return_logprobs,
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def _to_proto(event: StepEvent) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob))
+    finish = event.finish
+    if finish is not None:
+        response.finish.CopyFrom(
+            pb.FinishDetails(
+                reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
+                time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
+            )
+        )
+    return response
+
+
+class App:
+    """The running server: gRPC first (health NOT_SERVING), then model load, gate and warm-up, then SERVING."""
+
+    def __init__(self, options: ServerOptions):
+        self.options = options
+        self.artifact = None
+        self.runtime: DecoderRuntime | None = None
+        self.engine: Engine | None = None
+        self.gate = GateResult(False, "not run yet")
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        self.port = 0
+        self._draining = False
+
+    def ready_engine(self) -> Engine:
+        if self._draining:
+            raise Unavailable("the server is shutting down")
+        if self.engine is None:
+            raise Unavailable("the model is still loading")
+        return self.engine
+
+    async def start(self) -> int:
+        pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {self.options.host}:{self.options.port}")
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        log.info("listening on %s:%d (NOT_SERVING until the model is loaded and checked)", self.options.host, self.port)
+        return self.port
+
+    async def load(self) -> None:
+        """Open the artifact and session, run the parity gate and a warm-up step; then serve."""
+        options = self.options
+        self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
+        config = self.artifact.config
+        self.runtime = await asyncio.to_thread(DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider)
+        if self.runtime.fallback_reason:
+            log.warning("serving on the CPU provider: %s", self.runtime.fallback_reason)
+        log.info("execution provider: %s", self.runtime.provider)
+        gate = await asyncio.to_thread(run_gate, self.runtime, self.artifact)
+        if not gate.passed:
+            if not options.allow_parity_failure:
+                raise ParityGateFailed(f"parity gate failed, refusing to serve {options.artifact}: {gate.summary}")
+            log.error("!!! PARITY GATE FAILED, SERVING ANYWAY (--allow-parity-failure): %s", gate.summary)
+            gate = GateResult(False, gate.summary, overridden=True)
+        else:
+            log.info("parity gate passed: %s", gate.summary)
+        self.gate = gate
+        await asyncio.to_thread(warm_up, self.runtime, self.artifact, options.max_batch_size)
+        tokenizer = load_tokenizer(self.artifact.tokenizer_path)
+        engine = Engine(self.runtime, config, tokenizer, EngineLimits(options.max_batch_size, options.max_queue))
+        engine.start()
+        self.engine = engine
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("SERVING %s (%s, %d layers, batch <= %d)", options.artifact, self.artifact.dtype, config.n_layer, options.max_batch_size)
+
+    async def shutdown(self) -> None:
+        """NOT_SERVING first, refuse new requests, let in-flight streams finish within the grace period."""
+        self._draining = True
+        await self.health.enter_graceful_shutdown()
+        if self.engine is not None:
+            self.engine.stop_accepting()
+            drained = await self.engine.drain(self.options.drain_seconds)
+            if not drained:
+                log.warning("grace period of %.0fs over; cancelling the streams still running", self.options.drain_seconds)
+        await self.server.stop(grace=1.0)
+        if self.engine is not None:
+            await self.engine.close()
+        log.info("stopped")
+
+
+async def serve(options: ServerOptions) -> int:
+    """Run until SIGTERM or SIGINT, then drain and return 0."""
+    app = App(options)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await app.start()
+    loader = asyncio.create_task(app.load())
+    waiter = asyncio.create_task(stop.wait())
+    await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    if loader.done() and loader.exception() is not None:
+        await app.server.stop(grace=None)
+        raise loader.exception()
+    await waiter
+    if not loader.done():
+        loader.cancel()
+    log.info("signal received: draining (up to %.0fs)", options.drain_seconds)
+    await app.shutdown()
+    return 0
