@@ -428,14 +428,17 @@ class Engine:
         finally:
             if not seq.finished:
                 seq.cancelled = True
-                self._wakeup.set()
+                try:
+                    self._waiting.remove(seq)  # still queued: its slot in the queue frees now
+                except ValueError:
+                    self._wakeup.set()  # running: the next step removes its row and frees its cache
 
     def stats(self) -> dict:
         rows = list(self._runner.rows)
         row_bytes = self._runner.row_bytes()
         return {
             "active": len(rows),
-            "queued": sum(1 for s in self._waiting if not s.cancelled),
+            "queued": len(self._waiting),
             "kv_bytes": row_bytes * len(rows),
             "sequences": [(s.id, s.total_tokens, row_bytes) for s in rows],
         }
@@ -443,30 +446,29 @@ class Engine:
     # the scheduler loop
 
     async def _loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        runner = self._runner
         while True:
-            if not runner.rows and not self._waiting:
+            if not self._runner.rows and not self._waiting:
                 self._idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            admitted = []
-            while self._waiting and len(runner.rows) + len(admitted) < self.limits.max_batch_size:
-                seq = self._waiting.popleft()
-                if not seq.cancelled:
-                    admitted.append(seq)
-            try:
-                results = await loop.run_in_executor(self._executor, runner.step, admitted)
-            except Exception as exc:  # the model step itself failed: every sequence in it fails, none hangs
-                log.exception("model step failed; failing the %d sequences in it", len(runner.rows) + len(admitted))
-                results = runner.fail_all(exc) + [(s, exc) for s in admitted if s not in runner.rows]
-                for seq, _ in results:
-                    seq.finished = True
-            for seq, event in results:
-                if not seq.cancelled:
-                    seq.events.put_nowait(event)
-            if self.on_step is not None:
-                self.on_step(len(runner.rows), len(self._waiting))
-            if not runner.rows and not self._waiting:
-                self._idle.set()
+            await self._step()
+
+    async def _step(self) -> None:
+        """One batch step. Its own coroutine, so no sequence outlives the step in a local variable."""
+        runner = self._runner
+        admitted = []
+        while self._waiting and len(runner.rows) + len(admitted) < self.limits.max_batch_size:
+            admitted.append(self._waiting.popleft())
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._executor, runner.step, admitted)
+        except Exception as exc:  # the model step itself failed: every sequence in it fails, none hangs
+            log.exception("model step failed; failing the %d sequences in it", len(runner.rows) + len(admitted))
+            results = runner.fail_all(exc) + [(s, exc) for s in admitted if s not in runner.rows]
+            for seq, _ in results:
+                seq.finished = True
+        for seq, event in results:
+            if not seq.cancelled:
+                seq.events.put_nowait(event)
+        if self.on_step is not None:
+            self.on_step(len(runner.rows), len(self._waiting))

@@ -194,8 +194,8 @@ class App:
         self.runtime: DecoderRuntime | None = None
         self.engine: Engine | None = None
         self.gate = GateResult(False, "not run yet")
-        self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        self.health: health.aio.HealthServicer | None = None  # both made in start(), on the serving loop
+        self.server: grpc.aio.Server | None = None
         self.port = 0
         self._draining = False
 
@@ -207,6 +207,8 @@ class App:
         return self.engine
 
     async def start(self) -> int:
+        self.health = health.aio.HealthServicer()
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -1,0 +1,166 @@
+"""Generate over a real gRPC channel: streaming, batching equivalence, sampling seeds, stop rules, errors."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvserve.model.generate import generate
+from kvserve.v1 import generation_pb2 as pb
+
+from .conftest import collect
+
+PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(length)] for i, length in enumerate((1, 3, 5, 9, 14, 20, 31, 47))]
+
+
+def greedy(ids, n, **extra):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=n, ignore_eos=True, **extra)
+
+
+def test_a_stream_yields_every_token_and_finishes_with_details(stub):
+    responses = list(stub.Generate(greedy([72, 105], 12), timeout=30))
+    assert len(responses) == 12
+    assert all(r.HasField("token") for r in responses)
+    assert not any(r.HasField("finish") for r in responses[:-1])
+    finish = responses[-1].finish
+    assert finish.reason == pb.FINISH_REASON_LENGTH
+    assert (finish.prompt_tokens, finish.generated_tokens) == (2, 12)
+    assert 0 < finish.time_to_first_token_ns <= finish.total_ns
+
+
+def test_concurrent_greedy_streams_equal_each_request_alone_and_the_eager_reference(stub, tiny_model):
+    steps = 24
+    alone = [collect(stub, greedy(p, steps))[0] for p in PROMPTS]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: collect(stub, greedy(p, steps))[0], PROMPTS))
+    eager = [generate(tiny_model, [p], steps).tokens[0].tolist() for p in PROMPTS]
+    assert together == alone
+    assert together == eager
+
+
+def test_a_seed_gives_the_same_sampled_tokens_whatever_else_runs(stub):
+    def sampled(seed):
+        sampling = pb.SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
+        return collect(stub, greedy([10, 20, 30], 20, sampling=sampling))[0]
+
+    alone = sampled(1234)
+    with ThreadPoolExecutor(6) as pool:
+        busy = [pool.submit(collect, stub, greedy(p, 30)) for p in PROMPTS[:5]]
+        together = pool.submit(sampled, 1234).result()
+        [b.result() for b in busy]
+    assert together == alone
+    assert sampled(4321) != alone
+
+
+def test_text_prompt_and_text_deltas(stub):
+    ids, text, finish = collect(stub, pb.GenerateRequest(text="héllo", max_new_tokens=16, ignore_eos=True))
+    assert finish.prompt_tokens == len("héllo".encode())
+    assert text == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+def test_stop_token_ids_and_eos_end_the_sequence(stub, tiny_model):
+    reference = generate(tiny_model, [[5, 6, 7]], 10).tokens[0].tolist()
+    stop_at = reference[4]
+    ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=10, stop_token_ids=[stop_at], ignore_eos=True))
+    assert ids == reference[: reference.index(stop_at) + 1]
+    assert finish.reason == pb.FINISH_REASON_END_OF_SEQUENCE
+
+
+def test_stop_sequences_end_the_stream_without_sending_the_stop_text(stub):
+    ids, text, _ = collect(stub, greedy([33, 34, 35], 40))
+    full = bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    stop = full[10:13]
+    ids2, text2, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[33, 34, 35]), max_new_tokens=40, stop_sequences=[stop], ignore_eos=True))
+    assert finish.reason == pb.FINISH_REASON_STOP_SEQUENCE and finish.stop_sequence == stop
+    assert text2 == full[: full.index(stop)]
+    assert stop not in text2
+
+
+def test_logprobs_are_the_reference_log_softmax(stub, tiny_model):
+    responses = list(stub.Generate(greedy([1, 2, 3], 4, return_logprobs=True), timeout=30))
+    step_logits = generate(tiny_model, [[1, 2, 3]], 4).step_logits[:, 0]  # (N, V)
+    expected = torch.log_softmax(step_logits.double(), dim=-1)
+    for step, response in enumerate(responses):
+        assert response.token.HasField("logprob")
+        assert response.token.logprob == pytest.approx(expected[step, response.token.id].item(), abs=1e-4)
+    plain = next(iter(stub.Generate(greedy([1, 2, 3], 1), timeout=30)))
+    assert not plain.token.HasField("logprob")
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        (dict(text=""), "prompt.text"),
+        (dict(), "prompt.text"),
+        (dict(token_ids=pb.TokenIds(ids=[1, 5000])), "prompt.token_ids: token id 5000 is outside the vocabulary"),
+        (dict(token_ids=pb.TokenIds(ids=[1] * 256)), "prompt.token_ids: the prompt has 256 tokens"),
+        (dict(token_ids=pb.TokenIds(ids=[1] * 200), max_new_tokens=57), "max_new_tokens: 57 new tokens do not fit"),
+        (dict(text="a", sampling=pb.SamplingParams(temperature=-0.5)), "sampling.temperature"),
+        (dict(text="a", sampling=pb.SamplingParams(top_p=1.5)), "sampling.top_p"),
+        (dict(text="a", sampling=pb.SamplingParams(top_p=-0.1)), "sampling.top_p"),
+        (dict(text="a", sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
+        (dict(text="a", sampling=pb.SamplingParams(repetition_penalty=-2)), "sampling.repetition_penalty"),
+        (dict(text="a", stop_token_ids=[999]), "stop_token_ids"),
+    ],
+    ids=["empty text", "no prompt", "id out of vocab", "prompt too long", "too many new tokens", "temperature < 0",
+         "top_p > 1", "top_p < 0", "top_k < 0", "penalty < 0", "stop id out of vocab"],
+)
+def test_bad_requests_are_invalid_argument_naming_the_field(stub, request_kwargs, field):
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(pb.GenerateRequest(**request_kwargs), timeout=10))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.value.details()
+
+
+def test_max_new_tokens_zero_fills_the_context(stub):
+    ids, _, finish = collect(stub, greedy([1] * 250, 0))
+    assert len(ids) == 6 and finish.reason == pb.FINISH_REASON_LENGTH
+
+
+def test_tokenize_and_model_info(stub, server, tiny_model):
+    tokens = stub.Tokenize(pb.TokenizeRequest(text="hé"))
+    assert list(tokens.ids) == list("hé".encode()) and tokens.pieces[0] == "h"
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    config = tiny_model.config
+    assert (info.config.vocab_size, info.config.context_length, info.config.num_layers, info.config.num_heads) == (
+        config.vocab_size, config.n_ctx, config.n_layer, config.n_head)
+    assert info.execution_provider == "CPUExecutionProvider"
+    assert info.parity_gate.passed and "identical" in info.parity_gate.summary
+    assert info.limits.max_batch_size == 8 and info.tokenizer == "bytes"
+    assert len(info.manifest_sha256) == 64 and info.dtype == "float32"
+
+
+def test_kv_bytes_are_reported_per_active_sequence(stub, server, tiny_model):
+    config = tiny_model.config
+    stream = stub.Generate(greedy([1, 2, 3, 4], 200), timeout=60)
+    next(stream)
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert info.live.active_sequences == 1 and info.live.kv_slots_in_use == 1
+    bytes_per_token = 2 * config.n_layer * config.n_head * config.d_head * 4
+    (seq,) = info.live.sequences
+    assert info.live.kv_cache_bytes == seq.kv_cache_bytes
+    assert seq.kv_cache_bytes % bytes_per_token == 0 and seq.kv_cache_bytes >= 4 * bytes_per_token
+    stream.cancel()
+
+
+def test_one_failing_request_is_internal_while_the_others_finish(stub, server, monkeypatch):
+    from kvserve.service import engine as engine_module
+
+    real_choose = engine_module.choose
+
+    def choose_or_fail(logits, params, rng, seen):
+        if params.seed == 666:
+            raise RuntimeError("injected failure in this request's sampling")
+        return real_choose(logits, params, rng, seen)
+
+    monkeypatch.setattr(engine_module, "choose", choose_or_fail)
+    with ThreadPoolExecutor(5) as pool:
+        healthy = [pool.submit(collect, stub, greedy(p, 30)) for p in PROMPTS[:4]]
+        doomed = pool.submit(collect, stub, greedy([1, 2], 30, sampling=pb.SamplingParams(seed=666)))
+        with pytest.raises(grpc.RpcError) as error:
+            doomed.result()
+        results = [h.result() for h in healthy]
+    assert error.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in error.value.details()
+    assert all(len(ids) == 30 and finish.reason == pb.FINISH_REASON_LENGTH for ids, _, finish in results)

@@ -1,0 +1,257 @@
+"""The server's lifecycle: cancellation, deadlines, back-pressure, health, drain and shutdown, the parity
+gate, reflection, and the rule that serving never imports torch."""
+
+import gc
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from ..conftest import REPO
+from .conftest import collect, start_server
+
+
+def long_request(n=200):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=n, ignore_eos=True)
+
+
+def wait_for(predicate, timeout=10.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def live(stub):
+    return stub.GetModelInfo(pb.GetModelInfoRequest()).live
+
+
+def slow_down(monkeypatch, app, seconds=0.01):
+    """Make each model step of this server take a little longer, so tests can act mid-generation."""
+    real_run = app.runtime.run
+
+    def run(*args):
+        time.sleep(seconds)
+        return real_run(*args)
+
+    monkeypatch.setattr(app.runtime, "run", run)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_cancelling_100_streams_frees_every_sequence_and_its_cache(stub, server):
+    from kvserve.service.engine import Sequence
+
+    def cancel_a_hundred():
+        streams = [stub.Generate(long_request(), timeout=60) for _ in range(100)]
+        for stream in streams[:8]:
+            next(stream)  # these are running: cancelled mid-generation, the rest while queued
+        for stream in streams:
+            stream.cancel()
+        assert wait_for(lambda: live(stub).active_sequences == 0 and live(stub).queued_sequences == 0)
+
+    cancel_a_hundred()  # warm: allocator pools and gRPC buffers reach their working size
+    gc.collect()
+    before = rss_bytes()
+    cancel_a_hundred()
+    info = live(stub)
+    assert (info.active_sequences, info.queued_sequences, info.kv_slots_in_use, info.kv_cache_bytes) == (0, 0, 0, 0)
+    assert list(info.sequences) == []
+    assert wait_for(lambda: gc.collect() >= 0 and not [o for o in gc.get_objects() if isinstance(o, Sequence)], timeout=5)
+    assert rss_bytes() - before < 16 * 2**20
+
+
+def test_a_deadline_ends_the_stream_and_frees_the_sequence(stub, server, monkeypatch):
+    slow_down(monkeypatch, server.app)
+    with pytest.raises(grpc.RpcError) as error:
+        list(stub.Generate(long_request(), timeout=0.3))
+    assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_for(lambda: live(stub).active_sequences == 0)
+    assert live(stub).kv_cache_bytes == 0
+
+
+def test_a_full_queue_is_resource_exhausted(tiny_artifact, monkeypatch):
+    running = start_server(tiny_artifact, max_batch_size=1, max_queue=2)
+    try:
+        slow_down(monkeypatch, running.app)
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            streams = [stub.Generate(long_request(100), timeout=60) for _ in range(3)]
+            assert wait_for(lambda: (live(stub).active_sequences, live(stub).queued_sequences) == (1, 2))
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(long_request(5), timeout=10))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "queue is full" in error.value.details()
+            for stream in streams:
+                stream.cancel()
+    finally:
+        running.stop()
+
+
+def test_health_is_not_serving_until_loaded_then_serving_then_draining(tiny_artifact, monkeypatch):
+    running = start_server(tiny_artifact, load=False, drain_seconds=20)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.GenerationServiceStub(channel)
+            check = lambda: health.Check(health_pb2.HealthCheckRequest(service="kvserve.v1.GenerationService")).status  # noqa: E731
+            assert check() == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(long_request(1), timeout=10))
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "loading" in error.value.details()
+            running.call(running.app.load())
+            assert check() == health_pb2.HealthCheckResponse.SERVING
+
+            slow_down(monkeypatch, running.app)
+            in_flight = stub.Generate(long_request(60), timeout=60)
+            first = next(in_flight)
+            with ThreadPoolExecutor(1) as pool:
+                stopping = pool.submit(running.stop)
+                assert wait_for(lambda: check() == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=5)
+                with pytest.raises(grpc.RpcError) as error:
+                    list(stub.Generate(long_request(1), timeout=10))
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in error.value.details()
+                rest = list(in_flight)  # the stream in flight still finishes, within the grace period
+                stopping.result(30)
+            assert 1 + len(rest) == 60 and rest[-1].finish.reason == pb.FINISH_REASON_LENGTH
+            assert first.token.id >= 0
+    finally:
+        if running.thread.is_alive():
+            running.loop.call_soon_threadsafe(running.loop.stop)
+
+
+def start_process(artifact, *extra):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", "cpu", *extra],
+        cwd=REPO, stderr=subprocess.PIPE, text=True,
+    )
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if "kvserve.server: SERVING " in line or "error" in line.lower():
+            break
+    port = next((m.group(1) for m in (re.search(r"listening on [\d.]+:(\d+)", x) for x in lines) if m), None)
+    return process, port, "".join(lines)
+
+
+def test_sigterm_lets_the_stream_in_flight_finish_and_exits_zero(tiny_artifact):
+    process, port, log = start_process(tiny_artifact, "--drain-seconds", "20")
+    try:
+        assert "SERVING" in log, log
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = pb_grpc.GenerationServiceStub(channel).Generate(long_request(250), timeout=60)
+            next(stream)
+            process.send_signal(signal.SIGTERM)
+            rest = list(stream)
+        assert len(rest) == 249 and rest[-1].finish.reason == pb.FINISH_REASON_LENGTH
+        assert process.wait(30) == 0
+        remaining = process.stderr.read()
+        assert "draining" in remaining and "stopped" in remaining
+    finally:
+        process.kill()
+
+
+def tampered_copy(artifact, destination):
+    """The artifact with a golden record the graph does not reproduce, as a broken export would have."""
+    from kvserve.export.artifact import GoldenRecord, sha256_file
+
+    shutil.copytree(artifact, destination)
+    golden = GoldenRecord.load(destination / "golden.npz")
+    GoldenRecord(golden.prompt_ids, golden.tokens, golden.logits + np.float32(0.01)).save(destination / "golden.npz")
+    manifest = json.loads((destination / "manifest.json").read_text())
+    manifest["files"]["golden.npz"] = sha256_file(destination / "golden.npz")
+    (destination / "manifest.json").write_text(json.dumps(manifest))
+    return destination
+
+
+def test_an_artifact_failing_the_parity_gate_is_refused(tiny_artifact, tmp_path):
+    bad = tampered_copy(tiny_artifact, tmp_path / "bad")
+    process, _, log = start_process(bad)
+    process.wait(30)
+    remaining = process.stderr.read()
+    assert process.returncode == 1
+    assert "parity gate failed, refusing to serve" in log + remaining and "max abs logit diff 1.00e-02" in log + remaining
+    assert "Traceback" not in log + remaining
+
+
+def test_the_override_serves_a_failing_artifact_and_says_so(tiny_artifact, tmp_path):
+    running = start_server(tampered_copy(tiny_artifact, tmp_path / "bad"), allow_parity_failure=True)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            gate = pb_grpc.GenerationServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest()).parity_gate
+        assert (gate.passed, gate.overridden) == (False, True)
+    finally:
+        running.stop()
+
+
+def test_the_contract_check_names_a_mismatched_axis(tiny_artifact, tmp_path):
+    from kvserve.export.artifact import open_artifact
+    from kvserve.service.gate import contract_problems
+    from kvserve.service.runtime import DecoderRuntime
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["n_head"] = 8  # the graph has 4 heads of 16; this claims 8 of 8
+    (copy / "config.json").write_text(json.dumps(config))
+    artifact = open_artifact(copy, check_files=False)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
+    problems = contract_problems(runtime, artifact)
+    assert "past_key_values.0.key axis 1 is 4, expected 8" in problems
+
+
+def test_reflection_lists_the_services(server):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with grpc.insecure_channel(server.target) as channel:
+        services = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {"kvserve.v1.GenerationService", "grpc.health.v1.Health"} <= services
+
+
+def test_serving_never_imports_torch(tiny_artifact):
+    code = (
+        "import asyncio, sys\n"
+        "from kvserve.service.server import App, ServerOptions\n"
+        "async def main():\n"
+        f"    app = App(ServerOptions(artifact={str(tiny_artifact)!r}, port=0, provider='cpu'))\n"
+        "    await app.start(); await app.load(); await app.shutdown()\n"
+        "asyncio.run(main())\n"
+        "import kvserve.service.client, kvserve.cli\n"
+        "print('torch loaded' if 'torch' in sys.modules else 'no torch')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.stdout.strip().endswith("no torch"), result.stderr
+    for source in (REPO / "service").glob("*.py"):
+        assert not re.search(r"^\s*(import|from)\s+torch", source.read_text(), re.M), source
+
+
+def test_the_cli_client_streams_and_summarises(server):
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "generate", "--target", server.target, "abc", "--max-new-tokens", "8"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"-- 8 tokens, time to first token [\d.]+ ms, [\d.]+ tokens/s, finished: length", result.stdout)
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "generate", "--target", server.target, "abc", "--max-new-tokens", "9999"],
+        capture_output=True, text=True, cwd=REPO, timeout=60,
+    )
+    assert bad.returncode == 2 and "INVALID_ARGUMENT: max_new_tokens" in bad.stderr and "Traceback" not in bad.stderr

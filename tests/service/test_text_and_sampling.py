@@ -1,0 +1,64 @@
+"""Streaming text rules and sampling, on their own."""
+
+import numpy as np
+import pytest
+
+from kvserve.service.sampling import SamplingParams, choose, log_probability
+from kvserve.service.text import ByteTokenizer, IncrementalDecoder, StopSequences
+
+
+def test_deltas_hold_back_split_characters_and_are_always_valid_utf8():
+    text = "héllo wörld — 日本語 🙂!"
+    decoder = IncrementalDecoder(ByteTokenizer())
+    deltas = [decoder.push(b) for b in text.encode("utf-8")] + [decoder.flush()]
+    assert "".join(deltas) == text
+    assert all("\ufffd" not in d for d in deltas)
+    emoji = "🙂".encode("utf-8")
+    decoder = IncrementalDecoder(ByteTokenizer())
+    assert [decoder.push(b) for b in emoji] == ["", "", "", "🙂"]
+
+
+def test_an_incomplete_character_at_the_end_becomes_a_replacement_character():
+    decoder = IncrementalDecoder(ByteTokenizer())
+    assert decoder.push("é".encode()[0]) == ""
+    assert decoder.flush() == "\ufffd"
+
+
+def test_stop_sequences_are_held_back_and_cut():
+    stops = StopSequences(("END", "\n\n"))
+    assert stops.push("abc E") == ("abc ", None)  # "E" may begin "END"
+    assert stops.push("x") == ("Ex", None)
+    assert stops.push("yE") == ("y", None)
+    assert stops.push("ND tail") == ("", "END")
+    stops = StopSequences(("\n\n",))
+    assert stops.push("line\n") == ("line", None)
+    assert stops.push("\nmore") == ("", "\n\n")
+
+
+def test_greedy_repetition_penalty_top_k_and_top_p():
+    logits = np.array([1.0, 3.0, 2.0, -1.0], dtype=np.float32)
+    rng = np.random.default_rng(0)
+    assert choose(logits, SamplingParams(), rng, None) == 1
+    assert choose(logits, SamplingParams(repetition_penalty=2.0), rng, np.array([1])) == 2  # 3/2 < 2
+    top1 = SamplingParams(temperature=1.0, top_k=1, seed=1)
+    assert {choose(logits, top1, rng, None) for _ in range(50)} == {1}
+    nucleus = SamplingParams(temperature=1.0, top_p=0.5, seed=1)  # token 1 alone holds ~66%
+    assert {choose(logits, nucleus, rng, None) for _ in range(50)} == {1}
+    wide = SamplingParams(temperature=5.0)
+    assert len({choose(logits, wide, rng, None) for _ in range(200)}) == 4
+
+
+def test_sampling_follows_the_distribution_and_the_seed():
+    logits = np.log(np.array([0.7, 0.2, 0.1], dtype=np.float32))
+    params = SamplingParams(temperature=1.0)
+    draws = [choose(logits, params, np.random.default_rng(s), None) for s in range(3000)]
+    assert np.bincount(draws, minlength=3) / 3000 == pytest.approx([0.7, 0.2, 0.1], abs=0.03)
+    a = [choose(logits, params, rng, None) for rng in [np.random.default_rng(5)] for _ in range(30)]
+    b = [choose(logits, params, rng, None) for rng in [np.random.default_rng(5)] for _ in range(30)]
+    assert a == b
+
+
+def test_log_probability_is_log_softmax():
+    logits = np.array([0.5, 1.5, -2.0], dtype=np.float32)
+    expected = logits[1] - np.log(np.exp(logits).sum())
+    assert log_probability(logits, 1) == pytest.approx(float(expected), abs=1e-6)
