@@ -22,7 +22,17 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	touch $@
 
-setup: $(BIN)/.installed proto
+setup: $(BIN)/.installed proto tools
+
+# buf (proto lint) comes from the npm registry, pinned by package-lock.json.
+node_modules/.bin/buf: package.json package-lock.json
+	npm ci --no-audit --no-fund --loglevel=error
+	touch $@
+
+tools: node_modules/.bin/buf
+
+lint-proto: tools
+	node_modules/.bin/buf lint
 
 # The one command that builds the Python stubs from proto/ (never edited by hand, never committed).
 proto: $(BIN)/.installed
@@ -41,4 +51,4 @@ constraints:
 	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt
 
 clean:
-	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache kvserve/v1/*_pb2*.py*
+	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache node_modules kvserve/v1/*_pb2*.py*

@@ -43,7 +43,7 @@ class HFTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=False)
+        return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:
