@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,10 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The execution provider the tests serve and verify with: cpu everywhere (CI has no GPU); on a GPU host,
+# KVSERVE_TEST_PROVIDER=cuda runs the same tests on the CUDA provider (bench/gpu_check.sh does).
+PROVIDER = os.environ.get("KVSERVE_TEST_PROVIDER", "cpu")
+PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -32,7 +37,7 @@ def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
     from kvserve.export.pipeline import export_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / "tiny"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider="cpu")
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER)
     return out
 
 

@@ -36,7 +36,9 @@ class ServerThread:
 def start_server(artifact, load: bool = True, **overrides) -> ServerThread:
     from kvserve.service.server import ServerOptions
 
-    return ServerThread(ServerOptions(artifact=str(artifact), port=0, provider="cpu", **overrides), load=load)
+    from ..conftest import PROVIDER
+
+    return ServerThread(ServerOptions(artifact=str(artifact), port=0, provider=PROVIDER, **overrides), load=load)
 
 
 @pytest.fixture(scope="session")

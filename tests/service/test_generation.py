@@ -10,6 +10,7 @@ import torch
 from kvserve.model.generate import generate
 from kvserve.v1 import generation_pb2 as pb
 
+from ..conftest import PROVIDER, PROVIDER_NAMES
 from .conftest import collect
 
 PROMPTS = [[(7 * i + j) % 250 + 1 for j in range(length)] for i, length in enumerate((1, 3, 5, 9, 14, 20, 31, 47))]
@@ -126,7 +127,7 @@ def test_tokenize_and_model_info(stub, server, tiny_model):
     config = tiny_model.config
     assert (info.config.vocab_size, info.config.context_length, info.config.num_layers, info.config.num_heads) == (
         config.vocab_size, config.n_ctx, config.n_layer, config.n_head)
-    assert info.execution_provider == "CPUExecutionProvider"
+    assert info.execution_provider == PROVIDER_NAMES[PROVIDER]
     assert info.parity_gate.passed and "identical" in info.parity_gate.summary
     assert info.limits.max_batch_size == 8 and info.tokenizer == "bytes"
     assert len(info.manifest_sha256) == 64 and info.dtype == "float32"

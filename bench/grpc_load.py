@@ -1,0 +1,160 @@
+"""Load over gRPC on loopback: aggregate tokens/s, time to first token and inter-token latency at
+concurrency 1, 4 and 16, against a `kvserve serve` process; plus the in-process engine alone at
+concurrency 1, to show what gRPC costs. Bounded: a fixed number of requests per level and a time cap.
+
+    python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from kvserve.v1 import generation_pb2 as pb  # noqa: E402
+from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+
+LEVELS = (1, 4, 16)
+REQUESTS_PER_STREAM = 2  # each concurrent stream sends this many requests back to back
+LEVEL_TIME_CAP_S = 300
+
+
+def prompt_ids(index: int, length: int, vocab: int) -> list[int]:
+    return np.random.default_rng(index).integers(0, vocab, length).tolist()
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) * 1e3 if values else float("nan")
+
+
+async def one_request(stub, ids, new_tokens):
+    """(ttft s, [inter-token gaps s], tokens) of one streamed request."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    stamps = []
+    async for _ in stub.Generate(request, timeout=LEVEL_TIME_CAP_S):
+        stamps.append(time.perf_counter())
+    return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+
+
+async def run_level(target, concurrency, prompt_len, new_tokens, vocab):
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        await one_request(stub, prompt_ids(0, prompt_len, vocab), 4)  # connection and warm-up
+        ttfts, gaps, tokens = [], [], 0
+
+        async def stream(worker):
+            nonlocal tokens
+            for k in range(REQUESTS_PER_STREAM):
+                ttft, gap, n = await one_request(stub, prompt_ids(1000 * worker + k, prompt_len, vocab), new_tokens)
+                ttfts.append(ttft)
+                gaps.extend(gap)
+                tokens += n
+
+        start = time.perf_counter()
+        await asyncio.wait_for(asyncio.gather(*(stream(w) for w in range(concurrency))), LEVEL_TIME_CAP_S)
+        elapsed = time.perf_counter() - start
+    return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}
+
+
+async def in_process(artifact_dir, provider, prompt_len, new_tokens):
+    """The engine without gRPC: same requests, one stream."""
+    from kvserve.export.artifact import open_artifact
+    from kvserve.service.engine import Engine, EngineLimits, GenerationRequest
+    from kvserve.service.runtime import DecoderRuntime
+    from kvserve.service.text import ByteTokenizer
+
+    artifact = open_artifact(artifact_dir)
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
+    engine = Engine(runtime, config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64))
+    engine.start()
+
+    async def request(ids, n):
+        start = time.perf_counter()
+        stamps = []
+        async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True)):
+            stamps.append(time.perf_counter())
+        return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+
+    await request(prompt_ids(0, prompt_len, config.vocab_size), 4)
+    ttfts, gaps, tokens = [], [], 0
+    start = time.perf_counter()
+    for k in range(REQUESTS_PER_STREAM):
+        ttft, gap, n = await request(prompt_ids(k, prompt_len, config.vocab_size), new_tokens)
+        ttfts.append(ttft)
+        gaps.extend(gap)
+        tokens += n
+    elapsed = time.perf_counter() - start
+    await engine.close()
+    return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}, runtime.provider
+
+
+def start_server(artifact, provider):
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", provider,
+         "--max-batch-size", "16", "--max-queue", "64"],
+        stderr=subprocess.PIPE, text=True,
+    )
+    port = None
+    for line in process.stderr:
+        match = re.search(r"listening on [\d.]+:(\d+)", line)
+        port = match.group(1) if match else port
+        if "kvserve.server: SERVING " in line:
+            return process, f"127.0.0.1:{port}"
+        if "error" in line.lower():
+            break
+    process.kill()
+    sys.exit(f"the server did not start: {line}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", default="artifacts/gpt2", help="a gpt2 artifact (bench/decode_latency.py exports one)")
+    parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    from kvserve.export.artifact import open_artifact
+
+    config = open_artifact(args.artifact).config
+    engine_result, provider = asyncio.run(in_process(args.artifact, args.provider, args.prompt_tokens, args.new_tokens))
+    process, target = start_server(args.artifact, args.provider)
+    try:
+        results = {c: asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size)) for c in LEVELS}
+    finally:
+        process.terminate()
+        process.wait(60)
+
+    print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
+          f"{args.new_tokens} new tokens, greedy, {REQUESTS_PER_STREAM} requests per stream, server batch <= 16\n")
+    print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+
+    def row(name, c, r):
+        print(f"| {name} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {percentile(r['ttft'], 50):.1f} | "
+              f"{percentile(r['ttft'], 99):.1f} | {percentile(r['itl'], 50):.1f} | {percentile(r['itl'], 99):.1f} |")
+
+    row("in-process engine", 1, engine_result)
+    for c in LEVELS:
+        row("gRPC", c, results[c])
+    scale = results[16]["tokens_per_s"] / results[1]["tokens_per_s"]
+    overhead = results[1]["tokens_per_s"] / engine_result["tokens_per_s"]
+    print(f"\nconcurrency 16 / concurrency 1: {scale:.2f}x aggregate tokens/s (target >= 4x)")
+    print(f"single stream over gRPC / in-process engine: {overhead:.0%} (target >= 90%)")
+    print(f"\nmachine: {describe(provider)}")
+
+
+if __name__ == "__main__":
+    main()
