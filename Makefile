@@ -24,9 +24,9 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 
 setup: $(BIN)/.installed proto tools
 
-# buf (proto lint) comes from the npm registry, pinned by package-lock.json.
+# buf (proto lint) comes from the npm registry, pinned exactly in package.json.
 node_modules/.bin/buf: package.json package-lock.json
-	npm ci --no-audit --no-fund --loglevel=error
+	npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
 tools: node_modules/.bin/buf
@@ -39,13 +39,14 @@ proto: $(BIN)/.installed
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvserve/v1/generation.proto
 
 demo: setup
-	$(BIN)/kvserve export --preset $(PRESET) --out $(ARTIFACTS)/$(PRESET) --overwrite
+	BIN=$(BIN) PRESET=$(PRESET) ARTIFACT=$(ARTIFACTS)/$(PRESET) PORT=$(PORT) bash scripts/demo.sh
 
 test: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python bench/decode_latency.py
+	$(BIN)/python bench/decode_latency.py --artifact $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/grpc_load.py --artifact $(ARTIFACTS)/gpt2
 
 constraints:
 	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt

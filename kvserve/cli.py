@@ -61,6 +61,14 @@ def _generate(args) -> int:
     return 0
 
 
+def _health(args) -> int:
+    from kvserve.service.client import check_health
+
+    status = check_health(args.target, args.wait)
+    print(status)
+    return 0 if status == "SERVING" else JobFailed.exit_code
+
+
 def _env(name: str, default, kind=str):
     """Defaults for `serve` come from KVSERVE_<FLAG> environment variables (how containers configure it)."""
     value = os.environ.get(f"KVSERVE_{name}")
@@ -117,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--seed", type=int, default=0, help="0 = chosen by the server")
     generate.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
     generate.set_defaults(run=_generate)
+
+    health = commands.add_parser("health", help="gRPC health check: prints the status, exit 0 only when SERVING")
+    health.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
+    health.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds for SERVING (default 0)")
+    health.set_defaults(run=_health)
     return parser
 
 

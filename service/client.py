@@ -57,3 +57,28 @@ def stream_generation(target: str, prompt: str, max_new_tokens: int, temperature
     reason = summary["finish_reason"].removeprefix("FINISH_REASON_").lower() if finish else "none"
     out.write(f"\n-- {tokens} tokens, time to first token {ttft}, {rate}, finished: {reason}\n")
     return summary
+
+
+def check_health(target: str, wait_seconds: float = 0.0, service: str = "kvserve.v1.GenerationService") -> str:
+    """Ask the gRPC health service; with wait_seconds, poll until SERVING or the time is up.
+    Returns the last status name; raises RequestFailed if the server never answered."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + wait_seconds
+    last_error = None
+    status = "UNKNOWN"
+    with grpc.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                response = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+                last_error = None
+            except grpc.RpcError as error:
+                last_error = error
+            if status == "SERVING" or time.monotonic() >= deadline:
+                break
+            time.sleep(0.2)
+    if last_error is not None and status == "UNKNOWN":
+        raise RequestFailed(last_error)
+    return status

@@ -73,7 +73,9 @@ class DecoderRuntime:
         if provider in ("auto", "cuda"):
             reason = _cuda_missing_reason()
             if reason is None:
-                providers = [CUDA, CPU]
+                # cuBLAS would run float32 matmuls as TF32 (10-bit mantissa): ~1e-3 off the reference.
+                # A float32 artifact promises float32, so TF32 stays off for it.
+                providers = [(CUDA, {"use_tf32": "0" if dtype == "float32" else "1"}), CPU]
             elif provider == "cuda":
                 raise ProviderUnavailable(f"CUDA requested but unavailable: {reason}")
             else:
@@ -83,7 +85,7 @@ class DecoderRuntime:
         options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         self.provider = self.session.get_providers()[0]
-        if providers[0] == CUDA and self.provider != CUDA:
+        if len(providers) > 1 and self.provider != CUDA:
             if provider == "cuda":
                 raise ProviderUnavailable("CUDA requested but the session could not start on it")
             self.fallback_reason = "the CUDA provider failed to start"

@@ -7,7 +7,7 @@ from .conftest import REPO
 
 def test_buf_lint_passes_with_the_default_rules():
     buf = REPO / "node_modules" / ".bin" / "buf"
-    assert buf.exists(), "buf is missing: `make tools` installs it from package-lock.json"
+    assert buf.exists(), "buf is missing: `make tools` installs it (pinned in package.json)"
     result = subprocess.run([str(buf), "lint"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
