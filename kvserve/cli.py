@@ -48,9 +48,11 @@ def _serve(args) -> int:
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         provider=args.provider, drain_seconds=args.drain_seconds, allow_parity_failure=args.allow_parity_failure,
+        metrics_port=args.metrics_port,
     )
-    if options.max_batch_size < 1 or options.max_queue < 0 or not 0 <= options.port < 65536:
-        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0 and --port in [0, 65535]")
+    ports_ok = all(p is None or 0 <= p < 65536 for p in (options.port, options.metrics_port))
+    if options.max_batch_size < 1 or options.max_queue < 0 or not ports_ok:
+        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port and --metrics-port in [0, 65535]")
     return asyncio.run(serve(options))
 
 
@@ -115,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=_env("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
     serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
+    serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")

@@ -121,6 +121,7 @@ class Sequence:
     cancelled: bool = False  # set from the event loop when the client goes away
     finished: bool = False
     captured_logits: list | None = None  # the parity gate records the logits behind each token
+    last_sent_ns: int | None = None  # when the previous token was handed to the client (metrics)
     events: asyncio.Queue | None = None
 
     def __post_init__(self):
@@ -306,7 +307,7 @@ class EngineLimits:
 class Engine:
     """Accepts requests, runs the scheduler loop, streams each sequence's events back to its caller."""
 
-    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits):
+    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None):
         if limits.max_batch_size < 1 or limits.max_queue < 0:
             raise ValueError("max_batch_size must be >= 1 and max_queue >= 0")
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
@@ -319,7 +320,7 @@ class Engine:
         self._idle.set()
         self._accepting = True
         self._task: asyncio.Task | None = None
-        self.on_step = None  # observer hook: called (batch_size, queued) after each step (metrics)
+        self.metrics = metrics  # service.metrics.Metrics or None
 
     # lifecycle
 
@@ -467,8 +468,12 @@ class Engine:
             results = runner.fail_all(exc) + [(s, exc) for s in admitted if s not in runner.rows]
             for seq, _ in results:
                 seq.finished = True
+        now = time.monotonic_ns()
         for seq, event in results:
             if not seq.cancelled:
                 seq.events.put_nowait(event)
-        if self.on_step is not None:
-            self.on_step(len(runner.rows), len(self._waiting))
+                if self.metrics is not None and isinstance(event, StepEvent):
+                    self.metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
+                    seq.last_sent_ns = now
+        if self.metrics is not None:
+            self.metrics.on_step(len(results), len(runner.rows), len(self._waiting), runner.kv_bytes())

@@ -29,6 +29,7 @@ from .engine import (
     Unavailable,
 )
 from .gate import GateResult, run_gate, warm_up
+from .metrics import Metrics
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
 from .text import load_tokenizer
@@ -58,10 +59,19 @@ class ServerOptions:
     provider: str = "auto"
     drain_seconds: float = 30.0
     allow_parity_failure: bool = False
+    metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """The one place errors become status codes: handlers just raise. Every failure is logged once."""
+    """The one place errors become status codes: handlers just raise. Every failure is logged once,
+    and every finished RPC is counted by status code."""
+
+    def __init__(self, metrics: Metrics | None = None):
+        self.metrics = metrics
+
+    def _count(self, method: str, code: str) -> None:
+        if self.metrics is not None:
+            self.metrics.on_request(method, code)
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -73,9 +83,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request, context):
                 try:
-                    return await inner_unary(request, context)
+                    response = await inner_unary(request, context)
+                except asyncio.CancelledError:
+                    self._count(method, "CANCELLED")
+                    raise
                 except Exception as exc:
                     await self._abort(method, exc, context)
+                self._count(method, "OK")
+                return response
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
@@ -87,19 +102,23 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 try:
                     async for response in inner_stream(request, context):
                         yield response
+                except asyncio.CancelledError:
+                    self._count(method, "CANCELLED")
+                    raise
                 except Exception as exc:
                     await self._abort(method, exc, context)
+                self._count(method, "OK")
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
             )
         return handler
 
-    @staticmethod
-    async def _abort(method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
+    async def _abort(self, method: str, exc: Exception, context: grpc.aio.ServicerContext) -> None:
         if isinstance(exc, grpc.aio.AbortError):
             raise exc
         code = next((c for kind, c in STATUS_OF.items() if isinstance(exc, kind)), grpc.StatusCode.INTERNAL)
+        self._count(method, code.name)
         if code is grpc.StatusCode.INTERNAL:
             log.error("%s failed", method, exc_info=exc)
             message = f"internal error: {exc}"
@@ -197,6 +216,8 @@ class App:
         self.health: health.aio.HealthServicer | None = None  # both made in start(), on the serving loop
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.metrics = Metrics()
+        self.metrics_port: int | None = None
         self._draining = False
 
     def ready_engine(self) -> Engine:
@@ -208,7 +229,7 @@ class App:
 
     async def start(self) -> int:
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)])
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -219,6 +240,9 @@ class App:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         log.info("listening on %s:%d (NOT_SERVING until the model is loaded and checked)", self.options.host, self.port)
+        if self.options.metrics_port is not None:
+            self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
+            log.info("metrics on http://%s:%d/metrics", self.options.host, self.metrics_port)
         return self.port
 
     async def load(self) -> None:
@@ -230,6 +254,7 @@ class App:
         if self.runtime.fallback_reason:
             log.warning("serving on the CPU provider: %s", self.runtime.fallback_reason)
         log.info("execution provider: %s", self.runtime.provider)
+        self.metrics.execution_provider.labels(provider=self.runtime.provider).set(1)
         gate = await asyncio.to_thread(run_gate, self.runtime, self.artifact)
         if not gate.passed:
             if not options.allow_parity_failure:
@@ -241,7 +266,7 @@ class App:
         self.gate = gate
         await asyncio.to_thread(warm_up, self.runtime, self.artifact, options.max_batch_size)
         tokenizer = load_tokenizer(self.artifact.tokenizer_path)
-        engine = Engine(self.runtime, config, tokenizer, EngineLimits(options.max_batch_size, options.max_queue))
+        engine = Engine(self.runtime, config, tokenizer, EngineLimits(options.max_batch_size, options.max_queue), self.metrics)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):
@@ -260,6 +285,7 @@ class App:
         await self.server.stop(grace=1.0)
         if self.engine is not None:
             await self.engine.close()
+        self.metrics.close()
         log.info("stopped")
 
 

@@ -1,0 +1,65 @@
+"""Prometheus metrics. One registry per server, so several servers can share a process (the tests do)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Latency buckets in seconds: decode steps take ~1 ms on a GPU and tens of ms on a CPU.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class Metrics:
+    """What the server exports; the engine and the interceptor call these hooks."""
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvserve_requests", "Finished RPCs by method and gRPC status code", ["method", "code"], registry=self.registry)
+        self.generated_tokens = Counter("kvserve_generated_tokens", "Tokens generated and streamed", registry=self.registry)
+        self.time_to_first_token = Histogram(
+            "kvserve_time_to_first_token_seconds", "Request arrival to first generated token", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.inter_token_latency = Histogram(
+            "kvserve_inter_token_latency_seconds", "Time between consecutive tokens of a sequence", buckets=LATENCY_BUCKETS, registry=self.registry
+        )
+        self.batch_size = Histogram("kvserve_batch_size", "Sequences in each model step", buckets=BATCH_BUCKETS, registry=self.registry)
+        self.queue_depth = Gauge("kvserve_queue_depth", "Requests waiting for a batch slot", registry=self.registry)
+        self.kv_slots_in_use = Gauge("kvserve_kv_slots_in_use", "Batch rows holding a sequence's KV cache", registry=self.registry)
+        self.kv_cache_bytes = Gauge("kvserve_kv_cache_bytes", "Bytes of KV cache held", registry=self.registry)
+        self.execution_provider = Gauge(
+            "kvserve_execution_provider", "1 for the ONNX Runtime execution provider in use", ["provider"], registry=self.registry
+        )
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Start the /metrics endpoint; returns the port it listens on."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def close(self) -> None:
+        if getattr(self, "_http", None) is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    # engine hooks (event loop thread)
+
+    def on_token(self, arrival_ns: int, previous_ns: int | None, now_ns: int) -> None:
+        self.generated_tokens.inc()
+        if previous_ns is None:
+            self.time_to_first_token.observe((now_ns - arrival_ns) / 1e9)
+        else:
+            self.inter_token_latency.observe((now_ns - previous_ns) / 1e9)
+
+    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int) -> None:
+        """stepped: sequences that got a token this step; running: rows left in the batch after it."""
+        if stepped:
+            self.batch_size.observe(stepped)
+        self.queue_depth.set(queued)
+        self.kv_slots_in_use.set(running)
+        self.kv_cache_bytes.set(kv_bytes)
+
+    # interceptor hook
+
+    def on_request(self, method: str, code: str) -> None:
+        self.requests.labels(method=method.rsplit("/", 1)[-1], code=code).inc()
+

@@ -1,0 +1,51 @@
+"""The Prometheus endpoint: scraped over HTTP after real traffic, every metric the README lists."""
+
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from ..conftest import PROVIDER, PROVIDER_NAMES
+from .conftest import collect, start_server
+
+
+def scrape(port: int) -> dict:
+    """{(sample name, frozenset(labels)): value}"""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_artifact):
+    running = start_server(tiny_artifact, metrics_port=0)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            for n in (5, 7):
+                collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), max_new_tokens=n, ignore_eos=True))
+            with pytest.raises(grpc.RpcError):
+                list(stub.Generate(pb.GenerateRequest(text=""), timeout=10))
+            stub.GetModelInfo(pb.GetModelInfoRequest())
+        metrics = scrape(running.app.metrics_port)
+    finally:
+        running.stop()
+
+    def value(name, **labels):
+        return metrics[(name, frozenset(labels.items()))]
+
+    assert value("kvserve_requests_total", method="Generate", code="OK") == 2
+    assert value("kvserve_requests_total", method="Generate", code="INVALID_ARGUMENT") == 1
+    assert value("kvserve_requests_total", method="GetModelInfo", code="OK") == 1
+    assert value("kvserve_generated_tokens_total") == 12
+    assert value("kvserve_time_to_first_token_seconds_count") == 2
+    assert value("kvserve_inter_token_latency_seconds_count") == 10
+    assert value("kvserve_batch_size_sum") == 12 and 7 <= value("kvserve_batch_size_count") <= 12
+    assert value("kvserve_queue_depth") == 0 and value("kvserve_kv_slots_in_use") == 0 and value("kvserve_kv_cache_bytes") == 0
+    assert value("kvserve_execution_provider", provider=PROVIDER_NAMES[PROVIDER]) == 1
