@@ -1,0 +1,23 @@
+# syntax=docker/dockerfile:1
+# The export image: CPU torch turns a checkpoint or preset into a verified artifact (docker/export-job.sh).
+#   docker build -f docker/export.Dockerfile -t kvserve-export .
+FROM python:3.12-slim AS export
+WORKDIR /src
+COPY constraints.txt pyproject.toml README.md ./
+COPY kvserve ./kvserve
+COPY model ./model
+COPY export ./export
+COPY service ./service
+# constraints.txt pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (PyPI's torch is a CUDA build).
+RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt ".[export]" \
+ && rm -rf /src
+COPY docker/export-job.sh /usr/local/bin/kvserve-export-job
+RUN useradd --uid 10001 --create-home --shell /usr/sbin/nologin kvserve \
+ && mkdir /artifacts && chown kvserve /artifacts
+USER kvserve
+WORKDIR /home/kvserve
+ENV KVSERVE_MODEL=/artifacts/model \
+    KVSERVE_EXPORT_PRESET=gpt2 \
+    KVSERVE_EXPORT_DTYPE=float32
+VOLUME /artifacts
+ENTRYPOINT ["kvserve-export-job"]
