@@ -7,7 +7,7 @@ ARTIFACTS ?= artifacts
 PRESET ?= tiny
 PORT   ?= 50051
 
-.PHONY: help setup proto demo test bench constraints clean
+.PHONY: help setup proto tools system-tools lint-proto demo test bench constraints clean
 
 help:
 	@echo "make demo   set up, export the $(PRESET) preset, verify it, serve it and stream a generation"
@@ -31,6 +31,16 @@ node_modules/.bin/buf: package.json package-lock.json
 
 tools: node_modules/.bin/buf
 
+# Debian's docker-compose (validates the compose file) and nginx (the load balancer the tests start).
+system-tools:
+	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light >/dev/null; \
+	  else \
+	    echo "missing docker-compose or nginx: sudo apt-get install docker-compose nginx-light"; exit 1; \
+	  fi; \
+	fi
+
 lint-proto: tools
 	node_modules/.bin/buf lint
 
@@ -41,7 +51,7 @@ proto: $(BIN)/.installed
 demo: setup
 	BIN=$(BIN) PRESET=$(PRESET) ARTIFACT=$(ARTIFACTS)/$(PRESET) PORT=$(PORT) bash scripts/demo.sh
 
-test: setup
+test: setup system-tools
 	$(BIN)/python -m pytest -q
 
 bench: setup
