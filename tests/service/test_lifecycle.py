@@ -75,7 +75,7 @@ def test_cancelling_100_streams_frees_every_sequence_and_its_cache(stub, server)
     info = live(stub)
     assert (info.active_sequences, info.queued_sequences, info.kv_slots_in_use, info.kv_cache_bytes) == (0, 0, 0, 0)
     assert list(info.sequences) == []
-    assert wait_for(lambda: gc.collect() >= 0 and not [o for o in gc.get_objects() if isinstance(o, Sequence)], timeout=5)
+    assert wait_for(lambda: gc.collect() >= 0 and not [o for o in gc.get_objects() if type(o) is Sequence], timeout=5)
     assert rss_bytes() - before < 16 * 2**20
 
 
