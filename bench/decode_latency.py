@@ -41,12 +41,20 @@ def best_of(repeats: int, fn) -> float:
     return min(times)
 
 
-def decode_rate(repeats: int, run_n) -> tuple[float, float]:
-    """(tokens/s, ms/step) of decode alone: time(N tokens) - time(1 token) over N - 1 steps."""
-    t_first = best_of(repeats, lambda: run_n(1))
-    t_all = best_of(repeats, lambda: run_n(NEW_TOKENS))
-    per_step = (t_all - t_first) / (NEW_TOKENS - 1)
-    return 1.0 / per_step, per_step * 1e3
+def decode_rates(repeats: int, runners: list) -> list[tuple[float, float]]:
+    """(tokens/s, ms/step) of decode alone for each runner: time(N tokens) - time(1 token) over N - 1 steps.
+    The implementations take turns within every repeat, so machine drift affects all of them alike."""
+    first = [[] for _ in runners]
+    full = [[] for _ in runners]
+    for _ in range(repeats):
+        for i, run_n in enumerate(runners):
+            first[i].append(best_of(1, lambda: run_n(1)))
+            full[i].append(best_of(1, lambda: run_n(NEW_TOKENS)))
+    rates = []
+    for t_first, t_all in zip(first, full):
+        per_step = (min(t_all) - min(t_first)) / (NEW_TOKENS - 1)
+        rates.append((1.0 / per_step, per_step * 1e3))
+    return rates
 
 
 def onnx_generate(runtime: DecoderRuntime, config, prompt: list[int], n: int) -> list[int]:
@@ -66,40 +74,43 @@ def onnx_generate(runtime: DecoderRuntime, config, prompt: list[int], n: int) ->
     return tokens
 
 
-def onnx_step_ms(runtime: DecoderRuntime, config, past_len: int, repeats: int = 30) -> float:
-    """Median latency of one decode step (B=1, T=1) over a past of past_len positions."""
+def onnx_step(runtime: DecoderRuntime, config, past_len: int):
+    """A callable running one decode step (B=1, T=1) over a past of past_len positions."""
     rng = np.random.default_rng(0)
     shape = (1, config.n_head, past_len, config.d_head)  # (B, H, P, d_k)
     past = runtime.to_device([rng.standard_normal(shape).astype(runtime.kv_dtype) for _ in range(2 * config.n_layer)])
     mask = np.ones((1, past_len + 1), dtype=np.int64)
     pos = np.array([[past_len]], dtype=np.int64)
     ids = np.array([[42]], dtype=np.int64)
-    for _ in range(3):
-        runtime.run(ids, mask, pos, past)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        runtime.run(ids, mask, pos, past)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    return lambda: runtime.run(ids, mask, pos, past)
 
 
-@torch.no_grad()
-def eager_step_ms(model, past_len: int, repeats: int = 30) -> float:
+def eager_step(model, past_len: int):
     config = model.config
     shape = (1, config.n_head, past_len, config.d_head)
     past = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.n_layer)]
     mask = torch.ones(1, past_len + 1, dtype=torch.int64)
     pos = torch.tensor([[past_len]])
     ids = torch.tensor([[42]])
+
+    def step():
+        with torch.no_grad():
+            model(ids, mask, pos, past)
+
+    return step
+
+
+def interleaved_median_ms(short, long, repeats: int = 40) -> tuple[float, float]:
+    """Median ms of two step functions timed alternately, so machine drift affects both alike."""
     for _ in range(3):
-        model(ids, mask, pos, past)
-    times = []
+        short(), long()
+    times = {short: [], long: []}
     for _ in range(repeats):
-        start = time.perf_counter()
-        model(ids, mask, pos, past)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+        for fn in (short, long):
+            start = time.perf_counter()
+            fn()
+            times[fn].append(time.perf_counter() - start)
+    return statistics.median(times[short]) * 1e3, statistics.median(times[long]) * 1e3
 
 
 def main() -> None:
@@ -139,20 +150,19 @@ def main() -> None:
         theirs = hf.generate(input_ids=hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
     assert ours == eager == theirs[0, PROMPT_LEN:].tolist(), "the three implementations disagree; not timing"
 
-    rows = [
-        ("transformers generate (torch, KV cache)", *decode_rate(args.repeats, hf_run)),
-        ("kvserve eager model (torch, KV cache)", *decode_rate(args.repeats, lambda n: generate(model, [prompt], n))),
-        (f"kvserve ONNX on ONNX Runtime ({runtime.provider})", *decode_rate(args.repeats, lambda n: onnx_generate(runtime, config, prompt, n))),
-    ]
+    names = ["transformers generate (torch, KV cache)", "kvserve eager model (torch, KV cache)",
+             f"kvserve ONNX on ONNX Runtime ({runtime.provider})"]
+    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: onnx_generate(runtime, config, prompt, n)]
+    rows = [(name, *rate) for name, rate in zip(names, decode_rates(args.repeats, runners))]
     hf_rate = rows[0][1]
     print(f"## Decode, gpt2 preset (124M), batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
     print("| implementation | decode tokens/s | ms/step | vs transformers |")
     print("|---|---:|---:|---:|")
     for name, rate, ms in rows:
         print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.2f}x |")
-    onnx16, onnx1000 = onnx_step_ms(runtime, config, 16), onnx_step_ms(runtime, config, 1000)
-    eager16, eager1000 = eager_step_ms(model, 16), eager_step_ms(model, 1000)
-    print("\n## One decode step (B=1, T=1), median ms, by past length\n")
+    onnx16, onnx1000 = interleaved_median_ms(onnx_step(runtime, config, 16), onnx_step(runtime, config, 1000))
+    eager16, eager1000 = interleaved_median_ms(eager_step(model, 16), eager_step(model, 1000))
+    print("\n## One decode step (B=1, T=1), median ms, by past length (the two lengths timed alternately)\n")
     print("| implementation | past 16 | past 1,000 | ratio |")
     print("|---|---:|---:|---:|")
     print(f"| kvserve ONNX ({runtime.provider}) | {onnx16:.2f} | {onnx1000:.2f} | {onnx1000 / onnx16:.2f}x |")

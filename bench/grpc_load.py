@@ -27,6 +27,7 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 LEVELS = (1, 4, 16)
 REQUESTS_PER_STREAM = 2  # each concurrent stream sends this many requests back to back
+SINGLE_STREAM_ROUNDS = 3  # the in-process engine and gRPC at concurrency 1 take turns this many times
 LEVEL_TIME_CAP_S = 300
 
 
@@ -48,7 +49,7 @@ async def one_request(stub, ids, new_tokens):
     return stamps[0] - start, list(np.diff(stamps)), len(stamps)
 
 
-async def run_level(target, concurrency, prompt_len, new_tokens, vocab):
+async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests_per_stream=REQUESTS_PER_STREAM):
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await one_request(stub, prompt_ids(0, prompt_len, vocab), 4)  # connection and warm-up
@@ -56,7 +57,7 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab):
 
         async def stream(worker):
             nonlocal tokens
-            for k in range(REQUESTS_PER_STREAM):
+            for k in range(requests_per_stream):
                 ttft, gap, n = await one_request(stub, prompt_ids(1000 * worker + k, prompt_len, vocab), new_tokens)
                 ttfts.append(ttft)
                 gaps.extend(gap)
@@ -68,37 +69,59 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab):
     return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}
 
 
-async def in_process(artifact_dir, provider, prompt_len, new_tokens):
-    """The engine without gRPC: same requests, one stream."""
-    from kvserve.export.artifact import open_artifact
-    from kvserve.service.engine import Engine, EngineLimits, GenerationRequest
-    from kvserve.service.runtime import DecoderRuntime
-    from kvserve.service.text import ByteTokenizer
+class InProcess:
+    """The engine without gRPC, in this process: the same requests, one stream."""
 
-    artifact = open_artifact(artifact_dir)
-    config = artifact.config
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
-    engine = Engine(runtime, config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64))
-    engine.start()
+    def __init__(self, artifact_dir, provider):
+        from kvserve.export.artifact import open_artifact
+        from kvserve.service.runtime import DecoderRuntime
 
-    async def request(ids, n):
+        artifact = open_artifact(artifact_dir)
+        self.config = artifact.config
+        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider)
+
+    async def run(self, prompt_len, new_tokens, requests):
+        from kvserve.service.engine import Engine, EngineLimits
+        from kvserve.service.text import ByteTokenizer
+
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64))
+        engine.start()
+        try:
+            return await self._measure(engine, prompt_len, new_tokens, requests)
+        finally:
+            await engine.close()
+
+    async def _measure(self, engine, prompt_len, new_tokens, requests):
+        from kvserve.service.engine import GenerationRequest
+
+        async def request(ids, n):
+            start = time.perf_counter()
+            stamps = []
+            async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True)):
+                stamps.append(time.perf_counter())
+            return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+
+        vocab = self.config.vocab_size
+        await request(prompt_ids(0, prompt_len, vocab), 4)
+        ttfts, gaps, tokens = [], [], 0
         start = time.perf_counter()
-        stamps = []
-        async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True)):
-            stamps.append(time.perf_counter())
-        return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+        for k in range(requests):
+            ttft, gap, n = await request(prompt_ids(1000 + k, prompt_len, vocab), new_tokens)
+            ttfts.append(ttft)
+            gaps.extend(gap)
+            tokens += n
+        elapsed = time.perf_counter() - start
+        return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}
 
-    await request(prompt_ids(0, prompt_len, config.vocab_size), 4)
-    ttfts, gaps, tokens = [], [], 0
-    start = time.perf_counter()
-    for k in range(REQUESTS_PER_STREAM):
-        ttft, gap, n = await request(prompt_ids(k, prompt_len, config.vocab_size), new_tokens)
-        ttfts.append(ttft)
-        gaps.extend(gap)
-        tokens += n
-    elapsed = time.perf_counter() - start
-    await engine.close()
-    return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}, runtime.provider
+
+def merged(runs: list[dict]) -> dict:
+    """Several runs of one configuration as one: tokens/s over their summed time, all latencies."""
+    elapsed = sum(r["elapsed"] for r in runs)
+    tokens = sum(r["tokens_per_s"] * r["elapsed"] for r in runs)
+    return {
+        "tokens_per_s": tokens / elapsed, "elapsed": elapsed, "requests": sum(r["requests"] for r in runs),
+        "ttft": [x for r in runs for x in r["ttft"]], "itl": [x for r in runs for x in r["itl"]],
+    }
 
 
 def start_server(artifact, provider):
@@ -129,16 +152,25 @@ def main() -> None:
     from kvserve.export.artifact import open_artifact
 
     config = open_artifact(args.artifact).config
-    engine_result, provider = asyncio.run(in_process(args.artifact, args.provider, args.prompt_tokens, args.new_tokens))
+    local = InProcess(args.artifact, args.provider)
+    provider = local.runtime.provider
     process, target = start_server(args.artifact, args.provider)
     try:
-        results = {c: asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size)) for c in LEVELS}
+        engine_runs, grpc_runs = [], []
+        for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
+            engine_runs.append(asyncio.run(local.run(args.prompt_tokens, args.new_tokens, REQUESTS_PER_STREAM)))
+            grpc_runs.append(asyncio.run(run_level(target, 1, args.prompt_tokens, args.new_tokens, config.vocab_size)))
+        engine_result = merged(engine_runs)
+        results = {1: merged(grpc_runs)}
+        for c in LEVELS[1:]:
+            results[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size))
     finally:
         process.terminate()
         process.wait(60)
 
     print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
-          f"{args.new_tokens} new tokens, greedy, {REQUESTS_PER_STREAM} requests per stream, server batch <= 16\n")
+          f"{args.new_tokens} new tokens, greedy, {REQUESTS_PER_STREAM} requests per stream "
+          f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= 16\n")
     print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
 
