@@ -81,7 +81,8 @@ def _env(name: str, default, kind=str):
     try:
         return kind(value)
     except ValueError:
-        raise SystemExit(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {kind.__name__}") from None
+        print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {kind.__name__}", file=sys.stderr)
+        sys.exit(UserError.exit_code)
 
 
 def build_parser() -> argparse.ArgumentParser:

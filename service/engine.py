@@ -266,6 +266,9 @@ class BatchRunner:
 
     def _join(self, rows: list[Sequence], present: list, mask: np.ndarray, keep: list[int]) -> None:
         """Append freshly prefilled rows to the batch, padding the narrower side on the left."""
+        if not self.rows and len(keep) == mask.shape[0]:
+            self.rows, self.mask, self.past = rows, mask, present  # the batch is just these rows: no copy
+            return
         new = [a[keep] for a in self.runtime.to_host(present)]
         mask = mask[keep]
         if not self.rows:

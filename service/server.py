@@ -13,7 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.errors import JobFailed
+from kvserve.errors import JobFailed, UserError
 from kvserve.export.artifact import open_artifact
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
@@ -43,6 +43,10 @@ FINISH_REASONS = {
     FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
 }
 STATUS_OF = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE}
+
+
+class ListenFailed(UserError):
+    """The gRPC port could not be bound."""
 
 
 class ParityGateFailed(JobFailed):
@@ -229,13 +233,18 @@ class App:
 
     async def start(self) -> int:
         self.health = health.aio.HealthServicer()
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)])
+        # No SO_REUSEPORT: a second server on a taken port must fail, not silently share its traffic.
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=[("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(f"{self.options.host}:{self.options.port}")
+        address = f"{self.options.host}:{self.options.port}"
+        try:
+            self.port = self.server.add_insecure_port(address)
+        except RuntimeError:  # grpc's message says only "Failed to bind"
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"cannot listen on {self.options.host}:{self.options.port}")
+            raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()

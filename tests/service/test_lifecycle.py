@@ -255,3 +255,18 @@ def test_the_cli_client_streams_and_summarises(server):
         capture_output=True, text=True, cwd=REPO, timeout=60,
     )
     assert bad.returncode == 2 and "INVALID_ARGUMENT: max_new_tokens" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
+    taken = server.target.rsplit(":", 1)[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(server.app.options.artifact), "--port", taken],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and f"cannot listen on 127.0.0.1:{taken}" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve"], cwd=REPO, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "KVSERVE_MODEL": "x", "KVSERVE_PORT": "fifty"},
+    )
+    assert result.returncode == 2 and "KVSERVE_PORT='fifty' is not a valid int" in result.stderr
