@@ -49,23 +49,28 @@ def contract_problems(runtime: DecoderRuntime, artifact: Artifact) -> list[str]:
     return problems
 
 
+def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, capture_logits: bool = False) -> Sequence:
+    """A server-internal greedy sequence (no client, no stop rules) driven straight through a BatchRunner."""
+    return Sequence(
+        id=seq_id,
+        prompt_ids=prompt,
+        max_new_tokens=max_new_tokens,
+        params=SamplingParams(temperature=0.0),
+        stop_ids=frozenset(),
+        return_logprobs=False,
+        decoder=IncrementalDecoder(ByteTokenizer()),
+        stops=StopSequences(()),
+        captured_logits=[] if capture_logits else None,
+    )
+
+
 def replay_golden(runtime: DecoderRuntime, artifact: Artifact) -> GateResult:
     """Greedy-decode the golden prompt through BatchRunner (prefill with a zero-length past, then cached
     decode steps) and compare tokens and logits with the eager reference's record."""
     golden = artifact.golden()
     tolerance = TOLERANCES[artifact.dtype]
     steps = len(golden.tokens)
-    seq = Sequence(
-        id=0,
-        prompt_ids=golden.prompt_ids.tolist(),
-        max_new_tokens=steps,
-        params=SamplingParams(temperature=0.0),
-        stop_ids=frozenset(),
-        return_logprobs=False,
-        decoder=IncrementalDecoder(ByteTokenizer()),
-        stops=StopSequences(()),
-        captured_logits=[],
-    )
+    seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
     runner = BatchRunner(runtime, artifact.config)
     admitted = [seq]
     while not seq.finished:
@@ -97,15 +102,8 @@ def warm_up(runtime: DecoderRuntime, artifact: Artifact, batch_size: int) -> Non
     config = artifact.config
     runner = BatchRunner(runtime, config)
     prompt_len = min(8, config.n_ctx - 2)
-    rows = [
-        Sequence(
-            id=-1 - i, prompt_ids=[i % config.vocab_size] * prompt_len, max_new_tokens=2, params=SamplingParams(),
-            stop_ids=frozenset(), return_logprobs=False, decoder=IncrementalDecoder(ByteTokenizer()), stops=StopSequences(()),
-        )
-        for i in range(batch_size)
-    ]
-    runner.step(rows)
-    results = runner.step([])
+    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, 2) for i in range(batch_size)]
+    results = runner.step(rows) + runner.step([])  # prefill, then one decode; a failure in either counts
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]

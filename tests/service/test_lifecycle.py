@@ -270,3 +270,15 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
         env={**os.environ, "KVSERVE_MODEL": "x", "KVSERVE_PORT": "fifty"},
     )
     assert result.returncode == 2 and "KVSERVE_PORT='fifty' is not a valid int" in result.stderr
+
+
+def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
+    from kvserve.service import engine as engine_module
+    from kvserve.service.gate import warm_up
+
+    def failing_choose(*args):
+        raise RuntimeError("sampling broke during warm-up")
+
+    monkeypatch.setattr(engine_module, "choose", failing_choose)
+    with pytest.raises(RuntimeError, match="sampling broke during warm-up"):
+        warm_up(server.app.runtime, server.app.artifact, batch_size=2)
