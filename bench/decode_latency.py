@@ -31,27 +31,25 @@ from kvserve.service.runtime import DecoderRuntime  # noqa: E402
 PROMPT_LEN, NEW_TOKENS = 128, 128
 
 
-def best_of(repeats: int, fn) -> float:
-    """Best wall time of fn() in seconds: the least disturbed run."""
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+def timed(fn, *args) -> float:
+    """Wall time of fn(*args) in seconds."""
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 def decode_rates(repeats: int, runners: list) -> list[tuple[float, float]]:
     """(tokens/s, ms/step) of decode alone for each runner: time(N tokens) - time(1 token) over N - 1 steps.
-    The implementations take turns within every repeat, so machine drift affects all of them alike."""
+    The implementations take turns within every repeat, so machine drift affects all of them alike; the best
+    (least disturbed) time of each is kept."""
     first = [[] for _ in runners]
     full = [[] for _ in runners]
     for _ in range(repeats):
         for i, run_n in enumerate(runners):
-            first[i].append(best_of(1, lambda: run_n(1)))
-            full[i].append(best_of(1, lambda: run_n(NEW_TOKENS)))
+            first[i].append(timed(run_n, 1))
+            full[i].append(timed(run_n, NEW_TOKENS))
     rates = []
-    for t_first, t_all in zip(first, full):
+    for t_first, t_all in zip(first, full, strict=True):
         per_step = (min(t_all) - min(t_first)) / (NEW_TOKENS - 1)
         rates.append((1.0 / per_step, per_step * 1e3))
     return rates

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import re
-import statistics
 import subprocess
 import sys
 import time

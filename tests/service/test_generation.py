@@ -3,7 +3,6 @@
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
-import numpy as np
 import pytest
 import torch
 

@@ -21,7 +21,7 @@ from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from ..conftest import REPO
-from .conftest import collect, start_server
+from .conftest import start_server
 
 
 def long_request(n=200):
