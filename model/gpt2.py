@@ -3,10 +3,17 @@
 References: Radford et al., "Language Models are Unsupervised Multitask Learners" (2019); the parameter
 names follow the published GPT-2 checkpoints so loading is a key-by-key copy (see checkpoint.py).
 
-One forward serves prefill and decode. It takes the tokens of this step, an attention mask over past +
-present positions (0 marks padding), explicit position ids, and the per-layer cache of K and V, each
-(B, H, P, d_k); it returns logits and the cache grown by this step, each (B, H, P + T, d_k). P = 0 is a
-prefill. This is also exactly the graph we export (export/onnx_export.py), so there is one definition.
+One forward serves prefill and decode. It takes the tokens of this step, an attention mask over the cache
+columns (0 marks padding), explicit position ids, and the per-layer cache of K and V. The cache comes in
+one of two layouts, the same ones the export offers (export/io_contract.py):
+
+  concat   past (B, H, P, d_k) -> present (B, H, P + T, d_k): the new K/V are appended; the mask is
+           (B, P + T). P = 0 is a prefill.
+  inplace  a fixed-capacity buffer (B, H, C, d_k) -> the same buffer with this step's K/V written at the
+           columns `cache_position` (T,); the mask is (B, C). Exported, present can be the very memory past
+           was, so a decode step writes one column instead of copying the whole cache (gpt-fast's idea).
+
+This is also exactly the graph we export (export/onnx_export.py), so there is one definition.
 """
 
 from __future__ import annotations
@@ -31,17 +38,27 @@ class LayerNorm(nn.LayerNorm):
         return y.to(x.dtype)
 
 
-def attention_allowed(attention_mask: torch.Tensor, query_len: int) -> torch.Tensor:
-    """Which keys each query may attend to: causal, offset by the past length, and never padding.
+def attention_allowed(attention_mask: torch.Tensor, query_columns: torch.Tensor) -> torch.Tensor:
+    """Which keys each query may attend to: causal by cache column, and never padding.
 
-    attention_mask: (B, P + T), 1 for real tokens and 0 for padding. Returns a bool (B, 1, T, P + T).
+    attention_mask: (B, S) over the cache columns, 1 for real tokens and 0 for padding. query_columns: (T,)
+    the column each query's own K/V occupy. Returns a bool (B, 1, T, S).
     """
-    total_len = attention_mask.shape[1]
-    past_len = total_len - query_len
-    query_pos = torch.arange(query_len, device=attention_mask.device) + past_len  # (T,)
-    key_pos = torch.arange(total_len, device=attention_mask.device)  # (P + T,)
-    causal = key_pos[None, :] <= query_pos[:, None]  # (T, P + T)
-    return causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, T, P + T)
+    key_columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)  # (S,)
+    causal = key_columns[None, :] <= query_columns[:, None]  # (T, S)
+    return causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, T, S)
+
+
+def write_columns(buffer: torch.Tensor, columns: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """buffer (B, H, C, d_k) with new (B, H, T, d_k) written at the sequence columns (T,).
+
+    Spelled as one index_put over (batch, head, column) so the export is a single ScatterND whose data
+    input is the past itself (index_copy along dim 2 exports with a transpose of the whole buffer on
+    each side, which would copy it twice). Eager torch copies the buffer; the exported graph need not.
+    """
+    batch = torch.arange(buffer.shape[0], device=buffer.device)[:, None, None]  # (B, 1, 1)
+    head = torch.arange(buffer.shape[1], device=buffer.device)[None, :, None]  # (1, H, 1)
+    return torch.ops.aten.index_put(buffer, [batch, head, columns[None, None, :]], new)  # (B, H, C, d_k)
 
 
 class CausalSelfAttention(nn.Module):
@@ -52,15 +69,19 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
         self.c_proj = nn.Linear(config.d_model, config.d_model)  # W_O: mixes the concatenated heads
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+    def forward(self, x, allowed, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         k = k.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         v = v.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         past_k, past_v = past
-        k = torch.cat([past_k, k], dim=2)  # (B, H, P + T, d_k)
-        v = torch.cat([past_v, v], dim=2)  # (B, H, P + T, d_k)
+        if cache_position is None:
+            k = torch.cat([past_k, k], dim=2)  # (B, H, P + T, d_k)
+            v = torch.cat([past_v, v], dim=2)  # (B, H, P + T, d_k)
+        else:
+            k = write_columns(past_k, cache_position, k)  # (B, H, C, d_k)
+            v = write_columns(past_v, cache_position, v)  # (B, H, C, d_k)
         y = scaled_dot_product_attention(q, k, v, allowed)  # (B, H, T, d_k)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads concatenated
         return self.c_proj(y), (k, v)
@@ -72,9 +93,9 @@ def scaled_dot_product_attention(q, k, v, allowed):
     A query whose keys are all masked (a padding position) gets uniform weights, not NaN: its output is
     never read, but NaN would poison nothing less than the whole batch's logits check.
     """
-    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])  # (B, H, T, P + T)
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(q.shape[-1])  # (B, H, T, S)
     scores = torch.where(allowed, scores, torch.finfo(torch.float32).min)
-    weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, T, P + T)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, T, S)
     return weights @ v  # (B, H, T, d_k)
 
 
@@ -99,8 +120,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x: torch.Tensor, allowed: torch.Tensor, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
-        attn_out, present = self.attn(self.ln_1(x), allowed, past)
+    def forward(self, x, allowed, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
+        attn_out, present = self.attn(self.ln_1(x), allowed, past, cache_position)
         x = x + attn_out
         x = x + self.mlp(self.ln_2(x))
         return x, present
@@ -134,24 +155,31 @@ class GPT2(nn.Module):
                     param.copy_(torch.randn(param.shape, generator=generator) * std)
         return self
 
-    def empty_cache(self, batch_size: int) -> list[LayerKV]:
-        """A zero-length past for every layer: what a prefill starts from."""
+    def empty_cache(self, batch_size: int, capacity: int = 0) -> list[LayerKV]:
+        """Zeroed K/V for every layer: a zero-length past (concat), or an empty buffer of capacity columns
+        (inplace): what a prefill starts from."""
         param = self.transformer.wte.weight
-        shape = (batch_size, self.config.n_head, 0, self.config.d_head)  # (B, H, 0, d_k)
+        shape = (batch_size, self.config.n_head, capacity, self.config.d_head)  # (B, H, C, d_k)
         return [(param.new_zeros(shape), param.new_zeros(shape)) for _ in range(self.config.n_layer)]
 
     def forward(
         self,
         input_ids: torch.Tensor,  # (B, T) int64
-        attention_mask: torch.Tensor,  # (B, P + T) int64, 0 = padding
+        attention_mask: torch.Tensor,  # (B, S) int64 over the cache columns, 0 = padding
         position_ids: torch.Tensor,  # (B, T) int64
-        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H, P, d_k)
+        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H, P, d_k); inplace: (B, H, C, d_k)
+        cache_position: torch.Tensor | None = None,  # (T,) int64: inplace layout's write columns
     ) -> tuple[torch.Tensor, list[LayerKV]]:
-        allowed = attention_allowed(attention_mask, input_ids.shape[1])  # (B, 1, T, P + T)
+        T = input_ids.shape[1]
+        if cache_position is None:  # concat: this step's tokens take the last T columns
+            query_columns = torch.arange(T, device=input_ids.device) + attention_mask.shape[1] - T  # (T,)
+        else:
+            query_columns = cache_position  # (T,)
+        allowed = attention_allowed(attention_mask, query_columns)  # (B, 1, T, S)
         x = self.transformer.wte(input_ids) + self.transformer.wpe(position_ids)  # (B, T, C)
         presents = []
         for block, past in zip(self.transformer.h, past_key_values):
-            x, present = block(x, allowed, past)
+            x, present = block(x, allowed, past, cache_position)
             presents.append(present)
         x = self.transformer.ln_f(x)
         # Tied LM head; logits leave in float32 whatever the model's dtype, so sampling is precise.
