@@ -79,6 +79,11 @@ class Artifact:
         return self.manifest["dtype"]
 
     @property
+    def kv_cache(self) -> str:
+        """The graph's KV cache layout, io_contract.CONCAT or INPLACE."""
+        return self.manifest.get("kv_cache", "concat")
+
+    @property
     def manifest_sha256(self) -> str:
         return sha256_file(self.directory / MANIFEST_FILE)
 

@@ -14,6 +14,24 @@ other tools can drive a kvserve artifact:
     present.{i}.value           (batch_size, num_heads, past_sequence_length + sequence_length, head_dim)
 
 One graph serves both phases: a prefill passes past_sequence_length = 0.
+
+That is the `concat` KV cache, the default: present is a new tensor, past plus this step. Its decode step
+copies the whole cache, which grows costly with a long past on a CPU. The `inplace` cache keeps the names
+and changes the cache to a preallocated buffer of cache_capacity columns that present shares with past
+(onnxruntime-genai calls this past_present_share_buffer; the write columns are HF's cache_position):
+
+    input_ids                   (batch_size, sequence_length)                          int64
+    attention_mask              (batch_size, cache_capacity)                           int64, 0 = padding or unused
+    position_ids                (batch_size, sequence_length)                          int64
+    cache_position              (sequence_length,)                                     int64, columns written
+    past_key_values.{i}.key     (batch_size, num_heads, cache_capacity, head_dim)      model dtype
+    past_key_values.{i}.value   (batch_size, num_heads, cache_capacity, head_dim)      model dtype
+ -> logits                      (batch_size, sequence_length, vocab_size)              float32
+    present.{i}.key             (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
+    present.{i}.value           (batch_size, num_heads, cache_capacity, head_dim)
+
+Each present.{i} is a ScatterND on past.{i}: bound (IO binding) to the same memory as past, ONNX Runtime
+writes only the cache_position columns. A query at column c attends to the columns <= c that the mask keeps.
 """
 
 from __future__ import annotations
@@ -27,6 +45,11 @@ BATCH = "batch_size"
 SEQUENCE = "sequence_length"
 PAST = "past_sequence_length"
 TOTAL = "past_sequence_length + sequence_length"
+CACHE_POSITION = "cache_position"
+CAPACITY = "cache_capacity"
+
+CONCAT, INPLACE = "concat", "inplace"
+KV_CACHES = (CONCAT, INPLACE)
 
 # The KV cache axis order, (B, H, S, d_k): the sequence axis is 2.
 KV_SEQUENCE_AXIS = 2
@@ -42,27 +65,33 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
-def input_names(n_layer: int) -> list[str]:
-    return [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + [n for i in range(n_layer) for n in past_names(i)]
+def input_names(n_layer: int, kv_cache: str = CONCAT) -> list[str]:
+    step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + ([CACHE_POSITION] if kv_cache == INPLACE else [])
+    return step + [n for i in range(n_layer) for n in past_names(i)]
 
 
 def output_names(n_layer: int) -> list[str]:
     return [LOGITS] + [n for i in range(n_layer) for n in present_names(i)]
 
 
-def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str) -> dict[str, dict]:
+def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT) -> dict[str, dict]:
     """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    if kv_cache not in KV_CACHES:
+        raise ValueError(f"unsupported KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+    past_axis, present_axis = (PAST, TOTAL) if kv_cache == CONCAT else (CAPACITY, CAPACITY)
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
-        ATTENTION_MASK: {"shape": [BATCH, TOTAL], "dtype": "int64"},
+        ATTENTION_MASK: {"shape": [BATCH, present_axis], "dtype": "int64"},
         POSITION_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
     }
+    if kv_cache == INPLACE:
+        inputs[CACHE_POSITION] = {"shape": [SEQUENCE], "dtype": "int64"}
     outputs = {LOGITS: {"shape": [BATCH, SEQUENCE, vocab_size], "dtype": "float32"}}
     for layer in range(n_layer):
         for name in past_names(layer):
-            inputs[name] = {"shape": [BATCH, n_head, PAST, d_head], "dtype": dtype}
+            inputs[name] = {"shape": [BATCH, n_head, past_axis, d_head], "dtype": dtype}
         for name in present_names(layer):
-            outputs[name] = {"shape": [BATCH, n_head, TOTAL, d_head], "dtype": dtype}
+            outputs[name] = {"shape": [BATCH, n_head, present_axis, d_head], "dtype": dtype}
     return {"inputs": inputs, "outputs": outputs}

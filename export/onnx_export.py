@@ -27,7 +27,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
 class _FlatSignature(nn.Module):
-    """(input_ids, attention_mask, position_ids, past) -> (logits, present): the graph's signature."""
+    """(input_ids, attention_mask, position_ids, past) -> (logits, present): the concat graph's signature."""
 
     def __init__(self, model: GPT2):
         super().__init__()
@@ -38,18 +38,30 @@ class _FlatSignature(nn.Module):
         return logits, tuple(presents)
 
 
-def _example_inputs(model: GPT2, dtype: torch.dtype):
+class _InplaceSignature(_FlatSignature):
+    """(input_ids, attention_mask, position_ids, cache_position, past) -> (logits, present)."""
+
+    def forward(self, input_ids, attention_mask, position_ids, cache_position, past_key_values):
+        logits, presents = self.model(input_ids, attention_mask, position_ids, list(past_key_values), cache_position)
+        return logits, tuple(presents)
+
+
+def _example_inputs(model: GPT2, dtype: torch.dtype, kv_cache: str):
     # Sizes of 2 and more keep every axis symbolic while tracing (0 and 1 would be specialised);
     # the graph still runs with a zero-length past, which the parity checks exercise.
     config = model.config
     batch, seq, past = 2, 3, 4
-    kv_shape = (batch, config.n_head, past, config.d_head)  # (B, H, P, d_k)
-    return (
+    columns = past if kv_cache == io.CONCAT else past + seq + 1  # inplace: a buffer with room to spare
+    kv_shape = (batch, config.n_head, columns, config.d_head)  # (B, H, P or C, d_k)
+    step = (
         torch.zeros(batch, seq, dtype=torch.int64),
-        torch.ones(batch, past + seq, dtype=torch.int64),
+        torch.ones(batch, past + seq if kv_cache == io.CONCAT else columns, dtype=torch.int64),
         torch.zeros(batch, seq, dtype=torch.int64),
-        tuple((torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in range(config.n_layer)),
     )
+    if kv_cache == io.INPLACE:
+        step += (torch.arange(past, past + seq, dtype=torch.int64),)  # (T,)
+    kv = tuple((torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in range(config.n_layer))
+    return step + (kv,)
 
 
 def _name_axes(model_proto: onnx.ModelProto, spec: dict) -> None:
@@ -67,35 +79,61 @@ def _name_axes(model_proto: onnx.ModelProto, spec: dict) -> None:
                     raise RuntimeError(f"exported {value.name} has a dimension {dim.dim_value}, contract says {axis}")
 
 
-def export_graph(model: GPT2, directory: Path, dtype: str) -> dict:
-    """Export model in dtype to directory/model.onnx; return the facts the manifest records."""
+def inplace_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
+    """Why the graph is unsafe to run with each present bound to its past's memory; [] when it is safe.
+
+    Safe means: present.{i} is produced by a ScatterND whose data input is past.{i} itself (so ONNX Runtime
+    skips the copy when the buffers coincide), and nothing else reads past.{i}'s values (a reader scheduled
+    after the write would see this step's K/V). Reading only its shape is harmless.
+    """
+    producers = {out: node for node in graph.node for out in node.output}
+    problems = []
+    for layer in range(n_layer):
+        for past, present in zip(io.past_names(layer), io.present_names(layer)):
+            writer = producers.get(present)
+            if writer is None or writer.op_type != "ScatterND" or writer.input[0] != past:
+                problems.append(f"{present} is not a ScatterND into {past}")
+            readers = [n.op_type for n in graph.node if past in n.input and n is not writer and n.op_type != "Shape"]
+            if readers:
+                problems.append(f"{past} is also read by {', '.join(readers)}")
+    return problems
+
+
+def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CONCAT) -> dict:
+    """Export model in dtype, with the kv_cache layout, to directory/model.onnx; return the manifest's facts."""
     config = model.config
     torch_dtype = TORCH_DTYPES[dtype]
     model = copy.deepcopy(model).to(torch_dtype).eval()  # the caller keeps its float32 reference
     n_layer = config.n_layer
     dynamic = Dim.DYNAMIC
-    dynamic_shapes = {
-        "input_ids": {0: dynamic, 1: dynamic},
-        "attention_mask": {0: dynamic, 1: dynamic},
-        "position_ids": {0: dynamic, 1: dynamic},
-        "past_key_values": tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer)),
-    }
+    step_axes = {name: {0: dynamic, 1: dynamic} for name in ("input_ids", "attention_mask", "position_ids")}
+    kv_axes = tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer))
+    if kv_cache == io.CONCAT:
+        signature = _FlatSignature(model)
+        dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
+    else:
+        signature = _InplaceSignature(model)
+        dynamic_shapes = {**step_axes, "cache_position": {0: dynamic}, "past_key_values": kv_axes}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's concern
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         program = torch.onnx.export(
-            _FlatSignature(model),
-            _example_inputs(model, torch_dtype),
+            signature,
+            _example_inputs(model, torch_dtype, kv_cache),
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
-            input_names=io.input_names(n_layer),
+            input_names=io.input_names(n_layer, kv_cache),
             output_names=io.output_names(n_layer),
             opset_version=OPSET,
             verbose=False,
         )
     model_proto = program.model_proto
-    spec = io.io_spec(n_layer, config.n_head, config.d_head, config.vocab_size, dtype)
+    spec = io.io_spec(n_layer, config.n_head, config.d_head, config.vocab_size, dtype, kv_cache)
     _name_axes(model_proto, spec)
+    if kv_cache == io.INPLACE:
+        problems = inplace_write_problems(model_proto.graph, n_layer)
+        if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
+            raise RuntimeError("the inplace KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
     model_proto.ir_version = IR_VERSION
     model_proto.producer_name = "kvserve"
     weight_bytes = sum(t.ByteSize() for t in model_proto.graph.initializer)
@@ -110,4 +148,4 @@ def export_graph(model: GPT2, directory: Path, dtype: str) -> dict:
         size_threshold=1024,
     )
     onnx.checker.check_model(str(path), full_check=True)
-    return {"opset": OPSET, "ir_version": IR_VERSION, "external_data": external, **spec}
+    return {"opset": OPSET, "ir_version": IR_VERSION, "external_data": external, "kv_cache": kv_cache, **spec}

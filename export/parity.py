@@ -87,7 +87,8 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
         raise ArtifactError(f"{artifact.directory}: the reference checkpoint's config differs from the artifact's config.json")
     reference = reference.float().eval()
     tolerance = TOLERANCES[artifact.dtype]
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
+    # An inplace cache starts at 16 columns here, so the decode and greedy checks cross a buffer growth.
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache, min_capacity=16)
     rng = np.random.default_rng(0)
     max_prompt = max(1, min(33, config.n_ctx - steps - 1))
     checks: list[dict] = []
@@ -175,6 +176,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     return {
         "artifact": str(artifact.directory),
         "dtype": artifact.dtype,
+        "kv_cache": artifact.kv_cache,
         "provider": runtime.provider,
         "provider_note": runtime.fallback_reason,
         "tolerance": asdict(tolerance),
@@ -190,7 +192,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
 def format_report(report: dict) -> str:
     """A markdown table of the checks, then the greedy, K/V and provider lines."""
     lines = [
-        f"parity: {report['artifact']} ({report['dtype']}) on {report['provider']}",
+        f"parity: {report['artifact']} ({report['dtype']}, {report.get('kv_cache', 'concat')} KV cache) on {report['provider']}",
         "",
         "| check | max abs Δ logits | mean abs Δ logits | top-1 agree | max abs Δ K/V | ok |",
         "|---|---:|---:|---:|---:|:-:|",

@@ -24,6 +24,7 @@ from kvserve.model.generate import generate
 from kvserve.model.gpt2 import GPT2, build
 
 from . import artifact as art
+from . import io_contract as io
 from .onnx_export import export_graph
 from .parity import format_report, verify, write_report
 
@@ -83,16 +84,19 @@ def export_artifact(
     overwrite: bool = False,
     provider: str = "auto",
     tokenizer_dir: str | Path | None = None,
+    kv_cache: str = io.CONCAT,
 ) -> dict:
     """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
     out = Path(out).resolve()
+    if kv_cache not in io.KV_CACHES:
+        raise ExportError(f"unknown KV cache layout {kv_cache!r}; choose one of {', '.join(io.KV_CACHES)}")
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = model.float().eval()
-        graph = export_graph(model, staging, dtype)
+        graph = export_graph(model, staging, dtype, kv_cache)
         (staging / art.CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
@@ -108,6 +112,7 @@ def export_artifact(
             "external_data": graph["external_data"],
             "inputs": graph["inputs"],
             "outputs": graph["outputs"],
+            "kv_cache": kv_cache,
             "kv_layout": "(batch_size, num_heads, sequence, head_dim) per layer, key and value",
             "source": source,
             "weights_sha256": weights_checksum(model),

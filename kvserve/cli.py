@@ -18,7 +18,7 @@ def _export(args) -> int:
     model, source = load_source(args.preset, args.checkpoint, args.seed)
     report = export_artifact(
         model, source, args.out, dtype=args.dtype, overwrite=args.overwrite, provider=args.provider,
-        tokenizer_dir=args.checkpoint,
+        tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache,
     )
     print(format_report(report))
     print(f"artifact written to {args.out}")
@@ -96,6 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--checkpoint", help="a GPT-2-format checkpoint directory (config.json + weights)")
     export.add_argument("--out", required=True, help="the artifact directory to write")
     export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    export.add_argument(
+        "--kv-cache", choices=("concat", "inplace"), default="concat",
+        help="KV cache layout: concat (present = past + step; Optimum's I/O) or inplace (a buffer written in place; "
+        "decode cost flat in the past length)",
+    )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
     export.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto", help="for the parity check")

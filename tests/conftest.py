@@ -42,6 +42,16 @@ def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_inplace_artifact(tmp_path_factory, tiny_model) -> Path:
+    """The tiny preset exported with the inplace KV cache (`kvserve export --kv-cache inplace`)."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-inplace"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER, kv_cache="inplace")
+    return out
+
+
+@pytest.fixture(scope="session")
 def make_hf_checkpoint(tmp_path_factory):
     """Factory: a transformers GPT2LMHeadModel with random weights from a config, saved locally."""
     import torch

@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.export import io_contract as io
 from kvserve.export.artifact import open_artifact
-from kvserve.export.onnx_export import IR_VERSION
+from kvserve.export.onnx_export import IR_VERSION, inplace_write_problems
 
 from ..conftest import run_cli
 
@@ -125,3 +125,42 @@ def test_export_failure_midway_leaves_nothing(tmp_path, tiny_model, monkeypatch)
     with pytest.raises(RuntimeError):
         pipeline.export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "x", provider="cpu")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_inplace_artifact_declares_its_layout_and_writes_each_present_into_its_past(tiny_inplace_artifact):
+    artifact = open_artifact(tiny_inplace_artifact)
+    config, manifest = artifact.config, artifact.manifest
+    assert artifact.kv_cache == manifest["kv_cache"] == io.INPLACE
+    assert list(manifest["inputs"]) == io.input_names(config.n_layer, io.INPLACE)
+    assert manifest["inputs"][io.CACHE_POSITION]["shape"] == [io.SEQUENCE]
+    assert manifest["inputs"][io.ATTENTION_MASK]["shape"] == [io.BATCH, io.CAPACITY]
+    kv_shape = [io.BATCH, config.n_head, io.CAPACITY, config.d_head]
+    assert manifest["inputs"]["past_key_values.1.value"]["shape"] == manifest["outputs"]["present.1.value"]["shape"] == kv_shape
+    graph = onnx.load(str(tiny_inplace_artifact / "model.onnx")).graph
+    assert inplace_write_problems(graph, config.n_layer) == []
+    assert json.loads((tiny_inplace_artifact / "parity.json").read_text())["kv_cache"] == io.INPLACE
+
+
+def test_inplace_write_check_refuses_a_graph_that_reads_the_past_elsewhere():
+    from onnx import TensorProto, helper
+
+    kv = [1, 2, 8, 4]
+    graph = helper.make_graph(
+        [
+            helper.make_node("ScatterND", ["past_key_values.0.key", "idx", "new"], ["present.0.key"]),
+            helper.make_node("ReduceSum", ["past_key_values.0.key"], ["total"]),  # a reader of the old values
+            helper.make_node("Concat", ["past_key_values.0.value", "new"], ["present.0.value"], axis=2),
+        ],
+        "bad",
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in ("past_key_values.0.key", "past_key_values.0.value")]
+        + [helper.make_tensor_value_info("idx", TensorProto.INT64, [1, 2, 1, 3]), helper.make_tensor_value_info("new", TensorProto.FLOAT, [1, 2, 1, 4])],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("present.0.key", "present.0.value", "total")],
+    )
+    problems = inplace_write_problems(graph, 1)
+    assert problems == ["past_key_values.0.key is also read by ReduceSum", "present.0.value is not a ScatterND into past_key_values.0.value"]
+
+
+def test_export_cli_takes_the_kv_cache_layout_and_refuses_an_unknown_one(tmp_path):
+    result = run_cli("export", "--preset", "tiny", "--out", str(tmp_path / "x"), "--kv-cache", "paged")
+    assert result.returncode == 2 and "invalid choice: 'paged'" in result.stderr
+    assert not (tmp_path / "x").exists()

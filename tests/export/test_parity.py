@@ -66,3 +66,12 @@ def test_verify_cli_rejects_a_missing_artifact_and_cuda_without_a_gpu(tmp_path, 
     if _cuda_missing_reason() is not None:  # on a GPU host this request is valid and tested by bench/gpu_check
         result = run_cli("verify", str(tiny_artifact), "--provider", "cuda", "--report", str(tmp_path / "r.json"))
         assert result.returncode == 2 and "CUDA requested but unavailable" in result.stderr
+
+
+def test_verify_passes_the_inplace_artifact_across_a_buffer_growth(tiny_inplace_artifact, tiny_model):
+    # verify starts inplace buffers at 16 columns: the 13-token decode prompt grows its buffer after 3 steps.
+    report = verify(tiny_inplace_artifact, tiny_model, provider=PROVIDER)
+    assert report["passed"], report["failures"]
+    assert report["kv_cache"] == "inplace" and report["greedy"]["identical"]
+    assert all(c["max_abs_logits"] <= 1e-4 for c in report["checks"])
+    assert "inplace KV cache" in format_report(report)
