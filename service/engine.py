@@ -6,10 +6,12 @@ One scheduler loop owns the model. Each iteration is one step over the whole run
   3. waiting requests (as many as free rows allow) are prefilled together and join the batch.
 A sequence that finishes leaves at the end of the step that finished it.
 
-The batch's cache is one (B, H, P, d_k) tensor per layer and K/V, rows right-aligned: each row's newest
-token sits in the last column and shorter rows are left-padded (masked out by attention_mask). Position
+The batch's cache is P columns of (B, H, ., d_k) per layer and K/V, rows right-aligned: each row's newest
+token sits in column P - 1 and shorter rows are left-padded (masked out by attention_mask). Position
 ids are per row, so a row computes exactly what its sequence would alone. Between steps the cache stays
 where the runtime put it (GPU memory under CUDA); it is reshaped on the host only when rows join or leave.
+Whether those P columns are the whole tensor (concat artifacts) or the front of a larger buffer written in
+place (inplace artifacts) is the runtime's business (runtime.DeviceCache); every row writes column P.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import numpy as np
 from kvserve.export.io_contract import KV_SEQUENCE_AXIS
 from kvserve.model.config import DecoderConfig
 
-from .runtime import DecoderRuntime
+from .runtime import DecoderRuntime, DeviceCache
 from .sampling import SamplingParams, choose, log_probability
 from .text import IncrementalDecoder, StopSequences, Tokenizer
 
@@ -196,17 +198,16 @@ class BatchRunner:
         self.runtime = runtime
         self.config = config
         self.rows: list[Sequence] = []
-        self.past: list = []  # 2 * n_layer device values, each (B, H, P, d_k)
+        self.past: DeviceCache | None = None  # P columns in use, each (B, H, P, d_k) or a larger buffer
         self.mask = np.zeros((0, 0), dtype=np.int64)  # (B, P): 1 where a row has a real token
         self._bytes_per_cell = 2 * config.n_layer * config.n_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
 
     def kv_bytes(self) -> int:
-        """Bytes of K/V held: B x P cells (padding included) x both tensors of every layer."""
-        rows, width = self.mask.shape
-        return rows * width * self._bytes_per_cell
+        """Bytes of K/V held: B x capacity cells (padding and spare columns included) x K, V of every layer."""
+        return len(self.rows) * self.row_bytes()
 
     def row_bytes(self) -> int:
-        return self.mask.shape[1] * self._bytes_per_cell
+        return (self.past.capacity if self.past is not None else 0) * self._bytes_per_cell
 
     def step(self, admitted: list[Sequence]) -> list[tuple[Sequence, StepEvent | BaseException]]:
         results: list[tuple[Sequence, StepEvent | BaseException]] = []
@@ -220,7 +221,7 @@ class BatchRunner:
 
     def fail_all(self, error: BaseException) -> list[tuple[Sequence, BaseException]]:
         failed = [(s, error) for s in self.rows]
-        self.rows, self.past, self.mask = [], [], np.zeros((0, 0), dtype=np.int64)
+        self.rows, self.past, self.mask = [], None, np.zeros((0, 0), dtype=np.int64)
         return failed
 
     def _advance_each(self, rows: list[Sequence], logits: np.ndarray):
@@ -264,7 +265,7 @@ class BatchRunner:
             self._join([admitted[r] for r in staying], out.present, mask, staying)
         return results
 
-    def _join(self, rows: list[Sequence], present: list, mask: np.ndarray, keep: list[int]) -> None:
+    def _join(self, rows: list[Sequence], present: DeviceCache, mask: np.ndarray, keep: list[int]) -> None:
         """Append freshly prefilled rows to the batch, padding the narrower side on the left."""
         if not self.rows and len(keep) == mask.shape[0]:
             self.rows, self.mask, self.past = rows, mask, present  # the batch is just these rows: no copy
@@ -289,7 +290,7 @@ class BatchRunner:
             return
         keep = [row for row, seq in enumerate(self.rows) if seq not in leaving]
         if not keep:
-            self.rows, self.past, self.mask = [], [], np.zeros((0, 0), dtype=np.int64)
+            self.rows, self.past, self.mask = [], None, np.zeros((0, 0), dtype=np.int64)
             return
         mask = self.mask[keep]
         first_used = int(np.argmax(mask.any(axis=0)))  # columns left of this are padding in every row

@@ -4,6 +4,12 @@ It opens the artifact's graph on the best provider it can (CUDA, then CPU), says
 and runs one step with IO binding: the K/V cache goes in and comes out as OrtValues that stay on the
 device (GPU memory under CUDA), so the decode loop never copies the cache through the host. Only the
 logits come back to host memory, because sampling happens there.
+
+Callers see one cache whatever the artifact's layout (export/io_contract.py): a DeviceCache whose first
+`length` columns hold the sequence, fed an attention mask over those columns. Under the inplace layout the
+cache is a buffer with spare columns: each step's present is bound to the past's own memory, so ONNX
+Runtime writes this step's columns and copies nothing; when a step needs more columns than the buffer
+has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
 """
 
 from __future__ import annotations
@@ -54,19 +60,57 @@ def _cuda_missing_reason() -> str | None:
     return None
 
 
+# The inplace layout's smallest buffer: short sequences stay cheap, and a decode step rarely has to grow one.
+MIN_CAPACITY = 64
+
+
+def inplace_capacity(columns: int, minimum: int = MIN_CAPACITY) -> int:
+    """The buffer capacity that holds columns: a power of two, at least minimum."""
+    return max(minimum, 1 << max(columns - 1, 0).bit_length())
+
+
+@dataclass(frozen=True)
+class DeviceCache:
+    """The batch's K/V between steps: per layer K and V interleaved, OrtValues (B, H, capacity, d_k) on the
+    session's device, whose first `length` columns hold the sequence. concat: capacity == length.
+
+    A step consumes its past: under the inplace layout it writes into the past's memory, so only the
+    present it returns may be used afterwards."""
+
+    values: list
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return self.values[0].shape()[io.KV_SEQUENCE_AXIS] if self.values else 0
+
+
 @dataclass(frozen=True)
 class StepOutput:
     logits: np.ndarray  # (B, T, V) float32, in host memory
-    present: list  # per layer [K, V] interleaved, OrtValues (B, H, P + T, d_k) on the session's device
+    present: DeviceCache  # length P + T
 
 
 class DecoderRuntime:
     """One ONNX Runtime session over an exported decoder graph."""
 
-    def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0):
+    def __init__(
+        self,
+        model_path: str | Path,
+        n_layer: int,
+        dtype: str,
+        provider: str = "auto",
+        threads: int = 0,
+        kv_cache: str = io.CONCAT,
+        min_capacity: int = MIN_CAPACITY,  # inplace: the smallest buffer, in columns
+    ):
         if provider not in PROVIDER_CHOICES:
             raise ProviderUnavailable(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
+        if kv_cache not in io.KV_CACHES:
+            raise ValueError(f"unknown KV cache layout {kv_cache!r}; choose one of {', '.join(io.KV_CACHES)}")
         self.n_layer = n_layer
+        self.kv_cache = kv_cache
+        self.min_capacity = min_capacity
         self.kv_dtype = NUMPY_DTYPES[dtype]
         self.fallback_reason: str | None = None
         providers = [CPU]
@@ -105,30 +149,58 @@ class DecoderRuntime:
 
     # --- the K/V cache as device values --------------------------------------------------------
 
-    def to_device(self, arrays: list[np.ndarray]) -> list:
-        return [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0) for a in arrays]
+    def to_device(self, arrays: list[np.ndarray], room_for: int = 1) -> DeviceCache:
+        """A cache holding arrays, each (B, H, S, d_k); inplace: in a buffer with room for room_for more columns."""
+        length = arrays[0].shape[io.KV_SEQUENCE_AXIS]
+        if self.kv_cache == io.INPLACE:
+            arrays = [self._in_buffer(a, inplace_capacity(length + room_for, self.min_capacity)) for a in arrays]
+        values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0) for a in arrays]
+        return DeviceCache(values, length)
 
     @staticmethod
-    def to_host(values: list) -> list[np.ndarray]:
-        return [v.numpy() for v in values]
+    def to_host(cache: DeviceCache) -> list[np.ndarray]:
+        """The cache's columns in use, each (B, H, length, d_k), in host memory. On the CPU provider these are
+        views of the cache itself: read them before the next step."""
+        return [v.numpy()[:, :, : cache.length] for v in cache.values]
 
-    def empty_past(self, batch_size: int, n_head: int, d_head: int) -> list:
+    def empty_past(self, batch_size: int, n_head: int, d_head: int) -> DeviceCache:
         shape = (batch_size, n_head, 0, d_head)  # (B, H, 0, d_k): a prefill
-        return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names])
+        return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names], room_for=0)
+
+    def _in_buffer(self, array: np.ndarray, capacity: int) -> np.ndarray:
+        """(B, H, S, d_k) -> (B, H, capacity, d_k), zero beyond S."""
+        buffer = np.zeros(array.shape[:2] + (capacity,) + array.shape[3:], dtype=self.kv_dtype)  # (B, H, C, d_k)
+        buffer[:, :, : array.shape[io.KV_SEQUENCE_AXIS]] = array
+        return buffer
 
     # --- one step ---------------------------------------------------------------------------------
 
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: list) -> StepOutput:
-        """input_ids, position_ids (B, T); attention_mask (B, P + T); past: 2 * n_layer OrtValues (B, H, P, d_k)."""
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: DeviceCache) -> StepOutput:
+        """input_ids, position_ids (B, T); attention_mask (B, P + T) over the past's P columns and this step's T."""
+        step_len, total = input_ids.shape[1], attention_mask.shape[1]
+        if total != past.length + step_len:
+            raise ValueError(f"attention_mask has {total} columns; the cache holds {past.length} and the step adds {step_len}")
         binding = self.session.io_binding()
         binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
         binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids, dtype=np.int64))
-        for name, value in zip(self._past_names, past):
-            binding.bind_ortvalue_input(name, value)
         binding.bind_output(io.LOGITS, "cpu")
-        for name in self._present_names:
-            binding.bind_output(name, self.device, 0)
+        if self.kv_cache == io.INPLACE:
+            if total > past.capacity:
+                past = self.to_device(self.to_host(past), room_for=step_len + 1)  # this step and the next token
+            mask = np.zeros((attention_mask.shape[0], past.capacity), dtype=np.int64)  # (B, C): unused columns 0
+            mask[:, :total] = attention_mask
+            binding.bind_cpu_input(io.ATTENTION_MASK, mask)
+            binding.bind_cpu_input(io.CACHE_POSITION, np.arange(past.length, total, dtype=np.int64))  # (T,)
+            for past_name, present_name, value in zip(self._past_names, self._present_names, past.values):
+                binding.bind_ortvalue_input(past_name, value)
+                binding.bind_ortvalue_output(present_name, value)  # the same memory: written in place
+        else:
+            binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
+            for name, value in zip(self._past_names, past.values):
+                binding.bind_ortvalue_input(name, value)
+            for name in self._present_names:
+                binding.bind_output(name, self.device, 0)
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        return StepOutput(logits=outputs[0].numpy(), present=list(outputs[1:]))
+        present = past.values if self.kv_cache == io.INPLACE else list(outputs[1:])
+        return StepOutput(logits=outputs[0].numpy(), present=DeviceCache(present, total))

@@ -171,6 +171,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             ),
             parity_gate=pb.ParityGate(passed=app.gate.passed, overridden=app.gate.overridden, summary=app.gate.summary),
             tokenizer=engine.tokenizer.name,
+            kv_cache=app.artifact.kv_cache,
         )
 
 
@@ -259,7 +260,9 @@ class App:
         options = self.options
         self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
         config = self.artifact.config
-        self.runtime = await asyncio.to_thread(DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider)
+        self.runtime = await asyncio.to_thread(
+            DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider, kv_cache=self.artifact.kv_cache
+        )
         if self.runtime.fallback_reason:
             log.warning("serving on the CPU provider: %s", self.runtime.fallback_reason)
         log.info("execution provider: %s", self.runtime.provider)
