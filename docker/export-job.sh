@@ -5,20 +5,22 @@
 #   KVSERVE_EXPORT_CHECKPOINT  a GPT-2 checkpoint directory to export, or
 #   KVSERVE_EXPORT_PRESET      a preset (tiny, gpt2) when no checkpoint is given (default gpt2)
 #   KVSERVE_EXPORT_DTYPE       float32 or float16 (default float32)
+#   KVSERVE_EXPORT_KV_CACHE    concat or inplace (default concat; see README, "The graph's KV contract")
 #   KVSERVE_VERIFY_PROVIDER    provider for the parity check (default auto)
 set -eu
 out=${KVSERVE_MODEL:-/artifacts/model}
 dtype=${KVSERVE_EXPORT_DTYPE:-float32}
+kv_cache=${KVSERVE_EXPORT_KV_CACHE:-concat}
 if [ -n "${KVSERVE_EXPORT_CHECKPOINT:-}" ]; then
   set -- --checkpoint "$KVSERVE_EXPORT_CHECKPOINT"
 else
   set -- --preset "${KVSERVE_EXPORT_PRESET:-gpt2}"
 fi
-stamp="$*|$dtype"
+stamp="$*|$dtype|$kv_cache"
 if [ -f "$out/manifest.json" ] && [ "$(cat "$out.source" 2>/dev/null)" = "$stamp" ]; then
   echo "kvserve-export-job: $out already holds $stamp; verifying it"
 else
-  kvserve export "$@" --dtype "$dtype" --out "$out" --overwrite
+  kvserve export "$@" --dtype "$dtype" --kv-cache "$kv_cache" --out "$out" --overwrite
   printf '%s' "$stamp" > "$out.source"
 fi
 kvserve verify "$out" --provider "${KVSERVE_VERIFY_PROVIDER:-auto}"
