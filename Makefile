@@ -55,7 +55,7 @@ test: setup system-tools
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python bench/decode_latency.py --artifact $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/decode_latency.py --artifact $(ARTIFACTS)/gpt2 --inplace-artifact $(ARTIFACTS)/gpt2-inplace
 	$(BIN)/python bench/grpc_load.py --artifact $(ARTIFACTS)/gpt2
 
 constraints:

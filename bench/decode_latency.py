@@ -1,10 +1,12 @@
 """Decode speed of the gpt2 preset (124M): transformers' generate vs our eager model vs our ONNX graph.
 
 Batch 1, greedy, a 128-token prompt, 128 new tokens, the same weights everywhere. Decode tokens/s counts
-the 127 tokens after the first (prefill excluded). Also the cost of one ONNX decode step at past 16 vs
-past 1,000. Prints a markdown table and the machine it ran on.
+the 127 tokens after the first (prefill excluded). Also the cost of one decode step at past 16 vs past
+1,000. The ONNX graph is timed in both KV cache layouts (concat and inplace, see export/io_contract.py).
+Prints markdown tables and the machine it ran on.
 
-    python bench/decode_latency.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--repeats 3]
+    python bench/decode_latency.py [--artifact artifacts/gpt2] [--inplace-artifact artifacts/gpt2-inplace]
+                                   [--provider auto|cpu|cuda] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ def onnx_generate(runtime: DecoderRuntime, config, prompt: list[int], n: int) ->
 
 
 def onnx_step(runtime: DecoderRuntime, config, past_len: int):
-    """A callable running one decode step (B=1, T=1) over a past of past_len positions."""
+    """A callable running one decode step (B=1, T=1) over a past of past_len positions. Every call starts from
+    the same past; an inplace buffer is rewritten at the same column each time, which changes nothing timed."""
     rng = np.random.default_rng(0)
     shape = (1, config.n_head, past_len, config.d_head)  # (B, H, P, d_k)
     past = runtime.to_device([rng.standard_normal(shape).astype(runtime.kv_dtype) for _ in range(2 * config.n_layer)])
@@ -111,22 +114,32 @@ def interleaved_median_ms(short, long, repeats: int = 40) -> tuple[float, float]
     return statistics.median(times[short]) * 1e3, statistics.median(times[long]) * 1e3
 
 
+def open_gpt2(path: str, kv_cache: str, provider: str, model, source) -> DecoderRuntime:
+    """A runtime over the gpt2 preset (seed 0) exported with kv_cache at path; exported there first if missing."""
+    if not Path(path).exists():
+        print(f"exporting the gpt2 preset ({kv_cache} KV cache) to {path} ...", file=sys.stderr)
+        export_artifact(model, source, path, provider=provider, kv_cache=kv_cache)
+    artifact = open_artifact(path)
+    if artifact.manifest["source"] != source or artifact.kv_cache != kv_cache:
+        sys.exit(f"{path} is not the gpt2 preset (seed 0) with the {kv_cache} KV cache")
+    config = artifact.config
+    return DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=kv_cache)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--artifact", default="artifacts/gpt2", help="exported here first if missing")
+    parser.add_argument("--artifact", default="artifacts/gpt2", help="concat KV cache; exported here first if missing")
+    parser.add_argument("--inplace-artifact", default="artifacts/gpt2-inplace", help="inplace KV cache; exported if missing")
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     model, source = load_source("gpt2", None, seed=0)
-    if not Path(args.artifact).exists():
-        print(f"exporting the gpt2 preset to {args.artifact} ...", file=sys.stderr)
-        export_artifact(model, source, args.artifact, provider=args.provider)
-    artifact = open_artifact(args.artifact)
-    if artifact.manifest["source"] != source:
-        sys.exit(f"{args.artifact} was not exported from the gpt2 preset with seed 0")
-    config = artifact.config
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider)
+    concat = open_gpt2(args.artifact, "concat", args.provider, model, source)
+    inplace = open_gpt2(args.inplace_artifact, "inplace", args.provider, model, source)
+    if concat.kv_dtype != inplace.kv_dtype:
+        sys.exit(f"{args.artifact} and {args.inplace_artifact} differ in dtype; compare like with like")
+    config = model.config
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
 
     from transformers import GPT2LMHeadModel
@@ -142,15 +155,17 @@ def main() -> None:
                         do_sample=False, pad_token_id=0)
 
     # Same weights, same tokens: check before timing anything.
-    ours = onnx_generate(runtime, config, prompt, 16)
     eager = generate(model, [prompt], 16).tokens[0].tolist()
     with torch.no_grad():
         theirs = hf.generate(input_ids=hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
-    assert ours == eager == theirs[0, PROMPT_LEN:].tolist(), "the three implementations disagree; not timing"
+    ours = [onnx_generate(runtime, config, prompt, 16) for runtime in (concat, inplace)]
+    assert ours[0] == ours[1] == eager == theirs[0, PROMPT_LEN:].tolist(), "the implementations disagree; not timing"
 
+    provider = concat.provider
     names = ["transformers generate (torch, KV cache)", "kvserve eager model (torch, KV cache)",
-             f"kvserve ONNX on ONNX Runtime ({runtime.provider})"]
-    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: onnx_generate(runtime, config, prompt, n)]
+             f"kvserve ONNX, concat KV cache ({provider})", f"kvserve ONNX, inplace KV cache ({provider})"]
+    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: onnx_generate(concat, config, prompt, n),
+               lambda n: onnx_generate(inplace, config, prompt, n)]
     rows = [(name, *rate) for name, rate in zip(names, decode_rates(args.repeats, runners))]
     hf_rate = rows[0][1]
     print(f"## Decode, gpt2 preset (124M), batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
@@ -158,14 +173,15 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, rate, ms in rows:
         print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.2f}x |")
-    onnx16, onnx1000 = interleaved_median_ms(onnx_step(runtime, config, 16), onnx_step(runtime, config, 1000))
-    eager16, eager1000 = interleaved_median_ms(eager_step(model, 16), eager_step(model, 1000))
     print("\n## One decode step (B=1, T=1), median ms, by past length (the two lengths timed alternately)\n")
     print("| implementation | past 16 | past 1,000 | ratio |")
     print("|---|---:|---:|---:|")
-    print(f"| kvserve ONNX ({runtime.provider}) | {onnx16:.2f} | {onnx1000:.2f} | {onnx1000 / onnx16:.2f}x |")
-    print(f"| kvserve eager | {eager16:.2f} | {eager1000:.2f} | {eager1000 / eager16:.2f}x |")
-    print(f"\nmachine: {describe(runtime.provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    for name, runtime in ((f"kvserve ONNX, concat KV cache ({provider})", concat), (f"kvserve ONNX, inplace KV cache ({provider})", inplace)):
+        short, long = interleaved_median_ms(onnx_step(runtime, config, 16), onnx_step(runtime, config, 1000))
+        print(f"| {name} | {short:.2f} | {long:.2f} | {long / short:.2f}x |")
+    short, long = interleaved_median_ms(eager_step(model, 16), eager_step(model, 1000))
+    print(f"| kvserve eager | {short:.2f} | {long:.2f} | {long / short:.2f}x |")
+    print(f"\nmachine: {describe(provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
 if __name__ == "__main__":

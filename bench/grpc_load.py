@@ -77,7 +77,7 @@ class InProcess:
 
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
-        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider)
+        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache)
 
     async def run(self, prompt_len, new_tokens, requests):
         from kvserve.service.engine import Engine, EngineLimits
