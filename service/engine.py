@@ -176,14 +176,16 @@ class Sequence:
 # --- the running batch (runs on the step thread) ------------------------------------------------------
 
 
-def _left_pad_kv(array: np.ndarray, width: int) -> np.ndarray:
-    """(B, H, S, d_k) -> (B, H, width, d_k) with zero columns on the left."""
-    missing = width - array.shape[KV_SEQUENCE_AXIS]
-    if missing == 0:
-        return array
-    pad = [(0, 0)] * array.ndim
-    pad[KV_SEQUENCE_AXIS] = (missing, 0)
-    return np.pad(array, pad)
+def _stack_right_aligned(parts: list[np.ndarray], width: int) -> np.ndarray:
+    """Rows of several (B_i, H, S_i, d_k) caches -> one (sum B_i, H, width, d_k), each right-aligned (zero
+    columns on the left): one pass over the data, since joins under load move the whole batch's cache."""
+    rows = sum(p.shape[0] for p in parts)
+    out = np.zeros((rows,) + parts[0].shape[1:2] + (width,) + parts[0].shape[3:], dtype=parts[0].dtype)  # (B, H, width, d_k)
+    start = 0
+    for part in parts:
+        out[start : start + part.shape[0], :, width - part.shape[KV_SEQUENCE_AXIS] :] = part
+        start += part.shape[0]
+    return out
 
 
 def _left_pad_mask(mask: np.ndarray, width: int) -> np.ndarray:
@@ -278,9 +280,7 @@ class BatchRunner:
             return
         old = self.runtime.to_host(self.past)
         width = max(self.mask.shape[1], mask.shape[1])
-        self.past = self.runtime.to_device(
-            [np.concatenate([_left_pad_kv(o, width), _left_pad_kv(n, width)], axis=0) for o, n in zip(old, new)]
-        )
+        self.past = self.runtime.to_device([_stack_right_aligned([o, n], width) for o, n in zip(old, new)])
         self.mask = np.concatenate([_left_pad_mask(self.mask, width), _left_pad_mask(mask, width)], axis=0)
         self.rows = self.rows + rows
 
@@ -294,7 +294,7 @@ class BatchRunner:
             return
         mask = self.mask[keep]
         first_used = int(np.argmax(mask.any(axis=0)))  # columns left of this are padding in every row
-        self.past = self.runtime.to_device([a[keep][:, :, first_used:] for a in self.runtime.to_host(self.past)])
+        self.past = self.runtime.to_device([a[keep, :, first_used:] for a in self.runtime.to_host(self.past)])  # one copy
         self.mask = mask[:, first_used:]
         self.rows = [self.rows[row] for row in keep]
 
