@@ -176,14 +176,15 @@ class Sequence:
 # --- the running batch (runs on the step thread) ------------------------------------------------------
 
 
-def _stack_right_aligned(parts: list[np.ndarray], width: int) -> np.ndarray:
-    """Rows of several (B_i, H, S_i, d_k) caches -> one (sum B_i, H, width, d_k), each right-aligned (zero
-    columns on the left): one pass over the data, since joins under load move the whole batch's cache."""
+def _stack_right_aligned(parts: list[np.ndarray], width: int, columns: int) -> np.ndarray:
+    """Rows of several (B_i, H, S_i, d_k) caches -> one (sum B_i, H, columns, d_k) whose first width columns
+    hold every row right-aligned (zero columns on the left), the rest zero: one pass over the data, since
+    joins under load move the whole batch's cache."""
     rows = sum(p.shape[0] for p in parts)
-    out = np.zeros((rows,) + parts[0].shape[1:2] + (width,) + parts[0].shape[3:], dtype=parts[0].dtype)  # (B, H, width, d_k)
+    out = np.zeros((rows,) + parts[0].shape[1:2] + (columns,) + parts[0].shape[3:], dtype=parts[0].dtype)  # (B, H, C, d_k)
     start = 0
     for part in parts:
-        out[start : start + part.shape[0], :, width - part.shape[KV_SEQUENCE_AXIS] :] = part
+        out[start : start + part.shape[0], :, width - part.shape[KV_SEQUENCE_AXIS] : width] = part
         start += part.shape[0]
     return out
 
@@ -226,6 +227,12 @@ class BatchRunner:
         self.rows, self.past, self.mask = [], None, np.zeros((0, 0), dtype=np.int64)
         return failed
 
+    @staticmethod
+    def _columns_ahead(rows: list[Sequence]) -> int:
+        """Cache columns the rows' remaining decode steps will add: an inplace buffer sized for them never has
+        to grow mid-flight (growing copies the whole batch's cache in one step, a pause every stream sees)."""
+        return max((s.max_new_tokens - len(s.generated) for s in rows), default=0)
+
     def _advance_each(self, rows: list[Sequence], logits: np.ndarray):
         """logits (B, V): each row's next-token logits. One sequence's failure is that sequence's alone."""
         results = []
@@ -257,7 +264,8 @@ class BatchRunner:
             input_ids[row, width - len(seq.prompt_ids) :] = seq.prompt_ids
             mask[row, width - len(seq.prompt_ids) :] = 1
         position_ids = np.maximum(mask.cumsum(axis=1) - 1, 0)  # (B_new, T): real tokens count from 0
-        empty = self.runtime.empty_past(len(admitted), self.config.n_head, self.config.d_head)
+        ahead = width + max(s.max_new_tokens for s in admitted)
+        empty = self.runtime.empty_past(len(admitted), self.config.n_head, self.config.d_head, room_for=ahead)
         out = self.runtime.run(input_ids, mask, position_ids, empty)
         for seq in admitted:
             seq.cached_tokens = len(seq.prompt_ids)
@@ -276,11 +284,14 @@ class BatchRunner:
         mask = mask[keep]
         if not self.rows:
             self.rows, self.mask = rows, mask
-            self.past = self.runtime.to_device(new)
+            self.past = self.runtime.to_device(new, room_for=self._columns_ahead(rows))
             return
         old = self.runtime.to_host(self.past)
         width = max(self.mask.shape[1], mask.shape[1])
-        self.past = self.runtime.to_device([_stack_right_aligned([o, n], width) for o, n in zip(old, new)])
+        ahead = self._columns_ahead(self.rows + rows)
+        columns = self.runtime.buffer_columns(width, ahead)
+        stacked = [_stack_right_aligned([o, n], width, columns) for o, n in zip(old, new)]
+        self.past = self.runtime.to_device(stacked, room_for=ahead, length=width)
         self.mask = np.concatenate([_left_pad_mask(self.mask, width), _left_pad_mask(mask, width)], axis=0)
         self.rows = self.rows + rows
 
@@ -294,9 +305,10 @@ class BatchRunner:
             return
         mask = self.mask[keep]
         first_used = int(np.argmax(mask.any(axis=0)))  # columns left of this are padding in every row
-        self.past = self.runtime.to_device([a[keep, :, first_used:] for a in self.runtime.to_host(self.past)])  # one copy
-        self.mask = mask[:, first_used:]
         self.rows = [self.rows[row] for row in keep]
+        kept = [a[keep, :, first_used:] for a in self.runtime.to_host(self.past)]  # one copy
+        self.past = self.runtime.to_device(kept, room_for=self._columns_ahead(self.rows))
+        self.mask = mask[:, first_used:]
 
 
 # --- the engine (runs on the event loop) --------------------------------------------------------------

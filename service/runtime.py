@@ -149,11 +149,17 @@ class DecoderRuntime:
 
     # --- the K/V cache as device values --------------------------------------------------------
 
-    def to_device(self, arrays: list[np.ndarray], room_for: int = 1) -> DeviceCache:
-        """A cache holding arrays, each (B, H, S, d_k); inplace: in a buffer with room for room_for more columns."""
-        length = arrays[0].shape[io.KV_SEQUENCE_AXIS]
-        if self.kv_cache == io.INPLACE:
-            arrays = [self._in_buffer(a, inplace_capacity(length + room_for, self.min_capacity)) for a in arrays]
+    def buffer_columns(self, length: int, room_for: int) -> int:
+        """The columns a cache of length columns, with room_for more ahead, is stored in."""
+        return inplace_capacity(length + room_for, self.min_capacity) if self.kv_cache == io.INPLACE else length
+
+    def to_device(self, arrays: list[np.ndarray], room_for: int = 1, length: int | None = None) -> DeviceCache:
+        """A cache of arrays, each (B, H, S, d_k) whose first length (default S) columns hold the sequence; inplace:
+        in a buffer with room for room_for more columns (arrays already buffer_columns wide are not copied)."""
+        length = arrays[0].shape[io.KV_SEQUENCE_AXIS] if length is None else length
+        columns = self.buffer_columns(length, room_for)
+        if arrays[0].shape[io.KV_SEQUENCE_AXIS] != columns:
+            arrays = [self._in_buffer(a[:, :, :length], columns) for a in arrays]
         values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0) for a in arrays]
         return DeviceCache(values, length)
 
@@ -163,9 +169,10 @@ class DecoderRuntime:
         views of the cache itself: read them before the next step."""
         return [v.numpy()[:, :, : cache.length] for v in cache.values]
 
-    def empty_past(self, batch_size: int, n_head: int, d_head: int) -> DeviceCache:
+    def empty_past(self, batch_size: int, n_head: int, d_head: int, room_for: int = 0) -> DeviceCache:
+        """An empty cache for a prefill; inplace: a buffer with room_for columns, so the steps ahead never grow it."""
         shape = (batch_size, n_head, 0, d_head)  # (B, H, 0, d_k): a prefill
-        return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names], room_for=0)
+        return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names], room_for=room_for)
 
     def _in_buffer(self, array: np.ndarray, capacity: int) -> np.ndarray:
         """(B, H, S, d_k) -> (B, H, capacity, d_k), zero beyond S."""

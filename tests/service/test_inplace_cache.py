@@ -66,6 +66,29 @@ def test_a_step_whose_mask_does_not_fit_the_cache_is_refused(tiny_inplace_artifa
         runtime.run(np.ones((1, 3), np.int64), np.ones((1, 4), np.int64), np.zeros((1, 3), np.int64), past)
 
 
+def test_the_engine_sizes_buffers_for_the_tokens_ahead_so_decode_never_grows_them(tiny_inplace_artifact):
+    from kvserve.service.engine import BatchRunner
+    from kvserve.service.gate import _greedy_sequence
+
+    runtime = open_runtime(tiny_inplace_artifact)
+    runner = BatchRunner(runtime, open_artifact(tiny_inplace_artifact).config)
+    first = _greedy_sequence(1, list(range(1, 51)), 30)  # 50 + 30 columns: a 128-column buffer from the start
+    runner.step([first])
+    assert runner.past.capacity == 128
+    buffer = runner.past.values[0].data_ptr()
+    for _ in range(10):
+        runner.step([])
+        assert runner.past.values[0].data_ptr() == buffer  # written in place, never regrown
+    second = _greedy_sequence(2, [7, 8, 9], 120)  # joins right-aligned at 60 columns, with 119 more ahead
+    runner.step([second])
+    assert runner.past.capacity == 256
+    while not first.finished:
+        runner.step([])
+    # first left: the padding columns only it used are trimmed, and the buffer shrinks to what second needs
+    assert [s.id for s in runner.rows] == [2] and runner.past.length == len(second.prompt_ids) + len(second.generated) - 1
+    assert runner.past.capacity == inplace_capacity(runner.past.length + 120 - len(second.generated)) == 128
+
+
 @pytest.fixture(scope="module")
 def inplace_stub(tiny_inplace_artifact):
     server = start_server(tiny_inplace_artifact, max_batch_size=4, max_queue=64)
@@ -76,7 +99,7 @@ def inplace_stub(tiny_inplace_artifact):
 
 def test_server_on_an_inplace_artifact_streams_the_eager_reference(inplace_stub, tiny_model):
     # Six streams through four rows: rows leave at different steps and queued ones join the running batch,
-    # and the longest rows pass 64 and 128 columns, so the buffer is rebuilt on joins, leaves and growth.
+    # and the longest rows pass 64 and 128 columns, so buffers of several sizes are rebuilt on joins and leaves.
     prompts = [[(11 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((2, 9, 30, 47, 5, 60))]
     steps = [20, 90, 40, 70, 33, 75]
 
@@ -99,7 +122,8 @@ def test_model_info_names_the_layout_and_counts_the_whole_buffer(inplace_stub, t
     )
     next(stream)
     (seq,) = inplace_stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
-    assert seq.kv_cache_bytes == MIN_CAPACITY * 2 * config.n_layer * config.n_head * config.d_head * 4
+    capacity = 128  # the buffer holds the 3 prompt tokens and the 100 ahead
+    assert seq.kv_cache_bytes == capacity * 2 * config.n_layer * config.n_head * config.d_head * 4
     stream.cancel()
 
 
