@@ -1,0 +1,78 @@
+"""Where a decode step's time goes: ONNX Runtime's own profiler, per operator type, at two past lengths.
+
+One decode step (B=1, T=1) of an artifact, run `--steps` times at past 16 and at past 1,000 with profiling on;
+prints the kernel milliseconds per step of the operator types that cost the most, so a change in the cost
+of a long past can be pinned to the ops behind it (for the concat KV cache: Concat; for inplace: ScatterND).
+
+    python bench/step_profile.py --artifact artifacts/gpt2-inplace [--steps 20] [--top 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.service.runtime import CPU, DecoderRuntime  # noqa: E402
+
+PAST_LENGTHS = (16, 1000)
+
+
+def kernel_ms_per_op(artifact, past_len: int, steps: int) -> dict[str, float]:
+    """{operator type: kernel ms per step} over `steps` decode steps at past_len, on the CPU provider."""
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu", kv_cache=artifact.kv_cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        options = ort.SessionOptions()
+        options.enable_profiling = True
+        options.profile_file_prefix = os.path.join(tmp, "step")
+        options.log_severity_level = 3
+        runtime.session = ort.InferenceSession(str(artifact.model_path), options, providers=[CPU])  # the same graph, profiled
+        rng = np.random.default_rng(0)
+        shape = (1, config.n_head, past_len, config.d_head)  # (B, H, P, d_k)
+        past = runtime.to_device([rng.standard_normal(shape).astype(runtime.kv_dtype) for _ in range(2 * config.n_layer)])
+        mask = np.ones((1, past_len + 1), dtype=np.int64)
+        for _ in range(steps):  # each step starts from the same past (an inplace buffer rewrites one column)
+            runtime.run(np.array([[42]]), mask, np.array([[past_len]]), past)
+        events = json.loads(Path(runtime.session.end_profiling()).read_text())
+    totals = collections.Counter()
+    for event in events:
+        if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+            totals[event["args"]["op_name"]] += event["dur"]  # microseconds
+    return {op: us / steps / 1e3 for op, us in totals.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--top", type=int, default=8)
+    args = parser.parse_args()
+    artifact = open_artifact(args.artifact)
+    short, long = (kernel_ms_per_op(artifact, n, args.steps) for n in PAST_LENGTHS)
+    ops = sorted(set(short) | set(long), key=lambda op: -long.get(op, 0.0))[: args.top]
+    print(f"## Kernel ms per decode step by operator, {args.artifact} ({artifact.kv_cache} KV cache, {artifact.dtype}), "
+          f"{args.steps} steps each\n")
+    print(f"| operator | past {PAST_LENGTHS[0]} | past {PAST_LENGTHS[1]:,} | added |")
+    print("|---|---:|---:|---:|")
+    for op in ops:
+        a, b = short.get(op, 0.0), long.get(op, 0.0)
+        print(f"| {op} | {a:.2f} | {b:.2f} | {b - a:+.2f} |")
+    a, b = sum(short.values()), sum(long.values())
+    print(f"| all kernels | {a:.2f} | {b:.2f} | {b - a:+.2f} ({b / a:.2f}x) |")
+    print(f"\nmachine: {describe(CPU)}")
+
+
+if __name__ == "__main__":
+    main()
