@@ -20,6 +20,8 @@ import numpy as np
 from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 
+from .io_contract import CONCAT, KV_CACHES
+
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
 CONFIG_FILE = "config.json"
@@ -81,7 +83,7 @@ class Artifact:
     @property
     def kv_cache(self) -> str:
         """The graph's KV cache layout, io_contract.CONCAT or INPLACE."""
-        return self.manifest.get("kv_cache", "concat")
+        return self.manifest.get("kv_cache", CONCAT)
 
     @property
     def manifest_sha256(self) -> str:
@@ -115,6 +117,10 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
         raise ArtifactError(f"{directory}: unreadable manifest or config ({exc})") from None
     if manifest.get("format") != FORMAT:
         raise ArtifactError(f"{directory / MANIFEST_FILE}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("kv_cache", CONCAT) not in KV_CACHES:
+        raise ArtifactError(
+            f"{directory / MANIFEST_FILE}: kv_cache {manifest['kv_cache']!r} is not one of {', '.join(KV_CACHES)}"
+        )
     if check_files:
         for name, expected in manifest["files"].items():
             path = directory / name

@@ -164,3 +164,16 @@ def test_export_cli_takes_the_kv_cache_layout_and_refuses_an_unknown_one(tmp_pat
     result = run_cli("export", "--preset", "tiny", "--out", str(tmp_path / "x"), "--kv-cache", "paged")
     assert result.returncode == 2 and "invalid choice: 'paged'" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_a_manifest_naming_an_unknown_kv_cache_layout_is_refused_in_one_line(tiny_inplace_artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_inplace_artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["kv_cache"] = "paged"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("verify", str(copy), "--provider", "cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert f"{copy / 'manifest.json'}: kv_cache 'paged' is not one of concat, inplace" in result.stderr
