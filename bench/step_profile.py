@@ -17,10 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step import onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.export.artifact import open_artifact  # noqa: E402
@@ -39,12 +39,9 @@ def kernel_ms_per_op(artifact, past_len: int, steps: int) -> dict[str, float]:
         options.profile_file_prefix = os.path.join(tmp, "step")
         options.log_severity_level = 3
         runtime.session = ort.InferenceSession(str(artifact.model_path), options, providers=[CPU])  # the same graph, profiled
-        rng = np.random.default_rng(0)
-        shape = (1, config.n_head, past_len, config.d_head)  # (B, H, P, d_k)
-        past = runtime.to_device([rng.standard_normal(shape).astype(runtime.kv_dtype) for _ in range(2 * config.n_layer)])
-        mask = np.ones((1, past_len + 1), dtype=np.int64)
-        for _ in range(steps):  # each step starts from the same past (an inplace buffer rewrites one column)
-            runtime.run(np.array([[42]]), mask, np.array([[past_len]]), past)
+        step = onnx_step(runtime, config, past_len)
+        for _ in range(steps):
+            step()
         events = json.loads(Path(runtime.session.end_profiling()).read_text())
     totals = collections.Counter()
     for event in events:
@@ -60,6 +57,8 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=8)
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
+    if artifact.config.n_ctx <= max(PAST_LENGTHS):
+        sys.exit(f"{args.artifact}: its context holds {artifact.config.n_ctx} positions; this profile needs {max(PAST_LENGTHS) + 1}")
     short, long = (kernel_ms_per_op(artifact, n, args.steps) for n in PAST_LENGTHS)
     ops = sorted(set(short) | set(long), key=lambda op: -long.get(op, 0.0))[: args.top]
     print(f"## Kernel ms per decode step by operator, {args.artifact} ({artifact.kv_cache} KV cache, {artifact.dtype}), "
