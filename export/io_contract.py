@@ -32,6 +32,24 @@ and changes the cache to a preallocated buffer of cache_capacity columns that pr
 
 Each present.{i} is a ScatterND on past.{i}: bound (IO binding) to the same memory as past, ONNX Runtime
 writes only the cache_position columns. A query at column c attends to the columns <= c that the mask keeps.
+
+The `slots` cache is what the server runs best (and export's default): the cache is a pool of rows, one per
+sequence, each left-aligned (the token at position p lives in column p) with its own length, and one step
+runs one new token for every row plus a chunk of one row's prompt, in a single pass over the weights:
+
+    input_ids                   (batch_size, 1)                                        int64, a token per row
+    position_ids                (batch_size, 1)                                        int64, = its write column
+    attention_mask              (batch_size, decode_width)                             int64, columns each row reads
+    chunk_ids                   (1, chunk_length)                                      int64, may be 0 long
+    chunk_position_ids          (1, chunk_length)                                      int64
+    chunk_slot                  (1,)                                                   int64, the chunk's row
+    logits_index                (num_logits,)                                          int64, of the B + T tokens
+    past_key_values.{i}.key     (batch_size, num_heads, cache_capacity, head_dim)      model dtype
+    past_key_values.{i}.value   (batch_size, num_heads, cache_capacity, head_dim)      model dtype
+ -> logits                      (num_logits, vocab_size)                               float32
+    present.{i}.key / .value    (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
+
+Only the tokens named by logits_index reach the LM head and the host: in serving, one per row that samples.
 """
 
 from __future__ import annotations
@@ -48,8 +66,17 @@ TOTAL = "past_sequence_length + sequence_length"
 CACHE_POSITION = "cache_position"
 CAPACITY = "cache_capacity"
 
-CONCAT, INPLACE = "concat", "inplace"
-KV_CACHES = (CONCAT, INPLACE)
+DECODE_WIDTH = "decode_width"
+CHUNK = "chunk_length"
+NUM_LOGITS = "num_logits"
+CHUNK_IDS = "chunk_ids"
+CHUNK_POSITION_IDS = "chunk_position_ids"
+CHUNK_SLOT = "chunk_slot"
+LOGITS_INDEX = "logits_index"
+
+CONCAT, INPLACE, SLOTS = "concat", "inplace", "slots"
+KV_CACHES = (SLOTS, CONCAT, INPLACE)
+DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: the layout the server serves best
 
 # The KV cache axis order, (B, H, S, d_k): the sequence axis is 2.
 KV_SEQUENCE_AXIS = 2
@@ -66,7 +93,10 @@ def present_names(layer: int) -> tuple[str, str]:
 
 
 def input_names(n_layer: int, kv_cache: str = CONCAT) -> list[str]:
-    step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + ([CACHE_POSITION] if kv_cache == INPLACE else [])
+    if kv_cache == SLOTS:
+        step = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, CHUNK_IDS, CHUNK_POSITION_IDS, CHUNK_SLOT, LOGITS_INDEX]
+    else:
+        step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + ([CACHE_POSITION] if kv_cache == INPLACE else [])
     return step + [n for i in range(n_layer) for n in past_names(i)]
 
 
@@ -80,6 +110,8 @@ def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str,
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unsupported KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+    if kv_cache == SLOTS:
+        return _slots_spec(n_layer, n_head, d_head, vocab_size, dtype)
     past_axis, present_axis = (PAST, TOTAL) if kv_cache == CONCAT else (CAPACITY, CAPACITY)
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
@@ -94,4 +126,22 @@ def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str,
             inputs[name] = {"shape": [BATCH, n_head, past_axis, d_head], "dtype": dtype}
         for name in present_names(layer):
             outputs[name] = {"shape": [BATCH, n_head, present_axis, d_head], "dtype": dtype}
+    return {"inputs": inputs, "outputs": outputs}
+
+
+def _slots_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str) -> dict[str, dict]:
+    inputs = {
+        INPUT_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
+        POSITION_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
+        ATTENTION_MASK: {"shape": [BATCH, DECODE_WIDTH], "dtype": "int64"},
+        CHUNK_IDS: {"shape": [1, CHUNK], "dtype": "int64"},
+        CHUNK_POSITION_IDS: {"shape": [1, CHUNK], "dtype": "int64"},
+        CHUNK_SLOT: {"shape": [1], "dtype": "int64"},
+        LOGITS_INDEX: {"shape": [NUM_LOGITS], "dtype": "int64"},
+    }
+    outputs = {LOGITS: {"shape": [NUM_LOGITS, vocab_size], "dtype": "float32"}}
+    kv = {"shape": [BATCH, n_head, CAPACITY, d_head], "dtype": dtype}
+    for layer in range(n_layer):
+        inputs.update({name: dict(kv) for name in past_names(layer)})
+        outputs.update({name: dict(kv) for name in present_names(layer)})
     return {"inputs": inputs, "outputs": outputs}

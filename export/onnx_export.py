@@ -46,6 +46,34 @@ class _InplaceSignature(_FlatSignature):
         return logits, tuple(presents)
 
 
+class _SlotsSignature(_FlatSignature):
+    """The `slots` step: (decode tokens, chunk, logits_index, row pool) -> (logits, pool written in place)."""
+
+    def forward(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_slot, logits_index, past_key_values):
+        logits, presents = self.model.forward_slots(
+            input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_slot, logits_index, list(past_key_values)
+        )
+        return logits, tuple(presents)
+
+
+def _slots_example_inputs(model: GPT2, dtype: torch.dtype):
+    # Distinct sizes of 2 and more for every axis, so the tracer neither specialises nor merges them.
+    config = model.config
+    batch, width, chunk, capacity, n_logits = 2, 5, 3, 8, 4
+    kv_shape = (batch, config.n_head, capacity, config.d_head)  # (B, H, C, d_k)
+    step = (
+        torch.zeros(batch, 1, dtype=torch.int64),
+        torch.tensor([[3], [4]], dtype=torch.int64),
+        torch.ones(batch, width, dtype=torch.int64),
+        torch.zeros(1, chunk, dtype=torch.int64),
+        torch.arange(chunk, dtype=torch.int64)[None],
+        torch.tensor([1], dtype=torch.int64),
+        torch.arange(n_logits, dtype=torch.int64),
+    )
+    kv = tuple((torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in range(config.n_layer))
+    return step + (kv,)
+
+
 def _example_inputs(model: GPT2, dtype: torch.dtype, kv_cache: str):
     # Sizes of 2 and more keep every axis symbolic while tracing (0 and 1 would be specialised);
     # the graph still runs with a zero-length past, which the parity checks exercise.
@@ -108,9 +136,17 @@ def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CO
     dynamic = Dim.DYNAMIC
     step_axes = {name: {0: dynamic, 1: dynamic} for name in ("input_ids", "attention_mask", "position_ids")}
     kv_axes = tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer))
+    example = None
     if kv_cache == io.CONCAT:
         signature = _FlatSignature(model)
         dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
+    elif kv_cache == io.SLOTS:
+        signature, example = _SlotsSignature(model), _slots_example_inputs(model, torch_dtype)
+        dynamic_shapes = {
+            "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "attention_mask": {0: dynamic, 1: dynamic},
+            "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_slot": None,
+            "logits_index": {0: dynamic}, "past_key_values": kv_axes,
+        }
     else:
         signature = _InplaceSignature(model)
         dynamic_shapes = {**step_axes, "cache_position": {0: dynamic}, "past_key_values": kv_axes}
@@ -119,7 +155,7 @@ def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CO
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         program = torch.onnx.export(
             signature,
-            _example_inputs(model, torch_dtype, kv_cache),
+            example or _example_inputs(model, torch_dtype, kv_cache),
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
             input_names=io.input_names(n_layer, kv_cache),
@@ -130,7 +166,7 @@ def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CO
     model_proto = program.model_proto
     spec = io.io_spec(n_layer, config.n_head, config.d_head, config.vocab_size, dtype, kv_cache)
     _name_axes(model_proto, spec)
-    if kv_cache == io.INPLACE:
+    if kv_cache in (io.INPLACE, io.SLOTS):
         problems = inplace_write_problems(model_proto.graph, n_layer)
         if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
             raise RuntimeError("the inplace KV cache graph cannot be written in place: " + "; ".join(problems[:3]))

@@ -1,7 +1,8 @@
 """Parity: the exported graph on ONNX Runtime against the eager reference, on the same weights.
 
 Checks, each over real numbers from both sides:
-  prefill    several batch sizes and prompt lengths, left-padded; logits and present K/V at real positions
+  prefill    several batch sizes and prompt lengths (left-padded, or for the slots layout a row each, in
+             chunks); logits and present K/V at every real position
   decode     cached single-token steps after a prefill, both sides fed the same tokens
   recompute  the cached decode's last logits against a full recompute of the whole sequence (past = 0)
   greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
@@ -19,9 +20,11 @@ import torch
 
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.gpt2 import GPT2
+from kvserve.service.kv_slots import slot_capacity
 from kvserve.service.runtime import DecoderRuntime
 
 from .artifact import ArtifactError, open_artifact
+from .io_contract import SLOTS
 from .tolerances import TOLERANCES, Tolerance
 
 
@@ -60,22 +63,91 @@ class _Check:
         }
 
 
-def _kv_divergence(onnx_present: list[np.ndarray], eager_present: list, real: np.ndarray) -> np.ndarray:
-    """Max |Δ| per (layer, head) over the real (unpadded) positions. real: (B, S) bool. Returns (L, H)."""
+def _kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray) -> np.ndarray:
+    """Max |Δ| per (layer, head) over the real (unpadded) positions. onnx_rows: per batch row, per layer K then
+    V, each (H, L_r, d_k) holding that row's real positions in order; eager_present: per layer (K, V), each
+    (B, H, S, d_k), with real (B, S) bool marking the positions that hold tokens. Returns (L, H)."""
     per_layer = []
     for layer, (eager_k, eager_v) in enumerate(eager_present):
         worst = None
-        for onnx_kv, eager_kv in ((onnx_present[2 * layer], eager_k), (onnx_present[2 * layer + 1], eager_v)):
-            diff = np.abs(onnx_kv.astype(np.float64) - eager_kv.double().numpy())  # (B, H, S, d_k)
-            diff = np.where(real[:, None, :, None], diff, 0.0)
-            head_max = diff.max(axis=(0, 2, 3))  # (H,)
-            worst = head_max if worst is None else np.maximum(worst, head_max)
+        for offset, eager_kv in ((0, eager_k), (1, eager_v)):
+            eager_kv = eager_kv.double().numpy()
+            for row, onnx_row in enumerate(onnx_rows):
+                diff = np.abs(onnx_row[2 * layer + offset].astype(np.float64) - eager_kv[row][:, real[row]])  # (H, L_r, d_k)
+                head_max = diff.max(axis=(1, 2))  # (H,)
+                worst = head_max if worst is None else np.maximum(worst, head_max)
         per_layer.append(worst)
     return np.stack(per_layer)  # (L, H)
 
 
-def _onnx_step(runtime: DecoderRuntime, ids, mask, pos, past):
-    return runtime.run(ids.numpy(), mask.numpy(), pos.numpy(), past)
+class _PaddedDriver:
+    """Drives a concat or inplace graph the way Optimum-style tools do: a left-padded batch in one cache."""
+
+    def __init__(self, runtime: DecoderRuntime, config):
+        self.runtime, self.config = runtime, config
+
+    def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Prompts from an empty cache; returns each row's logits at every prompt position, (L_r, V)."""
+        ids, self.mask = left_pad(prompts)  # (B, T)
+        self.pos = position_ids_from_mask(self.mask)
+        empty = self.runtime.empty_past(len(prompts), self.config.n_head, self.config.d_head)
+        out = self.runtime.run(ids.numpy(), self.mask.numpy(), self.pos.numpy(), empty)
+        self.past = out.present
+        real = self.mask.numpy().astype(bool)
+        return [out.logits[row][real[row]] for row in range(len(prompts))]
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        """One token per row (B,); returns the next-token logits (B, V)."""
+        self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+        self.pos = self.pos[:, -1:] + 1  # (B, 1)
+        out = self.runtime.run(np.asarray(tokens, np.int64)[:, None], self.mask.numpy(), self.pos.numpy(), self.past)
+        self.past = out.present
+        return out.logits[:, -1]
+
+    def kv(self) -> list[list[np.ndarray]]:
+        real = self.mask.numpy().astype(bool)
+        cache = self.runtime.to_host(self.past)
+        return [[a[row][:, real[row]] for a in cache] for row in range(real.shape[0])]
+
+
+class _SlotsDriver:
+    """Drives a slots graph as the server does: a row per sequence, prompts prefilled a chunk at a time (the
+    chunk's logits kept at every position, so parity still sees them all), then every row decoding at once."""
+
+    CHUNK = 5  # prompt tokens per step: every prompt of more than 5 tokens crosses a chunk boundary
+
+    def __init__(self, runtime: DecoderRuntime, config, capacity: int):
+        self.runtime, self.config, self.capacity = runtime, config, capacity
+
+    def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
+        width = int(max(positions.max(initial=0), 0)) + 1 if self.decoding else 1
+        mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
+        return self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
+                                      np.asarray(logits_index, np.int64))
+
+    def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        rows = len(prompts)
+        self.pool = self.runtime.new_pool(rows, self.config.n_head, self.config.d_head, self.capacity)
+        self.lengths = np.array([len(p) for p in prompts])
+        self.decoding = False
+        scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
+        logits = []
+        for row, prompt in enumerate(prompts):
+            pieces = []
+            for start in range(0, len(prompt), self.CHUNK):
+                chunk = prompt[start : start + self.CHUNK]
+                pieces.append(self._run(scratch_tokens, scratch, chunk, start, row, rows + np.arange(len(chunk))))
+            logits.append(np.concatenate(pieces))  # (L_r, V)
+        return logits
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        self.decoding = True
+        out = self._run(np.asarray(tokens, np.int64), self.lengths.copy(), logits_index=np.arange(len(tokens)))
+        self.lengths += 1
+        return out
+
+    def kv(self) -> list[list[np.ndarray]]:
+        return [self.pool.row_to_host(row, int(length)) for row, length in enumerate(self.lengths)]
 
 
 @torch.no_grad()
@@ -91,25 +163,32 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache, min_capacity=16)
     rng = np.random.default_rng(0)
     max_prompt = max(1, min(33, config.n_ctx - steps - 1))
+    if artifact.kv_cache == SLOTS:
+        capacity = slot_capacity(max(max_prompt, max(DECODE_PROMPTS), max(GREEDY_PROMPTS)) + steps + 1, config.n_ctx)
+        driver = _SlotsDriver(runtime, config, capacity)
+    else:
+        driver = _PaddedDriver(runtime, config)
     checks: list[dict] = []
     kv_max = np.zeros((config.n_layer, config.n_head))
-
-    def empty_past(batch: int):
-        return runtime.empty_past(batch, config.n_head, config.d_head)
 
     def prompts_of(lengths) -> list[list[int]]:
         return [rng.integers(0, config.vocab_size, min(n, max_prompt)).tolist() for n in lengths]
 
-    # prefill: padded batches, every real position compared
+    def eager_prefill(prompts):
+        ids, mask = left_pad(prompts)  # (B, T)
+        pos = position_ids_from_mask(mask)
+        logits, present = reference(ids, mask, pos, reference.empty_cache(len(prompts)))
+        return logits, present, mask, pos
+
+    # prefill: batches of several prompt lengths, every real position compared
     for lengths in PREFILL_CASES:
         check = _Check(f"prefill B={len(lengths)} T={','.join(str(min(n, max_prompt)) for n in lengths)}")
-        ids, mask = left_pad(prompts_of(lengths))  # (B, T)
-        pos = position_ids_from_mask(mask)
-        eager_logits, eager_present = reference(ids, mask, pos, reference.empty_cache(len(lengths)))
-        out = _onnx_step(runtime, ids, mask, pos, empty_past(len(lengths)))
+        prompts = prompts_of(lengths)
+        eager_logits, eager_present, mask, _ = eager_prefill(prompts)
         real = mask.numpy().astype(bool)
-        check.add_logits(out.logits[real], eager_logits.numpy()[real])
-        divergence = _kv_divergence(runtime.to_host(out.present), eager_present, real)
+        onnx_logits = driver.prefill(prompts)
+        check.add_logits(np.concatenate(onnx_logits), eager_logits.numpy()[real])
+        divergence = _kv_divergence(driver.kv(), eager_present, real)
         check.kv_max_abs = float(divergence.max())
         kv_max = np.maximum(kv_max, divergence)
         checks.append(check.result(tolerance))
@@ -117,12 +196,8 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     # decode: cached steps, both sides fed the eager model's greedy tokens
     check = _Check(f"decode {steps} steps B={len(DECODE_PROMPTS)}")
     prompts = prompts_of(DECODE_PROMPTS)
-    ids, mask = left_pad(prompts)
-    pos = position_ids_from_mask(mask)
-    eager_logits, eager_past = reference(ids, mask, pos, reference.empty_cache(len(prompts)))
-    out = _onnx_step(runtime, ids, mask, pos, empty_past(len(prompts)))
-    onnx_past = out.present
-    onnx_last = out.logits[:, -1]
+    eager_logits, eager_past, mask, pos = eager_prefill(prompts)
+    onnx_last = np.stack([row[-1] for row in driver.prefill(prompts)])  # (B, V)
     sequences = [list(p) for p in prompts]
     for _ in range(steps):
         token = eager_logits[:, -1].argmax(-1)  # (B,)
@@ -131,36 +206,30 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
         mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
         pos = pos[:, -1:] + 1  # (B, 1)
         eager_logits, eager_past = reference(token[:, None], mask, pos, eager_past)
-        out = _onnx_step(runtime, token[:, None], mask, pos, onnx_past)
-        onnx_past, onnx_last = out.present, out.logits[:, -1]
+        onnx_last = driver.decode(token.numpy())
         check.add_logits(onnx_last, eager_logits[:, -1].numpy())
-    divergence = _kv_divergence(runtime.to_host(onnx_past), eager_past, mask.numpy().astype(bool))
+    divergence = _kv_divergence(driver.kv(), eager_past, mask.numpy().astype(bool))
     check.kv_max_abs = float(divergence.max())
     kv_max = np.maximum(kv_max, divergence)
     checks.append(check.result(tolerance))
 
     # recompute: the cached path's last logits against one prefill over the whole sequence
     check = _Check("cached vs full recompute")
-    full_ids, full_mask = left_pad(sequences)  # prompt + every fed token: the inputs behind onnx_last
-    full = _onnx_step(runtime, full_ids, full_mask, position_ids_from_mask(full_mask), empty_past(len(prompts)))
-    check.add_logits(onnx_last, full.logits[:, -1])
+    full = driver.prefill(sequences)  # prompt + every fed token: the inputs behind onnx_last
+    check.add_logits(onnx_last, np.stack([row[-1] for row in full]))
     checks.append(check.result(tolerance))
 
     # greedy: ONNX Runtime's own loop against the eager reference's tokens
     greedy_prompts = prompts_of(GREEDY_PROMPTS)
     eager_tokens = generate(reference, greedy_prompts, steps).tokens.numpy()
-    ids, mask = left_pad(greedy_prompts)
-    pos = position_ids_from_mask(mask)
-    out = _onnx_step(runtime, ids, mask, pos, empty_past(len(greedy_prompts)))
+    logits = np.stack([row[-1] for row in driver.prefill(greedy_prompts)])  # (B, V)
     onnx_tokens = []
     for step in range(steps):
-        token = torch.from_numpy(out.logits[:, -1].argmax(-1))  # (B,)
-        onnx_tokens.append(token.numpy())
+        token = logits.argmax(-1)  # (B,)
+        onnx_tokens.append(token)
         if step == steps - 1:
             break
-        mask = torch.cat([mask, torch.ones(len(greedy_prompts), 1, dtype=torch.int64)], dim=1)
-        pos = pos[:, -1:] + 1
-        out = _onnx_step(runtime, token[:, None], mask, pos, out.present)
+        logits = driver.decode(token)
     onnx_tokens = np.stack(onnx_tokens, axis=1)  # (B, N)
     greedy_identical = bool(np.array_equal(onnx_tokens, eager_tokens))
 

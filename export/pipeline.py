@@ -84,7 +84,7 @@ def export_artifact(
     overwrite: bool = False,
     provider: str = "auto",
     tokenizer_dir: str | Path | None = None,
-    kv_cache: str = io.CONCAT,
+    kv_cache: str = io.DEFAULT_KV_CACHE,
 ) -> dict:
     """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
     out = Path(out).resolve()

@@ -13,6 +13,11 @@ one of two layouts, the same ones the export offers (export/io_contract.py):
            columns `cache_position` (T,); the mask is (B, C). Exported, present can be the very memory past
            was, so a decode step writes one column instead of copying the whole cache (gpt-fast's idea).
 
+The server's own layout, `slots`, has its own entry point (forward_slots): the cache is a pool of per-sequence
+rows (S, H, C, d_k), each row left-aligned (a token at position p lives in column p), and one step runs one
+new token for every row plus one chunk of one row's prompt, so decode and chunked prefill share one pass
+over the weights. Logits are computed only where asked (logits_index).
+
 This is also exactly the graph we export (export/onnx_export.py), so there is one definition.
 """
 
@@ -61,6 +66,23 @@ def write_columns(buffer: torch.Tensor, columns: torch.Tensor, new: torch.Tensor
     return torch.ops.aten.index_put(buffer, [batch, head, columns[None, None, :]], new)  # (B, H, C, d_k)
 
 
+class SlotStep:
+    """Where one `slots` step's N = B + T tokens go: B decode tokens (one per cache row, rows 0..B-1) then
+    a prompt chunk of T tokens of row `chunk_slot`. Built once per forward, shared by every layer."""
+
+    def __init__(self, position_ids, attention_mask, chunk_position_ids, chunk_slot, capacity: int):
+        B, T = position_ids.shape[0], chunk_position_ids.shape[1]
+        device = position_ids.device
+        rows = torch.cat([torch.arange(B, device=device), chunk_slot.expand(T)])  # (N,)
+        self.write_rows = rows[:, None]  # (N, 1)
+        self.write_columns = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])[:, None]  # (N, 1)
+        self.n_decode, self.chunk_slot = B, chunk_slot
+        self.decode_width = attention_mask.shape[1]  # decode rows read only the first W columns
+        self.decode_allowed = (attention_mask > 0)[:, None, None, :]  # (B, 1, 1, W)
+        key_columns = torch.arange(capacity, device=device)  # (C,)
+        self.chunk_allowed = (key_columns[None, :] <= chunk_position_ids.reshape(T)[:, None])[None, None]  # (1, 1, T, C)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -84,6 +106,26 @@ class CausalSelfAttention(nn.Module):
             v = write_columns(past_v, cache_position, v)  # (B, H, C, d_k)
         y = scaled_dot_product_attention(q, k, v, allowed)  # (B, H, T, d_k)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads concatenated
+        return self.c_proj(y), (k, v)
+
+    def forward_slots(self, x, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+        """x (1, N, C): the step's tokens, decode rows first. past: the row pool, each (S, H, C_cap, d_k)."""
+        _, N, C = x.shape
+        B, H, d_k = step.n_decode, self.n_head, self.d_head
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (1, N, C)
+        heads = torch.arange(H, device=x.device)[None, :]  # (1, H)
+        # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
+        index = [step.write_rows, heads, step.write_columns]  # broadcast to (N, H)
+        past_k, past_v = past
+        k = torch.ops.aten.index_put(past_k, index, k.view(N, H, d_k))  # (S, H, C_cap, d_k)
+        v = torch.ops.aten.index_put(past_v, index, v.view(N, H, d_k))  # (S, H, C_cap, d_k)
+        q_decode = q[0, :B].view(B, H, 1, d_k)  # (B, H, 1, d_k)
+        width = step.decode_width
+        y_decode = scaled_dot_product_attention(q_decode, k[:, :, :width], v[:, :, :width], step.decode_allowed)  # (B, H, 1, d_k)
+        q_chunk = q[0, B:].view(N - B, H, d_k).transpose(0, 1)[None]  # (1, H, T, d_k)
+        k_row, v_row = k.index_select(0, step.chunk_slot), v.index_select(0, step.chunk_slot)  # (1, H, C_cap, d_k)
+        y_chunk = scaled_dot_product_attention(q_chunk, k_row, v_row, step.chunk_allowed)  # (1, H, T, d_k)
+        y = torch.cat([y_decode.view(B, C), y_chunk[0].transpose(0, 1).reshape(N - B, C)])[None]  # (1, N, C)
         return self.c_proj(y), (k, v)
 
 
@@ -122,6 +164,12 @@ class Block(nn.Module):
 
     def forward(self, x, allowed, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
         attn_out, present = self.attn(self.ln_1(x), allowed, past, cache_position)
+        x = x + attn_out
+        x = x + self.mlp(self.ln_2(x))
+        return x, present
+
+    def forward_slots(self, x, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+        attn_out, present = self.attn.forward_slots(self.ln_1(x), step, past)
         x = x + attn_out
         x = x + self.mlp(self.ln_2(x))
         return x, present
@@ -185,6 +233,36 @@ class GPT2(nn.Module):
         # Tied LM head; logits leave in float32 whatever the model's dtype, so sampling is precise.
         logits = (x @ self.transformer.wte.weight.T).float()  # (B, T, V)
         return logits, presents
+
+    def forward_slots(
+        self,
+        input_ids: torch.Tensor,  # (B, 1) int64: one token for each of the pool's rows 0..B-1
+        position_ids: torch.Tensor,  # (B, 1) int64: its position, which is also the column it is written at
+        attention_mask: torch.Tensor,  # (B, W) int64: the columns each row attends to (W <= C_cap)
+        chunk_ids: torch.Tensor,  # (1, T) int64: a chunk of one row's prompt; T may be 0
+        chunk_position_ids: torch.Tensor,  # (1, T) int64: the chunk's positions (= columns)
+        chunk_slot: torch.Tensor,  # (1,) int64: the row the chunk belongs to
+        logits_index: torch.Tensor,  # (K,) int64: which of the N = B + T tokens get logits
+        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H, C_cap, d_k): the row pool
+    ) -> tuple[torch.Tensor, list[LayerKV]]:
+        """One `slots` step: every row decodes one token and one row's prompt advances by a chunk, in one pass.
+
+        A row that has nothing to decode (a free row, or the row whose chunk this is) still gets a token: the
+        caller writes it at a column no real token will be read from before it is overwritten (the last one).
+        Positions past the context are clamped for the position embedding only: they are those scratch tokens.
+        """
+        capacity = past_key_values[0][0].shape[2]
+        step = SlotStep(position_ids, attention_mask, chunk_position_ids, chunk_slot, capacity)
+        ids = torch.cat([input_ids.reshape(1, -1), chunk_ids], dim=1)  # (1, N)
+        positions = torch.cat([position_ids.reshape(1, -1), chunk_position_ids], dim=1)  # (1, N)
+        positions = positions.clamp(max=self.config.n_ctx - 1)
+        x = self.transformer.wte(ids) + self.transformer.wpe(positions)  # (1, N, C)
+        presents = []
+        for block, past in zip(self.transformer.h, past_key_values):
+            x, present = block.forward_slots(x, step, past)
+            presents.append(present)
+        x = self.transformer.ln_f(x[0].index_select(0, logits_index))  # (K, C): only the tokens sampled from
+        return (x @ self.transformer.wte.weight.T).float(), presents  # (K, V)
 
 
 def build(config: DecoderConfig, seed: int = 0) -> GPT2:

@@ -5,11 +5,18 @@ and runs one step with IO binding: the K/V cache goes in and comes out as OrtVal
 device (GPU memory under CUDA), so the decode loop never copies the cache through the host. Only the
 logits come back to host memory, because sampling happens there.
 
-Callers see one cache whatever the artifact's layout (export/io_contract.py): a DeviceCache whose first
-`length` columns hold the sequence, fed an attention mask over those columns. Under the inplace layout the
-cache is a buffer with spare columns: each step's present is bound to the past's own memory, so ONNX
-Runtime writes this step's columns and copies nothing; when a step needs more columns than the buffer
-has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
+The `slots` layout (the server's own) keeps the cache in a SlotPool: one allocation per layer's K and V,
+(rows, H, capacity, d_k), on the session's device. A step binds the pool's first rows by address as both
+past and present, so ONNX Runtime writes each new token's K/V into its row and copies nothing; the pool
+moves a row or changes capacity only when the batch asks (a sequence leaves, or needs more columns).
+
+For the concat and inplace layouts, callers see a DeviceCache whose first `length` columns hold the
+sequence, fed an attention mask over those columns. Under the inplace layout the cache is a buffer with
+spare columns: each step's present is bound to the past's own memory; when a step needs more columns than
+the buffer has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
+
+Every copy of K/V that the runtime makes is counted (KvTraffic), so tests can hold the serving path to
+"no K/V through the host in steady state".
 """
 
 from __future__ import annotations
@@ -67,6 +74,73 @@ MIN_CAPACITY = 64
 def inplace_capacity(columns: int, minimum: int = MIN_CAPACITY) -> int:
     """The buffer capacity that holds columns: a power of two, at least minimum."""
     return max(minimum, 1 << max(columns - 1, 0).bit_length())
+
+
+@dataclass
+class KvTraffic:
+    """K/V copies the runtime made. host_bytes: through host memory (to_host / to_device / a staged pool
+    change); row_moves and resizes: device-side changes of a SlotPool."""
+
+    host_bytes: int = 0
+    row_moves: int = 0
+    resizes: int = 0
+
+
+class SlotPool:
+    """The slots layout's cache: per layer K and V, each (rows, H, capacity, d_k), on the session's device.
+    Rows are the batch's slots; a step binds rows [0, B) by address. On the CPU provider the memory is
+    numpy's (the device is the host); under CUDA it is device memory and the pool never reads it back except
+    to move a row or resize, which the batch does only when sequences join or leave."""
+
+    def __init__(self, runtime: "DecoderRuntime", rows: int, n_head: int, d_head: int, capacity: int):
+        self.runtime, self.rows, self.capacity = runtime, rows, capacity
+        self.shape = (rows, n_head, capacity, d_head)  # (S, H, C, d_k)
+        self.row_bytes = n_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
+        if runtime.device == "cpu":
+            self.arrays = [np.zeros(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
+            self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]  # the same memory
+        else:
+            self.arrays = None
+            self.values = [ort.OrtValue.ortvalue_from_shape_and_type(self.shape, runtime.kv_dtype, "cuda", 0) for _ in range(2 * runtime.n_layer)]
+
+    def _host_views(self) -> list[np.ndarray]:
+        """The pool as numpy arrays: the memory itself on CPU; a copy from the GPU otherwise (counted)."""
+        if self.arrays is not None:
+            return self.arrays
+        self.runtime.traffic.host_bytes += sum(v.numpy().nbytes for v in self.values)
+        return [v.numpy() for v in self.values]
+
+    def _write_back(self, arrays: list[np.ndarray]) -> None:
+        if self.arrays is None:
+            for value, array in zip(self.values, arrays):
+                value.update_inplace(np.ascontiguousarray(array))
+            self.runtime.traffic.host_bytes += sum(a.nbytes for a in arrays)
+
+    def move_row(self, source: int, destination: int, columns: int) -> None:
+        """Copy the first `columns` columns of row source into row destination (a sequence changes slot)."""
+        arrays = self._host_views()
+        for array in arrays:
+            array[destination, :, :columns] = array[source, :, :columns]
+        self._write_back(arrays)
+        self.runtime.traffic.row_moves += 1
+
+    def resized(self, capacity: int, rows_in_use: int) -> "SlotPool":
+        """A pool of another capacity holding the same rows' first min(old, new) columns."""
+        pool = SlotPool(self.runtime, self.rows, self.shape[1], self.shape[3], capacity)
+        keep = min(capacity, self.capacity)
+        old = self._host_views()
+        new = pool.arrays if pool.arrays is not None else [np.zeros(pool.shape, self.runtime.kv_dtype) for _ in old]
+        for a, b in zip(old, new):
+            b[:rows_in_use, :, :keep] = a[:rows_in_use, :, :keep]
+        pool._write_back(new)
+        self.runtime.traffic.resizes += 1
+        return pool
+
+    def row_to_host(self, row: int, columns: int) -> list[np.ndarray]:
+        """One row's first columns, per layer K then V, each (H, columns, d_k): for parity checks and tests."""
+        if self.arrays is not None:
+            return [a[row, :, :columns].copy() for a in self.arrays]
+        return [v.numpy()[row, :, :columns] for v in self.values]
 
 
 @dataclass(frozen=True)
@@ -136,6 +210,8 @@ class DecoderRuntime:
         self.device = "cuda" if self.provider == CUDA else "cpu"
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
+        self.traffic = KvTraffic()
+        self._pool_binding: tuple | None = None  # (pool, rows, binding): the K/V bound once, reused step after step
 
     # --- the graph's own description, for the load-time contract check ---------------------------
 
@@ -161,13 +237,15 @@ class DecoderRuntime:
         if arrays[0].shape[io.KV_SEQUENCE_AXIS] != columns:
             arrays = [self._in_buffer(a[:, :, :length], columns) for a in arrays]
         values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0) for a in arrays]
+        self.traffic.host_bytes += sum(a.nbytes for a in arrays)
         return DeviceCache(values, length)
 
-    @staticmethod
-    def to_host(cache: DeviceCache) -> list[np.ndarray]:
+    def to_host(self, cache: DeviceCache) -> list[np.ndarray]:
         """The cache's columns in use, each (B, H, length, d_k), in host memory. On the CPU provider these are
         views of the cache itself: read them before the next step."""
-        return [v.numpy()[:, :, : cache.length] for v in cache.values]
+        arrays = [v.numpy()[:, :, : cache.length] for v in cache.values]
+        self.traffic.host_bytes += sum(a.nbytes for a in arrays)
+        return arrays
 
     def empty_past(self, batch_size: int, n_head: int, d_head: int, room_for: int = 0) -> DeviceCache:
         """An empty cache for a prefill; inplace: a buffer with room_for columns, so the steps ahead never grow it."""
@@ -211,3 +289,47 @@ class DecoderRuntime:
         outputs = binding.get_outputs()
         present = past.values if self.kv_cache == io.INPLACE else list(outputs[1:])
         return StepOutput(logits=outputs[0].numpy(), present=DeviceCache(present, total))
+
+    # --- the slots layout: one step over a SlotPool -------------------------------------------------
+
+    def new_pool(self, rows: int, n_head: int, d_head: int, capacity: int) -> SlotPool:
+        return SlotPool(self, rows, n_head, d_head, capacity)
+
+    def _bound_pool(self, pool: SlotPool, rows: int):
+        """An IO binding with the pool's first rows bound as past and present; made once per (pool, rows)."""
+        if self._pool_binding is not None and self._pool_binding[0] is pool and self._pool_binding[1] == rows:
+            return self._pool_binding[2]
+        binding = self.session.io_binding()
+        binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs() lists outputs in binding order
+        shape = (rows,) + pool.shape[1:]  # (B, H, C, d_k): rows 0..B-1 are contiguous at the start
+        for past_name, present_name, value in zip(self._past_names, self._present_names, pool.values):
+            binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
+            binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
+        self._pool_binding = (pool, rows, binding)
+        return binding
+
+    def run_slots(
+        self,
+        pool: SlotPool,
+        input_ids: np.ndarray,  # (B,) a token per row 0..B-1
+        position_ids: np.ndarray,  # (B,) its position = write column
+        attention_mask: np.ndarray,  # (B, W) the columns each row reads
+        chunk_ids: np.ndarray,  # (T,) a prompt chunk of row chunk_slot (may be empty)
+        chunk_start: int,  # the chunk's first position
+        chunk_slot: int,
+        logits_index: np.ndarray,  # (K,) which of the B + T tokens get logits
+    ) -> np.ndarray:
+        """One slots step; returns the logits (K, V) in host memory. The pool's rows 0..B-1 are updated in place."""
+        rows = input_ids.shape[0]
+        binding = self._bound_pool(pool, rows)
+        chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1)  # (1, T)
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
+        binding.bind_cpu_input(io.CHUNK_IDS, chunk)
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_start + chunk.shape[1], dtype=np.int64)[None])
+        binding.bind_cpu_input(io.CHUNK_SLOT, np.array([chunk_slot], dtype=np.int64))
+        binding.bind_cpu_input(io.LOGITS_INDEX, np.ascontiguousarray(logits_index, dtype=np.int64))
+        binding.bind_output(io.LOGITS, "cpu")  # unallocated again: its shape (K, V) changes from step to step
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()

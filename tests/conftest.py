@@ -33,11 +33,22 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
-    """The tiny preset exported (float32) and verified, as `kvserve export --preset tiny` writes it."""
+    """The tiny preset exported (float32) and verified, as `kvserve export --preset tiny` writes it: the
+    default `slots` KV cache, the one the server runs best."""
     from kvserve.export.pipeline import export_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / "tiny"
     export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_concat_artifact(tmp_path_factory, tiny_model) -> Path:
+    """The tiny preset with the concat KV cache (`kvserve export --kv-cache concat`): Optimum-style I/O."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-concat"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER, kv_cache="concat")
     return out
 
 

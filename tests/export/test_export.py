@@ -14,10 +14,10 @@ from kvserve.export.onnx_export import IR_VERSION, inplace_write_problems
 from ..conftest import run_cli
 
 
-def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_artifact):
-    names = {p.name for p in tiny_artifact.iterdir()}
+def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_concat_artifact):
+    names = {p.name for p in tiny_concat_artifact.iterdir()}
     assert {"model.onnx", "config.json", "manifest.json", "golden.npz", "parity.json"} <= names
-    artifact = open_artifact(tiny_artifact)  # checks every recorded checksum
+    artifact = open_artifact(tiny_concat_artifact)  # checks every recorded checksum
     manifest = artifact.manifest
     config = artifact.config
     assert manifest["ir_version"] == IR_VERSION and manifest["opset"] >= 17
@@ -26,14 +26,16 @@ def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_artifact):
     assert manifest["inputs"]["past_key_values.0.key"]["shape"] == [io.BATCH, config.n_head, io.PAST, config.d_head]
     assert manifest["outputs"]["present.1.value"]["shape"] == [io.BATCH, config.n_head, io.TOTAL, config.d_head]
     assert manifest["source"] == {"kind": "preset", "name": "tiny", "seed": 0}
-    assert json.loads((tiny_artifact / "parity.json").read_text())["passed"] is True
+    assert json.loads((tiny_concat_artifact / "parity.json").read_text())["passed"] is True
 
 
-def test_graph_has_contract_names_symbolic_axes_and_passes_the_full_checker(tiny_artifact):
-    onnx.checker.check_model(str(tiny_artifact / "model.onnx"), full_check=True)
-    model = onnx.load(str(tiny_artifact / "model.onnx"))
+@pytest.mark.parametrize("layout", ["tiny_artifact", "tiny_concat_artifact", "tiny_inplace_artifact"])
+def test_graph_has_contract_names_symbolic_axes_and_passes_the_full_checker(layout, request):
+    artifact_dir = request.getfixturevalue(layout)
+    onnx.checker.check_model(str(artifact_dir / "model.onnx"), full_check=True)
+    model = onnx.load(str(artifact_dir / "model.onnx"))
     assert model.ir_version == IR_VERSION
-    manifest = open_artifact(tiny_artifact).manifest
+    manifest = open_artifact(artifact_dir).manifest
     for values, spec in ((model.graph.input, manifest["inputs"]), (model.graph.output, manifest["outputs"])):
         assert [v.name for v in values] == list(spec)
         for value in values:
@@ -41,9 +43,9 @@ def test_graph_has_contract_names_symbolic_axes_and_passes_the_full_checker(tiny
             assert dims == spec[value.name]["shape"]
 
 
-def test_one_graph_runs_prefill_with_a_zero_length_past_and_then_decode(tiny_artifact, tiny_model):
+def test_one_graph_runs_prefill_with_a_zero_length_past_and_then_decode(tiny_concat_artifact, tiny_model):
     config = tiny_model.config
-    session = ort.InferenceSession(str(tiny_artifact / "model.onnx"), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(tiny_concat_artifact / "model.onnx"), providers=["CPUExecutionProvider"])
     empty = np.zeros((1, config.n_head, 0, config.d_head), np.float32)
     feed = {io.INPUT_IDS: np.array([[5, 6, 7]]), io.ATTENTION_MASK: np.ones((1, 3), np.int64), io.POSITION_IDS: np.array([[0, 1, 2]])}
     feed.update({n: empty for i in range(config.n_layer) for n in io.past_names(i)})
@@ -176,4 +178,18 @@ def test_a_manifest_naming_an_unknown_kv_cache_layout_is_refused_in_one_line(tin
     (copy / "manifest.json").write_text(json.dumps(manifest))
     result = run_cli("verify", str(copy), "--provider", "cpu")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"{copy / 'manifest.json'}: kv_cache 'paged' is not one of concat, inplace" in result.stderr
+    assert f"{copy / 'manifest.json'}: kv_cache 'paged' is not one of slots, concat, inplace" in result.stderr
+
+
+def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact):
+    artifact = open_artifact(tiny_artifact)
+    config, manifest = artifact.config, artifact.manifest
+    assert artifact.kv_cache == manifest["kv_cache"] == io.SLOTS == io.DEFAULT_KV_CACHE
+    assert list(manifest["inputs"]) == io.input_names(config.n_layer, io.SLOTS)
+    assert manifest["outputs"][io.LOGITS]["shape"] == [io.NUM_LOGITS, config.vocab_size]
+    assert manifest["inputs"][io.CHUNK_IDS]["shape"] == [1, io.CHUNK]
+    kv_shape = [io.BATCH, config.n_head, io.CAPACITY, config.d_head]
+    assert manifest["inputs"]["past_key_values.0.key"]["shape"] == manifest["outputs"]["present.0.key"]["shape"] == kv_shape
+    assert inplace_write_problems(onnx.load(str(tiny_artifact / "model.onnx")).graph, config.n_layer) == []
+    report = json.loads((tiny_artifact / "parity.json").read_text())
+    assert report["kv_cache"] == io.SLOTS and report["passed"] and report["greedy"]["identical"]
