@@ -48,11 +48,13 @@ def _serve(args) -> int:
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         provider=args.provider, drain_seconds=args.drain_seconds, allow_parity_failure=args.allow_parity_failure,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, step_token_budget=args.step_token_budget,
     )
     ports_ok = all(p is None or 0 <= p < 65536 for p in (options.port, options.metrics_port))
     if options.max_batch_size < 1 or options.max_queue < 0 or not ports_ok:
         raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port and --metrics-port in [0, 65535]")
+    if options.step_token_budget < 0:
+        raise UserError(f"--step-token-budget must be >= 0 (0: no limit), got {options.step_token_budget}")
     return asyncio.run(serve(options))
 
 
@@ -97,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the artifact directory to write")
     export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     export.add_argument(
-        "--kv-cache", choices=("concat", "inplace"), default="concat",
-        help="KV cache layout: concat (present = past + step; Optimum's I/O) or inplace (a buffer written in place; "
-        "decode cost flat in the past length)",
+        "--kv-cache", choices=("slots", "concat", "inplace"), default="slots",
+        help="KV cache layout: slots (default: what the server runs best; a row per sequence, chunked prefill), "
+        "concat (present = past + step; Optimum's I/O) or inplace (one buffer written in place)",
     )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
@@ -124,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
+    serve.add_argument(
+        "--step-token-budget", type=int, default=_env("STEP_TOKEN_BUDGET", 32, int),
+        help="tokens one step runs while streams decode: theirs, then a chunk of a new prompt; 0 = no limit "
+        "[KVSERVE_STEP_TOKEN_BUDGET] (default 32)",
+    )
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")

@@ -11,9 +11,11 @@ from kvserve.export.artifact import Artifact
 from kvserve.export.io_contract import io_spec
 from kvserve.export.tolerances import TOLERANCES
 
-from .engine import BatchRunner, Sequence
+from .engine import DEFAULT_STEP_TOKEN_BUDGET, make_batch
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .text import ByteTokenizer, IncrementalDecoder, StopSequences
 
 
@@ -50,7 +52,7 @@ def contract_problems(runtime: DecoderRuntime, artifact: Artifact) -> list[str]:
 
 
 def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, capture_logits: bool = False) -> Sequence:
-    """A server-internal greedy sequence (no client, no stop rules) driven straight through a BatchRunner."""
+    """A server-internal greedy sequence (no client, no stop rules) driven straight through a batch."""
     return Sequence(
         id=seq_id,
         prompt_ids=prompt,
@@ -64,20 +66,20 @@ def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, captur
     )
 
 
-def replay_golden(runtime: DecoderRuntime, artifact: Artifact) -> GateResult:
-    """Greedy-decode the golden prompt through BatchRunner (prefill with a zero-length past, then cached
-    decode steps) and compare tokens and logits with the eager reference's record."""
+def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: int) -> Scheduler:
+    return Scheduler(make_batch(runtime, artifact.config, rows), budget)
+
+
+def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> GateResult:
+    """Greedy-decode the golden prompt through the serving batch and scheduler (prefill from an empty cache,
+    then cached decode steps) and compare tokens and logits with the eager reference's record."""
     golden = artifact.golden()
     tolerance = TOLERANCES[artifact.dtype]
     steps = len(golden.tokens)
     seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
-    runner = BatchRunner(runtime, artifact.config)
-    admitted = [seq]
-    while not seq.finished:
-        for _, event in runner.step(admitted):
-            if isinstance(event, BaseException):
-                return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
-        admitted = []
+    for _, event in _scheduler(runtime, artifact, 1, step_token_budget).drive([seq]):
+        if isinstance(event, BaseException):
+            return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
     logits = np.stack(seq.captured_logits)  # (N, V)
     max_abs = float(np.abs(logits.astype(np.float64) - golden.logits).max())
     same_tokens = seq.generated == golden.tokens.tolist()
@@ -90,20 +92,20 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact) -> GateResult:
     return GateResult(passed, summary)
 
 
-def run_gate(runtime: DecoderRuntime, artifact: Artifact) -> GateResult:
+def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> GateResult:
     problems = contract_problems(runtime, artifact)
     if problems:
         return GateResult(False, "KV contract mismatch: " + "; ".join(problems[:3]))
-    return replay_golden(runtime, artifact)
+    return replay_golden(runtime, artifact, step_token_budget)
 
 
-def warm_up(runtime: DecoderRuntime, artifact: Artifact, batch_size: int) -> None:
-    """One prefill and one decode at the largest batch, so the first request pays no first-run costs."""
+def warm_up(runtime: DecoderRuntime, artifact: Artifact, batch_size: int, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> None:
+    """Fill the batch to its largest size through the serving path (prefills, then decodes at every batch
+    size up to it), so the first requests pay no first-run costs."""
     config = artifact.config
-    runner = BatchRunner(runtime, config)
-    prompt_len = min(8, config.n_ctx - 2)
-    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, 2) for i in range(batch_size)]
-    results = runner.step(rows) + runner.step([])  # prefill, then one decode; a failure in either counts
+    prompt_len = min(8, config.n_ctx - batch_size - 2)
+    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, batch_size + 1) for i in range(batch_size)]
+    results = _scheduler(runtime, artifact, batch_size, step_token_budget).drive(rows)  # a failure anywhere counts
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]

@@ -18,20 +18,12 @@ from kvserve.export.artifact import open_artifact
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from .engine import (
-    Engine,
-    EngineLimits,
-    FinishReason,
-    GenerationRequest,
-    InvalidArgument,
-    QueueFull,
-    StepEvent,
-    Unavailable,
-)
+from .engine import DEFAULT_STEP_TOKEN_BUDGET, Engine, EngineLimits, InvalidArgument, QueueFull, Unavailable
 from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
+from .sequence import FinishReason, GenerationRequest, StepEvent
 from .text import load_tokenizer
 
 log = logging.getLogger("kvserve.server")
@@ -64,6 +56,7 @@ class ServerOptions:
     drain_seconds: float = 30.0
     allow_parity_failure: bool = False
     metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
+    step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET  # tokens per step while streams decode; 0: no limit
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
@@ -163,7 +156,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             dtype=app.artifact.dtype,
             execution_provider=app.runtime.provider,
             provider_note=app.runtime.fallback_reason or "",
-            limits=pb.Limits(max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=config.n_ctx),
+            limits=pb.Limits(
+                max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=config.n_ctx,
+                step_token_budget=engine.limits.step_token_budget,
+            ),
             live=pb.LiveCounts(
                 active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"],
                 kv_cache_bytes=stats["kv_bytes"],
@@ -267,7 +263,7 @@ class App:
             log.warning("serving on the CPU provider: %s", self.runtime.fallback_reason)
         log.info("execution provider: %s", self.runtime.provider)
         self.metrics.execution_provider.labels(provider=self.runtime.provider).set(1)
-        gate = await asyncio.to_thread(run_gate, self.runtime, self.artifact)
+        gate = await asyncio.to_thread(run_gate, self.runtime, self.artifact, options.step_token_budget)
         if not gate.passed:
             if not options.allow_parity_failure:
                 raise ParityGateFailed(f"parity gate failed, refusing to serve {options.artifact}: {gate.summary}")
@@ -276,9 +272,10 @@ class App:
         else:
             log.info("parity gate passed: %s", gate.summary)
         self.gate = gate
-        await asyncio.to_thread(warm_up, self.runtime, self.artifact, options.max_batch_size)
+        await asyncio.to_thread(warm_up, self.runtime, self.artifact, options.max_batch_size, options.step_token_budget)
         tokenizer = load_tokenizer(self.artifact.tokenizer_path)
-        engine = Engine(self.runtime, config, tokenizer, EngineLimits(options.max_batch_size, options.max_queue), self.metrics)
+        limits = EngineLimits(options.max_batch_size, options.max_queue, options.step_token_budget)
+        engine = Engine(self.runtime, config, tokenizer, limits, self.metrics)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -146,16 +146,16 @@ def test_kv_bytes_are_reported_per_active_sequence(stub, server, tiny_model):
 
 
 def test_one_failing_request_is_internal_while_the_others_finish(stub, server, monkeypatch):
-    from kvserve.service import engine as engine_module
+    from kvserve.service import sequence as sequence_module
 
-    real_choose = engine_module.choose
+    real_choose = sequence_module.choose
 
     def choose_or_fail(logits, params, rng, seen):
         if params.seed == 666:
             raise RuntimeError("injected failure in this request's sampling")
         return real_choose(logits, params, rng, seen)
 
-    monkeypatch.setattr(engine_module, "choose", choose_or_fail)
+    monkeypatch.setattr(sequence_module, "choose", choose_or_fail)
     with ThreadPoolExecutor(5) as pool:
         healthy = [pool.submit(collect, stub, greedy(p, 30)) for p in PROMPTS[:4]]
         doomed = pool.submit(collect, stub, greedy([1, 2], 30, sampling=pb.SamplingParams(seed=666)))

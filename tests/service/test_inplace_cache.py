@@ -27,9 +27,9 @@ def test_capacity_is_a_power_of_two_with_a_floor():
     assert inplace_capacity(17, minimum=16) == 32
 
 
-def test_decode_writes_into_the_past_buffer_and_matches_the_concat_graph(tiny_artifact, tiny_inplace_artifact):
-    inplace, concat = open_runtime(tiny_inplace_artifact), open_runtime(tiny_artifact)
-    config = open_artifact(tiny_artifact).config
+def test_decode_writes_into_the_past_buffer_and_matches_the_concat_graph(tiny_concat_artifact, tiny_inplace_artifact):
+    inplace, concat = open_runtime(tiny_inplace_artifact), open_runtime(tiny_concat_artifact)
+    config = open_artifact(tiny_concat_artifact).config
     prompts = [[3, 1, 4], [(5 * i) % 250 + 1 for i in range(50)]]  # left-padded to 50 columns
     ids = np.zeros((2, 50), np.int64)
     mask = np.zeros((2, 50), np.int64)
@@ -67,11 +67,11 @@ def test_a_step_whose_mask_does_not_fit_the_cache_is_refused(tiny_inplace_artifa
 
 
 def test_the_engine_sizes_buffers_for_the_tokens_ahead_so_decode_never_grows_them(tiny_inplace_artifact):
-    from kvserve.service.engine import BatchRunner
     from kvserve.service.gate import _greedy_sequence
+    from kvserve.service.padded_batch import PaddedBatch
 
     runtime = open_runtime(tiny_inplace_artifact)
-    runner = BatchRunner(runtime, open_artifact(tiny_inplace_artifact).config)
+    runner = PaddedBatch(runtime, open_artifact(tiny_inplace_artifact).config, max_rows=4)
     first = _greedy_sequence(1, list(range(1, 51)), 30)  # 50 + 30 columns: a 128-column buffer from the start
     runner.step([first])
     assert runner.past.capacity == 128
@@ -127,14 +127,14 @@ def test_model_info_names_the_layout_and_counts_the_whole_buffer(inplace_stub, t
     stream.cancel()
 
 
-def test_the_contract_check_refuses_a_manifest_that_misnames_the_layout(tiny_artifact, tmp_path):
+def test_the_contract_check_refuses_a_manifest_that_misnames_the_layout(tiny_concat_artifact, tmp_path):
     import json
     import shutil
 
     from kvserve.service.gate import contract_problems
 
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_artifact, copy)
+    shutil.copytree(tiny_concat_artifact, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["kv_cache"] = "inplace"  # the graph is a concat one
     (copy / "manifest.json").write_text(json.dumps(manifest))

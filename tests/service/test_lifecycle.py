@@ -43,13 +43,14 @@ def live(stub):
 
 def slow_down(monkeypatch, app, seconds=0.01):
     """Make each model step of this server take a little longer, so tests can act mid-generation."""
-    real_run = app.runtime.run
+    for name in ("run", "run_slots"):  # the padded layouts' step and the slots layout's
+        real = getattr(app.runtime, name)
 
-    def run(*args):
-        time.sleep(seconds)
-        return real_run(*args)
+        def slowed(*args, real=real):
+            time.sleep(seconds)
+            return real(*args)
 
-    monkeypatch.setattr(app.runtime, "run", run)
+        monkeypatch.setattr(app.runtime, name, slowed)
 
 
 def rss_bytes() -> int:
@@ -58,7 +59,7 @@ def rss_bytes() -> int:
 
 
 def test_cancelling_100_streams_frees_every_sequence_and_its_cache(stub, server):
-    from kvserve.service.engine import Sequence
+    from kvserve.service.sequence import Sequence
 
     def cancel_a_hundred():
         streams = [stub.Generate(long_request(), timeout=60) for _ in range(100)]
@@ -273,12 +274,12 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
 
 
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
-    from kvserve.service import engine as engine_module
+    from kvserve.service import sequence as sequence_module
     from kvserve.service.gate import warm_up
 
     def failing_choose(*args):
         raise RuntimeError("sampling broke during warm-up")
 
-    monkeypatch.setattr(engine_module, "choose", failing_choose)
+    monkeypatch.setattr(sequence_module, "choose", failing_choose)
     with pytest.raises(RuntimeError, match="sampling broke during warm-up"):
         warm_up(server.app.runtime, server.app.artifact, batch_size=2)

@@ -1,0 +1,187 @@
+"""The running batch of a `slots` artifact and its KV slots: which sequence holds which cache row, each row's
+length, the mask a step reads, and every change of the pool (a row moved when a sequence leaves, a capacity
+change when the longest need changes). One step thread calls it; the scheduler says what each step runs.
+
+Each sequence holds one row of the pool, left-aligned: its token at position p lives in column p, so a
+row's length is its own and no row pads another. A step runs, in one model call, one token for every row
+that decodes and one chunk of one row's prompt (export/io_contract.py, the slots layout). A row with
+nothing to decode this step (the one whose prompt the chunk belongs to, or a free row below the last
+used one) is fed a scratch token written at the pool's last column, which no real token ever occupies.
+
+Joining takes the lowest free row; leaving frees a row, and on the CPU provider the last row moves into
+it (one row, in place) so rows 0..B-1 stay dense and a step computes no idle row. Under CUDA a free row
+stays a hole until the next join fills it, so nothing moves at all. No K/V crosses to the host either way.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvserve.model.config import DecoderConfig
+
+from .runtime import DecoderRuntime, SlotPool
+from .sequence import Sequence, StepEvent
+
+log = logging.getLogger(__name__)
+
+# The smallest pool, in columns: below it a pool's size makes no measurable difference to a step.
+MIN_CAPACITY = 64
+
+StepResults = list[tuple[Sequence, StepEvent | BaseException]]
+
+
+@dataclass
+class StepPlan:
+    """What one step runs: decided by the scheduler, carried out by the batch."""
+
+    joining: list[Sequence] = field(default_factory=list)  # admitted now: each takes a row before the step
+    decode: list[Sequence] = field(default_factory=list)  # rows that decode one token
+    chunk: Sequence | None = None  # the row whose prompt advances this step
+    chunk_tokens: int = 0  # by this many tokens
+
+
+def slot_capacity(columns: int, n_ctx: int, minimum: int = MIN_CAPACITY) -> int:
+    """Pool columns for rows that need up to `columns` (plus the scratch column): a power of two, at least
+    minimum, at most n_ctx + 1 (a whole context and the scratch column)."""
+    return min(max(minimum, 1 << columns.bit_length()), n_ctx + 1)
+
+
+def advance_each(rows: list[Sequence], logits: np.ndarray) -> StepResults:
+    """logits (len(rows), V): each row's next-token logits. One sequence's failure is that sequence's alone."""
+    results: StepResults = []
+    for row, seq in enumerate(rows):
+        try:
+            results.append((seq, seq.advance(logits[row])))
+        except Exception as exc:  # a bug in one request's sampling or text must not stop the others
+            log.exception("sequence %d failed", seq.id)
+            seq.finished = True
+            results.append((seq, exc))
+    return results
+
+
+class SlotBatch:
+    """The rows of the running batch in a SlotPool. Not thread-safe: one step thread calls it."""
+
+    chunked = True  # prompts may be prefilled a chunk at a time
+
+    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
+        self.runtime, self.config, self.max_rows = runtime, config, max_rows
+        self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
+        self.pool: SlotPool | None = None
+        self.compact = runtime.device == "cpu"  # fill a hole by moving the last row (see the module docstring)
+        self._cell_bytes = 2 * config.n_layer * config.n_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
+
+    # --- what the engine and the scheduler read -----------------------------------------------------
+
+    @property
+    def rows(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def row_bytes(self) -> int:
+        """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
+        return (self.pool.capacity if self.pool is not None else 0) * self._cell_bytes
+
+    def kv_bytes(self) -> int:
+        return len(self.rows) * self.row_bytes()
+
+    # --- one step --------------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan) -> StepResults:
+        self.release([s for s in self.rows if s.cancelled])
+        for seq in plan.joining:
+            if not seq.cancelled:
+                self._join(seq)
+        decode = [s for s in plan.decode if s.slot is not None and not s.cancelled]
+        chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
+        results = self._step(decode, chunk, plan.chunk_tokens) if decode or chunk else []
+        self.release([s for s in self.rows if s.finished])
+        return results
+
+    def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
+        pool = self.pool
+        rows = len(self.slots)
+        scratch = pool.capacity - 1
+        input_ids = np.zeros(rows, dtype=np.int64)  # (B,): free rows and the chunk's row get a scratch token
+        position_ids = np.full(rows, scratch, dtype=np.int64)  # (B,)
+        for seq in decode:
+            input_ids[seq.slot] = seq.generated[-1]
+            position_ids[seq.slot] = seq.cached_tokens  # its position, and the column it is written at
+        width = int(max((seq.cached_tokens for seq in decode), default=0)) + 1
+        attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        logits_index = [seq.slot for seq in decode]
+        start, piece, completes = 0, np.zeros(0, dtype=np.int64), False
+        if chunk is not None:
+            start = chunk.cached_tokens
+            piece = np.asarray(chunk.prompt_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
+            completes = start + len(piece) == len(chunk.prompt_ids)
+            if completes:
+                logits_index.append(rows + len(piece) - 1)  # the prompt's last token: the first new one follows
+        logits = self.runtime.run_slots(
+            pool, input_ids, position_ids, attention_mask, piece, start, chunk.slot if chunk is not None else 0,
+            np.asarray(logits_index, dtype=np.int64),
+        )
+        for seq in decode:
+            seq.cached_tokens += 1
+        sampled = list(decode)
+        if chunk is not None:
+            chunk.cached_tokens = start + len(piece)
+            if completes:
+                sampled.append(chunk)
+        return advance_each(sampled, logits)
+
+    def fail_all(self, error: BaseException) -> StepResults:
+        """Every sequence holding a row fails with error; the batch is empty afterwards."""
+        failed = [(s, error) for s in self.rows]
+        for seq in self.rows:
+            seq.slot = None
+        self.slots, self.pool = [], None
+        return failed
+
+    # --- joins, leaves and the pool's capacity ------------------------------------------------------------
+
+    def _capacity_for(self, rows: list[Sequence]) -> int:
+        return slot_capacity(max((s.columns_needed for s in rows), default=0), self.config.n_ctx)
+
+    def _join(self, seq: Sequence) -> None:
+        capacity = self._capacity_for(self.rows + [seq])
+        if self.pool is None:
+            self.pool = self.runtime.new_pool(self.max_rows, self.config.n_head, self.config.d_head, capacity)
+        elif capacity > self.pool.capacity:
+            self.pool = self.pool.resized(capacity, len(self.slots))
+        free = next((row for row, s in enumerate(self.slots) if s is None), None)
+        if free is None:
+            free = len(self.slots)
+            self.slots.append(None)
+        self.slots[free] = seq
+        seq.slot = free
+        seq.cached_tokens = 0
+
+    def release(self, leaving: list[Sequence]) -> None:
+        """Free the rows of sequences that left; keep rows dense (CPU) and the capacity fitted to who stays."""
+        if not leaving:
+            return
+        for seq in leaving:
+            if seq.slot is not None:
+                self.slots[seq.slot] = None
+                seq.slot = None
+        while True:
+            while self.slots and self.slots[-1] is None:
+                self.slots.pop()
+            hole = next((row for row, s in enumerate(self.slots) if s is None), None)
+            if hole is None or not self.compact:
+                break
+            last = self.slots.pop()  # the last row moves into the hole: one row, on the device
+            self.pool.move_row(len(self.slots), hole, last.cached_tokens)
+            self.slots[hole], last.slot = last, hole
+        if not self.slots:
+            self.pool = None  # nothing held: the memory goes back
+            return
+        capacity = self._capacity_for(self.rows)
+        if capacity * 2 <= self.pool.capacity:  # shrink only by half or more: no back and forth at a boundary
+            self.pool = self.pool.resized(capacity, len(self.slots))

@@ -1,0 +1,129 @@
+"""The scheduler loop: decides what each model step runs, hands it to the batch on the step thread, and
+delivers every sequence's event to its caller on the event loop.
+
+One step (kv_slots.StepPlan) is one model call over the batch:
+  - every row whose prompt is in the cache decodes one token (decode never waits for a prefill);
+  - one row's prompt advances by a chunk: with rows decoding, the chunk gets what is left of the per-step
+    token budget after them, so a long prompt never stalls the streams already running; with nobody
+    decoding (or budget 0, no limit) the whole rest of the prompt goes in one step;
+  - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
+    the batch idle while it waits for its turn.
+Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
+
+Artifacts in the concat and inplace layouts run on a PaddedBatch, which cannot chunk: there a step decodes
+every row and prefills every request that fits, whole, as kvserve always did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+
+from .kv_slots import StepPlan, StepResults
+from .sequence import Sequence, StepEvent
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Owns the waiting queue and the loop; the batch (kv_slots.SlotBatch or padded_batch.PaddedBatch) owns the rows."""
+
+    def __init__(self, batch, step_token_budget: int, metrics=None):
+        self.batch = batch
+        self.step_token_budget = step_token_budget  # 0: no limit
+        self.metrics = metrics
+        self.waiting: deque[Sequence] = deque()
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._wakeup = asyncio.Event()
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    # --- the queue (event loop) ------------------------------------------------------------------------
+
+    def submit(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+        self.idle.clear()
+        self._wakeup.set()
+
+    def withdraw(self, seq: Sequence) -> None:
+        """A caller went away: a waiting sequence leaves the queue now, a running one at the next step."""
+        try:
+            self.waiting.remove(seq)
+        except ValueError:
+            self._wakeup.set()
+
+    # --- planning ---------------------------------------------------------------------------------------
+
+    def plan(self) -> StepPlan:
+        batch = self.batch
+        if not batch.chunked:
+            joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), batch.free_rows()))]
+            return StepPlan(joining=joining, decode=list(batch.rows))
+        rows = [s for s in batch.rows if not s.cancelled]
+        decode = [s for s in rows if not s.prefilling]
+        prefilling = [s for s in rows if s.prefilling]
+        joining = []
+        if not prefilling and self.waiting and batch.free_rows() > 0:
+            joining = [self.waiting.popleft()]
+            prefilling = joining
+        if not prefilling:
+            return StepPlan(decode=decode)
+        chunk = prefilling[0]
+        remaining = len(chunk.prompt_ids) - chunk.cached_tokens
+        tokens = remaining
+        if decode and self.step_token_budget:
+            tokens = min(remaining, max(self.step_token_budget - len(decode), 1))
+        return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens)
+
+    def drive(self, sequences: list[Sequence]) -> StepResults:
+        """Run sequences to their end on this thread, step by step as the loop would: the load-time gate and
+        warm-up go through exactly the serving path. Returns every step's results in order."""
+        for seq in sequences:
+            self.waiting.append(seq)
+        results: StepResults = []
+        while self.waiting or self.batch.rows:
+            results += self.batch.run(self.plan())
+        return results
+
+    # --- the loop -----------------------------------------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        while True:
+            if not self.batch.rows and not self.waiting:
+                self.idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            await self._step()
+
+    async def _step(self) -> None:
+        """One batch step. Its own coroutine, so no sequence outlives the step in a local variable."""
+        plan = self.plan()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(self._executor, self.batch.run, plan)
+        except Exception as exc:  # the model step itself failed: every sequence in it fails once, none hangs
+            results = self._fail_step(plan, exc)
+        now = time.monotonic_ns()
+        for seq, event in results:
+            if not seq.cancelled:
+                seq.events.put_nowait(event)
+                if self.metrics is not None and isinstance(event, StepEvent):
+                    self.metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
+                    seq.last_sent_ns = now
+        if self.metrics is not None:
+            self.metrics.on_step(len(results), len(self.batch.rows), len(self.waiting), self.batch.kv_bytes())
+
+    def _fail_step(self, plan: StepPlan, exc: Exception) -> StepResults:
+        results = self.batch.fail_all(exc)
+        failed = {id(seq) for seq, _ in results}
+        results += [(seq, exc) for seq in plan.joining if id(seq) not in failed]  # never got a row
+        log.exception("model step failed; failing the %d sequences in it", len(results), exc_info=exc)
+        for seq, _ in results:
+            seq.finished = True
+        return results
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)

@@ -1,0 +1,133 @@
+"""One request's life in the engine: what was asked (GenerationRequest), its generation state (Sequence),
+and what each step hands back to its caller (StepEvent, with a Finish on the last one)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import SamplingParams, choose, log_probability
+from .text import IncrementalDecoder, StopSequences
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_text: str | None = None
+    prompt_ids: tuple[int, ...] | None = None
+    max_new_tokens: int = 0  # 0: as many as fit in the context
+    sampling: SamplingParams = SamplingParams()
+    stop_sequences: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    return_logprobs: bool = False
+    ignore_eos: bool = False
+
+
+class FinishReason(enum.Enum):
+    LENGTH = "length"
+    STOP_SEQUENCE = "stop_sequence"
+    END_OF_SEQUENCE = "end_of_sequence"
+
+
+@dataclass(frozen=True)
+class Finish:
+    reason: FinishReason
+    prompt_tokens: int
+    generated_tokens: int
+    time_to_first_token_ns: int
+    total_ns: int
+    stop_sequence: str = ""
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step produced for one sequence: a token and its text, and on the last step the finish."""
+
+    token_id: int
+    text: str
+    logprob: float | None
+    finish: Finish | None
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's generation state."""
+
+    id: int
+    prompt_ids: list[int]
+    max_new_tokens: int
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    return_logprobs: bool
+    decoder: IncrementalDecoder
+    stops: StopSequences
+    arrival_ns: int = field(default_factory=time.monotonic_ns)
+    generated: list[int] = field(default_factory=list)
+    cached_tokens: int = 0  # tokens whose K/V are in the batch cache
+    slot: int | None = None  # slots layout: the cache row this sequence holds
+    first_token_ns: int = 0
+    cancelled: bool = False  # set from the event loop when the client goes away
+    finished: bool = False
+    captured_logits: list | None = None  # the parity gate records the logits behind each token
+    last_sent_ns: int | None = None  # when the previous token was handed to the client (metrics)
+    events: asyncio.Queue | None = None
+
+    def __post_init__(self):
+        self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def total_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def prefilling(self) -> bool:
+        """Whether part of the prompt still has to go through the model (chunked prefill)."""
+        return not self.generated and not self.finished
+
+    @property
+    def columns_needed(self) -> int:
+        """Cache columns this sequence can fill: its prompt and every token it may still be fed."""
+        return len(self.prompt_ids) + self.max_new_tokens
+
+    def advance(self, logits: np.ndarray) -> StepEvent:
+        """Take the next token from this sequence's logits (V,); apply stop rules; return the event."""
+        now = time.monotonic_ns()
+        if self.captured_logits is not None:
+            self.captured_logits.append(logits.copy())
+        seen = None
+        if self.params.repetition_penalty != 1.0:
+            seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
+        token = choose(logits, self.params, self.rng, seen)
+        logprob = log_probability(logits, token) if self.return_logprobs else None
+        self.generated.append(token)
+        if len(self.generated) == 1:
+            self.first_token_ns = now
+        text, stop = self.stops.push(self.decoder.push(token))
+        reason = FinishReason.STOP_SEQUENCE if stop else None
+        if reason is None and token in self.stop_ids:
+            reason = FinishReason.END_OF_SEQUENCE
+        if reason is None and len(self.generated) >= self.max_new_tokens:
+            reason = FinishReason.LENGTH
+        if reason in (FinishReason.END_OF_SEQUENCE, FinishReason.LENGTH):
+            tail, stop = self.stops.push(self.decoder.flush())  # the held-back bytes may complete a stop
+            text += tail
+            if stop:
+                reason = FinishReason.STOP_SEQUENCE
+            else:
+                text += self.stops.flush()
+        finish = None
+        if reason is not None:
+            self.finished = True
+            finish = Finish(
+                reason=reason,
+                prompt_tokens=len(self.prompt_ids),
+                generated_tokens=len(self.generated),
+                time_to_first_token_ns=self.first_token_ns - self.arrival_ns,
+                total_ns=now - self.arrival_ns,
+                stop_sequence=stop or "",
+            )
+        return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish)
