@@ -42,6 +42,7 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
     attention_mask              (batch_size, decode_width)                             int64, columns each row reads
     chunk_ids                   (1, chunk_length)                                      int64, may be 0 long
     chunk_position_ids          (1, chunk_length)                                      int64
+    chunk_attention_mask        (1, chunk_width)                                       int64, columns the chunk reads
     chunk_slot                  (1,)                                                   int64, the chunk's row
     logits_index                (num_logits,)                                          int64, of the B + T tokens
     past_key_values.{i}.key     (batch_size, num_heads, cache_capacity, head_dim)      model dtype
@@ -71,6 +72,8 @@ CHUNK = "chunk_length"
 NUM_LOGITS = "num_logits"
 CHUNK_IDS = "chunk_ids"
 CHUNK_POSITION_IDS = "chunk_position_ids"
+CHUNK_ATTENTION_MASK = "chunk_attention_mask"
+CHUNK_WIDTH = "chunk_width"
 CHUNK_SLOT = "chunk_slot"
 LOGITS_INDEX = "logits_index"
 
@@ -94,7 +97,7 @@ def present_names(layer: int) -> tuple[str, str]:
 
 def input_names(n_layer: int, kv_cache: str = CONCAT) -> list[str]:
     if kv_cache == SLOTS:
-        step = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, CHUNK_IDS, CHUNK_POSITION_IDS, CHUNK_SLOT, LOGITS_INDEX]
+        step = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, CHUNK_IDS, CHUNK_POSITION_IDS, CHUNK_ATTENTION_MASK, CHUNK_SLOT, LOGITS_INDEX]
     else:
         step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + ([CACHE_POSITION] if kv_cache == INPLACE else [])
     return step + [n for i in range(n_layer) for n in past_names(i)]
@@ -136,6 +139,7 @@ def _slots_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: 
         ATTENTION_MASK: {"shape": [BATCH, DECODE_WIDTH], "dtype": "int64"},
         CHUNK_IDS: {"shape": [1, CHUNK], "dtype": "int64"},
         CHUNK_POSITION_IDS: {"shape": [1, CHUNK], "dtype": "int64"},
+        CHUNK_ATTENTION_MASK: {"shape": [1, CHUNK_WIDTH], "dtype": "int64"},
         CHUNK_SLOT: {"shape": [1], "dtype": "int64"},
         LOGITS_INDEX: {"shape": [NUM_LOGITS], "dtype": "int64"},
     }

@@ -49,9 +49,11 @@ class _InplaceSignature(_FlatSignature):
 class _SlotsSignature(_FlatSignature):
     """The `slots` step: (decode tokens, chunk, logits_index, row pool) -> (logits, pool written in place)."""
 
-    def forward(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_slot, logits_index, past_key_values):
+    def forward(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
+                logits_index, past_key_values):
         logits, presents = self.model.forward_slots(
-            input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_slot, logits_index, list(past_key_values)
+            input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, logits_index,
+            list(past_key_values),
         )
         return logits, tuple(presents)
 
@@ -59,7 +61,7 @@ class _SlotsSignature(_FlatSignature):
 def _slots_example_inputs(model: GPT2, dtype: torch.dtype):
     # Distinct sizes of 2 and more for every axis, so the tracer neither specialises nor merges them.
     config = model.config
-    batch, width, chunk, capacity, n_logits = 2, 5, 3, 8, 4
+    batch, width, chunk, chunk_width, capacity, n_logits = 2, 5, 3, 6, 9, 4
     kv_shape = (batch, config.n_head, capacity, config.d_head)  # (B, H, C, d_k)
     step = (
         torch.zeros(batch, 1, dtype=torch.int64),
@@ -67,6 +69,7 @@ def _slots_example_inputs(model: GPT2, dtype: torch.dtype):
         torch.ones(batch, width, dtype=torch.int64),
         torch.zeros(1, chunk, dtype=torch.int64),
         torch.arange(chunk, dtype=torch.int64)[None],
+        torch.ones(1, chunk_width, dtype=torch.int64),
         torch.tensor([1], dtype=torch.int64),
         torch.arange(n_logits, dtype=torch.int64),
     )
@@ -144,7 +147,7 @@ def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CO
         signature, example = _SlotsSignature(model), _slots_example_inputs(model, torch_dtype)
         dynamic_shapes = {
             "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "attention_mask": {0: dynamic, 1: dynamic},
-            "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_slot": None,
+            "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_attention_mask": {1: dynamic}, "chunk_slot": None,
             "logits_index": {0: dynamic}, "past_key_values": kv_axes,
         }
     else:

@@ -20,7 +20,7 @@ import torch
 
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.gpt2 import GPT2
-from kvserve.service.kv_slots import slot_capacity
+from kvserve.service.kv_slots import pool_capacity
 from kvserve.service.runtime import DecoderRuntime
 
 from .artifact import ArtifactError, open_artifact
@@ -164,8 +164,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     rng = np.random.default_rng(0)
     max_prompt = max(1, min(33, config.n_ctx - steps - 1))
     if artifact.kv_cache == SLOTS:
-        capacity = slot_capacity(max(max_prompt, max(DECODE_PROMPTS), max(GREEDY_PROMPTS)) + steps + 1, config.n_ctx)
-        driver = _SlotsDriver(runtime, config, capacity)
+        driver = _SlotsDriver(runtime, config, pool_capacity(config))
     else:
         driver = _PaddedDriver(runtime, config)
     checks: list[dict] = []

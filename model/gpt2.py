@@ -70,7 +70,7 @@ class SlotStep:
     """Where one `slots` step's N = B + T tokens go: B decode tokens (one per cache row, rows 0..B-1) then
     a prompt chunk of T tokens of row `chunk_slot`. Built once per forward, shared by every layer."""
 
-    def __init__(self, position_ids, attention_mask, chunk_position_ids, chunk_slot, capacity: int):
+    def __init__(self, position_ids, attention_mask, chunk_position_ids, chunk_attention_mask, chunk_slot, capacity: int):
         B, T = position_ids.shape[0], chunk_position_ids.shape[1]
         device = position_ids.device
         rows = torch.cat([torch.arange(B, device=device), chunk_slot.expand(T)])  # (N,)
@@ -79,8 +79,10 @@ class SlotStep:
         self.n_decode, self.chunk_slot = B, chunk_slot
         self.decode_width = attention_mask.shape[1]  # decode rows read only the first W columns
         self.decode_allowed = (attention_mask > 0)[:, None, None, :]  # (B, 1, 1, W)
-        key_columns = torch.arange(capacity, device=device)  # (C,)
-        self.chunk_allowed = (key_columns[None, :] <= chunk_position_ids.reshape(T)[:, None])[None, None]  # (1, 1, T, C)
+        self.capacity = capacity
+        self.chunk_columns = torch.arange(chunk_attention_mask.shape[1], device=device)  # (W_c,): the chunk reads these
+        causal = self.chunk_columns[None, :] <= chunk_position_ids.reshape(T)[:, None]  # (T, W_c)
+        self.chunk_allowed = (causal & (chunk_attention_mask > 0))[None, None]  # (1, 1, T, W_c)
 
 
 class CausalSelfAttention(nn.Module):
@@ -123,7 +125,10 @@ class CausalSelfAttention(nn.Module):
         width = step.decode_width
         y_decode = scaled_dot_product_attention(q_decode, k[:, :, :width], v[:, :, :width], step.decode_allowed)  # (B, H, 1, d_k)
         q_chunk = q[0, B:].view(N - B, H, d_k).transpose(0, 1)[None]  # (1, H, T, d_k)
-        k_row, v_row = k.index_select(0, step.chunk_slot), v.index_select(0, step.chunk_slot)  # (1, H, C_cap, d_k)
+        # The chunk's own row, only the columns it reads: one gather from the pool seen as (S * H * C_cap, d_k).
+        cells = ((step.chunk_slot * H + heads[0])[:, None] * step.capacity + step.chunk_columns[None, :])  # (H, W_c)
+        k_row = k.reshape(-1, d_k)[cells][None]  # (1, H, W_c, d_k)
+        v_row = v.reshape(-1, d_k)[cells][None]  # (1, H, W_c, d_k)
         y_chunk = scaled_dot_product_attention(q_chunk, k_row, v_row, step.chunk_allowed)  # (1, H, T, d_k)
         y = torch.cat([y_decode.view(B, C), y_chunk[0].transpose(0, 1).reshape(N - B, C)])[None]  # (1, N, C)
         return self.c_proj(y), (k, v)
@@ -241,6 +246,7 @@ class GPT2(nn.Module):
         attention_mask: torch.Tensor,  # (B, W) int64: the columns each row attends to (W <= C_cap)
         chunk_ids: torch.Tensor,  # (1, T) int64: a chunk of one row's prompt; T may be 0
         chunk_position_ids: torch.Tensor,  # (1, T) int64: the chunk's positions (= columns)
+        chunk_attention_mask: torch.Tensor,  # (1, W_c) int64: the columns of its row the chunk reads
         chunk_slot: torch.Tensor,  # (1,) int64: the row the chunk belongs to
         logits_index: torch.Tensor,  # (K,) int64: which of the N = B + T tokens get logits
         past_key_values: list[LayerKV],  # per layer (K, V), each (B, H, C_cap, d_k): the row pool
@@ -252,7 +258,7 @@ class GPT2(nn.Module):
         Positions past the context are clamped for the position embedding only: they are those scratch tokens.
         """
         capacity = past_key_values[0][0].shape[2]
-        step = SlotStep(position_ids, attention_mask, chunk_position_ids, chunk_slot, capacity)
+        step = SlotStep(position_ids, attention_mask, chunk_position_ids, chunk_attention_mask, chunk_slot, capacity)
         ids = torch.cat([input_ids.reshape(1, -1), chunk_ids], dim=1)  # (1, N)
         positions = torch.cat([position_ids.reshape(1, -1), chunk_position_ids], dim=1)  # (1, N)
         positions = positions.clamp(max=self.config.n_ctx - 1)

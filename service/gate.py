@@ -99,13 +99,14 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
     return replay_golden(runtime, artifact, step_token_budget)
 
 
-def warm_up(runtime: DecoderRuntime, artifact: Artifact, batch_size: int, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> None:
-    """Fill the batch to its largest size through the serving path (prefills, then decodes at every batch
-    size up to it), so the first requests pay no first-run costs."""
+def warm_up(batch, artifact: Artifact, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> None:
+    """Fill the serving batch to its largest size through the serving path (prefills, then decodes at every
+    batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards."""
     config = artifact.config
-    prompt_len = min(8, config.n_ctx - batch_size - 2)
+    batch_size = batch.max_rows
+    prompt_len = max(1, min(8, config.n_ctx - batch_size - 2))
     rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, batch_size + 1) for i in range(batch_size)]
-    results = _scheduler(runtime, artifact, batch_size, step_token_budget).drive(rows)  # a failure anywhere counts
+    results = Scheduler(batch, step_token_budget).drive(rows)  # a failure anywhere counts
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]

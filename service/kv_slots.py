@@ -8,6 +8,13 @@ that decodes and one chunk of one row's prompt (export/io_contract.py, the slots
 nothing to decode this step (the one whose prompt the chunk belongs to, or a free row below the last
 used one) is fed a scratch token written at the pool's last column, which no real token ever occupies.
 
+The pool is allocated once, for max_rows rows of a whole context (n_ctx columns and the scratch one), and
+touched when the batch is made: memory first touched mid-stream costs page faults that stall a step (on
+the development VM a fresh 1.2 GB gpt2 pool took 1.6 s to fill), so no step ever allocates K/V.
+Decode rows read only the columns up to the longest of them; a chunk reads its own row. So when no prompt
+chunk runs and one row is much longer than the rest (a long prompt now decoding), that row's token goes
+through the chunk instead, and the others read their own short widths, not the long one's.
+
 Joining takes the lowest free row; leaving frees a row, and on the CPU provider the last row moves into
 it (one row, in place) so rows 0..B-1 stay dense and a step computes no idle row. Under CUDA a free row
 stays a hole until the next join fills it, so nothing moves at all. No K/V crosses to the host either way.
@@ -27,10 +34,11 @@ from .sequence import Sequence, StepEvent
 
 log = logging.getLogger(__name__)
 
-# The smallest pool, in columns: below it a pool's size makes no measurable difference to a step.
-MIN_CAPACITY = 64
-
 StepResults = list[tuple[Sequence, StepEvent | BaseException]]
+
+# A decoding row takes the chunk's place (when free) once it is this much longer than every other row:
+# reading its width in every row would cost more than the extra row the decode part then computes.
+SOLO_MIN_RATIO, SOLO_MIN_EXTRA = 2, 32
 
 
 @dataclass
@@ -43,10 +51,9 @@ class StepPlan:
     chunk_tokens: int = 0  # by this many tokens
 
 
-def slot_capacity(columns: int, n_ctx: int, minimum: int = MIN_CAPACITY) -> int:
-    """Pool columns for rows that need up to `columns` (plus the scratch column): a power of two, at least
-    minimum, at most n_ctx + 1 (a whole context and the scratch column)."""
-    return min(max(minimum, 1 << columns.bit_length()), n_ctx + 1)
+def pool_capacity(config: DecoderConfig) -> int:
+    """Columns of a pool row: a whole context, then the scratch column."""
+    return config.n_ctx + 1
 
 
 def advance_each(rows: list[Sequence], logits: np.ndarray) -> StepResults:
@@ -70,7 +77,7 @@ class SlotBatch:
     def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
         self.runtime, self.config, self.max_rows = runtime, config, max_rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
-        self.pool: SlotPool | None = None
+        self.pool: SlotPool = runtime.new_pool(max_rows, config.n_head, config.d_head, pool_capacity(config))
         self.compact = runtime.device == "cpu"  # fill a hole by moving the last row (see the module docstring)
         self._cell_bytes = 2 * config.n_layer * config.n_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
 
@@ -85,7 +92,7 @@ class SlotBatch:
 
     def row_bytes(self) -> int:
         """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
-        return (self.pool.capacity if self.pool is not None else 0) * self._cell_bytes
+        return self.pool.capacity * self._cell_bytes
 
     def kv_bytes(self) -> int:
         return len(self.rows) * self.row_bytes()
@@ -103,7 +110,19 @@ class SlotBatch:
         self.release([s for s in self.rows if s.finished])
         return results
 
+    @staticmethod
+    def _solo(decode: list[Sequence]) -> Sequence | None:
+        """The decoding row to run through the chunk this step, if one is far longer than the others."""
+        if len(decode) < 2:
+            return None
+        longest, second = sorted(decode, key=lambda s: s.cached_tokens)[-1:-3:-1]
+        far = longest.cached_tokens >= SOLO_MIN_RATIO * second.cached_tokens + SOLO_MIN_EXTRA
+        return longest if far else None
+
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
+        solo = self._solo(decode) if chunk is None else None
+        if solo is not None:
+            decode = [s for s in decode if s is not solo]
         pool = self.pool
         rows = len(self.slots)
         scratch = pool.capacity - 1
@@ -116,19 +135,23 @@ class SlotBatch:
         attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
         logits_index = [seq.slot for seq in decode]
         start, piece, completes = 0, np.zeros(0, dtype=np.int64), False
-        if chunk is not None:
+        if solo is not None:  # a decode token, fed as a one-token chunk of its own row
+            start, piece = solo.cached_tokens, np.array([solo.generated[-1]], dtype=np.int64)
+            logits_index.append(rows)
+        elif chunk is not None:
             start = chunk.cached_tokens
             piece = np.asarray(chunk.prompt_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
             completes = start + len(piece) == len(chunk.prompt_ids)
             if completes:
                 logits_index.append(rows + len(piece) - 1)  # the prompt's last token: the first new one follows
+        chunk_row = solo if solo is not None else chunk
         logits = self.runtime.run_slots(
-            pool, input_ids, position_ids, attention_mask, piece, start, chunk.slot if chunk is not None else 0,
+            pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
             np.asarray(logits_index, dtype=np.int64),
         )
-        for seq in decode:
+        sampled = decode + ([solo] if solo is not None else [])
+        for seq in sampled:
             seq.cached_tokens += 1
-        sampled = list(decode)
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
             if completes:
@@ -140,20 +163,12 @@ class SlotBatch:
         failed = [(s, error) for s in self.rows]
         for seq in self.rows:
             seq.slot = None
-        self.slots, self.pool = [], None
+        self.slots = []
         return failed
 
-    # --- joins, leaves and the pool's capacity ------------------------------------------------------------
-
-    def _capacity_for(self, rows: list[Sequence]) -> int:
-        return slot_capacity(max((s.columns_needed for s in rows), default=0), self.config.n_ctx)
+    # --- joins and leaves ---------------------------------------------------------------------------------
 
     def _join(self, seq: Sequence) -> None:
-        capacity = self._capacity_for(self.rows + [seq])
-        if self.pool is None:
-            self.pool = self.runtime.new_pool(self.max_rows, self.config.n_head, self.config.d_head, capacity)
-        elif capacity > self.pool.capacity:
-            self.pool = self.pool.resized(capacity, len(self.slots))
         free = next((row for row, s in enumerate(self.slots) if s is None), None)
         if free is None:
             free = len(self.slots)
@@ -163,7 +178,7 @@ class SlotBatch:
         seq.cached_tokens = 0
 
     def release(self, leaving: list[Sequence]) -> None:
-        """Free the rows of sequences that left; keep rows dense (CPU) and the capacity fitted to who stays."""
+        """Free the rows of sequences that left; on CPU keep rows dense."""
         if not leaving:
             return
         for seq in leaving:
@@ -179,9 +194,3 @@ class SlotBatch:
             last = self.slots.pop()  # the last row moves into the hole: one row, on the device
             self.pool.move_row(len(self.slots), hole, last.cached_tokens)
             self.slots[hole], last.slot = last, hole
-        if not self.slots:
-            self.pool = None  # nothing held: the memory goes back
-            return
-        capacity = self._capacity_for(self.rows)
-        if capacity * 2 <= self.pool.capacity:  # shrink only by half or more: no back and forth at a boundary
-            self.pool = self.pool.resized(capacity, len(self.slots))

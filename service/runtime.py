@@ -78,30 +78,32 @@ def inplace_capacity(columns: int, minimum: int = MIN_CAPACITY) -> int:
 
 @dataclass
 class KvTraffic:
-    """K/V copies the runtime made. host_bytes: through host memory (to_host / to_device / a staged pool
-    change); row_moves and resizes: device-side changes of a SlotPool."""
+    """K/V copies the runtime made. host_bytes: through host memory (to_host / to_device / a row move staged
+    through the host); row_moves: rows of a SlotPool moved to another row."""
 
     host_bytes: int = 0
     row_moves: int = 0
-    resizes: int = 0
 
 
 class SlotPool:
     """The slots layout's cache: per layer K and V, each (rows, H, capacity, d_k), on the session's device.
     Rows are the batch's slots; a step binds rows [0, B) by address. On the CPU provider the memory is
-    numpy's (the device is the host); under CUDA it is device memory and the pool never reads it back except
-    to move a row or resize, which the batch does only when sequences join or leave."""
+    numpy's (the device is the host), zeroed here so every page is touched before any step runs; under
+    CUDA it is device memory, read back only to move a row (kv_slots never does under CUDA)."""
 
     def __init__(self, runtime: "DecoderRuntime", rows: int, n_head: int, d_head: int, capacity: int):
         self.runtime, self.rows, self.capacity = runtime, rows, capacity
         self.shape = (rows, n_head, capacity, d_head)  # (S, H, C, d_k)
         self.row_bytes = n_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
         if runtime.device == "cpu":
-            self.arrays = [np.zeros(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
+            self.arrays = [np.empty(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
+            for array in self.arrays:
+                array.fill(0)  # touch every page now: a first touch mid-step is a page fault the step waits for
             self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]  # the same memory
         else:
             self.arrays = None
-            self.values = [ort.OrtValue.ortvalue_from_shape_and_type(self.shape, runtime.kv_dtype, "cuda", 0) for _ in range(2 * runtime.n_layer)]
+            zeros = np.zeros(self.shape, runtime.kv_dtype)  # rows read padding columns: they must hold numbers
+            self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * runtime.n_layer)]
 
     def _host_views(self) -> list[np.ndarray]:
         """The pool as numpy arrays: the memory itself on CPU; a copy from the GPU otherwise (counted)."""
@@ -123,18 +125,6 @@ class SlotPool:
             array[destination, :, :columns] = array[source, :, :columns]
         self._write_back(arrays)
         self.runtime.traffic.row_moves += 1
-
-    def resized(self, capacity: int, rows_in_use: int) -> "SlotPool":
-        """A pool of another capacity holding the same rows' first min(old, new) columns."""
-        pool = SlotPool(self.runtime, self.rows, self.shape[1], self.shape[3], capacity)
-        keep = min(capacity, self.capacity)
-        old = self._host_views()
-        new = pool.arrays if pool.arrays is not None else [np.zeros(pool.shape, self.runtime.kv_dtype) for _ in old]
-        for a, b in zip(old, new):
-            b[:rows_in_use, :, :keep] = a[:rows_in_use, :, :keep]
-        pool._write_back(new)
-        self.runtime.traffic.resizes += 1
-        return pool
 
     def row_to_host(self, row: int, columns: int) -> list[np.ndarray]:
         """One row's first columns, per layer K then V, each (H, columns, d_k): for parity checks and tests."""
@@ -327,7 +317,9 @@ class DecoderRuntime:
         binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
         binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
         binding.bind_cpu_input(io.CHUNK_IDS, chunk)
-        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_start + chunk.shape[1], dtype=np.int64)[None])
+        chunk_end = chunk_start + chunk.shape[1]
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_end, dtype=np.int64)[None])
+        binding.bind_cpu_input(io.CHUNK_ATTENTION_MASK, np.ones((1, max(chunk_end, 1)), dtype=np.int64))  # its row's columns so far
         binding.bind_cpu_input(io.CHUNK_SLOT, np.array([chunk_slot], dtype=np.int64))
         binding.bind_cpu_input(io.LOGITS_INDEX, np.ascontiguousarray(logits_index, dtype=np.int64))
         binding.bind_output(io.LOGITS, "cpu")  # unallocated again: its shape (K, V) changes from step to step

@@ -88,11 +88,6 @@ class Sequence:
         """Whether part of the prompt still has to go through the model (chunked prefill)."""
         return not self.generated and not self.finished
 
-    @property
-    def columns_needed(self) -> int:
-        """Cache columns this sequence can fill: its prompt and every token it may still be fed."""
-        return len(self.prompt_ids) + self.max_new_tokens
-
     def advance(self, logits: np.ndarray) -> StepEvent:
         """Take the next token from this sequence's logits (V,); apply stop rules; return the event."""
         now = time.monotonic_ns()

@@ -18,7 +18,7 @@ from kvserve.export.artifact import open_artifact
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from .engine import DEFAULT_STEP_TOKEN_BUDGET, Engine, EngineLimits, InvalidArgument, QueueFull, Unavailable
+from .engine import DEFAULT_STEP_TOKEN_BUDGET, Engine, EngineLimits, InvalidArgument, QueueFull, Unavailable, make_batch
 from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
@@ -272,10 +272,11 @@ class App:
         else:
             log.info("parity gate passed: %s", gate.summary)
         self.gate = gate
-        await asyncio.to_thread(warm_up, self.runtime, self.artifact, options.max_batch_size, options.step_token_budget)
+        batch = await asyncio.to_thread(make_batch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
+        await asyncio.to_thread(warm_up, batch, self.artifact, options.step_token_budget)
         tokenizer = load_tokenizer(self.artifact.tokenizer_path)
         limits = EngineLimits(options.max_batch_size, options.max_queue, options.step_token_budget)
-        engine = Engine(self.runtime, config, tokenizer, limits, self.metrics)
+        engine = Engine(self.runtime, config, tokenizer, limits, self.metrics, batch=batch)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -280,6 +280,9 @@ def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeyp
     def failing_choose(*args):
         raise RuntimeError("sampling broke during warm-up")
 
+    from kvserve.service.engine import make_batch
+
     monkeypatch.setattr(sequence_module, "choose", failing_choose)
+    batch = make_batch(server.app.runtime, server.app.artifact.config, 2)
     with pytest.raises(RuntimeError, match="sampling broke during warm-up"):
-        warm_up(server.app.runtime, server.app.artifact, batch_size=2)
+        warm_up(batch, server.app.artifact)
