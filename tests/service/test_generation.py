@@ -129,6 +129,7 @@ def test_tokenize_and_model_info(stub, server, tiny_model):
     assert info.execution_provider == PROVIDER_NAMES[PROVIDER]
     assert info.parity_gate.passed and "identical" in info.parity_gate.summary
     assert info.limits.max_batch_size == 8 and info.tokenizer == "bytes"
+    assert info.limits.step_token_budget == 32 and info.kv_cache == "slots"
     assert len(info.manifest_sha256) == 64 and info.dtype == "float32"
 
 
@@ -164,3 +165,54 @@ def test_one_failing_request_is_internal_while_the_others_finish(stub, server, m
         results = [h.result() for h in healthy]
     assert error.value.code() == grpc.StatusCode.INTERNAL and "injected failure" in error.value.details()
     assert all(len(ids) == 30 and finish.reason == pb.FINISH_REASON_LENGTH for ids, _, finish in results)
+
+
+LAYOUT_SERVERS = {  # artifact fixture, serve options: few rows and a small budget force joins, leaves and chunks
+    "slots": ("tiny_artifact", dict(max_batch_size=3, step_token_budget=6)),
+    "concat": ("tiny_concat_artifact", dict(max_batch_size=3)),
+    "inplace": ("tiny_inplace_artifact", dict(max_batch_size=3)),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUT_SERVERS))
+def layout_stub(request):
+    from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+    from .conftest import start_server
+
+    fixture, options = LAYOUT_SERVERS[request.param]
+    running = start_server(request.getfixturevalue(fixture), max_queue=64, **options)
+    with grpc.insecure_channel(running.target) as channel:
+        yield pb_grpc.GenerationServiceStub(channel)
+    running.stop()
+
+
+def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks(layout_stub, tiny_model):
+    # Seven streams through three rows: rows leave at different steps and waiting ones join; the 150-token
+    # prompt is prefilled in chunks while others decode, then decodes far longer than the rest; one stream
+    # is cancelled mid-way. Every token and its log-probability must be the eager model's for that prompt alone.
+    lengths, steps = (2, 9, 150, 31, 5, 60, 12), (20, 45, 30, 25, 33, 40, 28)
+    prompts = [[(13 * i + 7 * j) % 250 + 1 for j in range(n)] for i, n in enumerate(lengths)]
+
+    def run(k):
+        request = greedy(prompts[k], steps[k], return_logprobs=True)
+        if k == 4:  # cancelled after 6 tokens
+            stream, got = layout_stub.Generate(request, timeout=120), []
+            for response in stream:
+                got.append((response.token.id, response.token.logprob))
+                if len(got) == 6:
+                    stream.cancel()
+                    break
+            return got
+        return [(r.token.id, r.token.logprob) for r in layout_stub.Generate(request, timeout=120)]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(run, range(len(prompts))))
+    for k, got in enumerate(together):
+        eager = generate(tiny_model, [prompts[k]], steps[k])
+        expected = eager.tokens[0].tolist()[: len(got)]
+        assert [t for t, _ in got] == expected, k
+        logprobs = torch.log_softmax(eager.step_logits[: len(got), 0].double(), dim=-1)
+        for step, (token, logprob) in enumerate(got):
+            assert logprob == pytest.approx(logprobs[step, token].item(), abs=1e-4)
+    assert len(together[4]) == 6 and all(len(g) == n for k, (g, n) in enumerate(zip(together, steps)) if k != 4)

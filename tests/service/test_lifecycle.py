@@ -271,6 +271,12 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
         env={**os.environ, "KVSERVE_MODEL": "x", "KVSERVE_PORT": "fifty"},
     )
     assert result.returncode == 2 and "KVSERVE_PORT='fifty' is not a valid int" in result.stderr
+    result = subprocess.run(
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(server.app.options.artifact), "--step-token-budget", "-1"],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "--step-token-budget must be >= 0 (0: no limit), got -1" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):

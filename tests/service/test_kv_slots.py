@@ -1,0 +1,156 @@
+"""The slots batch on its own (no gRPC): rows in a device pool, chunked prefill interleaved with decode, the
+K/V each row holds, joins and leaves that never send K/V through the host, and a step that fails."""
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.export.artifact import open_artifact
+from kvserve.model.generate import generate
+from kvserve.service.gate import _greedy_sequence
+from kvserve.service.kv_slots import SlotBatch
+from kvserve.service.runtime import DecoderRuntime
+from kvserve.service.scheduler import Scheduler
+
+from ..conftest import PROVIDER
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_artifact):
+    artifact = open_artifact(tiny_artifact)
+    return DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 256, length).tolist()
+
+
+def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(runtime, tiny_model):
+    scheduler = Scheduler(SlotBatch(runtime, tiny_model.config, 4), step_token_budget=8)
+    running = [_greedy_sequence(i, prompt(i, 5), 60) for i in range(2)]
+    scheduler.drive([])  # nothing to do
+    for seq in running:
+        scheduler.waiting.append(seq)
+    while any(not s.generated for s in running):
+        scheduler.batch.run(scheduler.plan())
+    long = _greedy_sequence(9, prompt(9, 70), 5)
+    scheduler.waiting.append(long)
+    chunks = []
+    while not long.generated:
+        before = [len(s.generated) for s in running]
+        plan = scheduler.plan()
+        chunks.append(plan.chunk_tokens)
+        scheduler.batch.run(plan)
+        assert [len(s.generated) for s in running] == [n + 1 for n in before]  # nobody waits for the prefill
+    assert sum(chunks) == 70 and max(chunks) == 8 - len(running)  # the budget: 2 decode tokens + a 6-token chunk
+    for seq in running + [long]:
+        while not seq.finished:
+            scheduler.batch.run(scheduler.plan())
+    for seq in running + [long]:
+        assert seq.generated == generate(tiny_model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+
+
+def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(runtime, tiny_model):
+    scheduler = Scheduler(SlotBatch(runtime, tiny_model.config, 2), step_token_budget=8)
+    scheduler.waiting.append(_greedy_sequence(1, prompt(1, 50), 3))
+    plan = scheduler.plan()
+    assert plan.chunk_tokens == 50 and not plan.decode
+    unlimited = Scheduler(SlotBatch(runtime, tiny_model.config, 2), step_token_budget=0)
+    unlimited.drive([_greedy_sequence(2, prompt(2, 4), 30)])
+    assert not unlimited.batch.rows
+
+
+@torch.no_grad()
+def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(runtime, tiny_model):
+    batch = SlotBatch(runtime, tiny_model.config, 3)
+    scheduler = Scheduler(batch, step_token_budget=6)
+    seqs = [_greedy_sequence(i, prompt(10 + i, n), 40) for i, n in enumerate((3, 17, 40))]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(16):  # every prompt in (chunks for the two longer ones), then some decode steps
+        batch.run(scheduler.plan())
+    for seq in seqs:
+        fed = seq.prompt_ids + seq.generated[:-1]  # the tokens whose K/V the row holds
+        assert seq.cached_tokens == len(fed)
+        ids = torch.tensor([fed])
+        _, present = tiny_model(ids, torch.ones_like(ids), torch.arange(len(fed))[None], tiny_model.empty_cache(1))
+        row = batch.pool.row_to_host(seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
+        for layer, (k, v) in enumerate(present):
+            assert np.abs(row[2 * layer] - k[0].numpy()).max() <= 1e-5
+            assert np.abs(row[2 * layer + 1] - v[0].numpy()).max() <= 1e-5
+
+
+def test_fifty_joins_and_leaves_move_no_kv_through_the_host(runtime, tiny_model):
+    runtime.traffic.host_bytes = runtime.traffic.row_moves = 0
+    batch = SlotBatch(runtime, tiny_model.config, 4)
+    seqs = [_greedy_sequence(i, prompt(100 + i, 1 + (7 * i) % 40), 1 + (5 * i) % 17) for i in range(50)]
+    results = Scheduler(batch, step_token_budget=10).drive(seqs)
+    assert all(s.finished for s in seqs) and not batch.rows
+    assert not [e for _, e in results if isinstance(e, BaseException)]
+    assert runtime.traffic.host_bytes == 0
+    assert runtime.traffic.row_moves <= 50  # at most one row moved per leave (on CPU; none under CUDA)
+    for seq in seqs[::7]:
+        assert seq.generated == generate(tiny_model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+
+
+def test_a_cancelled_sequence_frees_its_row_within_one_step(runtime, tiny_model):
+    batch = SlotBatch(runtime, tiny_model.config, 3)
+    scheduler = Scheduler(batch, step_token_budget=8)
+    seqs = [_greedy_sequence(i, prompt(i, 6), 50) for i in range(3)]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(4):
+        batch.run(scheduler.plan())
+    assert len(batch.rows) == 3
+    seqs[0].cancelled = True
+    batch.run(scheduler.plan())
+    assert seqs[0] not in batch.rows and seqs[0].slot is None and len(batch.rows) == 2
+    assert sorted(s.slot for s in batch.rows) == [0, 1]  # the last row moved into the freed one
+
+
+@pytest.mark.parametrize("layout", ["tiny_artifact", "tiny_concat_artifact"])
+def test_a_failed_step_fails_every_sequence_in_it_exactly_once(layout, request, tiny_model, monkeypatch):
+    from kvserve.service.engine import make_batch
+
+    artifact = open_artifact(request.getfixturevalue(layout))
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
+    batch = make_batch(runtime, artifact.config, 4)
+    # the failure comes after the joining sequence has its row: the case that once reported it twice
+    inner = "_step" if artifact.kv_cache == "slots" else "_prefill"
+    real = getattr(batch, inner)
+
+    async def scenario():
+        scheduler = Scheduler(batch, step_token_budget=32)
+        seqs = [_greedy_sequence(i, prompt(i, 4), 20) for i in range(3)]
+        for seq in seqs:
+            seq.events = asyncio.Queue()
+        for seq in seqs[:2]:
+            scheduler.submit(seq)
+        for _ in range(3):
+            await scheduler._step()
+        assert len(batch.rows) == 2
+
+        def fail_after(*args):
+            real(*args)
+            raise RuntimeError("injected step failure")
+
+        monkeypatch.setattr(batch, inner, fail_after)
+        scheduler.submit(seqs[2])
+        await scheduler._step()
+        failures = {}
+        for seq in seqs:
+            while not seq.events.empty():
+                event = seq.events.get_nowait()
+                if isinstance(event, BaseException):
+                    failures[seq.id] = failures.get(seq.id, 0) + 1
+        return failures, seqs
+
+    failures, seqs = asyncio.run(scenario())
+    assert failures == {0: 1, 1: 1, 2: 1}
+    assert all(s.finished for s in seqs) and not batch.rows
+    monkeypatch.setattr(batch, inner, real)
+    after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
+    Scheduler(batch, step_token_budget=32).drive([after])
+    assert after.generated == generate(tiny_model, [after.prompt_ids], 6).tokens[0].tolist()
