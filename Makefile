@@ -57,6 +57,8 @@ test: setup system-tools
 bench: setup
 	$(BIN)/python bench/decode_latency.py --artifact $(ARTIFACTS)/gpt2 --inplace-artifact $(ARTIFACTS)/gpt2-inplace
 	$(BIN)/python bench/grpc_load.py --artifact $(ARTIFACTS)/gpt2
+	test -d $(ARTIFACTS)/gpt2-slots || $(BIN)/kvserve export --preset gpt2 --out $(ARTIFACTS)/gpt2-slots
+	$(BIN)/python bench/serving_latency.py --new $(ARTIFACTS)/gpt2-slots --baseline $(ARTIFACTS)/gpt2
 
 constraints:
 	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt

@@ -14,9 +14,12 @@ for dtype in float32 float16; do
   step $PY -m kvserve.cli export --preset tiny --dtype $dtype --out "$ART/tiny-$dtype" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-$dtype.txt"
   step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --out "$ART/gpt2-$dtype" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype.txt"
   step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache inplace --out "$ART/gpt2-$dtype-inplace" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-inplace.txt"
+  step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache slots --out "$ART/gpt2-$dtype-slots" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-slots.txt"
 done
-step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_inplace_cache.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
+step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_inplace_cache.py tests/service/test_kv_slots.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" --inplace-artifact "$ART/gpt2-float32-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" --inplace-artifact "$ART/gpt2-float16-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-grpc-cuda.txt"
+step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots" 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots.txt"
+step $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32-slots" --baseline "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-serving-cuda.txt"
 exit $status

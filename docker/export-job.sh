@@ -5,12 +5,12 @@
 #   KVSERVE_EXPORT_CHECKPOINT  a GPT-2 checkpoint directory to export, or
 #   KVSERVE_EXPORT_PRESET      a preset (tiny, gpt2) when no checkpoint is given (default gpt2)
 #   KVSERVE_EXPORT_DTYPE       float32 or float16 (default float32)
-#   KVSERVE_EXPORT_KV_CACHE    concat or inplace (default concat; see README, "The graph's KV contract")
+#   KVSERVE_EXPORT_KV_CACHE    slots, concat or inplace (default slots; see README, "The graph's KV contract")
 #   KVSERVE_VERIFY_PROVIDER    provider for the parity check (default auto)
 set -eu
 out=${KVSERVE_MODEL:-/artifacts/model}
 dtype=${KVSERVE_EXPORT_DTYPE:-float32}
-kv_cache=${KVSERVE_EXPORT_KV_CACHE:-concat}
+kv_cache=${KVSERVE_EXPORT_KV_CACHE:-slots}
 if [ -n "${KVSERVE_EXPORT_CHECKPOINT:-}" ]; then
   set -- --checkpoint "$KVSERVE_EXPORT_CHECKPOINT"
 else

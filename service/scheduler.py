@@ -5,7 +5,9 @@ One step (kv_slots.StepPlan) is one model call over the batch:
   - every row whose prompt is in the cache decodes one token (decode never waits for a prefill);
   - one row's prompt advances by a chunk: with rows decoding, the chunk gets what is left of the per-step
     token budget after them, so a long prompt never stalls the streams already running; with nobody
-    decoding (or budget 0, no limit) the whole rest of the prompt goes in one step;
+    decoding (or budget 0, no limit) the whole rest of the prompt goes in one step; a chunk that would
+    leave a tail of at most a quarter of the budget takes the tail too (a step of its own would cost the
+    running streams a whole step's gap for a few tokens);
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
     the batch idle while it waits for its turn.
 Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
@@ -75,7 +77,9 @@ class Scheduler:
         remaining = len(chunk.prompt_ids) - chunk.cached_tokens
         tokens = remaining
         if decode and self.step_token_budget:
-            tokens = min(remaining, max(self.step_token_budget - len(decode), 1))
+            allowance = max(self.step_token_budget - len(decode), 1)
+            if remaining > allowance + self.step_token_budget // 4:
+                tokens = allowance
         return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens)
 
     def drive(self, sequences: list[Sequence]) -> StepResults:
