@@ -60,8 +60,9 @@ bench: setup
 	test -d $(ARTIFACTS)/gpt2-slots || $(BIN)/kvserve export --preset gpt2 --out $(ARTIFACTS)/gpt2-slots
 	$(BIN)/python bench/serving_latency.py --new $(ARTIFACTS)/gpt2-slots --baseline $(ARTIFACTS)/gpt2
 
+# Local version labels (torch's "+cpu") are dropped: every pin must resolve from the public index alone.
 constraints:
-	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt
+	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sed -E 's/\+[A-Za-z0-9.]+$$//' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt
 
 clean:
 	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache node_modules kvserve/v1/*_pb2*.py*

@@ -8,7 +8,8 @@ COPY kvserve ./kvserve
 COPY model ./model
 COPY export ./export
 COPY service ./service
-# constraints.txt pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (PyPI's torch is a CUDA build).
+# constraints.txt pins torch==2.13.0; PyTorch's CPU index serves it as the small CPU-only wheel (PyPI's is a
+# CUDA build of several GB), so the image asks that index first for it.
 RUN pip install --no-cache-dir --extra-index-url https://download.pytorch.org/whl/cpu -c constraints.txt ".[export]" \
  && rm -rf /src
 COPY docker/export-job.sh /usr/local/bin/kvserve-export-job
