@@ -206,9 +206,10 @@ class GPT2(nn.Module):
         )
 
     def init_weights(self, seed: int) -> "GPT2":
-        """GPT-2's initialisation (normal 0.02, residual projections scaled by depth), from a seed."""
+        """GPT-2's initialisation (normal initializer_range, residual projections scaled by depth), from a seed."""
         generator = torch.Generator().manual_seed(seed)
-        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        std = self.config.initializer_range
+        residual_std = std / math.sqrt(2 * self.config.n_layer)
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("bias"):
@@ -216,8 +217,8 @@ class GPT2(nn.Module):
                 elif ".ln_" in name or name.startswith("transformer.ln_f"):
                     param.fill_(1.0)
                 else:
-                    std = residual_std if name.endswith("c_proj.weight") else 0.02
-                    param.copy_(torch.randn(param.shape, generator=generator) * std)
+                    scale = residual_std if name.endswith("c_proj.weight") else std
+                    param.copy_(torch.randn(param.shape, generator=generator) * scale)
         return self
 
     def empty_cache(self, batch_size: int, capacity: int = 0) -> list[LayerKV]:

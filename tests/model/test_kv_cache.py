@@ -34,7 +34,7 @@ def test_each_row_of_a_padded_batch_equals_that_prompt_alone(tiny_model):
     for row, prompt in enumerate(prompts):
         alone = generate(tiny_model, [prompt], 24)
         assert torch.equal(batch.tokens[row], alone.tokens[0])
-        assert (batch.step_logits[:, row] - alone.step_logits[:, 0]).abs().max() <= 1e-5
+        assert (batch.step_logits[:, row] - alone.step_logits[:, 0]).abs().max() <= 1e-4  # float32 rounding differs between batch shapes; logits are O(5)
 
 
 @torch.no_grad()

@@ -30,28 +30,48 @@ def test_a_stream_yields_every_token_and_finishes_with_details(stub):
     assert 0 < finish.time_to_first_token_ns <= finish.total_ns
 
 
+def test_the_fixture_model_generates_text_that_depends_on_the_prompt(tiny_model):
+    # Otherwise "same tokens", "stop at token k" and "text before the stop" hold whatever the code does.
+    continuations = [generate(tiny_model, [p], 24).tokens[0].tolist() for p in PROMPTS]
+    assert len({tuple(c) for c in continuations}) == len(PROMPTS)
+    assert all(len(set(c)) >= 5 for c in continuations)
+
+
+def logprobs_of(stub, prompt, steps):
+    return [(r.token.id, r.token.logprob) for r in stub.Generate(greedy(prompt, steps, return_logprobs=True), timeout=60)]
+
+
+def assert_eager(got, tiny_model, prompt, steps):
+    """got: [(token, logprob)]: the eager model's greedy tokens, and its log-probabilities within 1e-4."""
+    eager = generate(tiny_model, [prompt], steps)
+    assert [t for t, _ in got] == eager.tokens[0].tolist()[: len(got)]
+    expected = torch.log_softmax(eager.step_logits[: len(got), 0].double(), dim=-1)
+    assert max(abs(lp - expected[k, t].item()) for k, (t, lp) in enumerate(got)) <= 1e-4
+
+
 def test_concurrent_greedy_streams_equal_each_request_alone_and_the_eager_reference(stub, tiny_model):
     steps = 24
-    alone = [collect(stub, greedy(p, steps))[0] for p in PROMPTS]
+    alone = [logprobs_of(stub, p, steps) for p in PROMPTS]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        together = list(pool.map(lambda p: collect(stub, greedy(p, steps))[0], PROMPTS))
-    eager = [generate(tiny_model, [p], steps).tokens[0].tolist() for p in PROMPTS]
-    assert together == alone
-    assert together == eager
+        together = list(pool.map(lambda p: logprobs_of(stub, p, steps), PROMPTS))
+    assert [[t for t, _ in g] for g in together] == [[t for t, _ in g] for g in alone]
+    for prompt, got in zip(PROMPTS, together):
+        assert_eager(got, tiny_model, prompt, steps)
 
 
 def test_a_seed_gives_the_same_sampled_tokens_whatever_else_runs(stub):
-    def sampled(seed):
+    def sampled(seed, prompt=(10, 20, 30)):
         sampling = pb.SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=seed)
-        return collect(stub, greedy([10, 20, 30], 20, sampling=sampling))[0]
+        return collect(stub, greedy(list(prompt), 20, sampling=sampling))[0]
 
-    alone = sampled(1234)
-    with ThreadPoolExecutor(6) as pool:
-        busy = [pool.submit(collect, stub, greedy(p, 30)) for p in PROMPTS[:5]]
-        together = pool.submit(sampled, 1234).result()
+    alone = {seed: sampled(seed) for seed in (1234, 99)}
+    with ThreadPoolExecutor(7) as pool:
+        busy = [pool.submit(sampled, 7 + k, p) for k, p in enumerate(PROMPTS[:5])]  # they draw random numbers too
+        together = {seed: pool.submit(sampled, seed) for seed in (1234, 99)}
+        together = {seed: f.result() for seed, f in together.items()}
         [b.result() for b in busy]
     assert together == alone
-    assert sampled(4321) != alone
+    assert alone[1234] != alone[99]
 
 
 def test_text_prompt_and_text_deltas(stub):
@@ -60,12 +80,24 @@ def test_text_prompt_and_text_deltas(stub):
     assert text == bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
-def test_stop_token_ids_and_eos_end_the_sequence(stub, tiny_model):
-    reference = generate(tiny_model, [[5, 6, 7]], 10).tokens[0].tolist()
-    stop_at = reference[4]
-    ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=10, stop_token_ids=[stop_at], ignore_eos=True))
-    assert ids == reference[: reference.index(stop_at) + 1]
+def test_stop_token_ids_end_the_sequence_at_the_first_one_generated(stub, tiny_model):
+    reference = generate(tiny_model, [[5, 6, 7]], 20).tokens[0].tolist()
+    stop_at = next(t for k, t in enumerate(reference) if k >= 3 and t not in reference[:k])  # first seen late
+    ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=20, stop_token_ids=[stop_at], ignore_eos=True))
+    assert ids == reference[: reference.index(stop_at) + 1] and len(ids) >= 4
     assert finish.reason == pb.FINISH_REASON_END_OF_SEQUENCE
+
+
+def test_the_models_eos_ends_a_normal_request_at_that_token(stub, tiny_model):
+    prompt = list(b"kvserve")
+    reference = generate(tiny_model, [prompt], 40).tokens[0].tolist()
+    eos = tiny_model.config.eos_token_id
+    assert eos in reference[1:]  # the fixture's greedy continuation of this prompt reaches EOS
+    ids, text, finish = collect(stub, pb.GenerateRequest(text="kvserve", max_new_tokens=40))
+    assert ids == reference[: reference.index(eos) + 1] and ids[-1] == eos
+    assert finish.reason == pb.FINISH_REASON_END_OF_SEQUENCE and finish.generated_tokens == len(ids)
+    ids, _, finish = collect(stub, pb.GenerateRequest(text="kvserve", max_new_tokens=40, ignore_eos=True))
+    assert len(ids) == 40 and finish.reason == pb.FINISH_REASON_LENGTH
 
 
 def test_stop_sequences_end_the_stream_without_sending_the_stop_text(stub):
@@ -76,6 +108,11 @@ def test_stop_sequences_end_the_stream_without_sending_the_stop_text(stub):
     assert finish.reason == pb.FINISH_REASON_STOP_SEQUENCE and finish.stop_sequence == stop
     assert text2 == full[: full.index(stop)]
     assert stop not in text2
+    # A second stop that begins with the character before the first holds it back, so the text that precedes
+    # the match arrives in the same push as the match itself: it must still be sent.
+    held = full[full.index(stop) - 1] + "\x00"
+    _, text3, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[33, 34, 35]), max_new_tokens=40, stop_sequences=[stop, held], ignore_eos=True))
+    assert finish.stop_sequence == stop and text3 == full[: full.index(stop)] and len(text3) >= 1
 
 
 def test_logprobs_are_the_reference_log_softmax(stub, tiny_model):
@@ -131,6 +168,39 @@ def test_tokenize_and_model_info(stub, server, tiny_model):
     assert info.limits.max_batch_size == 8 and info.tokenizer == "bytes"
     assert info.limits.step_token_budget == 32 and info.kv_cache == "slots"
     assert len(info.manifest_sha256) == 64 and info.dtype == "float32"
+
+
+def test_a_large_repetition_penalty_at_the_server_forbids_repeats(stub, tiny_model):
+    prompt, steps, penalty = [40, 41, 42], 16, 1e6
+    plain = generate(tiny_model, [prompt], steps).tokens[0].tolist()
+    assert len(set(prompt + plain)) < len(prompt) + steps  # without the penalty this continuation repeats
+    expected = list(prompt)  # the penalty's definition, applied to the eager model's logits step by step
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.tensor([expected])
+            logits = tiny_model(ids, torch.ones_like(ids), torch.arange(len(expected))[None], tiny_model.empty_cache(1))[0][0, -1]
+            seen = torch.tensor(sorted(set(expected)))
+            picked = logits[seen]
+            logits[seen] = torch.where(picked > 0, picked / penalty, picked * penalty)
+            expected.append(int(logits.argmax()))
+    request = greedy(prompt, steps, sampling=pb.SamplingParams(repetition_penalty=penalty))
+    ids = collect(stub, request)[0]
+    assert ids == expected[len(prompt):]
+    assert len(set(prompt + ids)) == len(prompt) + steps
+
+
+def test_kv_bytes_of_several_live_streams_are_the_sum_per_sequence(stub, server, tiny_model):
+    config = tiny_model.config
+    streams = [stub.Generate(greedy(p, 200), timeout=60) for p in PROMPTS[:3]]
+    for stream in streams:
+        next(stream)
+    live = stub.GetModelInfo(pb.GetModelInfoRequest()).live
+    row = (config.n_ctx + 1) * 2 * config.n_layer * config.n_head * config.d_head * 4  # a pool row: context + scratch
+    assert live.active_sequences == len(live.sequences) == 3
+    assert [s.kv_cache_bytes for s in live.sequences] == [row] * 3
+    assert live.kv_cache_bytes == sum(s.kv_cache_bytes for s in live.sequences) == 3 * row
+    for stream in streams:
+        stream.cancel()
 
 
 def test_kv_bytes_are_reported_per_active_sequence(stub, server, tiny_model):

@@ -33,6 +33,32 @@ def test_stop_sequences_are_held_back_and_cut():
     stops = StopSequences(("\n\n",))
     assert stops.push("line\n") == ("line", None)
     assert stops.push("\nmore") == ("", "\n\n")
+    assert StopSequences(("END",)).push("abc END tail") == ("abc ", "END")  # text before the stop, same push
+
+
+def test_overlapping_stop_sequences_end_at_the_first_to_complete():
+    stops = StopSequences(("abcd", "bc"))
+    assert stops.push("xa") == ("x", None)  # "a" may begin "abcd"
+    assert stops.push("b") == ("", None)
+    assert stops.push("c") == ("a", "bc")  # "bc" completes before "abcd" could
+    assert StopSequences(("xab", "ab")).push("-xab") == ("-", "xab")  # both complete: the earlier start wins
+
+
+def test_a_stop_sequence_completed_only_at_the_final_flush():
+    from kvserve.service.sequence import FinishReason, Sequence
+
+    seq = Sequence(id=1, prompt_ids=[1], max_new_tokens=2, params=SamplingParams(), stop_ids=frozenset(), return_logprobs=False,
+                   decoder=IncrementalDecoder(ByteTokenizer()), stops=StopSequences(("a\ufffd",)))
+
+    def forced(token):  # one-hot logits: greedy picks token
+        logits = np.zeros(257, dtype=np.float32)
+        logits[token] = 1.0
+        return logits
+
+    first = seq.advance(forced(ord("a")))
+    assert (first.text, first.finish) == ("", None)  # "a" may begin the stop
+    last = seq.advance(forced(0xC3))  # half of a two-byte character, then the length limit: the flush makes it U+FFFD
+    assert last.finish.reason == FinishReason.STOP_SEQUENCE and last.finish.stop_sequence == "a\ufffd" and last.text == ""
 
 
 def test_greedy_repetition_penalty_top_k_and_top_p():
@@ -40,6 +66,8 @@ def test_greedy_repetition_penalty_top_k_and_top_p():
     rng = np.random.default_rng(0)
     assert choose(logits, SamplingParams(), rng, None) == 1
     assert choose(logits, SamplingParams(repetition_penalty=2.0), rng, np.array([1])) == 2  # 3/2 < 2
+    negative = np.array([-1.0, -0.9, -3.0], dtype=np.float32)
+    assert choose(negative, SamplingParams(repetition_penalty=2.0), rng, np.array([1])) == 0  # -0.9 * 2 < -1
     top1 = SamplingParams(temperature=1.0, top_k=1, seed=1)
     assert {choose(logits, top1, rng, None) for _ in range(50)} == {1}
     nucleus = SamplingParams(temperature=1.0, top_p=0.5, seed=1)  # token 1 alone holds ~66%
