@@ -103,6 +103,16 @@ class Engine:
         except asyncio.TimeoutError:
             return False
 
+    async def stop_streams(self, reason: str) -> None:
+        """End every stream still running or waiting with UNAVAILABLE(reason): after the drain period, so no
+        caller is cut off without a status. The step in flight finishes first."""
+        await self.close()
+        error = Unavailable(reason)
+        for seq in list(self.batch.rows) + list(self.scheduler.waiting):
+            if not seq.finished and seq.events is not None:
+                seq.finished = True
+                seq.events.put_nowait(error)
+
     async def close(self) -> None:
         if self._task is not None:
             self._task.cancel()
@@ -184,6 +194,8 @@ class Engine:
         try:
             while True:
                 event = await seq.events.get()
+                if isinstance(event, EngineError):  # ended by the server (see stop_streams): its own status
+                    raise event
                 if isinstance(event, BaseException):
                     raise SequenceFailed(f"generation failed: {type(event).__name__}: {event}") from event
                 yield event

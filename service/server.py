@@ -291,7 +291,10 @@ class App:
             self.engine.stop_accepting()
             drained = await self.engine.drain(self.options.drain_seconds)
             if not drained:
-                log.warning("grace period of %.0fs over; cancelling the streams still running", self.options.drain_seconds)
+                log.warning("grace period of %gs over; ending the streams still running with UNAVAILABLE", self.options.drain_seconds)
+                await self.engine.stop_streams(
+                    f"the server stopped before this stream finished (its {self.options.drain_seconds:g}s drain period ran out)"
+                )
         await self.server.stop(grace=1.0)
         if self.engine is not None:
             await self.engine.close()

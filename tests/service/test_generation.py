@@ -286,3 +286,30 @@ def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_a
         for step, (token, logprob) in enumerate(got):
             assert logprob == pytest.approx(logprobs[step, token].item(), abs=1e-4)
     assert len(together[4]) == 6 and all(len(g) == n for k, (g, n) in enumerate(zip(together, steps)) if k != 4)
+
+
+def test_a_float16_artifact_is_served_end_to_end(tmp_path_factory, tiny_model):
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+    from .conftest import start_server
+
+    out = tmp_path_factory.mktemp("fp16") / "tiny-fp16"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER)
+    running = start_server(out)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest())
+            assert info.dtype == "float16" and info.parity_gate.passed
+            got = [(r.token.id, r.token.logprob) for r in stub.Generate(greedy(PROMPTS[3], 20, return_logprobs=True), timeout=60)]
+    finally:
+        running.stop()
+    tokens = PROMPTS[3] + [t for t, _ in got]  # the float32 eager model, teacher-forced on what was served
+    ids = torch.tensor([tokens])
+    with torch.no_grad():
+        logits = tiny_model(ids, torch.ones_like(ids), torch.arange(len(tokens))[None], tiny_model.empty_cache(1))[0][0]
+    expected = torch.log_softmax(logits.double(), dim=-1)[len(PROMPTS[3]) - 1 : -1]  # the distributions each token came from
+    assert len(got) == 20
+    assert max(abs(lp - expected[k, t].item()) for k, (t, lp) in enumerate(got)) <= 5e-2  # float16's tolerance
+    assert sum(t == int(expected[k].argmax()) for k, (t, _) in enumerate(got)) >= 19  # greedy, up to a near tie

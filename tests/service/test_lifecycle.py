@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvserve.model.generate import generate
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -107,7 +108,7 @@ def test_a_full_queue_is_resource_exhausted(tiny_artifact, monkeypatch):
         running.stop()
 
 
-def test_health_is_not_serving_until_loaded_then_serving_then_draining(tiny_artifact, monkeypatch):
+def test_health_is_not_serving_until_loaded_then_serving_then_draining(tiny_artifact, tiny_model, monkeypatch):
     running = start_server(tiny_artifact, load=False, drain_seconds=20)
     try:
         with grpc.insecure_channel(running.target) as channel:
@@ -133,7 +134,8 @@ def test_health_is_not_serving_until_loaded_then_serving_then_draining(tiny_arti
                 rest = list(in_flight)  # the stream in flight still finishes, within the grace period
                 stopping.result(30)
             assert 1 + len(rest) == 60 and rest[-1].finish.reason == pb.FINISH_REASON_LENGTH
-            assert first.token.id >= 0
+            expected = generate(tiny_model, [[1, 2, 3]], 60).tokens[0].tolist()
+            assert [first.token.id] + [r.token.id for r in rest] == expected
     finally:
         if running.thread.is_alive():
             running.loop.call_soon_threadsafe(running.loop.stop)
@@ -292,3 +294,46 @@ def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeyp
     batch = make_batch(server.app.runtime, server.app.artifact.config, 2)
     with pytest.raises(RuntimeError, match="sampling broke during warm-up"):
         warm_up(batch, server.app.artifact)
+
+
+def test_streams_still_running_when_the_drain_period_runs_out_end_with_unavailable(tiny_artifact, monkeypatch):
+    running = start_server(tiny_artifact, drain_seconds=0.3)
+    slow_down(monkeypatch, running.app, seconds=0.02)
+    with grpc.insecure_channel(running.target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        streams = [stub.Generate(long_request(200), timeout=60) for _ in range(2)]
+        for stream in streams:
+            next(stream)
+        with ThreadPoolExecutor(1) as pool:
+            stopping = pool.submit(running.stop)
+            for stream in streams:
+                with pytest.raises(grpc.RpcError) as error:
+                    list(stream)
+                assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert "drain period ran out" in error.value.details()
+            stopping.result(30)  # the server stops within the grace period and one second more
+
+
+def test_a_failed_model_step_fails_every_stream_in_it_and_the_server_goes_on(stub, server, monkeypatch, tiny_model):
+    runtime = server.app.runtime
+    real = runtime.run_slots
+    armed = {"fail": False}
+
+    def run_slots(*args):
+        if armed["fail"]:
+            armed["fail"] = False
+            raise RuntimeError("injected failure of a whole step")
+        return real(*args)
+
+    monkeypatch.setattr(runtime, "run_slots", run_slots)
+    streams = [stub.Generate(long_request(150), timeout=60) for _ in range(3)]
+    for stream in streams:
+        next(stream)  # all three are running
+    armed["fail"] = True
+    for stream in streams:
+        with pytest.raises(grpc.RpcError) as error:
+            list(stream)
+        assert error.value.code() == grpc.StatusCode.INTERNAL and "injected failure of a whole step" in error.value.details()
+    assert wait_for(lambda: live(stub).active_sequences == 0)
+    ids = [r.token.id for r in stub.Generate(long_request(10), timeout=30)]
+    assert ids == generate(tiny_model, [[1, 2, 3]], 10).tokens[0].tolist()
