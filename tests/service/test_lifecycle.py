@@ -172,6 +172,23 @@ def test_sigterm_lets_the_stream_in_flight_finish_and_exits_zero(tiny_artifact):
         process.kill()
 
 
+def test_sigterm_with_a_drain_too_short_ends_the_stream_with_unavailable_and_exits_zero(tiny_artifact):
+    process, port, log = start_process(tiny_artifact, "--drain-seconds", "0.01")
+    try:
+        assert "SERVING" in log, log
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stream = pb_grpc.GenerationServiceStub(channel).Generate(long_request(250), timeout=60)
+            next(stream)
+            process.send_signal(signal.SIGTERM)
+            with pytest.raises(grpc.RpcError) as error:
+                list(stream)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "drain period ran out" in error.value.details()
+        assert process.wait(30) == 0
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        process.kill()
+
+
 def tampered_copy(artifact, destination):
     """The artifact with a golden record the graph does not reproduce, as a broken export would have."""
     from kvserve.export.artifact import GoldenRecord, sha256_file

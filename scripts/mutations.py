@@ -1,0 +1,186 @@
+"""Mutation check, run by hand (not by CI): does each test fail when the feature it names is broken?
+
+Each mutation below breaks one feature on purpose. For each, this copies the working tree to a scratch
+directory, applies that mutation alone, and runs the tests meant to catch it there; a mutation the tests
+survive is a gap in the suite. The scratch copy is importable as `kvserve` through PYTHONPATH (its
+model/, export/ and service/ folders linked under kvserve/, as pyproject.toml maps them), so nothing in
+this checkout changes.
+
+    .venv/bin/python scripts/mutations.py [--only NAME ...] [--keep]
+
+Prints one line per mutation and exits 1 if any survived. Add a mutation with every test that should
+catch a new kind of breakage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+GEN = "tests/service/test_generation.py"
+LAYOUTS = f"{GEN}::test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # file to change, relative to the repository
+    edits: tuple[tuple[str, str], ...]  # (text that must occur exactly once, its replacement)
+    tests: tuple[str, ...]  # pytest node ids expected to fail
+
+
+MUTATIONS = (
+    Mutation(
+        "padded batch: joining rows' padding columns marked as real",
+        "service/padded_batch.py",
+        (("return np.pad(mask, ((0, 0), (width - mask.shape[1], 0)))", "return np.pad(mask, ((0, 0), (width - mask.shape[1], 0)), constant_values=1)"),),
+        (f"{LAYOUTS}[concat]", f"{LAYOUTS}[inplace]"),
+    ),
+    Mutation(
+        "slots: decode rows also read the column after their own",
+        "service/kv_slots.py",
+        (("(np.arange(width)[None, :] <= position_ids[:, None])", "(np.arange(width + 1)[None, :] <= position_ids[:, None] + 1)"),),
+        (f"{GEN}::test_concurrent_greedy_streams_equal_each_request_alone_and_the_eager_reference",),
+    ),
+    Mutation(
+        "stop token ids honoured on the first generated token only",
+        "service/sequence.py",
+        (("if reason is None and token in self.stop_ids:", "if reason is None and token in self.stop_ids and len(self.generated) == 1:"),),
+        (f"{GEN}::test_stop_token_ids_end_the_sequence_at_the_first_one_generated",),
+    ),
+    Mutation(
+        "the model's EOS not among the stop ids",
+        "service/engine.py",
+        (("            stop_ids.add(config.eos_token_id)", "            pass"),),
+        (f"{GEN}::test_the_models_eos_ends_a_normal_request_at_that_token",),
+    ),
+    Mutation(
+        "text before a stop sequence, in the same push, dropped",
+        "service/text.py",
+        (("            return text[:index], stop", "            return \"\", stop"),),
+        (f"{GEN}::test_stop_sequences_end_the_stream_without_sending_the_stop_text",
+         "tests/service/test_text_and_sampling.py::test_stop_sequences_are_held_back_and_cut"),
+    ),
+    Mutation(
+        "one process-wide random generator, reseeded by each new request",
+        "service/sequence.py",
+        (
+            ("from .text import IncrementalDecoder, StopSequences\n", "from .text import IncrementalDecoder, StopSequences\n\n_SHARED_RNG = np.random.default_rng()\n"),
+            ("        self.rng = np.random.default_rng(self.params.seed)",
+             "        _SHARED_RNG.bit_generator.state = np.random.default_rng(self.params.seed).bit_generator.state\n        self.rng = _SHARED_RNG"),
+        ),
+        (f"{GEN}::test_a_seed_gives_the_same_sampled_tokens_whatever_else_runs",),
+    ),
+    Mutation(
+        "repetition penalty never given the tokens seen",
+        "service/sequence.py",
+        (("            seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)", "            seen = None"),),
+        (f"{GEN}::test_a_large_repetition_penalty_at_the_server_forbids_repeats",),
+    ),
+    Mutation(
+        "repetition penalty divides negative logits instead of multiplying them",
+        "service/sampling.py",
+        (("np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)", "picked / params.repetition_penalty"),),
+        ("tests/service/test_text_and_sampling.py::test_greedy_repetition_penalty_top_k_and_top_p",),
+    ),
+    Mutation(
+        "total KV bytes not multiplied by the rows",
+        "service/engine.py",
+        (('"kv_bytes": row_bytes * len(rows),', '"kv_bytes": row_bytes,'),),
+        (f"{GEN}::test_kv_bytes_of_several_live_streams_are_the_sum_per_sequence",),
+    ),
+    Mutation(
+        "a failed step reports a joining sequence twice",
+        "service/scheduler.py",
+        (("results += [(seq, exc) for seq in plan.joining if id(seq) not in failed]", "results += [(seq, exc) for seq in plan.joining]"),),
+        ("tests/service/test_kv_slots.py::test_a_failed_step_fails_every_sequence_in_it_exactly_once",),
+    ),
+    Mutation(
+        "slots: a far longer row's decode token written one column early",
+        "service/kv_slots.py",
+        (("start, piece = solo.cached_tokens, np.array", "start, piece = solo.cached_tokens - 1, np.array"),),
+        (f"{LAYOUTS}[slots]",),
+    ),
+    Mutation(
+        "slots: a row moved into a freed one loses its last column",
+        "service/kv_slots.py",
+        (("self.pool.move_row(len(self.slots), hole, last.cached_tokens)", "self.pool.move_row(len(self.slots), hole, last.cached_tokens - 1)"),),
+        (f"{LAYOUTS}[slots]",),
+    ),
+    Mutation(
+        "chunked prefill ignores the step token budget",
+        "service/scheduler.py",
+        (("                tokens = allowance\n", "                tokens = remaining\n"),),
+        ("tests/service/test_kv_slots.py::test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks",),
+    ),
+)
+
+
+def scratch_copy() -> Path:
+    """The working tree's tracked and generated files, importable as kvserve via PYTHONPATH."""
+    root = Path(tempfile.mkdtemp(prefix="kvserve-mutant-"))
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    files += [str(p.relative_to(REPO)) for p in (REPO / "kvserve" / "v1").glob("*_pb2*.py")]
+    for name in files:
+        source = REPO / name
+        if source.is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, root / name)
+    (root / "node_modules").symlink_to(REPO / "node_modules")
+    for package in ("model", "export", "service"):
+        (root / "kvserve" / package).symlink_to(Path("..") / package)
+    return root
+
+
+def run_tests(root: Path, tests: tuple[str, ...]) -> int:
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:logging", *tests]
+    return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900).returncode
+
+
+def mutate(root: Path, mutation: Mutation) -> None:
+    path = root / mutation.path
+    text = path.read_text()
+    for old, new in mutation.edits:
+        if text.count(old) != 1:
+            raise SystemExit(f"{mutation.name}: {old!r} occurs {text.count(old)} times in {mutation.path}; update the mutation")
+        text = text.replace(old, new)
+    path.write_text(text)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", nargs="*", help="run the mutations whose name contains one of these")
+    parser.add_argument("--keep", action="store_true", help="keep the scratch copies")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or any(word in m.name for word in args.only)]
+    clean = scratch_copy()
+    if run_tests(clean, tuple(t for m in chosen for t in m.tests)) != 0:
+        print("the named tests fail without any mutation: fix them first")
+        return 1
+    shutil.rmtree(clean)
+    survived = 0
+    for mutation in chosen:
+        root = scratch_copy()
+        mutate(root, mutation)
+        start = time.perf_counter()
+        code = run_tests(root, mutation.tests)
+        verdict = "caught" if code == 1 else ("SURVIVED" if code == 0 else f"error (pytest exit {code})")
+        survived += code != 1
+        print(f"{verdict:>9}  {mutation.name}  ({time.perf_counter() - start:.0f} s)", flush=True)
+        if not args.keep:
+            shutil.rmtree(root)
+    print(f"{len(chosen) - survived} of {len(chosen)} mutations caught")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
