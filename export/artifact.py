@@ -20,7 +20,7 @@ import numpy as np
 from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 
-from .io_contract import CONCAT, KV_CACHES
+from .io_contract import CONCAT, DTYPES, KV_CACHES
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -115,14 +115,24 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
         config = DecoderConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
     except (json.JSONDecodeError, ValueError, TypeError) as exc:
         raise ArtifactError(f"{directory}: unreadable manifest or config ({exc})") from None
+    where = directory / MANIFEST_FILE
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{where}: not a JSON object")
     if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{directory / MANIFEST_FILE}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise ArtifactError(f"{where}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ArtifactError(f"{where}: 'files' must map each file name to its sha256, got {type(files).__name__}")
+    if MODEL_FILE not in files:
+        raise ArtifactError(f"{where}: 'files' lacks {MODEL_FILE}")
+    if manifest.get("dtype") not in DTYPES:
+        raise ArtifactError(f"{where}: dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}")
     if manifest.get("kv_cache", CONCAT) not in KV_CACHES:
         raise ArtifactError(
             f"{directory / MANIFEST_FILE}: kv_cache {manifest['kv_cache']!r} is not one of {', '.join(KV_CACHES)}"
         )
     if check_files:
-        for name, expected in manifest["files"].items():
+        for name, expected in files.items():
             path = directory / name
             if not path.exists():
                 raise ArtifactError(f"{path}: missing")

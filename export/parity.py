@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve.errors import UserError
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.gpt2 import GPT2
 from kvserve.service.kv_slots import pool_capacity
@@ -26,6 +27,10 @@ from kvserve.service.runtime import DecoderRuntime
 from .artifact import ArtifactError, open_artifact
 from .io_contract import SLOTS
 from .tolerances import TOLERANCES, Tolerance
+
+
+class VerifyRefused(UserError):
+    """verify was asked for something this artifact cannot be checked with; nothing ran."""
 
 
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
@@ -157,6 +162,9 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     config = artifact.config
     if reference.config != config:
         raise ArtifactError(f"{artifact.directory}: the reference checkpoint's config differs from the artifact's config.json")
+    most_steps = config.n_ctx - max(DECODE_PROMPTS) - 1  # the decode check feeds its longest prompt this many tokens
+    if not 1 <= steps <= most_steps:
+        raise VerifyRefused(f"--steps must be in [1, {most_steps}] for this model (context {config.n_ctx}), got {steps}")
     reference = reference.float().eval()
     tolerance = TOLERANCES[artifact.dtype]
     # An inplace cache starts at 16 columns here, so the decode and greedy checks cross a buffer growth.

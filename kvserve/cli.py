@@ -53,6 +53,8 @@ def _serve(args) -> int:
     ports_ok = all(p is None or 0 <= p < 65536 for p in (options.port, options.metrics_port))
     if options.max_batch_size < 1 or options.max_queue < 0 or not ports_ok:
         raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port and --metrics-port in [0, 65535]")
+    if options.metrics_port is not None and options.metrics_port == options.port != 0:
+        raise UserError(f"--metrics-port and --port are both {options.port}; give the metrics endpoint a port of its own")
     if options.step_token_budget < 0:
         raise UserError(f"--step-token-budget must be >= 0 (0: no limit), got {options.step_token_budget}")
     return asyncio.run(serve(options))
@@ -73,6 +75,21 @@ def _health(args) -> int:
     return 0 if status == "SERVING" else JobFailed.exit_code
 
 
+def _bounded(kind, low=None, high=None, what=""):
+    """An argparse type: kind(value) within [low, high], else argparse's own one-line error and exit 2."""
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {kind.__name__}") from None
+        if value != value or (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{text} is outside {what or f'[{low}, {high}]'}")
+        return value
+
+    return parse
+
+
 def _env(name: str, default, kind=str):
     """Defaults for `serve` come from KVSERVE_<FLAG> environment variables (how containers configure it)."""
     value = os.environ.get(f"KVSERVE_{name}")
@@ -87,8 +104,15 @@ def _env(name: str, default, kind=str):
         sys.exit(UserError.exit_code)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (`kvserve CMD: error: ...`) and exit 2, like every other error."""
+
+    def error(self, message: str):
+        self.exit(UserError.exit_code, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="kvserve", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -112,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("artifact", help="the artifact directory")
     verify.add_argument("--checkpoint", help="the reference weights (default: the artifact's recorded source)")
     verify.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
-    verify.add_argument("--steps", type=int, default=8, help="decode and greedy steps (default 8)")
+    verify.add_argument("--steps", type=_bounded(int, 1, None, "[1, what the context allows]"), default=8, help="decode and greedy steps (default 8)")
     verify.add_argument("--report", help="where to write the JSON report (default: ARTIFACT/parity.json)")
     verify.set_defaults(run=_verify)
 
@@ -136,15 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate = commands.add_parser("generate", help="stream a generation from a running server")
     generate.add_argument("prompt")
     generate.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
-    generate.add_argument("--max-new-tokens", type=int, default=64)
-    generate.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    generate.add_argument("--seed", type=int, default=0, help="0 = chosen by the server")
-    generate.add_argument("--timeout", type=float, default=120.0, help="deadline in seconds (default 120)")
+    generate.add_argument("--max-new-tokens", type=_bounded(int, 0, 2**32 - 1), default=64, help="0 = as many as fit (default 64)")
+    generate.add_argument("--temperature", type=_bounded(float, 0.0, 1e6), default=0.0, help="0 = greedy (default)")
+    generate.add_argument("--seed", type=_bounded(int, 0, 2**64 - 1), default=0, help="0 = chosen by the server")
+    generate.add_argument("--timeout", type=_bounded(float, 0.001, 1e6), default=120.0, help="deadline in seconds (default 120)")
     generate.set_defaults(run=_generate)
 
     health = commands.add_parser("health", help="gRPC health check: prints the status, exit 0 only when SERVING")
     health.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
-    health.add_argument("--wait", type=float, default=0.0, help="poll up to this many seconds for SERVING (default 0)")
+    health.add_argument("--wait", type=_bounded(float, 0.0, 1e6), default=0.0, help="poll up to this many seconds for SERVING (default 0)")
     health.set_defaults(run=_health)
     return parser
 

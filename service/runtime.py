@@ -49,6 +49,10 @@ class ProviderUnavailable(UserError):
     """The execution provider asked for cannot run here; the message says why."""
 
 
+class ModelUnloadable(UserError):
+    """ONNX Runtime refused the graph file (corrupt, truncated, or not ONNX); the message names the file."""
+
+
 def _cuda_missing_reason() -> str | None:
     """Why the CUDA provider cannot start here, or None when it may. Checked up front so a CPU host gets
     one clear sentence instead of onnxruntime's error log about a library it failed to load."""
@@ -191,7 +195,12 @@ class DecoderRuntime:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
-        self.session = ort.InferenceSession(str(model_path), options, providers=providers)
+        try:
+            self.session = ort.InferenceSession(str(model_path), options, providers=providers)
+        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
+                ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.NoSuchFile) as exc:
+            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ModelUnloadable(f"{model_path}: ONNX Runtime cannot load it ({first_line})") from None
         self.provider = self.session.get_providers()[0]
         if len(providers) > 1 and self.provider != CUDA:
             if provider == "cuda":

@@ -229,6 +229,14 @@ class App:
         return self.engine
 
     async def start(self) -> int:
+        """Check the artifact's files, bind metrics and gRPC (health NOT_SERVING); a bad artifact or a taken
+        port is refused before anything listens."""
+        self.artifact = await asyncio.to_thread(open_artifact, self.options.artifact)
+        if self.options.metrics_port is not None:
+            try:
+                self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
+            except OSError as exc:
+                raise ListenFailed(f"cannot serve metrics on {self.options.host}:{self.options.metrics_port} ({exc.strerror or exc})") from None
         self.health = health.aio.HealthServicer()
         # No SO_REUSEPORT: a second server on a taken port must fail, not silently share its traffic.
         self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=[("grpc.so_reuseport", 0)])
@@ -241,20 +249,21 @@ class App:
         except RuntimeError:  # grpc's message says only "Failed to bind"
             self.port = 0
         if self.port == 0:
+            self.metrics.close()
             raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         log.info("listening on %s:%d (NOT_SERVING until the model is loaded and checked)", self.options.host, self.port)
-        if self.options.metrics_port is not None:
-            self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
+        if self.metrics_port is not None:
             log.info("metrics on http://%s:%d/metrics", self.options.host, self.metrics_port)
         return self.port
 
     async def load(self) -> None:
         """Open the artifact and session, run the parity gate and a warm-up step; then serve."""
         options = self.options
-        self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
+        if self.artifact is None:
+            self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
         config = self.artifact.config
         self.runtime = await asyncio.to_thread(
             DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider, kv_cache=self.artifact.kv_cache

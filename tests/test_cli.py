@@ -1,0 +1,87 @@
+"""The command line on bad input: one line naming the problem, exit 2, no traceback, nothing listening."""
+
+import hashlib
+import json
+import re
+import shutil
+import socket
+
+import pytest
+
+from .conftest import run_cli
+
+
+def one_line_error(result, *fragments):
+    """Exit 2 and one line of error; the server's own timestamped log lines before it do not count."""
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not re.match(r"\d{4}-\d\d-\d\d \d\d:", line)]
+    assert "Traceback" not in result.stderr and len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "x", "--max-new-tokens", "-5"], "--max-new-tokens: -5 is outside"),
+        (["generate", "x", "--seed", "-1"], "--seed: -1 is outside"),
+        (["generate", "x", "--timeout", "0"], "--timeout: 0 is outside"),
+        (["health", "--wait", "-1"], "--wait: -1 is outside"),
+    ],
+    ids=["negative max new tokens", "negative seed", "zero timeout", "negative wait"],
+)
+def test_client_flags_out_of_range(args, message):
+    one_line_error(run_cli(*args), message)
+
+
+@pytest.mark.parametrize("steps, message", [("0", "--steps: 0 is outside"), ("-1", "--steps: -1 is outside"),
+                                            ("1000", "--steps must be in [1, 242] for this model (context 256), got 1000")])
+def test_verify_steps_out_of_range(tiny_artifact, tmp_path, steps, message):
+    one_line_error(run_cli("verify", str(tiny_artifact), "--steps", steps, "--report", str(tmp_path / "r.json")), message)
+    assert not (tmp_path / "r.json").exists()
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _corrupt_model(manifest, directory):
+    (directory / "model.onnx").write_bytes(b"\x08not an onnx graph" * 64)
+    manifest["files"]["model.onnx"] = _sha256(directory / "model.onnx")  # the checksum agrees: only loading tells
+
+
+BROKEN_ARTIFACTS = {
+    "no files": (lambda m, d: m.pop("files"), "manifest.json: 'files' must map each file name to its sha256"),
+    "files of the wrong type": (lambda m, d: m.update(files=["model.onnx"]), "'files' must map each file name to its sha256, got list"),
+    "no dtype": (lambda m, d: m.pop("dtype"), "manifest.json: dtype None is not one of float32, float16"),
+    "bfloat16": (lambda m, d: m.update(dtype="bfloat16"), "dtype 'bfloat16' is not one of float32, float16"),
+    "corrupt model.onnx": (_corrupt_model, "model.onnx: ONNX Runtime cannot load it"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_ARTIFACTS))
+@pytest.mark.parametrize("command", ["verify", "serve"])
+def test_a_broken_artifact_is_refused_in_one_line(tiny_artifact, tmp_path, case, command):
+    edit, message = BROKEN_ARTIFACTS[case]
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_artifact, broken)
+    manifest = json.loads((broken / "manifest.json").read_text())
+    edit(manifest, broken)
+    (broken / "manifest.json").write_text(json.dumps(manifest))
+    args = ["verify", str(broken)] if command == "verify" else ["serve", "--model", str(broken), "--port", "0", "--provider", "cpu"]
+    result = run_cli(*args)
+    one_line_error(result, message)
+    if case != "corrupt model.onnx":  # a manifest problem is found before anything listens; only loading finds this one
+        assert "listening" not in result.stderr
+
+
+def test_metrics_port_equal_to_the_grpc_port_or_taken(tiny_artifact):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", "--metrics-port", "50999"),
+                   "--metrics-port and --port are both 50999")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--metrics-port", str(port), "--provider", "cpu")
+    one_line_error(result, f"cannot serve metrics on 127.0.0.1:{port}")
+    assert "listening" not in result.stderr
