@@ -25,6 +25,10 @@ from .text import IncrementalDecoder, StopSequences, Tokenizer
 
 log = logging.getLogger(__name__)
 
+# Temperature (when not 0) and repetition penalty divide or multiply logits: outside these bounds a float32
+# logit overflows to inf (a penalty of 1e-45 made every sampled token the same id) and sampling sees NaN.
+MIN_SCALE, MAX_SCALE = 1e-6, 1e6
+
 # The most tokens one step runs while streams are decoding: every decoding row's token, then a prompt chunk
 # with the rest. Smaller keeps the running streams' gaps even; larger gets a new prompt its first token
 # sooner (README, "Chunked prefill").
@@ -154,14 +158,14 @@ class Engine:
                 "max_new_tokens", f"{max_new} new tokens do not fit: the prompt has {len(prompt)} of the {config.n_ctx}-token context ({room} left)"
             )
         params = request.sampling
-        if not params.temperature >= 0 or params.temperature == float("inf"):
-            raise InvalidArgument("sampling.temperature", f"must be a finite number >= 0, got {params.temperature}")
+        if not (params.temperature == 0 or MIN_SCALE <= params.temperature <= MAX_SCALE):
+            raise InvalidArgument("sampling.temperature", f"must be 0 (greedy) or in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {params.temperature}")
         if params.top_k < 0:
             raise InvalidArgument("sampling.top_k", f"must be >= 0, got {params.top_k}")
         if not 0 < params.top_p <= 1:
             raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {params.top_p}")
-        if not params.repetition_penalty > 0 or params.repetition_penalty == float("inf"):
-            raise InvalidArgument("sampling.repetition_penalty", f"must be a finite number > 0, got {params.repetition_penalty}")
+        if not MIN_SCALE <= params.repetition_penalty <= MAX_SCALE:
+            raise InvalidArgument("sampling.repetition_penalty", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {params.repetition_penalty}")
         bad = [t for t in request.stop_token_ids if not 0 <= t < config.vocab_size]
         if bad:
             raise InvalidArgument("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
@@ -187,8 +191,11 @@ class Engine:
         if not self._accepting:
             raise Unavailable("the server is shutting down")
         seq = self.make_sequence(request)
-        if len(self.scheduler.waiting) >= self.limits.max_queue:
-            raise QueueFull(f"the queue is full ({self.limits.max_queue} requests waiting); retry later")
+        # max_queue counts the requests that must wait for a row to free up: those a free row will take do not
+        if len(self.scheduler.waiting) >= self.limits.max_queue + self.batch.free_rows():
+            raise QueueFull(
+                f"the queue is full ({self.limits.max_queue} requests waiting for one of {self.limits.max_batch_size} rows); retry later"
+            )
         seq.events = asyncio.Queue()
         self.scheduler.submit(seq)
         try:

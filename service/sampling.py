@@ -30,7 +30,7 @@ def log_probability(logits: np.ndarray, token: int) -> float:
 def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None) -> int:
     """logits: (V,) float32 for one sequence; seen: the token ids so far (for the repetition penalty)."""
     if params.repetition_penalty != 1.0 and seen is not None and len(seen):
-        logits = logits.copy()
+        logits = logits.astype(np.float64)  # a copy, wide enough that the penalty never overflows
         ids = np.unique(seen)
         picked = logits[ids]
         logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)

@@ -139,10 +139,12 @@ def test_logprobs_are_the_reference_log_softmax(stub, tiny_model):
         (dict(text="a", sampling=pb.SamplingParams(top_p=-0.1)), "sampling.top_p"),
         (dict(text="a", sampling=pb.SamplingParams(top_k=-1)), "sampling.top_k"),
         (dict(text="a", sampling=pb.SamplingParams(repetition_penalty=-2)), "sampling.repetition_penalty"),
+        (dict(text="a", sampling=pb.SamplingParams(repetition_penalty=1e-45, temperature=1)), "sampling.repetition_penalty: must be in [1e-06, 1e+06], got"),
+        (dict(text="a", sampling=pb.SamplingParams(temperature=1e-45)), "sampling.temperature: must be 0 (greedy) or in [1e-06, 1e+06]"),
         (dict(text="a", stop_token_ids=[999]), "stop_token_ids"),
     ],
     ids=["empty text", "no prompt", "id out of vocab", "prompt too long", "too many new tokens", "temperature < 0",
-         "top_p > 1", "top_p < 0", "top_k < 0", "penalty < 0", "stop id out of vocab"],
+         "top_p > 1", "top_p < 0", "top_k < 0", "penalty < 0", "penalty 1e-45", "temperature 1e-45", "stop id out of vocab"],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(stub, request_kwargs, field):
     with pytest.raises(grpc.RpcError) as error:

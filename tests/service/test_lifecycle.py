@@ -108,6 +108,26 @@ def test_a_full_queue_is_resource_exhausted(tiny_artifact, monkeypatch):
         running.stop()
 
 
+def test_max_queue_zero_means_no_waiting_room_not_no_service(tiny_artifact, monkeypatch):
+    running = start_server(tiny_artifact, max_batch_size=2, max_queue=0)
+    try:
+        slow_down(monkeypatch, running.app)
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            streams = [stub.Generate(long_request(100), timeout=60) for _ in range(2)]  # both get a row
+            for stream in streams:
+                next(stream)
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(long_request(5), timeout=10))
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "0 requests waiting for one of 2 rows" in error.value.details()
+            for stream in streams:
+                stream.cancel()
+            assert wait_for(lambda: live(stub).active_sequences == 0)
+            assert len(list(stub.Generate(long_request(5), timeout=30))) == 5  # an idle server serves
+    finally:
+        running.stop()
+
+
 def test_health_is_not_serving_until_loaded_then_serving_then_draining(tiny_artifact, tiny_model, monkeypatch):
     running = start_server(tiny_artifact, load=False, drain_seconds=20)
     try:

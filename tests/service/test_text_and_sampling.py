@@ -90,3 +90,16 @@ def test_log_probability_is_log_softmax():
     logits = np.array([0.5, 1.5, -2.0], dtype=np.float32)
     expected = logits[1] - np.log(np.exp(logits).sum())
     assert log_probability(logits, 1) == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_the_extreme_allowed_temperature_and_penalty_keep_every_logit_finite():
+    from kvserve.service.engine import MAX_SCALE, MIN_SCALE
+
+    logits = np.array([30.0, -30.0, 29.0, 0.5], dtype=np.float32)
+    with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):  # inf or NaN anywhere fails
+        for penalty in (MIN_SCALE, MAX_SCALE):
+            for temperature in (MIN_SCALE, 1.0, MAX_SCALE):
+                params = SamplingParams(temperature=temperature, repetition_penalty=penalty)
+                token = choose(logits, params, np.random.default_rng(0), np.array([0, 1]))
+                assert 0 <= token < 4
+        assert choose(logits, SamplingParams(temperature=MIN_SCALE, repetition_penalty=MIN_SCALE), np.random.default_rng(0), np.array([2])) == 2
