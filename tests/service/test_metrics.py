@@ -51,3 +51,49 @@ def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_a
     assert value("kvserve_batch_size_bucket", le="1.0") < value("kvserve_batch_size_count")  # some steps ran both
     assert value("kvserve_queue_depth") == 0 and value("kvserve_kv_slots_in_use") == 0 and value("kvserve_kv_cache_bytes") == 0
     assert value("kvserve_execution_provider", provider=PROVIDER_NAMES[PROVIDER]) == 1
+
+
+def test_every_finished_rpc_is_counted_once_under_its_real_code(tiny_artifact, monkeypatch, caplog):
+    from .test_lifecycle import live, long_request, slow_down, wait_for
+
+    def live_counts(stub):
+        counts = live(stub)
+        return counts.active_sequences, counts.queued_sequences
+
+    running = start_server(tiny_artifact, metrics_port=0, max_batch_size=4, max_queue=64)
+    try:
+        slow_down(monkeypatch, running.app, seconds=0.01)
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            cancelled = [stub.Generate(long_request(200), timeout=60) for _ in range(4)]
+            for stream in cancelled:
+                next(stream)  # four are running ...
+            cancelled += [stub.Generate(long_request(200), timeout=60) for _ in range(8)]
+            assert wait_for(lambda: live_counts(stub) == (4, 8))  # ... and eight wait: cancelled mid-stream and queued
+            for stream in cancelled:
+                stream.cancel()
+
+            def expire(_):
+                try:
+                    list(stub.Generate(long_request(200), timeout=0.3))
+                except grpc.RpcError as error:
+                    return error.code()
+
+            with ThreadPoolExecutor(6) as pool:
+                assert list(pool.map(expire, range(6))) == [grpc.StatusCode.DEADLINE_EXCEEDED] * 6
+            raw = channel.unary_stream("/kvserve.v1.GenerationService/Generate")  # bytes in, bytes out
+            caplog.clear()
+            for _ in range(3):
+                with pytest.raises(grpc.RpcError) as error:
+                    list(raw(b"\xff\xfe garbage, not a protobuf", timeout=10))
+                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid message" in error.value.details()
+            assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]  # one info line each, no traceback
+
+            def counted():
+                metrics = scrape(running.app.metrics_port)
+                return {code: metrics.get(("kvserve_requests_total", frozenset({("method", "Generate"), ("code", code)})), 0)
+                        for code in ("CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "OK")}
+
+            assert wait_for(lambda: counted() == {"CANCELLED": 12, "DEADLINE_EXCEEDED": 6, "INVALID_ARGUMENT": 3, "OK": 0}, timeout=15), counted()
+    finally:
+        running.stop()
