@@ -127,6 +127,8 @@ def export_artifact(
         report["artifact"] = str(out)
         write_report(report, staging / art.PARITY_FILE)
         staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it
+        for path in staging.iterdir():
+            path.chmod(0o644)  # onnx writes its external data file 0600; every file is as readable as the rest
         if not report["passed"]:
             raise ParityFailed("parity failed, nothing written:\n" + format_report(report))
         if out.exists():

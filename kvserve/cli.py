@@ -49,6 +49,8 @@ def _serve(args) -> int:
         artifact=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         provider=args.provider, drain_seconds=args.drain_seconds, allow_parity_failure=args.allow_parity_failure,
         metrics_port=args.metrics_port, step_token_budget=args.step_token_budget,
+        max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
+        max_message_bytes=args.max_message_bytes,
     )
     ports_ok = all(p is None or 0 <= p < 65536 for p in (options.port, options.metrics_port))
     if options.max_batch_size < 1 or options.max_queue < 0 or not ports_ok:
@@ -155,6 +157,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens one step runs while streams decode: theirs, then a chunk of a new prompt; 0 = no limit "
         "[KVSERVE_STEP_TOKEN_BUDGET] (default 32)",
     )
+    positive = _bounded(int, 1, 2**31 - 1)
+    serve.add_argument("--max-stop-sequences", type=positive, default=_env("MAX_STOP_SEQUENCES", 16, int),
+                       help="stop sequences per request [KVSERVE_MAX_STOP_SEQUENCES] (default 16)")
+    serve.add_argument("--max-stop-length", type=positive, default=_env("MAX_STOP_LENGTH", 256, int),
+                       help="characters of one stop sequence [KVSERVE_MAX_STOP_LENGTH] (default 256)")
+    serve.add_argument("--max-text-bytes", type=positive, default=_env("MAX_TEXT_BYTES", 262144, int),
+                       help="bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default 262144)")
+    serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", 4194304, int),
+                       help="bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default 4194304)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")

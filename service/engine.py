@@ -68,6 +68,9 @@ class EngineLimits:
     max_batch_size: int = 8
     max_queue: int = 64
     step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET  # 0: no limit (a prompt is prefilled whole)
+    max_stop_sequences: int = 16  # per request
+    max_stop_length: int = 256  # characters of one stop sequence
+    max_text_bytes: int = 256 * 1024  # UTF-8 bytes of a prompt's or a Tokenize request's text
 
 
 def make_batch(runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
@@ -128,8 +131,15 @@ class Engine:
 
     # requests
 
-    def tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def _check_text(self, field_name: str, text: str) -> None:
+        size = len(text.encode("utf-8", errors="replace"))
+        if size > self.limits.max_text_bytes:
+            raise InvalidArgument(field_name, f"{size} bytes of text; at most {self.limits.max_text_bytes}")
+
+    async def tokenize(self, text: str) -> list[int]:
+        """Text -> ids on a worker thread: a long text must not hold up the event loop every stream uses."""
+        self._check_text("text", text)
+        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     def make_sequence(self, request: GenerationRequest) -> Sequence:
         """Validate a request against the model and limits; every refusal names its field."""
@@ -140,6 +150,7 @@ class Engine:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
         else:
+            self._check_text("prompt.text", request.prompt_text or "")
             prompt = self.tokenizer.encode(request.prompt_text or "")
             field_name = "prompt.text"
         if not prompt:
@@ -166,6 +177,12 @@ class Engine:
             raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {params.top_p}")
         if not MIN_SCALE <= params.repetition_penalty <= MAX_SCALE:
             raise InvalidArgument("sampling.repetition_penalty", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {params.repetition_penalty}")
+        limits = self.limits
+        if len(request.stop_sequences) > limits.max_stop_sequences:
+            raise InvalidArgument("stop_sequences", f"{len(request.stop_sequences)} stop sequences; at most {limits.max_stop_sequences}")
+        longest = max((len(stop) for stop in request.stop_sequences), default=0)
+        if longest > limits.max_stop_length:
+            raise InvalidArgument("stop_sequences", f"a stop sequence of {longest} characters; at most {limits.max_stop_length}")
         bad = [t for t in request.stop_token_ids if not 0 <= t < config.vocab_size]
         if bad:
             raise InvalidArgument("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
@@ -190,7 +207,7 @@ class Engine:
         cancelled, disconnected, deadline) frees the sequence's cache within one step."""
         if not self._accepting:
             raise Unavailable("the server is shutting down")
-        seq = self.make_sequence(request)
+        seq = await asyncio.to_thread(self.make_sequence, request)  # tokenizing: off the event loop
         # max_queue counts the requests that must wait for a row to free up: those a free row will take do not
         if len(self.scheduler.waiting) >= self.limits.max_queue + self.batch.free_rows():
             raise QueueFull(

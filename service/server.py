@@ -57,6 +57,10 @@ class ServerOptions:
     allow_parity_failure: bool = False
     metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
     step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET  # tokens per step while streams decode; 0: no limit
+    max_stop_sequences: int = EngineLimits.max_stop_sequences
+    max_stop_length: int = EngineLimits.max_stop_length
+    max_text_bytes: int = EngineLimits.max_text_bytes
+    max_message_bytes: int = 4 * 2**20  # a request message's size (gRPC's own default)
 
 
 class _Undecodable:
@@ -179,7 +183,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         engine = self.app.ready_engine()
-        ids = engine.tokenize(request.text)
+        ids = await engine.tokenize(request.text)
         return pb.TokenizeResponse(ids=ids, pieces=[engine.tokenizer.decode([i]) for i in ids])
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
@@ -198,7 +202,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             provider_note=app.runtime.fallback_reason or "",
             limits=pb.Limits(
                 max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=config.n_ctx,
-                step_token_budget=engine.limits.step_token_budget,
+                step_token_budget=engine.limits.step_token_budget, max_stop_sequences=engine.limits.max_stop_sequences,
+                max_stop_length=engine.limits.max_stop_length, max_text_bytes=engine.limits.max_text_bytes,
+                max_message_bytes=app.options.max_message_bytes,
             ),
             live=pb.LiveCounts(
                 active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"],
@@ -279,7 +285,10 @@ class App:
                 raise ListenFailed(f"cannot serve metrics on {self.options.host}:{self.options.metrics_port} ({exc.strerror or exc})") from None
         self.health = health.aio.HealthServicer()
         # No SO_REUSEPORT: a second server on a taken port must fail, not silently share its traffic.
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor(self.metrics)], options=[("grpc.so_reuseport", 0)])
+        self.server = grpc.aio.server(
+            interceptors=[ErrorInterceptor(self.metrics)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.options.max_message_bytes)],
+        )
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
@@ -324,7 +333,10 @@ class App:
         batch = await asyncio.to_thread(make_batch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
         await asyncio.to_thread(warm_up, batch, self.artifact, options.step_token_budget)
         tokenizer = load_tokenizer(self.artifact.tokenizer_path)
-        limits = EngineLimits(options.max_batch_size, options.max_queue, options.step_token_budget)
+        limits = EngineLimits(
+            options.max_batch_size, options.max_queue, options.step_token_budget,
+            options.max_stop_sequences, options.max_stop_length, options.max_text_bytes,
+        )
         engine = Engine(self.runtime, config, tokenizer, limits, self.metrics, batch=batch)
         engine.start()
         self.engine = engine

@@ -84,31 +84,61 @@ class IncrementalDecoder:
 
 class StopSequences:
     """Finds stop sequences in streamed text, holding back any tail that could be the start of one, so a
-    client never receives text that turns out to be (part of) a stop sequence."""
+    client never receives text that turns out to be (part of) a stop sequence.
+
+    An Aho-Corasick automaton over the stops: each new character moves one state, so a push costs O(new
+    text) whatever the number of stops, and the state's depth is exactly the longest tail of the text that
+    begins some stop, which is what must be held back. The first stop to complete wins (among stops that
+    complete at the same character, the longest), so the result does not depend on how text is chunked."""
 
     def __init__(self, stops: tuple[str, ...]):
         self._stops = tuple(s for s in stops if s)
+        self._next: list[dict[str, int]] = [{}]  # state -> character -> state (the trie)
+        self._fail = [0]  # state -> the state of its longest proper suffix that is also in the trie
+        self._depth = [0]  # state -> length of the text it stands for
+        self._match: list[str | None] = [None]  # state -> the longest stop that ends here
+        for stop in self._stops:
+            state = 0
+            for ch in stop:
+                if ch not in self._next[state]:
+                    self._next.append({})
+                    self._fail.append(0)
+                    self._depth.append(self._depth[state] + 1)
+                    self._match.append(None)
+                    self._next[state][ch] = len(self._next) - 1
+                state = self._next[state][ch]
+            self._match[state] = stop
+        queue = list(self._next[0].values())
+        for state in queue:  # breadth first: a state's fail link is settled before its children's
+            for ch, child in self._next[state].items():
+                self._fail[child] = self._step(self._fail[state], ch)
+                if self._match[child] is None:
+                    self._match[child] = self._match[self._fail[child]]
+                queue.append(child)
+        self._state = 0
         self._held = ""
+
+    def _step(self, state: int, ch: str) -> int:
+        while state and ch not in self._next[state]:
+            state = self._fail[state]
+        return self._next[state].get(ch, 0)
 
     def push(self, delta: str) -> tuple[str, str | None]:
         """Returns (text safe to emit, the stop sequence matched or None). After a match, stop."""
         if not self._stops:
             return delta, None
         text = self._held + delta
-        hits = [(text.find(s), s) for s in self._stops if s in text]
-        if hits:
-            index, stop = min(hits)
-            self._held = ""
-            return text[:index], stop
-        keep = 0
-        for stop in self._stops:
-            for k in range(min(len(stop) - 1, len(text)), keep, -1):
-                if text.endswith(stop[:k]):
-                    keep = k
-                    break
+        for offset, ch in enumerate(delta):
+            self._state = self._step(self._state, ch)
+            stop = self._match[self._state]
+            if stop is not None:
+                end = len(self._held) + offset + 1
+                self._state, self._held = 0, ""
+                return text[: end - len(stop)], stop
+        keep = self._depth[self._state]
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], None
 
     def flush(self) -> str:
-        held, self._held = self._held, ""
+        held, self._held, self._state = self._held, "", 0
         return held

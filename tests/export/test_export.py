@@ -193,3 +193,15 @@ def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact):
     assert inplace_write_problems(onnx.load(str(tiny_artifact / "model.onnx")).graph, config.n_layer) == []
     report = json.loads((tiny_artifact / "parity.json").read_text())
     assert report["kv_cache"] == io.SLOTS and report["passed"] and report["greedy"]["identical"]
+
+
+def test_every_artifact_file_is_readable_by_all_including_external_weights(tmp_path, tiny_model, monkeypatch):
+    import stat
+
+    from kvserve.export import onnx_export
+    from kvserve.export.pipeline import export_artifact
+
+    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)  # the tiny model's weights go to model.onnx.data too
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "a", provider="cpu")
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "a").iterdir()}
+    assert "model.onnx.data" in modes and set(modes.values()) == {0o644}, modes

@@ -142,9 +142,13 @@ def test_logprobs_are_the_reference_log_softmax(stub, tiny_model):
         (dict(text="a", sampling=pb.SamplingParams(repetition_penalty=1e-45, temperature=1)), "sampling.repetition_penalty: must be in [1e-06, 1e+06], got"),
         (dict(text="a", sampling=pb.SamplingParams(temperature=1e-45)), "sampling.temperature: must be 0 (greedy) or in [1e-06, 1e+06]"),
         (dict(text="a", stop_token_ids=[999]), "stop_token_ids"),
+        (dict(text="a", stop_sequences=["ab"] * 300_000), "stop_sequences: 300000 stop sequences; at most 16"),
+        (dict(text="a", stop_sequences=["x" * 257]), "stop_sequences: a stop sequence of 257 characters; at most 256"),
+        (dict(text="é" * 131_073), "prompt.text: 262146 bytes of text; at most 262144"),
     ],
     ids=["empty text", "no prompt", "id out of vocab", "prompt too long", "too many new tokens", "temperature < 0",
-         "top_p > 1", "top_p < 0", "top_k < 0", "penalty < 0", "penalty 1e-45", "temperature 1e-45", "stop id out of vocab"],
+         "top_p > 1", "top_p < 0", "top_k < 0", "penalty < 0", "penalty 1e-45", "temperature 1e-45", "stop id out of vocab",
+         "300,000 stops", "a stop too long", "text too long"],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(stub, request_kwargs, field):
     with pytest.raises(grpc.RpcError) as error:
@@ -158,6 +162,26 @@ def test_max_new_tokens_zero_fills_the_context(stub):
     assert len(ids) == 6 and finish.reason == pb.FINISH_REASON_LENGTH
 
 
+def test_tokenize_refuses_text_over_the_limit_and_runs_off_the_event_loop(stub, server, monkeypatch):
+    with pytest.raises(grpc.RpcError) as error:
+        stub.Tokenize(pb.TokenizeRequest(text="x" * 262_145), timeout=10)
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text: 262145 bytes of text; at most 262144" in error.value.details()
+    import threading
+
+    threads = set()
+    tokenizer = server.app.engine.tokenizer
+    real = tokenizer.encode
+
+    def encode(text):
+        threads.add(threading.current_thread())
+        return real(text)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+    stub.Tokenize(pb.TokenizeRequest(text="abc"), timeout=10)
+    collect(stub, pb.GenerateRequest(text="abc", max_new_tokens=2))
+    assert threads and server.thread not in threads  # never the thread the event loop runs on
+
+
 def test_tokenize_and_model_info(stub, server, tiny_model):
     tokens = stub.Tokenize(pb.TokenizeRequest(text="hé"))
     assert list(tokens.ids) == list("hé".encode()) and tokens.pieces[0] == "h"
@@ -169,6 +193,8 @@ def test_tokenize_and_model_info(stub, server, tiny_model):
     assert info.parity_gate.passed and "identical" in info.parity_gate.summary
     assert info.limits.max_batch_size == 8 and info.tokenizer == "bytes"
     assert info.limits.step_token_budget == 32 and info.kv_cache == "slots"
+    limits = info.limits
+    assert (limits.max_stop_sequences, limits.max_stop_length, limits.max_text_bytes, limits.max_message_bytes) == (16, 256, 262144, 4194304)
     assert len(info.manifest_sha256) == 64 and info.dtype == "float32"
 
 

@@ -103,3 +103,20 @@ def test_the_extreme_allowed_temperature_and_penalty_keep_every_logit_finite():
                 token = choose(logits, params, np.random.default_rng(0), np.array([0, 1]))
                 assert 0 <= token < 4
         assert choose(logits, SamplingParams(temperature=MIN_SCALE, repetition_penalty=MIN_SCALE), np.random.default_rng(0), np.array([2])) == 2
+
+
+def test_stop_matching_equals_a_brute_force_reference_however_the_text_is_chunked():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        stops = tuple("".join(rng.choice(list("abc"), rng.integers(1, 5))) for _ in range(rng.integers(1, 6)))
+        text = "".join(rng.choice(list("abcd"), 40))
+        ends = [(end, -len(s), s) for s in stops for end in range(len(s), len(text) + 1) if text[end - len(s) : end] == s]
+        expected = (text[: min(ends)[0] + min(ends)[1]], min(ends)[2]) if ends else (text, None)  # first to end, then longest
+        matcher, emitted, found, start = StopSequences(stops), "", None, 0
+        while start < len(text) and found is None:
+            size = int(rng.integers(1, 6))
+            piece, found = matcher.push(text[start : start + size])
+            emitted, start = emitted + piece, start + size
+        if found is None:
+            emitted += matcher.flush()
+        assert (emitted, found) == expected, (stops, text)
