@@ -31,13 +31,14 @@ node_modules/.bin/buf: package.json package-lock.json
 
 tools: node_modules/.bin/buf
 
-# Debian's docker-compose (validates the compose file) and nginx (the load balancer the tests start).
+# Debian's docker-compose (validates the compose file), nginx (the load balancer the tests start) and openssl
+# (mints the test certificates).
 system-tools:
-	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null; then \
+	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null || ! command -v openssl >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light >/dev/null; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light openssl >/dev/null; \
 	  else \
-	    echo "missing docker-compose or nginx: sudo apt-get install docker-compose nginx-light"; exit 1; \
+	    echo "missing docker-compose, nginx or openssl: sudo apt-get install docker-compose nginx-light openssl"; exit 1; \
 	  fi; \
 	fi
 

@@ -48,7 +48,8 @@ def _serve(args) -> int:
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
         provider=args.provider, drain_seconds=args.drain_seconds, allow_parity_failure=args.allow_parity_failure,
-        metrics_port=args.metrics_port, step_token_budget=args.step_token_budget,
+        metrics_port=args.metrics_port, step_token_budget=args.step_token_budget, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
         max_message_bytes=args.max_message_bytes,
     )
@@ -62,17 +63,24 @@ def _serve(args) -> int:
     return asyncio.run(serve(options))
 
 
+def _client_security(args):
+    from kvserve.service.client import ClientSecurity
+
+    return ClientSecurity(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token_file=getattr(args, "token_file", None))
+
+
 def _generate(args) -> int:
     from kvserve.service.client import stream_generation
 
-    stream_generation(args.target, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.timeout)
+    stream_generation(args.target, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.timeout,
+                      security=_client_security(args))
     return 0
 
 
 def _health(args) -> int:
     from kvserve.service.client import check_health
 
-    status = check_health(args.target, args.wait)
+    status = check_health(args.target, args.wait, security=_client_security(args))
     print(status)
     return 0 if status == "SERVING" else JobFailed.exit_code
 
@@ -104,6 +112,13 @@ def _env(name: str, default, kind=str):
     except ValueError:
         print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {kind.__name__}", file=sys.stderr)
         sys.exit(UserError.exit_code)
+
+
+def _client_security_flags(command) -> None:
+    command.add_argument("--tls-ca", help="PEM CA bundle to check the server's certificate with (turns TLS on)")
+    command.add_argument("--tls-cert", help="PEM client certificate, for a server that requires one (mTLS)")
+    command.add_argument("--tls-key", help="its PEM private key")
+    command.add_argument("--token-file", help="a file whose first line is the bearer token to send")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -166,6 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default 262144)")
     serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", 4194304, int),
                        help="bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default 4194304)")
+    serve.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")
+    serve.add_argument("--tls-key", default=_env("TLS_KEY", None), help="its PEM private key [KVSERVE_TLS_KEY]")
+    serve.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None),
+                       help="PEM CA bundle: require client certificates it signed (mTLS) [KVSERVE_TLS_CLIENT_CA]")
+    serve.add_argument("--auth-tokens", default=_env("AUTH_TOKENS", None),
+                       help="file of bearer tokens, one per line, reloaded on SIGHUP: every RPC but health needs one [KVSERVE_AUTH_TOKENS]")
+    serve.add_argument("--no-reflection", action="store_true", default=_env("NO_REFLECTION", False, bool),
+                       help="do not serve gRPC reflection [KVSERVE_NO_REFLECTION]")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")
@@ -175,11 +198,13 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--temperature", type=_bounded(float, 0.0, 1e6), default=0.0, help="0 = greedy (default)")
     generate.add_argument("--seed", type=_bounded(int, 0, 2**64 - 1), default=0, help="0 = chosen by the server")
     generate.add_argument("--timeout", type=_bounded(float, 0.001, 1e6), default=120.0, help="deadline in seconds (default 120)")
+    _client_security_flags(generate)
     generate.set_defaults(run=_generate)
 
     health = commands.add_parser("health", help="gRPC health check: prints the status, exit 0 only when SERVING")
     health.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
     health.add_argument("--wait", type=_bounded(float, 0.0, 1e6), default=0.0, help="poll up to this many seconds for SERVING (default 0)")
+    _client_security_flags(health)
     health.set_defaults(run=_health)
     return parser
 

@@ -4,12 +4,58 @@ from __future__ import annotations
 
 import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from kvserve.errors import UserError
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+
+@dataclass(frozen=True)
+class ClientSecurity:
+    """How the client proves itself and checks the server: TLS trust, an optional client certificate (mTLS),
+    an optional bearer token. All None: plaintext, no token."""
+
+    tls_ca: str | None = None  # PEM CA bundle to trust (the system's when only a client certificate is given)
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    token_file: str | None = None  # its first non-empty line is the token
+
+    @property
+    def tls(self) -> bool:
+        return any((self.tls_ca, self.tls_cert, self.tls_key))
+
+
+def _read(path: str, flag: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: {exc.strerror or exc}") from None
+
+
+def open_channel(target: str, security: ClientSecurity = ClientSecurity()) -> grpc.Channel:
+    if not security.tls:
+        return grpc.insecure_channel(target)
+    if (security.tls_cert is None) != (security.tls_key is None):
+        raise UserError("--tls-cert and --tls-key go together")
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(security.tls_ca, "--tls-ca") if security.tls_ca else None,
+        private_key=_read(security.tls_key, "--tls-key") if security.tls_key else None,
+        certificate_chain=_read(security.tls_cert, "--tls-cert") if security.tls_cert else None,
+    )
+    return grpc.secure_channel(target, credentials)
+
+
+def call_metadata(security: ClientSecurity) -> tuple[tuple[str, str], ...]:
+    if security.token_file is None:
+        return ()
+    lines = [line.strip() for line in _read(security.token_file, "--token-file").decode().splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"--token-file {security.token_file}: no token in the file")
+    return (("authorization", f"Bearer {lines[0]}"),)
 
 
 class RequestFailed(UserError):
@@ -21,7 +67,10 @@ class RequestFailed(UserError):
         self.exit_code = 2 if self.code == grpc.StatusCode.INVALID_ARGUMENT else 1
 
 
-def stream_generation(target: str, prompt: str, max_new_tokens: int, temperature: float, seed: int, timeout: float, out=sys.stdout) -> dict:
+def stream_generation(
+    target: str, prompt: str, max_new_tokens: int, temperature: float, seed: int, timeout: float, out=sys.stdout,
+    security: ClientSecurity = ClientSecurity(),
+) -> dict:
     """Print the text as it streams, then one summary line; return the summary."""
     request = pb.GenerateRequest(
         text=prompt, max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature, seed=seed)
@@ -30,10 +79,11 @@ def stream_generation(target: str, prompt: str, max_new_tokens: int, temperature
     first = None
     tokens = 0
     finish = None
-    with grpc.insecure_channel(target) as channel:
+    metadata = call_metadata(security)
+    with open_channel(target, security) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
-            for response in stub.Generate(request, timeout=timeout, wait_for_ready=False):
+            for response in stub.Generate(request, timeout=timeout, wait_for_ready=False, metadata=metadata):
                 if response.HasField("token"):
                     tokens += 1
                     first = first or time.perf_counter()
@@ -59,7 +109,9 @@ def stream_generation(target: str, prompt: str, max_new_tokens: int, temperature
     return summary
 
 
-def check_health(target: str, wait_seconds: float = 0.0, service: str = "kvserve.v1.GenerationService") -> str:
+def check_health(
+    target: str, wait_seconds: float = 0.0, service: str = "kvserve.v1.GenerationService", security: ClientSecurity = ClientSecurity()
+) -> str:
     """Ask the gRPC health service; with wait_seconds, poll until SERVING or the time is up.
     Returns the last status name; raises RequestFailed if the server never answered."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -67,7 +119,7 @@ def check_health(target: str, wait_seconds: float = 0.0, service: str = "kvserve
     deadline = time.monotonic() + wait_seconds
     last_error = None
     status = "UNKNOWN"
-    with grpc.insecure_channel(target) as channel:
+    with open_channel(target, security) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             try:

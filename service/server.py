@@ -23,6 +23,7 @@ from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
+from .security import TokenAuthInterceptor, TokenFile, server_credentials
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .text import load_tokenizer
 
@@ -61,6 +62,11 @@ class ServerOptions:
     max_stop_length: int = EngineLimits.max_stop_length
     max_text_bytes: int = EngineLimits.max_text_bytes
     max_message_bytes: int = 4 * 2**20  # a request message's size (gRPC's own default)
+    tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
+    tls_key: str | None = None  # its PEM private key
+    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    auth_tokens: str | None = None  # a file of bearer tokens, one per line: every RPC but health needs one
+    reflection: bool = True  # server reflection (behind the tokens when they are on)
 
 
 class _Undecodable:
@@ -265,7 +271,17 @@ class App:
         self.port = 0
         self.metrics = Metrics()
         self.metrics_port: int | None = None
+        self.tokens: TokenFile | None = None
         self._draining = False
+
+    def reload_tokens(self) -> None:
+        """SIGHUP: read the token file again; a file that cannot be used keeps the tokens in force."""
+        if self.tokens is None:
+            return
+        try:
+            self.tokens.reload()
+        except UserError as exc:
+            log.error("keeping the tokens in force: %s", exc)
 
     def ready_engine(self) -> Engine:
         if self._draining:
@@ -278,6 +294,8 @@ class App:
         """Check the artifact's files, bind metrics and gRPC (health NOT_SERVING); a bad artifact or a taken
         port is refused before anything listens."""
         self.artifact = await asyncio.to_thread(open_artifact, self.options.artifact)
+        credentials = server_credentials(self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca)
+        self.tokens = TokenFile(self.options.auth_tokens) if self.options.auth_tokens else None
         if self.options.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
@@ -286,15 +304,19 @@ class App:
         self.health = health.aio.HealthServicer()
         # No SO_REUSEPORT: a second server on a taken port must fail, not silently share its traffic.
         self.server = grpc.aio.server(
-            interceptors=[ErrorInterceptor(self.metrics)],
+            interceptors=[TokenAuthInterceptor(self.tokens, self.metrics), ErrorInterceptor(self.metrics)],
             options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.options.max_message_bytes)],
         )
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        if self.options.reflection:
+            reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         address = f"{self.options.host}:{self.options.port}"
         try:
-            self.port = self.server.add_insecure_port(address)
+            if credentials is not None:
+                self.port = self.server.add_secure_port(address, credentials)
+            else:
+                self.port = self.server.add_insecure_port(address)
         except RuntimeError:  # grpc's message says only "Failed to bind"
             self.port = 0
         if self.port == 0:
@@ -303,7 +325,11 @@ class App:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
-        log.info("listening on %s:%d (NOT_SERVING until the model is loaded and checked)", self.options.host, self.port)
+        log.info(
+            "listening on %s:%d (%s%s; NOT_SERVING until the model is loaded and checked)", self.options.host, self.port,
+            "mutual TLS" if self.options.tls_client_ca else ("TLS" if credentials is not None else "plaintext"),
+            ", bearer tokens required" if self.tokens is not None else "",
+        )
         if self.metrics_port is not None:
             log.info("metrics on http://%s:%d/metrics", self.options.host, self.metrics_port)
         return self.port
@@ -370,6 +396,7 @@ async def serve(options: ServerOptions) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, app.reload_tokens)
     await app.start()
     loader = asyncio.create_task(app.load())
     waiter = asyncio.create_task(stop.wait())

@@ -1,0 +1,145 @@
+"""TLS, mutual TLS and bearer tokens, over real channels: what gets in, what is refused and how it is told."""
+
+import signal
+import subprocess
+import sys
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from kvserve.service.client import ClientSecurity, call_metadata, open_channel
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from ..conftest import REPO
+from .conftest import start_server
+from .test_lifecycle import long_request, start_process
+
+KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate it signed, and an unrelated CA."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    for ca in ("ca", "other-ca"):
+        run("req", "-x509", *KEY, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=kvserve test {ca}")
+    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        run("req", *KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", *ext)
+    return d
+
+
+def generate_ok(target: str, security: ClientSecurity) -> int:
+    with open_channel(target, security) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        return len(list(stub.Generate(long_request(4), timeout=20, metadata=call_metadata(security))))
+
+
+def refused(target: str, security: ClientSecurity) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as error:
+        generate_ok(target, security)
+    return error.value
+
+
+def test_tls_admits_only_clients_that_trust_the_server(tiny_artifact, pki):
+    running = start_server(tiny_artifact, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
+    try:
+        assert generate_ok(running.target, ClientSecurity(tls_ca=str(pki / "ca.pem"))) == 4
+        assert refused(running.target, ClientSecurity()).code() == grpc.StatusCode.UNAVAILABLE  # plaintext to a TLS port
+        assert refused(running.target, ClientSecurity(tls_ca=str(pki / "other-ca.pem"))).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        running.stop()
+
+
+def test_mutual_tls_requires_a_client_certificate(tiny_artifact, pki):
+    running = start_server(tiny_artifact, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), tls_client_ca=str(pki / "ca.pem"))
+    try:
+        assert refused(running.target, ClientSecurity(tls_ca=str(pki / "ca.pem"))).code() == grpc.StatusCode.UNAVAILABLE
+        client = ClientSecurity(tls_ca=str(pki / "ca.pem"), tls_cert=str(pki / "client.pem"), tls_key=str(pki / "client.key"))
+        assert generate_ok(running.target, client) == 4
+    finally:
+        running.stop()
+
+
+def test_bearer_tokens_guard_every_rpc_but_health(tiny_artifact, tmp_path):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    from .test_metrics import scrape
+
+    tokens = tmp_path / "tokens"
+    tokens.write_text("# the team's tokens\nalpha-token-123\n\nbeta-token-456\n")
+    (tmp_path / "alpha").write_text("alpha-token-123\n")
+    (tmp_path / "wrong").write_text("alpha-token-124\n")
+    running = start_server(tiny_artifact, auth_tokens=str(tokens), metrics_port=0)
+    try:
+        error = refused(running.target, ClientSecurity())
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and "no authorization metadata" in error.details()
+        error = refused(running.target, ClientSecurity(token_file=str(tmp_path / "wrong")))
+        assert error.code() == grpc.StatusCode.UNAUTHENTICATED and error.details() == "the bearer token is not valid"
+        assert generate_ok(running.target, ClientSecurity(token_file=str(tmp_path / "alpha"))) == 4
+        with grpc.insecure_channel(running.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvserve.v1.GenerationService"))
+            assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+            with pytest.raises(grpc.RpcError) as error:
+                pb_grpc.GenerationServiceStub(channel).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert error.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            with pytest.raises(Exception):  # reflection too: only for callers with a token
+                ProtoReflectionDescriptorDatabase(channel).get_services()
+        metrics = scrape(running.app.metrics_port)
+        unauthenticated = sum(v for (name, labels), v in metrics.items() if name == "kvserve_requests_total" and ("code", "UNAUTHENTICATED") in labels)
+        assert unauthenticated >= 3
+    finally:
+        running.stop()
+
+
+def test_a_revoked_token_is_refused_after_sighup_and_tokens_never_reach_the_log(tiny_artifact, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alpha-token-123\nbeta-token-456\n")
+    (tmp_path / "alpha").write_text("alpha-token-123")
+    (tmp_path / "beta").write_text("beta-token-456")
+    process, port, log = start_process(tiny_artifact, "--auth-tokens", str(tokens))
+    try:
+        assert "SERVING" in log, log
+        target = f"127.0.0.1:{port}"
+        alpha, beta = ClientSecurity(token_file=str(tmp_path / "alpha")), ClientSecurity(token_file=str(tmp_path / "beta"))
+        assert generate_ok(target, alpha) == 4
+        tokens.write_text("beta-token-456\n")  # alpha revoked
+        process.send_signal(signal.SIGHUP)
+        for _ in range(50):
+            try:
+                generate_ok(target, alpha)
+            except grpc.RpcError as error:
+                assert error.code() == grpc.StatusCode.UNAUTHENTICATED
+                break
+        else:
+            pytest.fail("the revoked token still works after SIGHUP")
+        assert generate_ok(target, beta) == 4
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        everything = log + process.stderr.read()
+        assert "alpha-token" not in everything and "beta-token" not in everything
+    finally:
+        process.kill()
+
+
+def test_the_cli_client_speaks_tls_with_a_token(tiny_artifact, pki, tmp_path):
+    (tmp_path / "tokens").write_text("gamma-token-789\n")
+    running = start_server(tiny_artifact, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), auth_tokens=str(tmp_path / "tokens"))
+    try:
+        flags = ["--target", running.target, "--tls-ca", str(pki / "ca.pem"), "--token-file", str(tmp_path / "tokens")]
+        health = subprocess.run([sys.executable, "-m", "kvserve.cli", "health", *flags], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert health.returncode == 0 and health.stdout.strip() == "SERVING", health.stderr
+        result = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "abc", "--max-new-tokens", "5", *flags],
+                                capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert result.returncode == 0 and "-- 5 tokens" in result.stdout, result.stderr
+        no_token = subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "abc", *flags[:4]], capture_output=True, text=True, cwd=REPO, timeout=60)
+        assert no_token.returncode == 1 and "UNAUTHENTICATED: no authorization metadata" in no_token.stderr
+    finally:
+        running.stop()
