@@ -78,3 +78,24 @@ def make_hf_checkpoint(tmp_path_factory):
         return hf, directory
 
     return make
+
+
+KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1, localhost and server, a client certificate it signed, and an unrelated
+    CA; minted by openssl (`make system-tools` installs it)."""
+    d = tmp_path_factory.mktemp("pki")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
+
+    for ca in ("ca", "other-ca"):
+        run("req", "-x509", *KEY, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=kvserve test {ca}")
+    (d / "server.ext").write_text("subjectAltName=DNS:localhost,DNS:server,IP:127.0.0.1\n")  # server: what nginx dials
+    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
+        run("req", *KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", *ext)
+    return d

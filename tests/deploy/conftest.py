@@ -25,9 +25,9 @@ def need(tool: str) -> str:
     return path
 
 
-def compose_config(*profiles: str, env: dict | None = None) -> dict:
-    """`docker-compose config` output: the file with profiles applied and variables substituted."""
-    args = [need("docker-compose")] + [a for p in profiles for a in ("--profile", p)] + ["config"]
+def compose_config(*profiles: str, env: dict | None = None, files: tuple[str, ...] = ("docker-compose.yml",)) -> dict:
+    """`docker-compose config` output: the files merged, profiles applied and variables substituted."""
+    args = [need("docker-compose")] + [a for f in files for a in ("-f", f)] + [a for p in profiles for a in ("--profile", p)] + ["config"]
     result = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
@@ -102,6 +102,12 @@ def wait_port(port: int, timeout: float = 20) -> None:
                 return
         time.sleep(0.1)
     raise AssertionError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def run_health(args: list[str]) -> subprocess.CompletedProcess:
+    """A compose health check's command (kvserve ...) run here, with the virtual environment's kvserve."""
+    bin_dir = os.path.dirname(sys.executable)
+    return subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=60, env={**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"})
 
 
 def dockerfile_directive(name: str, directive: str) -> str:

@@ -14,12 +14,13 @@ from ..conftest import REPO
 from .conftest import ServeProcess, compose_config, free_port, local_environment, metric, need, wait_port
 
 
-def render_nginx_conf(replica_ports, listen_port) -> str:
-    """deploy/nginx.conf with the replicas and the listen address moved onto loopback."""
-    conf = (REPO / "deploy" / "nginx.conf").read_text()
+def render_nginx_conf(replica_ports, listen_port, source: str = "nginx.conf") -> str:
+    """deploy/SOURCE with the replicas and the listen address moved onto loopback."""
+    conf = (REPO / "deploy" / source).read_text()
     replicas = "".join(f"    server 127.0.0.1:{p} max_fails=1 fail_timeout=10s;\n" for p in replica_ports)
     conf = re.sub(r"(# replicas: begin\n).*?(\s*# replicas: end)", lambda m: m.group(1) + replicas + m.group(2).lstrip("\n"), conf, flags=re.S)
-    conf = re.sub(r"(# listen: begin\n).*?(\s*# listen: end)", lambda m: m.group(1) + f"    listen 127.0.0.1:{listen_port} http2;\n" + m.group(2).lstrip("\n"), conf, flags=re.S)
+    ssl = " ssl" if "listen 50051 ssl" in conf else ""
+    conf = re.sub(r"(# listen: begin\n).*?(\s*# listen: end)", lambda m: m.group(1) + f"    listen 127.0.0.1:{listen_port}{ssl} http2;\n" + m.group(2).lstrip("\n"), conf, flags=re.S)
     return conf.replace("access_log /dev/stdout;", "access_log off;")
 
 

@@ -16,26 +16,6 @@ from ..conftest import REPO
 from .conftest import start_server
 from .test_lifecycle import long_request, start_process
 
-KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-
-@pytest.fixture(scope="session")
-def pki(tmp_path_factory):
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate it signed, and an unrelated CA."""
-    d = tmp_path_factory.mktemp("pki")
-
-    def run(*args):
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True, timeout=60)
-
-    for ca in ("ca", "other-ca"):
-        run("req", "-x509", *KEY, "-keyout", f"{ca}.key", "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=kvserve test {ca}")
-    (d / "server.ext").write_text("subjectAltName=DNS:localhost,IP:127.0.0.1\n")
-    for name, ext in (("server", ["-extfile", "server.ext"]), ("client", [])):
-        run("req", *KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", *ext)
-    return d
-
-
 def generate_ok(target: str, security: ClientSecurity) -> int:
     with open_channel(target, security) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
