@@ -129,6 +129,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvserve.service.limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits as limits  # plain Python: no runtime loaded
+
     parser = _Parser(prog="kvserve", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -161,26 +163,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=_env("MODEL", None), required=_env("MODEL", None) is None, help="the artifact directory [KVSERVE_MODEL]")
     serve.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind [KVSERVE_HOST] (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=_env("PORT", 50051, int), help="port, 0 picks a free one [KVSERVE_PORT] (default 50051)")
-    serve.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", 8, int), help="sequences per step [KVSERVE_MAX_BATCH_SIZE] (default 8)")
-    serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", 64, int), help="waiting requests before RESOURCE_EXHAUSTED [KVSERVE_MAX_QUEUE] (default 64)")
+    serve.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", limits.max_batch_size, int), help=f"sequences per step [KVSERVE_MAX_BATCH_SIZE] (default {limits.max_batch_size})")
+    serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", limits.max_queue, int), help=f"requests waiting for a free row before RESOURCE_EXHAUSTED; 0: none wait [KVSERVE_MAX_QUEUE] (default {limits.max_queue})")
     serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=_env("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
     serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
     serve.add_argument(
-        "--step-token-budget", type=int, default=_env("STEP_TOKEN_BUDGET", 32, int),
+        "--step-token-budget", type=int, default=_env("STEP_TOKEN_BUDGET", limits.step_token_budget, int),
         help="tokens one step runs while streams decode: theirs, then a chunk of a new prompt; 0 = no limit "
-        "[KVSERVE_STEP_TOKEN_BUDGET] (default 32)",
+        f"[KVSERVE_STEP_TOKEN_BUDGET] (default {limits.step_token_budget})",
     )
     positive = _bounded(int, 1, 2**31 - 1)
-    serve.add_argument("--max-stop-sequences", type=positive, default=_env("MAX_STOP_SEQUENCES", 16, int),
-                       help="stop sequences per request [KVSERVE_MAX_STOP_SEQUENCES] (default 16)")
-    serve.add_argument("--max-stop-length", type=positive, default=_env("MAX_STOP_LENGTH", 256, int),
-                       help="characters of one stop sequence [KVSERVE_MAX_STOP_LENGTH] (default 256)")
-    serve.add_argument("--max-text-bytes", type=positive, default=_env("MAX_TEXT_BYTES", 262144, int),
-                       help="bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default 262144)")
-    serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", 4194304, int),
-                       help="bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default 4194304)")
+    serve.add_argument("--max-stop-sequences", type=positive, default=_env("MAX_STOP_SEQUENCES", limits.max_stop_sequences, int),
+                       help=f"stop sequences per request [KVSERVE_MAX_STOP_SEQUENCES] (default {limits.max_stop_sequences})")
+    serve.add_argument("--max-stop-length", type=positive, default=_env("MAX_STOP_LENGTH", limits.max_stop_length, int),
+                       help=f"characters of one stop sequence [KVSERVE_MAX_STOP_LENGTH] (default {limits.max_stop_length})")
+    serve.add_argument("--max-text-bytes", type=positive, default=_env("MAX_TEXT_BYTES", limits.max_text_bytes, int),
+                       help=f"bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default {limits.max_text_bytes})")
+    serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES, int),
+                       help=f"bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default {DEFAULT_MAX_MESSAGE_BYTES})")
     serve.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")
     serve.add_argument("--tls-key", default=_env("TLS_KEY", None), help="its PEM private key [KVSERVE_TLS_KEY]")
     serve.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None),

@@ -10,12 +10,12 @@ import asyncio
 import itertools
 import logging
 import secrets
-from dataclasses import dataclass
 
 from kvserve.export.io_contract import SLOTS
 from kvserve.model.config import DecoderConfig
 
 from .kv_slots import SlotBatch
+from .limits import MAX_SCALE, MIN_SCALE, EngineLimits
 from .padded_batch import PaddedBatch
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
@@ -24,16 +24,6 @@ from .sequence import GenerationRequest, Sequence, StepEvent
 from .text import IncrementalDecoder, StopSequences, Tokenizer
 
 log = logging.getLogger(__name__)
-
-# Temperature (when not 0) and repetition penalty divide or multiply logits: outside these bounds a float32
-# logit overflows to inf (a penalty of 1e-45 made every sampled token the same id) and sampling sees NaN.
-MIN_SCALE, MAX_SCALE = 1e-6, 1e6
-
-# The most tokens one step runs while streams are decoding: every decoding row's token, then a prompt chunk
-# with the rest. Smaller keeps the running streams' gaps even; larger gets a new prompt its first token
-# sooner (README, "Chunked prefill").
-DEFAULT_STEP_TOKEN_BUDGET = 32
-
 
 # --- errors the servicer maps to status codes (see server.ErrorInterceptor) ---------------------------
 
@@ -61,16 +51,6 @@ class SequenceFailed(EngineError):
 
 
 # --- the engine (runs on the event loop) --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class EngineLimits:
-    max_batch_size: int = 8
-    max_queue: int = 64
-    step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET  # 0: no limit (a prompt is prefilled whole)
-    max_stop_sequences: int = 16  # per request
-    max_stop_length: int = 256  # characters of one stop sequence
-    max_text_bytes: int = 256 * 1024  # UTF-8 bytes of a prompt's or a Tokenize request's text
 
 
 def make_batch(runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):

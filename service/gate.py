@@ -11,7 +11,8 @@ from kvserve.export.artifact import Artifact
 from kvserve.export.io_contract import io_spec
 from kvserve.export.tolerances import TOLERANCES
 
-from .engine import DEFAULT_STEP_TOKEN_BUDGET, make_batch
+from .engine import make_batch
+from .limits import EngineLimits
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -70,7 +71,7 @@ def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: i
     return Scheduler(make_batch(runtime, artifact.config, rows), budget)
 
 
-def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> GateResult:
+def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
     """Greedy-decode the golden prompt through the serving batch and scheduler (prefill from an empty cache,
     then cached decode steps) and compare tokens and logits with the eager reference's record."""
     golden = artifact.golden()
@@ -92,14 +93,14 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     return GateResult(passed, summary)
 
 
-def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> GateResult:
+def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
     problems = contract_problems(runtime, artifact)
     if problems:
         return GateResult(False, "KV contract mismatch: " + "; ".join(problems[:3]))
     return replay_golden(runtime, artifact, step_token_budget)
 
 
-def warm_up(batch, artifact: Artifact, step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET) -> None:
+def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> None:
     """Fill the serving batch to its largest size through the serving path (prefills, then decodes at every
     batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards."""
     config = artifact.config

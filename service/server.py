@@ -18,7 +18,8 @@ from kvserve.export.artifact import open_artifact
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from .engine import DEFAULT_STEP_TOKEN_BUDGET, Engine, EngineLimits, InvalidArgument, QueueFull, Unavailable, make_batch
+from .engine import Engine, InvalidArgument, QueueFull, Unavailable, make_batch
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits
 from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
@@ -51,17 +52,17 @@ class ServerOptions:
     artifact: str
     host: str = "127.0.0.1"
     port: int = 50051
-    max_batch_size: int = 8
-    max_queue: int = 64
+    max_batch_size: int = EngineLimits.max_batch_size
+    max_queue: int = EngineLimits.max_queue
     provider: str = "auto"
     drain_seconds: float = 30.0
     allow_parity_failure: bool = False
     metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
-    step_token_budget: int = DEFAULT_STEP_TOKEN_BUDGET  # tokens per step while streams decode; 0: no limit
+    step_token_budget: int = EngineLimits.step_token_budget  # tokens per step while streams decode; 0: no limit
     max_stop_sequences: int = EngineLimits.max_stop_sequences
     max_stop_length: int = EngineLimits.max_stop_length
     max_text_bytes: int = EngineLimits.max_text_bytes
-    max_message_bytes: int = 4 * 2**20  # a request message's size (gRPC's own default)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # its PEM private key
     tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)

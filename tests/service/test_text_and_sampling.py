@@ -93,7 +93,7 @@ def test_log_probability_is_log_softmax():
 
 
 def test_the_extreme_allowed_temperature_and_penalty_keep_every_logit_finite():
-    from kvserve.service.engine import MAX_SCALE, MIN_SCALE
+    from kvserve.service.limits import MAX_SCALE, MIN_SCALE
 
     logits = np.array([30.0, -30.0, 29.0, 0.5], dtype=np.float32)
     with np.errstate(over="raise", invalid="raise", divide="raise", under="ignore"):  # inf or NaN anywhere fails
