@@ -51,13 +51,18 @@ def _serve(args) -> int:
         metrics_port=args.metrics_port, step_token_budget=args.step_token_budget, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
-        max_message_bytes=args.max_message_bytes,
+        max_message_bytes=args.max_message_bytes, health_port=args.health_port,
     )
-    ports_ok = all(p is None or 0 <= p < 65536 for p in (options.port, options.metrics_port))
+    ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port}
+    ports_ok = all(p is None or 0 <= p < 65536 for p in ports.values())
     if options.max_batch_size < 1 or options.max_queue < 0 or not ports_ok:
-        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port and --metrics-port in [0, 65535]")
-    if options.metrics_port is not None and options.metrics_port == options.port != 0:
-        raise UserError(f"--metrics-port and --port are both {options.port}; give the metrics endpoint a port of its own")
+        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port, --metrics-port and --health-port in [0, 65535]")
+    taken: dict[int, str] = {}
+    for flag, port in ports.items():
+        if port:  # 0 picks a free port, so zeros never collide
+            if port in taken:
+                raise UserError(f"{taken[port]} and {flag} are both {port}; give each endpoint a port of its own")
+            taken[port] = flag
     if options.step_token_budget < 0:
         raise UserError(f"--step-token-budget must be >= 0 (0: no limit), got {options.step_token_budget}")
     return asyncio.run(serve(options))
@@ -189,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="PEM CA bundle: require client certificates it signed (mTLS) [KVSERVE_TLS_CLIENT_CA]")
     serve.add_argument("--auth-tokens", default=_env("AUTH_TOKENS", None),
                        help="file of bearer tokens, one per line, reloaded on SIGHUP: every RPC but health needs one [KVSERVE_AUTH_TOKENS]")
+    serve.add_argument("--health-port", type=int, default=_env("HEALTH_PORT", None, int),
+                       help="also serve the health service alone, plaintext, on HOST:PORT: for probes that cannot speak TLS "
+                       "(Kubernetes' gRPC probes) [KVSERVE_HEALTH_PORT] (default off)")
     serve.add_argument("--no-reflection", action="store_true", default=_env("NO_REFLECTION", False, bool),
                        help="do not serve gRPC reflection [KVSERVE_NO_REFLECTION]")
     serve.set_defaults(run=_serve)

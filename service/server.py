@@ -68,6 +68,9 @@ class ServerOptions:
     tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
     auth_tokens: str | None = None  # a file of bearer tokens, one per line: every RPC but health needs one
     reflection: bool = True  # server reflection (behind the tokens when they are on)
+    # A second, plaintext port that serves only the health service: for probes that cannot speak TLS
+    # (Kubernetes' native gRPC probes). None: off.
+    health_port: int | None = None
 
 
 class _Undecodable:
@@ -270,6 +273,8 @@ class App:
         self.health: health.aio.HealthServicer | None = None  # both made in start(), on the serving loop
         self.server: grpc.aio.Server | None = None
         self.port = 0
+        self.health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.tokens: TokenFile | None = None
@@ -323,9 +328,22 @@ class App:
         if self.port == 0:
             self.metrics.close()
             raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
+        if self.options.health_port is not None:
+            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
+            health_address = f"{self.options.host}:{self.options.health_port}"
+            try:
+                self.health_port = self.health_server.add_insecure_port(health_address)
+            except RuntimeError:
+                self.health_port = 0
+            if self.health_port == 0:
+                self.metrics.close()
+                raise ListenFailed(f"cannot serve health on {health_address} (in use, or not an address of this host)")
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
         log.info(
             "listening on %s:%d (%s%s; NOT_SERVING until the model is loaded and checked)", self.options.host, self.port,
             "mutual TLS" if self.options.tls_client_ca else ("TLS" if credentials is not None else "plaintext"),
@@ -333,6 +351,8 @@ class App:
         )
         if self.metrics_port is not None:
             log.info("metrics on http://%s:%d/metrics", self.options.host, self.metrics_port)
+        if self.health_port is not None:
+            log.info("health only, plaintext, on %s:%d", self.options.host, self.health_port)
         return self.port
 
     async def load(self) -> None:
@@ -384,6 +404,8 @@ class App:
                     f"the server stopped before this stream finished (its {self.options.drain_seconds:g}s drain period ran out)"
                 )
         await self.server.stop(grace=1.0)
+        if self.health_server is not None:
+            await self.health_server.stop(grace=None)
         if self.engine is not None:
             await self.engine.close()
         self.metrics.close()
@@ -404,6 +426,8 @@ async def serve(options: ServerOptions) -> int:
     await asyncio.wait({loader, waiter}, return_when=asyncio.FIRST_COMPLETED)
     if loader.done() and loader.exception() is not None:
         await app.server.stop(grace=None)
+        if app.health_server is not None:
+            await app.health_server.stop(grace=None)
         raise loader.exception()
     await waiter
     if not loader.done():

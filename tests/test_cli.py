@@ -77,7 +77,9 @@ def test_a_broken_artifact_is_refused_in_one_line(tiny_artifact, tmp_path, case,
 
 def test_metrics_port_equal_to_the_grpc_port_or_taken(tiny_artifact):
     one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", "--metrics-port", "50999"),
-                   "--metrics-port and --port are both 50999")
+                   "--port and --metrics-port are both 50999")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", "--health-port", "50999"),
+                   "--port and --health-port are both 50999")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -48,6 +48,24 @@ def test_mutual_tls_requires_a_client_certificate(tiny_artifact, pki):
         running.stop()
 
 
+def test_a_plaintext_health_port_answers_probes_beside_a_tls_port(tiny_artifact, pki):
+    """Kubernetes' native gRPC probes speak no TLS: --health-port serves the health service alone, in the clear."""
+    running = start_server(tiny_artifact, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"), health_port=0)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{running.app.health_port}") as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="kvserve.v1.GenerationService"), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as error:
+                list(pb_grpc.GenerationServiceStub(channel).Generate(long_request(4), timeout=10))
+            assert error.value.code() == grpc.StatusCode.UNIMPLEMENTED  # nothing but health on that port
+        assert refused(running.target, ClientSecurity()).code() == grpc.StatusCode.UNAVAILABLE  # the TLS port stays TLS
+    finally:
+        running.stop()
+    with grpc.insecure_channel(f"127.0.0.1:{running.app.health_port}") as channel:  # stopped with the server
+        with pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=2)
+
+
 def test_bearer_tokens_guard_every_rpc_but_health(tiny_artifact, tmp_path):
     from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
