@@ -1,0 +1,188 @@
+"""Train the default model: a small GPT-2 and its own byte-level BPE on the King James text (model/corpus.py).
+
+    python -m kvserve.model.train --out checkpoints/kjv-gpt2
+
+Reproducible from its arguments: the seed fixes the weights' initialisation and the order of the training
+windows; the tokenizer is trained deterministically on the training chapters. What it writes is a
+checkpoint directory as save_pretrained writes it (config.json, model.safetensors, tokenizer.json) plus
+training.json: the data, its licence, every hyper-parameter, the loss curve and the held-out perplexity.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .checkpoint import save_checkpoint
+from .config import DecoderConfig
+from .corpus import HELD_OUT_EVERY, load_corpus
+from .gpt2 import GPT2
+
+EOS = "<|endoftext|>"
+DATA = {
+    "text": "King James Version of the Bible (1611), every chapter a document",
+    "package": "Debian bible-kjv-text (read through bible-kjv's `bible` program)",
+    "licence": "public domain (the translation's copyright has expired; Debian's copyright file says so)",
+    "held_out": f"every {HELD_OUT_EVERY}th chapter (kvserve.model.corpus)",
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    seed: int = 0
+    vocab_size: int = 4096  # BPE tokens, EOS included
+    n_ctx: int = 256
+    d_model: int = 256
+    n_head: int = 4
+    n_layer: int = 4
+    d_mlp: int = 1024
+    steps: int = 1500
+    batch_size: int = 16  # windows of n_ctx tokens per step
+    learning_rate: float = 2e-3
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    log_every: int = 50
+    threads: int = 0  # 0: torch's default
+
+
+def train_tokenizer(chapters: tuple[str, ...], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte has a token: no text is unencodable
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(chapters, trainer=trainer)
+    return tokenizer
+
+
+def token_stream(tokenizer, chapters: tuple[str, ...]) -> torch.Tensor:
+    """All chapters, each followed by EOS, as one (N,) int64 stream."""
+    eos = tokenizer.token_to_id(EOS)
+    ids: list[int] = []
+    for encoding in tokenizer.encode_batch(list(chapters), add_special_tokens=False):
+        ids.extend(encoding.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+def causal_lm_loss(model: GPT2, windows: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over (B, T+1) windows, through the same forward the export traces."""
+    inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
+    B, T = inputs.shape
+    positions = torch.arange(T).expand(B, T)  # (B, T)
+    logits, _ = model(inputs, torch.ones(B, T, dtype=torch.int64), positions, model.empty_cache(B))  # (B, T, V)
+    return F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+
+
+@torch.no_grad()
+def perplexity(model: GPT2, stream: torch.Tensor, n_ctx: int) -> float:
+    """exp(mean next-token loss) over the stream cut into consecutive windows of n_ctx + 1 tokens."""
+    model.eval()
+    usable = (len(stream) - 1) // n_ctx * n_ctx
+    starts = torch.arange(0, usable, n_ctx)
+    total, count = 0.0, 0
+    for batch in starts.split(16):
+        windows = torch.stack([stream[s : s + n_ctx + 1] for s in batch.tolist()])  # (B, n_ctx + 1)
+        total += causal_lm_loss(model, windows).item() * windows.shape[0] * n_ctx
+        count += windows.shape[0] * n_ctx
+    return math.exp(total / count)
+
+
+def learning_rate(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < config.warmup_steps:
+        return config.learning_rate * (step + 1) / config.warmup_steps
+    progress = (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps)
+    return config.learning_rate * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def train(config: TrainConfig, out: Path) -> dict:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    torch.manual_seed(config.seed)
+    corpus = load_corpus()
+    tokenizer = train_tokenizer(corpus.train, config.vocab_size)
+    train_ids = token_stream(tokenizer, corpus.train)
+    held_ids = token_stream(tokenizer, corpus.held_out)
+    decoder = DecoderConfig(
+        vocab_size=tokenizer.get_vocab_size(),
+        n_ctx=config.n_ctx,
+        d_model=config.d_model,
+        n_head=config.n_head,
+        n_layer=config.n_layer,
+        d_mlp=config.d_mlp,
+        eos_token_id=tokenizer.token_to_id(EOS),
+    )
+    model = GPT2(decoder).init_weights(config.seed)
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=config.learning_rate,
+        betas=(0.9, 0.95),
+    )
+    generator = torch.Generator().manual_seed(config.seed)
+    curve = []
+    started = time.perf_counter()
+    running = 0.0
+    model.train()
+    for step in range(config.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(step, config)
+        starts = torch.randint(0, len(train_ids) - config.n_ctx - 1, (config.batch_size,), generator=generator)
+        windows = torch.stack([train_ids[s : s + config.n_ctx + 1] for s in starts.tolist()])  # (B, n_ctx + 1)
+        loss = causal_lm_loss(model, windows)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        running += loss.item()
+        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+            window = (step % config.log_every) + 1
+            point = {"step": step + 1, "loss": round(running / window, 4), "seconds": round(time.perf_counter() - started, 1)}
+            curve.append(point)
+            print(json.dumps(point), flush=True)
+            running = 0.0
+    model.eval()
+    held_out_ppl = perplexity(model, held_ids, config.n_ctx)
+    record = {
+        "data": DATA | {"train_tokens": len(train_ids), "held_out_tokens": len(held_ids)},
+        "config": asdict(config),
+        "torch": torch.__version__,
+        "train_seconds": round(time.perf_counter() - started, 1),
+        "held_out_perplexity": round(held_out_ppl, 3),
+        "loss_curve": curve,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    save_checkpoint(model, out)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    for name, default in asdict(TrainConfig()).items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
+    args = vars(parser.parse_args(argv))
+    out = args.pop("out")
+    record = train(TrainConfig(**args), out)
+    print(f"held-out perplexity {record['held_out_perplexity']} after {record['train_seconds']} s -> {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""The trained default model (checkpoints/kjv-gpt2, made by model/train.py): it loads, its export verifies at
+float32 tolerances, its held-out perplexity is far below what random weights reach, and the training script
+is reproducible from its seed."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from kvserve.model.checkpoint import load_checkpoint
+from kvserve.model.corpus import load_corpus
+from kvserve.model.gpt2 import build
+from kvserve.model.train import TrainConfig, perplexity, token_stream, train
+from kvserve.service.text import HFTokenizer
+
+from ..conftest import DEFAULT_CHECKPOINT, PROVIDER
+
+# Random weights of the same shape score about the vocabulary size (4,096); the trained model about 25
+# (training.json). A bound between the two that no untrained model can reach.
+PERPLEXITY_BOUND = 60.0
+
+
+def held_out_stream(tokens: int = 8192) -> torch.Tensor:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(DEFAULT_CHECKPOINT / "tokenizer.json"))
+    return token_stream(tokenizer, load_corpus().held_out)[:tokens]
+
+
+def test_the_checkpoint_is_small_complete_and_says_how_it_was_made():
+    names = {p.name for p in DEFAULT_CHECKPOINT.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training.json"} <= names
+    assert sum(p.stat().st_size for p in DEFAULT_CHECKPOINT.iterdir()) <= 25 * 2**20
+    record = json.loads((DEFAULT_CHECKPOINT / "training.json").read_text())
+    assert "bible-kjv-text" in record["data"]["package"] and "public domain" in record["data"]["licence"]
+    assert record["train_seconds"] <= 30 * 60
+    curve = record["loss_curve"]
+    assert len(curve) >= 10 and curve[-1]["loss"] < curve[0]["loss"] - 2  # it learned
+    assert record["config"]["steps"] == curve[-1]["step"]
+
+
+def test_held_out_perplexity_is_below_what_random_weights_can_reach(trained_model):
+    stream = held_out_stream()
+    n_ctx = trained_model.config.n_ctx
+    trained = perplexity(trained_model, stream, n_ctx)
+    untrained = perplexity(build(trained_model.config, seed=0), stream, n_ctx)
+    assert trained < PERPLEXITY_BOUND < untrained, (trained, untrained)
+
+
+def test_the_tokenizer_round_trips_english_and_ends_chapters_with_eos(trained_model):
+    tokenizer = HFTokenizer(DEFAULT_CHECKPOINT / "tokenizer.json")
+    text = "In the beginning God created the heaven and the earth."
+    ids = tokenizer.encode(text)
+    assert tokenizer.decode(ids) == text and len(ids) < len(text) / 2  # BPE, not bytes
+    assert trained_model.config.vocab_size == 4096 and trained_model.config.eos_token_id is not None
+
+
+def test_the_trained_checkpoint_exports_and_verifies_at_float32_tolerances(trained_model, tmp_path):
+    from kvserve.export.pipeline import export_artifact
+
+    source = {"kind": "checkpoint", "path": str(DEFAULT_CHECKPOINT)}
+    report = export_artifact(trained_model, source, tmp_path / "kjv", provider=PROVIDER, tokenizer_dir=DEFAULT_CHECKPOINT)
+    assert report["passed"] and report["dtype"] == "float32" and report["tolerance"]["logits_max_abs"] == 1e-4
+    assert (tmp_path / "kjv" / "tokenizer.json").exists()
+
+
+def test_training_is_reproducible_from_its_seed(tmp_path):
+    tiny = dict(vocab_size=300, n_ctx=32, d_model=32, n_head=2, n_layer=1, d_mlp=64, steps=3, batch_size=2, log_every=1)
+    first = train(TrainConfig(**tiny), tmp_path / "a")
+    second = train(TrainConfig(**tiny), tmp_path / "b")
+    assert [p["loss"] for p in first["loss_curve"]] == [p["loss"] for p in second["loss_curve"]]
+    a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
