@@ -6,15 +6,20 @@
 #   KVSERVE_EXPORT_PRESET      a preset (tiny, gpt2) when no checkpoint is given (default gpt2)
 #   KVSERVE_EXPORT_DTYPE       float32 or float16 (default float32)
 #   KVSERVE_EXPORT_KV_CACHE    slots, concat or inplace (default slots; see README, "The graph's KV contract")
+#   KVSERVE_EXPORT_QUANTIZE    int8 for 8-bit weights (README, "Int8"); empty for float weights (default)
 #   KVSERVE_VERIFY_PROVIDER    provider for the parity check (default auto)
 set -eu
 out=${KVSERVE_MODEL:-/artifacts/model}
 dtype=${KVSERVE_EXPORT_DTYPE:-float32}
 kv_cache=${KVSERVE_EXPORT_KV_CACHE:-slots}
+quantize=${KVSERVE_EXPORT_QUANTIZE:-}
 if [ -n "${KVSERVE_EXPORT_CHECKPOINT:-}" ]; then
   set -- --checkpoint "$KVSERVE_EXPORT_CHECKPOINT"
 else
   set -- --preset "${KVSERVE_EXPORT_PRESET:-gpt2}"
+fi
+if [ -n "$quantize" ]; then
+  set -- "$@" --quantize "$quantize"
 fi
 stamp="$*|$dtype|$kv_cache"
 if [ -f "$out/manifest.json" ] && [ "$(cat "$out.source" 2>/dev/null)" = "$stamp" ]; then

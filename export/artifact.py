@@ -20,7 +20,7 @@ import numpy as np
 from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 
-from .io_contract import CONCAT, DTYPES, KV_CACHES
+from .io_contract import CONCAT, DTYPES, KV_CACHES, QUANTIZATIONS
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -86,6 +86,17 @@ class Artifact:
         return self.manifest.get("kv_cache", CONCAT)
 
     @property
+    def quantization(self) -> str | None:
+        """The weight quantization (io_contract.QUANTIZATIONS), None for float weights."""
+        facts = self.manifest.get("quantization")
+        return None if facts is None else facts["scheme"]
+
+    @property
+    def precision(self) -> str:
+        """What the parity tolerances are chosen by: the quantization, else the dtype."""
+        return self.quantization or self.dtype
+
+    @property
     def manifest_sha256(self) -> str:
         return sha256_file(self.directory / MANIFEST_FILE)
 
@@ -131,6 +142,9 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
         raise ArtifactError(
             f"{directory / MANIFEST_FILE}: kv_cache {manifest['kv_cache']!r} is not one of {', '.join(KV_CACHES)}"
         )
+    quantization = manifest.get("quantization")
+    if quantization is not None and (not isinstance(quantization, dict) or quantization.get("scheme") not in QUANTIZATIONS):
+        raise ArtifactError(f"{where}: quantization must be null or an object whose scheme is one of {', '.join(QUANTIZATIONS)}")
     if check_files:
         for name, expected in files.items():
             path = directory / name

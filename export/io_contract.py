@@ -85,6 +85,9 @@ DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: 
 KV_SEQUENCE_AXIS = 2
 
 DTYPES = ("float32", "float16")
+# Weight quantizations an artifact may carry (manifest "quantization"): the graph's I/O is unchanged, its
+# weight matrices are 8-bit. export/quantize.py makes them; tolerances.py says how close they must stay.
+QUANTIZATIONS = ("int8",)
 
 
 def past_names(layer: int) -> tuple[str, str]:

@@ -6,6 +6,7 @@ Checks, each over real numbers from both sides:
   decode     cached single-token steps after a prefill, both sides fed the same tokens
   recompute  the cached decode's last logits against a full recompute of the whole sequence (past = 0)
   greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
+  text       quantized artifacts only: teacher-forced held-out text (export/quality.py)
 The present K/V divergence is kept per (layer, head), so a broken tolerance names where it starts.
 """
 
@@ -26,7 +27,8 @@ from kvserve.service.runtime import DecoderRuntime
 
 from .artifact import ArtifactError, open_artifact
 from .io_contract import SLOTS
-from .tolerances import TOLERANCES, Tolerance
+from .quality import eval_windows, text_quality
+from .tolerances import TOLERANCES, Tolerance, kl_divergence
 
 
 class VerifyRefused(UserError):
@@ -43,6 +45,7 @@ class _Check:
 
     def __init__(self, name: str):
         self.name, self.max_abs, self.sum_abs, self.count, self.agree, self.positions = name, 0.0, 0.0, 0, 0, 0
+        self.kl_sum = 0.0
         self.kv_max_abs: float | None = None  # None: this check compares no K/V
 
     def add_logits(self, onnx_logits: np.ndarray, eager_logits: np.ndarray) -> None:
@@ -53,33 +56,40 @@ class _Check:
         self.count += diff.size
         self.agree += int((onnx_logits.argmax(-1) == eager_logits.argmax(-1)).sum())
         self.positions += onnx_logits.shape[0]
+        self.kl_sum += float(kl_divergence(eager_logits, onnx_logits).sum())  # KL(eager || onnx)
 
     def result(self, tolerance: Tolerance) -> dict:
         top1 = self.agree / self.positions
+        kl_mean = self.kl_sum / self.positions
         passed = self.max_abs <= tolerance.logits_max_abs and top1 >= tolerance.top1_min
         passed = passed and (self.kv_max_abs is None or self.kv_max_abs <= tolerance.kv_max_abs)
+        passed = passed and (tolerance.kl_mean_max is None or kl_mean <= tolerance.kl_mean_max)
         return {
             "name": self.name,
             "max_abs_logits": self.max_abs,
             "mean_abs_logits": self.sum_abs / self.count,
             "top1_agreement": top1,
+            "kl_mean": kl_mean,
             "kv_max_abs": self.kv_max_abs,
             "passed": passed,
         }
 
 
-def _kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray) -> np.ndarray:
+def _kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray, relative: bool = False) -> np.ndarray:
     """Max |Δ| per (layer, head) over the real (unpadded) positions. onnx_rows: per batch row, per layer K then
     V, each (H, L_r, d_k) holding that row's real positions in order; eager_present: per layer (K, V), each
-    (B, H, S, d_k), with real (B, S) bool marking the positions that hold tokens. Returns (L, H)."""
+    (B, H, S, d_k), with real (B, S) bool marking the positions that hold tokens. relative: divided by the
+    eager K/V's largest |value| in that (layer, head). Returns (L, H)."""
     per_layer = []
     for layer, (eager_k, eager_v) in enumerate(eager_present):
         worst = None
         for offset, eager_kv in ((0, eager_k), (1, eager_v)):
             eager_kv = eager_kv.double().numpy()
             for row, onnx_row in enumerate(onnx_rows):
-                diff = np.abs(onnx_row[2 * layer + offset].astype(np.float64) - eager_kv[row][:, real[row]])  # (H, L_r, d_k)
-                head_max = diff.max(axis=(1, 2))  # (H,)
+                eager_row = eager_kv[row][:, real[row]]  # (H, L_r, d_k)
+                head_max = np.abs(onnx_row[2 * layer + offset].astype(np.float64) - eager_row).max(axis=(1, 2))  # (H,)
+                if relative:
+                    head_max = head_max / np.maximum(np.abs(eager_row).max(axis=(1, 2)), 1e-12)
                 worst = head_max if worst is None else np.maximum(worst, head_max)
         per_layer.append(worst)
     return np.stack(per_layer)  # (L, H)
@@ -166,7 +176,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     if not 1 <= steps <= most_steps:
         raise VerifyRefused(f"--steps must be in [1, {most_steps}] for this model (context {config.n_ctx}), got {steps}")
     reference = reference.float().eval()
-    tolerance = TOLERANCES[artifact.dtype]
+    tolerance = TOLERANCES[artifact.precision]
     # An inplace cache starts at 16 columns here, so the decode and greedy checks cross a buffer growth.
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache, min_capacity=16)
     rng = np.random.default_rng(0)
@@ -195,7 +205,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
         real = mask.numpy().astype(bool)
         onnx_logits = driver.prefill(prompts)
         check.add_logits(np.concatenate(onnx_logits), eager_logits.numpy()[real])
-        divergence = _kv_divergence(driver.kv(), eager_present, real)
+        divergence = _kv_divergence(driver.kv(), eager_present, real, tolerance.kv_relative)
         check.kv_max_abs = float(divergence.max())
         kv_max = np.maximum(kv_max, divergence)
         checks.append(check.result(tolerance))
@@ -215,7 +225,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
         eager_logits, eager_past = reference(token[:, None], mask, pos, eager_past)
         onnx_last = driver.decode(token.numpy())
         check.add_logits(onnx_last, eager_logits[:, -1].numpy())
-    divergence = _kv_divergence(driver.kv(), eager_past, mask.numpy().astype(bool))
+    divergence = _kv_divergence(driver.kv(), eager_past, mask.numpy().astype(bool), tolerance.kv_relative)
     check.kv_max_abs = float(divergence.max())
     kv_max = np.maximum(kv_max, divergence)
     checks.append(check.result(tolerance))
@@ -240,7 +250,23 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     onnx_tokens = np.stack(onnx_tokens, axis=1)  # (B, N)
     greedy_identical = bool(np.array_equal(onnx_tokens, eager_tokens))
 
-    failures = [f"{c['name']}: outside {artifact.dtype} tolerance" for c in checks if not c["passed"]]
+    text = None
+    if tolerance.text is not None:
+        from kvserve.service.text import load_tokenizer
+
+        encode = load_tokenizer(artifact.tokenizer_path).encode
+        windows = eval_windows(encode, config.vocab_size, config.n_ctx)
+        text = text_quality(driver, reference, windows, greedy_steps=min(32, config.n_ctx - 17))
+        bound = tolerance.text
+        text["passed"] = bool(
+            text["top1_agreement"] >= bound.top1_min and text["kl_mean"] <= bound.kl_mean_max
+            and text["perplexity_ratio"] <= bound.perplexity_ratio_max and np.mean(text["greedy_prefix"]) >= bound.greedy_prefix_min
+        )
+
+    precision = artifact.precision
+    failures = [f"{c['name']}: outside {precision} tolerance" for c in checks if not c["passed"]]
+    if text is not None and not text["passed"]:
+        failures.append(f"held-out text: outside {precision} tolerance")
     if tolerance.greedy_identical and not greedy_identical:
         failures.append("greedy tokens differ from the eager reference")
     first_bad = None
@@ -252,12 +278,14 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     return {
         "artifact": str(artifact.directory),
         "dtype": artifact.dtype,
+        "quantization": artifact.quantization,
         "kv_cache": artifact.kv_cache,
         "provider": runtime.provider,
         "provider_note": runtime.fallback_reason,
         "tolerance": asdict(tolerance),
         "checks": checks,
         "greedy": {"steps": steps, "identical": greedy_identical, "onnx": onnx_tokens.tolist(), "eager": eager_tokens.tolist()},
+        "text": text,
         "kv_max_abs_per_layer_head": kv_max.tolist(),
         "first_failing_layer_head": first_bad,
         "failures": failures,
@@ -268,16 +296,17 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
 def format_report(report: dict) -> str:
     """A markdown table of the checks, then the greedy, K/V and provider lines."""
     lines = [
-        f"parity: {report['artifact']} ({report['dtype']}, {report.get('kv_cache', 'concat')} KV cache) on {report['provider']}",
+        f"parity: {report['artifact']} ({report['dtype']}{', ' + report['quantization'] + ' weights' if report.get('quantization') else ''}, "
+        f"{report.get('kv_cache', 'concat')} KV cache) on {report['provider']}",
         "",
-        "| check | max abs Δ logits | mean abs Δ logits | top-1 agree | max abs Δ K/V | ok |",
-        "|---|---:|---:|---:|---:|:-:|",
+        f"| check | max abs Δ logits | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
+        "|---|---:|---:|---:|---:|---:|:-:|",
     ]
     for c in report["checks"]:
         kv = "n/a" if c["kv_max_abs"] is None else f"{c['kv_max_abs']:.2e}"
         lines.append(
             f"| {c['name']} | {c['max_abs_logits']:.2e} | {c['mean_abs_logits']:.2e} | "
-            f"{c['top1_agreement']:.3f} | {kv} | "
+            f"{c['top1_agreement']:.3f} | {c['kl_mean']:.1e} | {kv} | "
             f"{'yes' if c['passed'] else 'NO'} |"
         )
     greedy = report["greedy"]
@@ -288,6 +317,13 @@ def format_report(report: dict) -> str:
         "present K/V max abs Δ per layer (worst head): "
         + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)),
     ]
+    text = report.get("text")
+    if text is not None:
+        lines.append(
+            f"held-out text, teacher-forced ({text['positions']} positions): top-1 agree {text['top1_agreement']:.3f}, "
+            f"mean KL {text['kl_mean']:.2e}, perplexity {text['perplexity_onnx']:.3f} vs eager {text['perplexity_eager']:.3f} "
+            f"(x{text['perplexity_ratio']:.4f}); greedy prefix matching eager: {text['greedy_prefix']} of {text['greedy_steps']}"
+        )
     bad = report["first_failing_layer_head"]
     lines.append(
         "first (layer, head) over tolerance: "
@@ -295,9 +331,17 @@ def format_report(report: dict) -> str:
     )
     tol = report["tolerance"]
     lines.append(
-        f"tolerance ({report['dtype']}): logits {tol['logits_max_abs']:g}, K/V {tol['kv_max_abs']:g}, "
-        f"top-1 >= {tol['top1_min']:g}, greedy identical {'required' if tol['greedy_identical'] else 'reported'}"
+        f"tolerance ({report.get('quantization') or report['dtype']}): logits {tol['logits_max_abs']:g}, "
+        f"K/V {tol['kv_max_abs']:g}{' (relative)' if tol['kv_relative'] else ''}, top-1 >= {tol['top1_min']:g}"
+        + (f", mean KL <= {tol['kl_mean_max']:g}" if tol["kl_mean_max"] is not None else "")
+        + f", greedy identical {'required' if tol['greedy_identical'] else 'reported'}"
     )
+    if tol["text"] is not None:
+        t = tol["text"]
+        lines.append(
+            f"held-out text tolerance: top-1 >= {t['top1_min']:g}, mean KL <= {t['kl_mean_max']:g}, "
+            f"perplexity ratio <= {t['perplexity_ratio_max']:g}, mean greedy prefix >= {t['greedy_prefix_min']}"
+        )
     if report["provider"] != "CUDAExecutionProvider":
         note = report.get("provider_note")
         lines.append(f"note: ran on the CPU provider, not CUDA{f' ({note})' if note else ''}")

@@ -1,20 +1,64 @@
-"""Parity tolerances per precision; shared by `kvserve verify` and the server's load-time gate (no torch)."""
+"""Parity tolerances per precision; shared by `kvserve verify` and the server's load-time gate (no torch).
+
+A precision is the dtype of a float artifact, or the weight quantization of a quantized one. Float
+artifacts must reproduce the eager model's numbers; a quantized one changes them by design, so it is held
+to how far its next-token distributions move (KL divergence, top-1 agreement, perplexity on real text)
+and to how far each layer's K/V moves relative to its size, which is what names a broken layer.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """(N, V) -> (N, V) log-probabilities, in float64."""
+    logits = logits.astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def kl_divergence(reference_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """KL(reference || other) of each position's next-token distribution, in nats: both (N, V) -> (N,)."""
+    log_p, log_q = log_softmax(reference_logits), log_softmax(logits)
+    return (np.exp(log_p) * (log_p - log_q)).sum(-1)
+
+
+@dataclass(frozen=True)
+class TextTolerance:
+    """Teacher-forced held-out text (export/quality.py), for quantized weights."""
+
+    top1_min: float  # least share of positions whose argmax token agrees with the eager reference's
+    kl_mean_max: float  # largest mean KL(eager || onnx) per position, in nats
+    perplexity_ratio_max: float  # largest perplexity(onnx) / perplexity(eager) on the same text
+    greedy_prefix_min: int  # fewest greedy tokens from a real prompt before the first difference (mean over prompts)
+
 
 @dataclass(frozen=True)
 class Tolerance:
     logits_max_abs: float  # largest |onnx - eager| allowed on any logit
-    kv_max_abs: float  # largest |onnx - eager| allowed on any present K/V entry, per (layer, head)
+    kv_max_abs: float  # largest |onnx - eager| on any present K/V entry, per (layer, head); see kv_relative
     top1_min: float  # least share of positions whose argmax token agrees
     greedy_identical: bool  # whether greedy tokens must match exactly
+    kv_relative: bool = False  # kv_max_abs is a fraction of the eager K/V's largest |value| in that (layer, head)
+    kl_mean_max: float | None = None  # largest mean KL(eager || onnx) per compared position; None: not checked
+    text: TextTolerance | None = None  # real-text checks; None: not run
 
 
 TOLERANCES = {
     "float32": Tolerance(logits_max_abs=1e-4, kv_max_abs=1e-4, top1_min=1.0, greedy_identical=True),
     # float16 keeps ~3 significant digits; LayerNorm statistics and softmax run in float32 in the graph.
     "float16": Tolerance(logits_max_abs=5e-2, kv_max_abs=5e-2, top1_min=0.95, greedy_identical=False),
+    # 8-bit weights in blocks of 32 with float scales (export/quantize.py). Measured (README, "Int8"): the
+    # trained default model stays within a tenth of these bounds (mean KL 2e-4, relative K/V 1.5e-2, text top-1
+    # 0.99, perplexity x1.002, all 32 greedy tokens), the gpt2 preset within half; a zeroed scale exceeds them
+    # many times over. Top-1 on the random prompts is reported, not held: there the reference's two best
+    # logits are often closer than the quantization error (the gpt2 preset's random weights: 14 of 17 agree);
+    # on real text it is held.
+    "int8": Tolerance(
+        logits_max_abs=1.0, kv_max_abs=0.1, top1_min=0.0, greedy_identical=False, kv_relative=True, kl_mean_max=0.01,
+        text=TextTolerance(top1_min=0.9, kl_mean_max=0.01, perplexity_ratio_max=1.01, greedy_prefix_min=4),
+    ),
 }

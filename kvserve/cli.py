@@ -18,7 +18,7 @@ def _export(args) -> int:
     model, source = load_source(args.preset, args.checkpoint, args.seed)
     report = export_artifact(
         model, source, args.out, dtype=args.dtype, overwrite=args.overwrite, provider=args.provider,
-        tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache,
+        tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache, quantize=args.quantize,
     )
     print(format_report(report))
     print(f"artifact written to {args.out}")
@@ -150,6 +150,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache", choices=("slots", "concat", "inplace"), default="slots",
         help="KV cache layout: slots (default: what the server runs best; a row per sequence, chunked prefill), "
         "concat (present = past + step; Optimum's I/O) or inplace (one buffer written in place)",
+    )
+    export.add_argument(
+        "--quantize", choices=("int8",), default=None,
+        help="8-bit weights (MatMulNBits, blocks of 32; float32 graph only), verified against the float32 eager "
+        "model within the int8 tolerances (README, \"Int8\")",
     )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")

@@ -9,7 +9,7 @@ import numpy as np
 
 from kvserve.export.artifact import Artifact
 from kvserve.export.io_contract import io_spec
-from kvserve.export.tolerances import TOLERANCES
+from kvserve.export.tolerances import TOLERANCES, kl_divergence
 
 from .engine import make_batch
 from .limits import EngineLimits
@@ -75,21 +75,29 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     """Greedy-decode the golden prompt through the serving batch and scheduler (prefill from an empty cache,
     then cached decode steps) and compare tokens and logits with the eager reference's record."""
     golden = artifact.golden()
-    tolerance = TOLERANCES[artifact.dtype]
+    tolerance = TOLERANCES[artifact.precision]
     steps = len(golden.tokens)
     seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
     for _, event in _scheduler(runtime, artifact, 1, step_token_budget).drive([seq]):
         if isinstance(event, BaseException):
             return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
-    logits = np.stack(seq.captured_logits)  # (N, V)
-    max_abs = float(np.abs(logits.astype(np.float64) - golden.logits).max())
+    logits = np.stack(seq.captured_logits).astype(np.float64)  # (N, V)
     same_tokens = seq.generated == golden.tokens.tolist()
+    # Once the greedy tokens part, the two continue from different text: compare up to and including the
+    # first step that differs (its logits still came from the same context).
+    differ = [i for i, (a, b) in enumerate(zip(seq.generated, golden.tokens.tolist())) if a != b]
+    compared = differ[0] + 1 if differ else steps
+    max_abs = float(np.abs(logits[:compared] - golden.logits[:compared]).max())
     tokens_ok = same_tokens or not tolerance.greedy_identical
     passed = tokens_ok and max_abs <= tolerance.logits_max_abs
     summary = (
         f"golden replay on {runtime.provider}: {steps} greedy tokens {'identical' if same_tokens else 'DIFFER'}, "
-        f"max abs logit diff {max_abs:.2e} (tolerance {tolerance.logits_max_abs:g}, {artifact.dtype})"
+        f"max abs logit diff {max_abs:.2e} (tolerance {tolerance.logits_max_abs:g}, {artifact.precision})"
     )
+    if tolerance.kl_mean_max is not None:
+        kl = float(kl_divergence(golden.logits[:compared], logits[:compared]).mean())
+        passed = passed and kl <= tolerance.kl_mean_max
+        summary += f", mean KL {kl:.2e} over {compared} steps (tolerance {tolerance.kl_mean_max:g})"
     return GateResult(passed, summary)
 
 

@@ -62,6 +62,27 @@ def tiny_inplace_artifact(tmp_path_factory, tiny_model) -> Path:
     return out
 
 
+DEFAULT_CHECKPOINT = REPO / "checkpoints" / "kjv-gpt2"  # the trained default model (model/train.py)
+
+
+@pytest.fixture(scope="session")
+def trained_model():
+    from kvserve.model.checkpoint import load_checkpoint
+
+    return load_checkpoint(DEFAULT_CHECKPOINT)
+
+
+@pytest.fixture(scope="session")
+def trained_int8_artifact(tmp_path_factory, trained_model) -> Path:
+    """The trained default model exported with `--quantize int8` (verified against the float32 eager model)."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "kjv-int8"
+    source = {"kind": "checkpoint", "path": str(DEFAULT_CHECKPOINT)}
+    export_artifact(trained_model, source, out, provider=PROVIDER, tokenizer_dir=DEFAULT_CHECKPOINT, quantize="int8")
+    return out
+
+
 @pytest.fixture(scope="session")
 def make_hf_checkpoint(tmp_path_factory):
     """Factory: a transformers GPT2LMHeadModel with random weights from a config, saved locally."""

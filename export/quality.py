@@ -1,0 +1,75 @@
+"""How close a quantized artifact stays to the float32 eager reference on real text.
+
+Teacher-forced windows of held-out English (kvserve.model.corpus: chapters no model here was trained on),
+tokenized with the artifact's own tokenizer (bytes when it has none): per position, whether the two argmax
+tokens agree and the KL divergence KL(eager || onnx) of the next-token distributions; the perplexity of
+each on the window's real next tokens; and from each window's opening, how many greedy tokens the artifact
+produces before it first departs from the reference's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.model.corpus import load_corpus
+from kvserve.model.generate import generate
+from kvserve.model.gpt2 import GPT2
+
+from .tolerances import kl_divergence, log_softmax
+
+WINDOWS = 4
+GREEDY_PROMPT = 16
+
+
+def eval_windows(encode, vocab_size: int, n_ctx: int, count: int = WINDOWS, length: int = 128) -> list[list[int]]:
+    """count consecutive windows of length + 1 tokens from the start of the held-out text."""
+    ids = encode("\n".join(load_corpus().held_out[: 2 * count]))
+    length = min(length, n_ctx - 1)
+    windows = [ids[i * length : i * length + length + 1] for i in range(count)]
+    if len(windows[-1]) < length + 1 or max(max(w) for w in windows) >= vocab_size:
+        raise ValueError("the held-out text does not fill the evaluation windows with ids of this vocabulary")
+    return windows
+
+
+def compare_distributions(onnx_logits: np.ndarray, eager_logits: np.ndarray, targets: np.ndarray) -> dict:
+    """Both (N, V) over the same N positions; targets (N,) the real next tokens."""
+    log_q, log_p = log_softmax(onnx_logits), log_softmax(eager_logits)
+    kl = kl_divergence(eager_logits, onnx_logits)  # (N,)
+    rows = np.arange(len(targets))
+    return {
+        "positions": int(len(targets)),
+        "top1_agreement": float((onnx_logits.argmax(-1) == eager_logits.argmax(-1)).mean()),
+        "kl_mean": float(kl.mean()),
+        "kl_max": float(kl.max()),
+        "perplexity_onnx": float(np.exp(-log_q[rows, targets].mean())),
+        "perplexity_eager": float(np.exp(-log_p[rows, targets].mean())),
+    }
+
+
+@torch.no_grad()
+def text_quality(driver, reference: GPT2, windows: list[list[int]], greedy_steps: int) -> dict:
+    """driver: a parity driver (prefill returns each row's logits at every position; decode one token a row)."""
+    inputs = [w[:-1] for w in windows]
+    targets = np.concatenate([np.asarray(w[1:]) for w in windows])
+    onnx_logits = np.concatenate(driver.prefill(inputs))  # (N, V)
+    ids = torch.tensor(inputs)  # (B, T): equal lengths, no padding
+    mask = torch.ones_like(ids)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)  # (B, T)
+    eager_logits, _ = reference(ids, mask, positions, reference.empty_cache(len(inputs)))  # (B, T, V)
+    result = compare_distributions(onnx_logits, eager_logits.reshape(-1, eager_logits.shape[-1]).numpy(), targets)
+    result["perplexity_ratio"] = result["perplexity_onnx"] / result["perplexity_eager"]
+
+    prompts = [w[:GREEDY_PROMPT] for w in windows]
+    eager_tokens = generate(reference, prompts, greedy_steps).tokens.numpy()  # (B, N)
+    logits = np.stack([row[-1] for row in driver.prefill(prompts)])  # (B, V)
+    onnx_tokens = []
+    for step in range(greedy_steps):
+        onnx_tokens.append(logits.argmax(-1))
+        if step < greedy_steps - 1:
+            logits = driver.decode(onnx_tokens[-1])
+    onnx_tokens = np.stack(onnx_tokens, axis=1)  # (B, N)
+    same = np.cumprod(onnx_tokens == eager_tokens, axis=1).sum(axis=1)  # per row: tokens before the first difference
+    result["greedy_steps"] = greedy_steps
+    result["greedy_prefix"] = [int(n) for n in same]
+    return result

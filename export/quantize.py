@@ -1,0 +1,102 @@
+"""Weight quantization: a step of the export pipeline that rewrites an exported float32 graph's weight matrices
+to 8 bits, leaving its inputs, outputs and KV contract exactly as they were.
+
+Schemes (chosen by measurement, bench/int8_decode.py; README "Int8"):
+  int8          com.microsoft.MatMulNBits, 8-bit symmetric blocks of BLOCK_SIZE input rows per output column,
+                each with its own float scale; accuracy level 4 lets the CPU kernel multiply in int8 (VNNI/AMX).
+  int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
+                (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
+Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
+Transpose(wte), which is folded into a weight of its own here (the embedding lookup keeps the float table).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from .io_contract import QUANTIZATIONS
+
+SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
+BLOCK_SIZE = 32
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider
+
+
+class QuantizeError(RuntimeError):
+    """The graph could not be quantized as asked (an unknown scheme, nothing to quantize)."""
+
+
+def fold_weight_transposes(model: onnx.ModelProto) -> int:
+    """Replace MatMul(x, Transpose(W)) with MatMul(x, W^T) for a 2-D initializer W, so the weight is an
+    initializer a quantizer can rewrite. Returns how many were folded."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    folded = 0
+    for node in list(graph.node):
+        if node.op_type != "Transpose" or node.input[0] not in initializers:
+            continue
+        weight = initializers[node.input[0]]
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), [1, 0])
+        readers = consumers.get(node.output[0], [])
+        if len(weight.dims) != 2 or perm != [1, 0] or not readers or any(r.op_type != "MatMul" or r.input[1] != node.output[0] for r in readers):
+            continue
+        transposed = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), f"{weight.name}.T")  # (in, out)
+        graph.initializer.append(transposed)
+        for reader in readers:
+            reader.input[1] = transposed.name
+        graph.node.remove(node)
+        folded += 1
+    return folded
+
+
+def weight_matmuls(model: onnx.ModelProto) -> int:
+    initializers = {init.name for init in model.graph.initializer}
+    return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers)
+
+
+def quantize_model(model: onnx.ModelProto, scheme: str) -> tuple[onnx.ModelProto, dict]:
+    """The quantized graph and what the manifest records about it."""
+    fold_weight_transposes(model)
+    count = weight_matmuls(model)
+    if count == 0:
+        raise QuantizeError("the graph has no weight MatMul to quantize")
+    logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
+    if scheme == "int8":
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL)
+        quantizer.process()
+        quantized = quantizer.model.model
+        facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": 8, "block_size": BLOCK_SIZE, "symmetric": True,
+                 "accuracy_level": ACCURACY_LEVEL}
+    elif scheme == "int8-dynamic":
+        from onnxruntime.quantization import QuantType, quantize_dynamic
+
+        root = logging.getLogger()
+        level = root.level
+        root.setLevel(logging.WARNING)  # it logs a line per tensor at INFO on the root logger
+        try:
+            with tempfile.TemporaryDirectory() as tmp:  # quantize_dynamic works on files
+                source, target = Path(tmp) / "in.onnx", Path(tmp) / "out.onnx"
+                onnx.save_model(model, str(source), save_as_external_data=True, location="in.onnx.data")
+                quantize_dynamic(source, target, op_types_to_quantize=["MatMul"], per_channel=True, weight_type=QuantType.QInt8,
+                                 use_external_data_format=True)
+                quantized = onnx.load(str(target))
+        finally:
+            root.setLevel(level)
+        facts = {"scheme": scheme, "op": "MatMulInteger", "bits": 8, "per_channel": True, "symmetric": True}
+    else:
+        raise QuantizeError(f"unknown quantization {scheme!r}; choose one of: {', '.join(SCHEMES)}")
+    left = weight_matmuls(quantized)
+    if left:
+        raise QuantizeError(f"{left} of {count} weight MatMuls were left in float32")
+    return quantized, {**facts, "weight_matmuls": count}

@@ -1,0 +1,122 @@
+"""`kvserve export --quantize int8`: 8-bit weights checked against the float32 eager reference on real text,
+a broken quantization named by (layer, head), the load gate, serving, and refusals that write nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from kvserve.export.artifact import open_artifact, sha256_file
+from kvserve.export.parity import verify
+from kvserve.export.tolerances import TOLERANCES
+
+from ..conftest import DEFAULT_CHECKPOINT, PROVIDER, run_cli
+from ..test_cli import one_line_error
+
+INT8 = TOLERANCES["int8"]
+
+
+def test_an_int8_export_holds_8_bit_weights_and_says_so(trained_int8_artifact, trained_model):
+    manifest = open_artifact(trained_int8_artifact).manifest
+    assert manifest["quantization"]["scheme"] == "int8" and manifest["quantization"]["bits"] == 8
+    graph = onnx.load(str(trained_int8_artifact / "model.onnx"))
+    nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    weights = {i.name for i in graph.graph.initializer}
+    assert not [n for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # no float weight MatMul left
+    config = trained_model.config
+    assert len(nbits) == 4 * config.n_layer + 1  # QKV, W_O and the MLP's two per layer, and the tied LM head
+    assert manifest["quantization"]["weight_matmuls"] == len(nbits)
+    # the graph's I/O is the float artifact's: the server and the gate need nothing new
+    assert [i.name for i in graph.graph.input] == list(manifest["inputs"])
+
+
+def test_the_int8_artifact_stays_within_its_tolerances_on_held_out_text(trained_int8_artifact):
+    report = json.loads((trained_int8_artifact / "parity.json").read_text())
+    assert report["passed"] and report["quantization"] == "int8"
+    text = report["text"]
+    assert text["positions"] >= 500
+    assert text["top1_agreement"] >= INT8.text.top1_min and text["kl_mean"] <= INT8.text.kl_mean_max
+    assert text["perplexity_ratio"] <= INT8.text.perplexity_ratio_max
+    assert np.mean(text["greedy_prefix"]) >= INT8.text.greedy_prefix_min
+    # 8-bit weights do move the numbers: this is a real comparison, not float32 compared with itself
+    assert 0 < text["kl_mean"] and max(c["max_abs_logits"] for c in report["checks"]) > 1e-3
+
+
+def zero_scales(artifact_dir, destination, node_index: int):
+    """A copy of the artifact whose node_index-th MatMulNBits has every scale zeroed (its weights become 0),
+    with the manifest's checksum updated so that only parity can tell."""
+    shutil.copytree(artifact_dir, destination)
+    model = onnx.load(str(destination / "model.onnx"))
+    node = [n for n in model.graph.node if n.op_type == "MatMulNBits"][node_index]
+    scales = next(i for i in model.graph.initializer if i.name == node.input[2])
+    scales.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(scales)), scales.name))
+    onnx.save_model(model, str(destination / "model.onnx"))
+    manifest = json.loads((destination / "manifest.json").read_text())
+    manifest["files"]["model.onnx"] = sha256_file(destination / "model.onnx")
+    (destination / "manifest.json").write_text(json.dumps(manifest))
+    return destination
+
+
+def test_a_zeroed_scale_fails_verify_naming_the_layer_and_head(trained_int8_artifact, trained_model, tmp_path):
+    broken = zero_scales(trained_int8_artifact, tmp_path / "broken", node_index=4)  # layer 1's QKV projection
+    report = verify(broken, trained_model, provider=PROVIDER)
+    assert not report["passed"]
+    assert report["first_failing_layer_head"]["layer"] == 1 and report["first_failing_layer_head"]["head"] == 0
+    assert any("layer 1, head 0" in f for f in report["failures"])
+    result = run_cli("verify", str(broken), "--checkpoint", str(DEFAULT_CHECKPOINT), "--provider", "cpu")
+    assert result.returncode == 1 and "layer 1, head 0" in result.stdout + result.stderr
+
+
+def test_the_load_gate_replays_int8_within_tolerance_and_refuses_a_broken_one(trained_int8_artifact, tmp_path):
+    from kvserve.service.gate import run_gate
+    from kvserve.service.runtime import DecoderRuntime
+
+    def gate(directory):
+        artifact = open_artifact(directory)
+        runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
+        return run_gate(runtime, artifact)
+
+    good = gate(trained_int8_artifact)
+    assert good.passed and "int8" in good.summary and "mean KL" in good.summary
+    bad = gate(zero_scales(trained_int8_artifact, tmp_path / "broken", node_index=0))
+    assert not bad.passed
+
+
+def test_an_int8_artifact_streams_english_over_grpc(trained_int8_artifact):
+    from kvserve.v1 import generation_pb2 as pb
+
+    from ..service.conftest import collect, start_server
+
+    running = start_server(trained_int8_artifact)
+    try:
+        import grpc
+
+        from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            request = pb.GenerateRequest(text="And God said", max_new_tokens=24, sampling=pb.SamplingParams(temperature=0.0))
+            ids, text, finish = collect(stub, request)
+        words = text.split()
+        assert len(ids) == 24 and len(words) >= 8
+        assert sum(w.strip(".,;:").lower() in {"the", "and", "of", "unto", "he", "that", "to", "lord", "god"} for w in words) >= 2, text
+    finally:
+        running.stop()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
+        (["--quantize", "int8", "--dtype", "float16"], "--quantize int8 quantizes a float32 graph"),
+    ],
+)
+def test_bad_quantize_values_exit_2_in_one_line_and_write_nothing(tmp_path, args, message):
+    out = tmp_path / "never"
+    one_line_error(run_cli("export", "--preset", "tiny", "--out", str(out), *args), message)
+    assert list(tmp_path.iterdir()) == []
