@@ -22,10 +22,12 @@ from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_c
 from kvserve.model.config import preset
 from kvserve.model.generate import generate
 from kvserve.model.gpt2 import GPT2, build
+from kvserve.model.vocabulary import write_preset_tokenizer
 
 from . import artifact as art
 from . import io_contract as io
-from .onnx_export import export_graph
+from .onnx_export import export_graph, inplace_write_problems, save_graph
+from .quantize import SCHEMES, QuantizeError, quantize_model
 from .parity import format_report, verify, write_report
 
 GOLDEN_STEPS = 8
@@ -76,6 +78,19 @@ def record_golden(model: GPT2) -> art.GoldenRecord:
     )
 
 
+def quantize_graph(directory: Path, scheme: str, n_layer: int, kv_cache: str) -> tuple[dict, bool]:
+    """Rewrite directory/model.onnx with scheme's 8-bit weights; (the manifest's facts, whether external)."""
+    try:
+        quantized, facts = quantize_model(onnx.load(str(directory / art.MODEL_FILE)), scheme)
+    except QuantizeError as exc:
+        raise ExportError(str(exc)) from None
+    if kv_cache in (io.INPLACE, io.SLOTS):
+        problems = inplace_write_problems(quantized.graph, n_layer)
+        if problems:
+            raise RuntimeError("quantization broke the in-place KV write: " + "; ".join(problems[:3]))
+    return facts, save_graph(quantized, directory)
+
+
 def export_artifact(
     model: GPT2,
     source: dict,
@@ -85,11 +100,16 @@ def export_artifact(
     provider: str = "auto",
     tokenizer_dir: str | Path | None = None,
     kv_cache: str = io.DEFAULT_KV_CACHE,
+    quantize: str | None = None,
 ) -> dict:
     """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
     out = Path(out).resolve()
     if kv_cache not in io.KV_CACHES:
         raise ExportError(f"unknown KV cache layout {kv_cache!r}; choose one of {', '.join(io.KV_CACHES)}")
+    if quantize is not None and quantize not in SCHEMES:
+        raise ExportError(f"unknown quantization {quantize!r}; choose one of: {', '.join(SCHEMES)}")
+    if quantize is not None and dtype != "float32":
+        raise ExportError(f"--quantize {quantize} quantizes a float32 graph's weights; drop --dtype {dtype}")
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,11 +117,15 @@ def export_artifact(
     try:
         model = model.float().eval()
         graph = export_graph(model, staging, dtype, kv_cache)
+        if quantize is not None:
+            graph["quantization"], graph["external_data"] = quantize_graph(staging, quantize, model.config.n_layer, kv_cache)
         (staging / art.CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).exists():
                     shutil.copy2(Path(tokenizer_dir) / name, staging / name)
+        elif source.get("kind") == "preset":
+            write_preset_tokenizer(source["name"], staging)  # gpt2: GPT-2's BPE; tiny: none (bytes)
         record_golden(model).save(staging / art.GOLDEN_FILE)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         manifest = {
@@ -113,6 +137,7 @@ def export_artifact(
             "inputs": graph["inputs"],
             "outputs": graph["outputs"],
             "kv_cache": kv_cache,
+            "quantization": graph.get("quantization"),
             "kv_layout": "(batch_size, num_heads, sequence, head_dim) per layer, key and value",
             "source": source,
             "weights_sha256": weights_checksum(model),
