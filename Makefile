@@ -5,13 +5,13 @@ BIN    := $(VENV)/bin
 PIP    := $(BIN)/python -m pip
 TOOLS  ?= .tools
 ARTIFACTS ?= artifacts
-PRESET ?= tiny
+MODEL  ?= checkpoints/kjv-gpt2
 PORT   ?= 50051
 
 .PHONY: help setup proto tools system-tools lint-proto demo test bench constraints tools-constraints clean
 
 help:
-	@echo "make demo   set up, export the $(PRESET) preset, verify it, serve it and stream a generation"
+	@echo "make demo   set up, export the default model ($(MODEL)), verify it, serve it and stream a generation"
 	@echo "make test   set up and run the test suite"
 	@echo "make bench  run the benchmarks in bench/ (gpt2 preset)"
 	@echo "make proto  regenerate the Python gRPC stubs from proto/"
@@ -46,13 +46,14 @@ tools-constraints:
 	mv deploy/checks-requirements.tmp deploy/checks-requirements.txt && touch $(TOOLS)/bin/.installed
 
 # Debian's docker-compose (validates the compose file), nginx (the load balancer the tests start) and openssl
-# (mints the test certificates).
+# (mints the test certificates), the King James text (bible-kjv: held-out English for int8 parity and the
+# default model's perplexity test).
 system-tools:
-	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null || ! command -v openssl >/dev/null; then \
+	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null || ! command -v openssl >/dev/null || ! command -v bible >/dev/null; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light openssl >/dev/null; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light openssl bible-kjv bible-kjv-text >/dev/null; \
 	  else \
-	    echo "missing docker-compose, nginx or openssl: sudo apt-get install docker-compose nginx-light openssl"; exit 1; \
+	    echo "missing docker-compose, nginx, openssl or bible: sudo apt-get install docker-compose nginx-light openssl bible-kjv bible-kjv-text"; exit 1; \
 	  fi; \
 	fi
 
@@ -64,7 +65,7 @@ proto: $(BIN)/.installed
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvserve/v1/generation.proto
 
 demo: setup
-	BIN=$(BIN) PRESET=$(PRESET) ARTIFACT=$(ARTIFACTS)/$(PRESET) PORT=$(PORT) bash scripts/demo.sh
+	BIN=$(BIN) MODEL=$(MODEL) ARTIFACT=$(ARTIFACTS)/$(notdir $(MODEL)) PORT=$(PORT) bash scripts/demo.sh
 
 test: setup system-tools
 	$(BIN)/python -m pytest -q
@@ -74,6 +75,8 @@ bench: setup
 	$(BIN)/python bench/grpc_load.py --artifact $(ARTIFACTS)/gpt2
 	test -d $(ARTIFACTS)/gpt2-slots || $(BIN)/kvserve export --preset gpt2 --out $(ARTIFACTS)/gpt2-slots
 	$(BIN)/python bench/serving_latency.py --new $(ARTIFACTS)/gpt2-slots --baseline $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/int8_decode.py --artifact $(ARTIFACTS)/gpt2-slots
+	$(BIN)/python bench/int8_quality.py --checkpoint $(MODEL)
 
 # Local version labels (torch's "+cpu") are dropped: every pin must resolve from the public index alone.
 constraints:

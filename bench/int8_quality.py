@@ -1,0 +1,98 @@
+"""Held-out perplexity of the trained default model: eager float32, its float32 artifact and its int8 artifact.
+
+The whole held-out text (every 20th chapter of the King James Bible, kvserve.model.corpus; never trained on)
+in consecutive windows of the model's context, each window one prefill through the slots graph with logits
+at every position. Also the mean KL divergence of each artifact's next-token distributions from the eager
+model's, and their top-1 agreement. Prints a markdown table and the machine.
+
+    python bench/int8_quality.py [--checkpoint checkpoints/kjv-gpt2] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.export.pipeline import export_artifact  # noqa: E402
+from kvserve.export.tolerances import kl_divergence, log_softmax  # noqa: E402
+from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
+from kvserve.model.corpus import load_corpus  # noqa: E402
+from kvserve.model.train import token_stream  # noqa: E402
+from kvserve.service.kv_slots import pool_capacity  # noqa: E402
+from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+
+
+def artifact_logits(directory: Path, window: np.ndarray) -> np.ndarray:
+    """(T, V) logits of one window prefilled as a single chunk of row 0."""
+    artifact = open_artifact(directory)
+    config = artifact.config
+    runtime = _runtimes.setdefault(directory, DecoderRuntime(artifact.model_path, config.n_layer, "float32", "cpu", kv_cache="slots"))
+    pool = _pools.setdefault(directory, runtime.new_pool(1, config.n_head, config.d_head, pool_capacity(config)))
+    scratch = np.array([pool.capacity - 1])
+    return runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), window, 0, 0, 1 + np.arange(len(window)))
+
+
+_runtimes: dict = {}
+_pools: dict = {}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--checkpoint", default="checkpoints/kjv-gpt2")
+    parser.add_argument("--work", default=None, help="where the two artifacts are written (default: a temporary directory)")
+    args = parser.parse_args()
+    checkpoint = Path(args.checkpoint).resolve()
+    model = load_checkpoint(checkpoint)
+    work = Path(args.work or tempfile.mkdtemp(prefix="int8-quality-"))
+    source = {"kind": "checkpoint", "path": str(checkpoint)}
+    artifacts = {}
+    for name, quantize in (("float32", None), ("int8", "int8")):
+        artifacts[name] = work / name
+        export_artifact(model, source, artifacts[name], overwrite=True, provider="cpu", tokenizer_dir=checkpoint, quantize=quantize)
+
+    from tokenizers import Tokenizer
+
+    stream = token_stream(Tokenizer.from_file(str(checkpoint / "tokenizer.json")), load_corpus().held_out).numpy()
+    n_ctx = model.config.n_ctx
+    windows = [stream[s : s + n_ctx + 1] for s in range(0, len(stream) - n_ctx - 1, n_ctx)]
+    nll = {name: 0.0 for name in ("eager", *artifacts)}
+    kl = {name: 0.0 for name in artifacts}
+    agree = {name: 0 for name in artifacts}
+    count = 0
+    for window in windows:
+        inputs, targets = window[:-1], window[1:]
+        with torch.no_grad():
+            ids = torch.from_numpy(inputs)[None]  # (1, T)
+            eager, _ = model(ids, torch.ones_like(ids), torch.arange(len(inputs))[None], model.empty_cache(1))
+        eager = eager[0].numpy()  # (T, V)
+        rows = np.arange(len(targets))
+        nll["eager"] -= log_softmax(eager)[rows, targets].sum()
+        for name, directory in artifacts.items():
+            logits = artifact_logits(directory, inputs)
+            nll[name] -= log_softmax(logits)[rows, targets].sum()
+            kl[name] += kl_divergence(eager, logits).sum()
+            agree[name] += int((logits.argmax(-1) == eager.argmax(-1)).sum())
+        count += len(targets)
+    ppl = {name: math.exp(total / count) for name, total in nll.items()}
+    print(f"{checkpoint.name}: held-out perplexity over {count:,} tokens ({len(windows)} windows of {n_ctx})\n")
+    print("| model | perplexity | vs eager | mean KL from eager | top-1 agreement |")
+    print("|---|---:|---:|---:|---:|")
+    print(f"| eager float32 (torch) | {ppl['eager']:.3f} | | | |")
+    for name in artifacts:
+        print(f"| {name} artifact (ONNX Runtime) | {ppl[name]:.3f} | {100 * (ppl[name] / ppl['eager'] - 1):+.2f}% | "
+              f"{kl[name] / count:.2e} | {agree[name] / count:.4f} |")
+    print(f"\nmachine: {describe('cpu')}")
+
+
+if __name__ == "__main__":
+    main()
