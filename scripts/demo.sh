@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # The main job on the built-in default model: export + verify, serve, stream one generation, stop.
-# Called by `make demo`; expects the virtual environment that `make setup` builds.
+# Called by `make demo`; expects the virtual environment that `make setup` builds. The default model is the
+# small GPT-2 trained on the King James Bible that the repository ships (checkpoints/kjv-gpt2, made by
+# model/train.py); MODEL=DIR exports another checkpoint, PRESET=tiny|gpt2 a preset with random weights.
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
-PRESET=${PRESET:-tiny}
-ARTIFACT=${ARTIFACT:-artifacts/$PRESET}
+MODEL=${MODEL:-checkpoints/kjv-gpt2}
 PORT=${PORT:-50051}
-PROMPT=${PROMPT:-Hello, kvserve!}
+PROMPT=${PROMPT:-And the LORD said unto Moses,}
+if [ -n "${PRESET:-}" ]; then
+  source=(--preset "$PRESET"); name="the $PRESET preset"; ARTIFACT=${ARTIFACT:-artifacts/$PRESET}
+else
+  source=(--checkpoint "$MODEL"); name="$MODEL"; ARTIFACT=${ARTIFACT:-artifacts/$(basename "$MODEL")}
+fi
 
-echo "== 1/4 export the $PRESET preset to $ARTIFACT and verify it against the eager model"
-"$BIN/kvserve" export --preset "$PRESET" --out "$ARTIFACT" --overwrite
+echo "== 1/4 export $name to $ARTIFACT and verify it against the eager model"
+"$BIN/kvserve" export "${source[@]}" --out "$ARTIFACT" --overwrite
 
 echo "== 2/4 start the server on 127.0.0.1:$PORT"
 "$BIN/kvserve" serve --model "$ARTIFACT" --port "$PORT" &
@@ -17,8 +23,8 @@ server=$!
 trap 'kill -TERM $server 2>/dev/null || true' EXIT
 "$BIN/kvserve" health --target "127.0.0.1:$PORT" --wait 60 >/dev/null
 
-echo "== 3/4 stream a generation (random weights: expect gibberish, byte by byte)"
-"$BIN/kvserve" generate --target "127.0.0.1:$PORT" --max-new-tokens 48 "$PROMPT"
+echo "== 3/4 stream a continuation of: $PROMPT"
+"$BIN/kvserve" generate --target "127.0.0.1:$PORT" --max-new-tokens 48 --temperature 0.8 --seed 7 "$PROMPT"
 
 echo "== 4/4 stop the server (SIGTERM: drain, then exit 0)"
 kill -TERM "$server"
