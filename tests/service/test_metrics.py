@@ -24,9 +24,14 @@ def scrape(port: int) -> dict:
     }
 
 
-def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_artifact):
+def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_artifact, monkeypatch):
+    from .test_lifecycle import slow_down
+
     running = start_server(tiny_artifact, metrics_port=0)
     try:
+        # Steps of 30 ms: the second request surely arrives while the first still decodes (a tiny-model step
+        # takes about a millisecond, less than one RPC's way in, so unslowed the two could run one after the other).
+        slow_down(monkeypatch, running.app, seconds=0.03)
         with grpc.insecure_channel(running.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
             with ThreadPoolExecutor(2) as pool:  # two at once: steps of batch size 2
