@@ -71,14 +71,19 @@ def test_cancelling_100_streams_frees_every_sequence_and_its_cache(stub, server)
         assert wait_for(lambda: live(stub).active_sequences == 0 and live(stub).queued_sequences == 0)
 
     cancel_a_hundred()  # warm: allocator pools and gRPC buffers reach their working size
-    gc.collect()
-    before = rss_bytes()
-    cancel_a_hundred()
-    info = live(stub)
-    assert (info.active_sequences, info.queued_sequences, info.kv_slots_in_use, info.kv_cache_bytes) == (0, 0, 0, 0)
-    assert list(info.sequences) == []
-    assert wait_for(lambda: gc.collect() >= 0 and not [o for o in gc.get_objects() if type(o) is Sequence], timeout=5)
-    assert rss_bytes() - before < 16 * 2**20
+    growth = []
+    for _ in range(3):
+        gc.collect()
+        before = rss_bytes()
+        cancel_a_hundred()
+        info = live(stub)
+        assert (info.active_sequences, info.queued_sequences, info.kv_slots_in_use, info.kv_cache_bytes) == (0, 0, 0, 0)
+        assert list(info.sequences) == []
+        assert wait_for(lambda: gc.collect() >= 0 and not [o for o in gc.get_objects() if type(o) is Sequence], timeout=5)
+        growth.append(rss_bytes() - before)
+    # A leak grows the process every round; the allocator's and the rest of the session's noise does not
+    # (a clean-clone CI run once saw one round grow 24 MB with nothing leaked).
+    assert min(growth) < 16 * 2**20, growth
 
 
 def test_a_deadline_ends_the_stream_and_frees_the_sequence(stub, server, monkeypatch):
