@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 
 import grpc
 import pytest
@@ -65,3 +67,50 @@ def collect(stub, request, timeout: float = 60):
         if response.HasField("finish"):
             finish = response.finish
     return ids, text, finish
+
+
+def long_request(n=200):
+    from kvserve.v1 import generation_pb2 as pb
+
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=n, ignore_eos=True)
+
+
+def wait_for(predicate, timeout=10.0, interval=0.02):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def live(stub):
+    from kvserve.v1 import generation_pb2 as pb
+
+    return stub.GetModelInfo(pb.GetModelInfoRequest()).live
+
+
+def slow_down(monkeypatch, app, seconds=0.01):
+    """Make each model step of this server take a little longer, so tests can act mid-generation."""
+    for name in ("run", "run_slots"):  # the padded layouts' step and the slots layout's
+        real = getattr(app.runtime, name)
+
+        def slowed(*args, real=real):
+            time.sleep(seconds)
+            return real(*args)
+
+        monkeypatch.setattr(app.runtime, name, slowed)
+
+
+@contextlib.contextmanager
+def slowed_server(artifact, monkeypatch, seconds: float = 0.01, **options):
+    """A server of the test's own whose model steps each take `seconds` longer: (server, stub, channel)."""
+    from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+    running = start_server(artifact, **options)
+    try:
+        slow_down(monkeypatch, running.app, seconds)
+        with grpc.insecure_channel(running.target) as channel:
+            yield running, pb_grpc.GenerationServiceStub(channel), channel
+    finally:
+        running.stop()

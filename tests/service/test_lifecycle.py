@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -22,36 +21,7 @@ from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from ..conftest import REPO
-from .conftest import start_server
-
-
-def long_request(n=200):
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=n, ignore_eos=True)
-
-
-def wait_for(predicate, timeout=10.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
-
-
-def live(stub):
-    return stub.GetModelInfo(pb.GetModelInfoRequest()).live
-
-
-def slow_down(monkeypatch, app, seconds=0.01):
-    """Make each model step of this server take a little longer, so tests can act mid-generation."""
-    for name in ("run", "run_slots"):  # the padded layouts' step and the slots layout's
-        real = getattr(app.runtime, name)
-
-        def slowed(*args, real=real):
-            time.sleep(seconds)
-            return real(*args)
-
-        monkeypatch.setattr(app.runtime, name, slowed)
+from .conftest import live, long_request, slow_down, slowed_server, start_server, wait_for
 
 
 def rss_bytes() -> int:
@@ -96,41 +66,29 @@ def test_a_deadline_ends_the_stream_and_frees_the_sequence(stub, server, monkeyp
 
 
 def test_a_full_queue_is_resource_exhausted(tiny_artifact, monkeypatch):
-    running = start_server(tiny_artifact, max_batch_size=1, max_queue=2)
-    try:
-        slow_down(monkeypatch, running.app)
-        with grpc.insecure_channel(running.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            streams = [stub.Generate(long_request(100), timeout=60) for _ in range(3)]
-            assert wait_for(lambda: (live(stub).active_sequences, live(stub).queued_sequences) == (1, 2))
-            with pytest.raises(grpc.RpcError) as error:
-                list(stub.Generate(long_request(5), timeout=10))
-            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "queue is full" in error.value.details()
-            for stream in streams:
-                stream.cancel()
-    finally:
-        running.stop()
+    with slowed_server(tiny_artifact, monkeypatch, max_batch_size=1, max_queue=2) as (_, stub, _):
+        streams = [stub.Generate(long_request(100), timeout=60) for _ in range(3)]
+        assert wait_for(lambda: (live(stub).active_sequences, live(stub).queued_sequences) == (1, 2))
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(long_request(5), timeout=10))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in error.value.details()
+        for stream in streams:
+            stream.cancel()
 
 
 def test_max_queue_zero_means_no_waiting_room_not_no_service(tiny_artifact, monkeypatch):
-    running = start_server(tiny_artifact, max_batch_size=2, max_queue=0)
-    try:
-        slow_down(monkeypatch, running.app)
-        with grpc.insecure_channel(running.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            streams = [stub.Generate(long_request(100), timeout=60) for _ in range(2)]  # both get a row
-            for stream in streams:
-                next(stream)
-            with pytest.raises(grpc.RpcError) as error:
-                list(stub.Generate(long_request(5), timeout=10))
-            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "0 requests waiting for one of 2 rows" in error.value.details()
-            for stream in streams:
-                stream.cancel()
-            assert wait_for(lambda: live(stub).active_sequences == 0)
-            assert len(list(stub.Generate(long_request(5), timeout=30))) == 5  # an idle server serves
-    finally:
-        running.stop()
+    with slowed_server(tiny_artifact, monkeypatch, max_batch_size=2, max_queue=0) as (_, stub, _):
+        streams = [stub.Generate(long_request(100), timeout=60) for _ in range(2)]  # both get a row
+        for stream in streams:
+            next(stream)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(long_request(5), timeout=10))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "0 requests waiting for one of 2 rows" in error.value.details()
+        for stream in streams:
+            stream.cancel()
+        assert wait_for(lambda: live(stub).active_sequences == 0)
+        assert len(list(stub.Generate(long_request(5), timeout=30))) == 5  # an idle server serves
 
 
 def test_health_is_not_serving_until_loaded_then_serving_then_draining(tiny_artifact, tiny_model, monkeypatch):

@@ -8,10 +8,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.v1 import generation_pb2 as pb
-from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from ..conftest import PROVIDER, PROVIDER_NAMES
-from .conftest import collect, start_server
+from .conftest import collect, live, long_request, slowed_server, wait_for
 
 
 def scrape(port: int) -> dict:
@@ -25,23 +24,15 @@ def scrape(port: int) -> dict:
 
 
 def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_artifact, monkeypatch):
-    from .test_lifecycle import slow_down
-
-    running = start_server(tiny_artifact, metrics_port=0)
-    try:
-        # Steps of 30 ms: the second request surely arrives while the first still decodes (a tiny-model step
-        # takes about a millisecond, less than one RPC's way in, so unslowed the two could run one after the other).
-        slow_down(monkeypatch, running.app, seconds=0.03)
-        with grpc.insecure_channel(running.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            with ThreadPoolExecutor(2) as pool:  # two at once: steps of batch size 2
-                list(pool.map(lambda n: collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), max_new_tokens=n, ignore_eos=True)), (5, 7)))
-            with pytest.raises(grpc.RpcError):
-                list(stub.Generate(pb.GenerateRequest(text=""), timeout=10))
-            stub.GetModelInfo(pb.GetModelInfoRequest())
+    # Steps of 30 ms: the second request surely arrives while the first still decodes (a tiny-model step
+    # takes about a millisecond, less than one RPC's way in, so unslowed the two could run one after the other).
+    with slowed_server(tiny_artifact, monkeypatch, seconds=0.03, metrics_port=0) as (running, stub, _):
+        with ThreadPoolExecutor(2) as pool:  # two at once: steps of batch size 2
+            list(pool.map(lambda n: collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), max_new_tokens=n, ignore_eos=True)), (5, 7)))
+        with pytest.raises(grpc.RpcError):
+            list(stub.Generate(pb.GenerateRequest(text=""), timeout=10))
+        stub.GetModelInfo(pb.GetModelInfoRequest())
         metrics = scrape(running.app.metrics_port)
-    finally:
-        running.stop()
 
     def value(name, **labels):
         return metrics[(name, frozenset(labels.items()))]
@@ -59,46 +50,38 @@ def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_a
 
 
 def test_every_finished_rpc_is_counted_once_under_its_real_code(tiny_artifact, monkeypatch, caplog):
-    from .test_lifecycle import live, long_request, slow_down, wait_for
-
     def live_counts(stub):
         counts = live(stub)
         return counts.active_sequences, counts.queued_sequences
 
-    running = start_server(tiny_artifact, metrics_port=0, max_batch_size=4, max_queue=64)
-    try:
-        slow_down(monkeypatch, running.app, seconds=0.01)
-        with grpc.insecure_channel(running.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            cancelled = [stub.Generate(long_request(200), timeout=60) for _ in range(4)]
-            for stream in cancelled:
-                next(stream)  # four are running ...
-            cancelled += [stub.Generate(long_request(200), timeout=60) for _ in range(8)]
-            assert wait_for(lambda: live_counts(stub) == (4, 8))  # ... and eight wait: cancelled mid-stream and queued
-            for stream in cancelled:
-                stream.cancel()
+    with slowed_server(tiny_artifact, monkeypatch, metrics_port=0, max_batch_size=4, max_queue=64) as (running, stub, channel):
+        cancelled = [stub.Generate(long_request(200), timeout=60) for _ in range(4)]
+        for stream in cancelled:
+            next(stream)  # four are running ...
+        cancelled += [stub.Generate(long_request(200), timeout=60) for _ in range(8)]
+        assert wait_for(lambda: live_counts(stub) == (4, 8))  # ... and eight wait: cancelled mid-stream and queued
+        for stream in cancelled:
+            stream.cancel()
 
-            def expire(_):
-                try:
-                    list(stub.Generate(long_request(200), timeout=0.3))
-                except grpc.RpcError as error:
-                    return error.code()
+        def expire(_):
+            try:
+                list(stub.Generate(long_request(200), timeout=0.3))
+            except grpc.RpcError as error:
+                return error.code()
 
-            with ThreadPoolExecutor(6) as pool:
-                assert list(pool.map(expire, range(6))) == [grpc.StatusCode.DEADLINE_EXCEEDED] * 6
-            raw = channel.unary_stream("/kvserve.v1.GenerationService/Generate")  # bytes in, bytes out
-            caplog.clear()
-            for _ in range(3):
-                with pytest.raises(grpc.RpcError) as error:
-                    list(raw(b"\xff\xfe garbage, not a protobuf", timeout=10))
-                assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid message" in error.value.details()
-            assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]  # one info line each, no traceback
+        with ThreadPoolExecutor(6) as pool:
+            assert list(pool.map(expire, range(6))) == [grpc.StatusCode.DEADLINE_EXCEEDED] * 6
+        raw = channel.unary_stream("/kvserve.v1.GenerationService/Generate")  # bytes in, bytes out
+        caplog.clear()
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError) as error:
+                list(raw(b"\xff\xfe garbage, not a protobuf", timeout=10))
+            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not a valid message" in error.value.details()
+        assert not [r for r in caplog.records if r.exc_info or r.levelname == "ERROR"]  # one info line each, no traceback
 
-            def counted():
-                metrics = scrape(running.app.metrics_port)
-                return {code: metrics.get(("kvserve_requests_total", frozenset({("method", "Generate"), ("code", code)})), 0)
-                        for code in ("CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "OK")}
+        def counted():
+            metrics = scrape(running.app.metrics_port)
+            return {code: metrics.get(("kvserve_requests_total", frozenset({("method", "Generate"), ("code", code)})), 0)
+                    for code in ("CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "OK")}
 
-            assert wait_for(lambda: counted() == {"CANCELLED": 12, "DEADLINE_EXCEEDED": 6, "INVALID_ARGUMENT": 3, "OK": 0}, timeout=15), counted()
-    finally:
-        running.stop()
+        assert wait_for(lambda: counted() == {"CANCELLED": 12, "DEADLINE_EXCEEDED": 6, "INVALID_ARGUMENT": 3, "OK": 0}, timeout=15), counted()

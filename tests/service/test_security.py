@@ -13,8 +13,8 @@ from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from ..conftest import REPO
-from .conftest import start_server
-from .test_lifecycle import long_request, start_process
+from .conftest import long_request, start_server
+from .test_lifecycle import start_process
 
 def generate_ok(target: str, security: ClientSecurity) -> int:
     with open_channel(target, security) as channel:
