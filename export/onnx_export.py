@@ -130,8 +130,9 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
     return problems
 
 
-def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CONCAT) -> dict:
-    """Export model in dtype, with the kv_cache layout, to directory/model.onnx; return the manifest's facts."""
+def trace_graph(model: GPT2, dtype: str, kv_cache: str = io.CONCAT) -> tuple[onnx.ModelProto, dict]:
+    """Trace model in dtype with the kv_cache layout: the graph, checked against the contract, and the
+    manifest's facts about it (save_graph writes it)."""
     config = model.config
     torch_dtype = TORCH_DTYPES[dtype]
     model = copy.deepcopy(model).to(torch_dtype).eval()  # the caller keeps its float32 reference
@@ -173,8 +174,7 @@ def export_graph(model: GPT2, directory: Path, dtype: str, kv_cache: str = io.CO
         problems = inplace_write_problems(model_proto.graph, n_layer)
         if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
             raise RuntimeError("the inplace KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
-    external = save_graph(model_proto, directory)
-    return {"opset": OPSET, "ir_version": IR_VERSION, "external_data": external, "kv_cache": kv_cache, **spec}
+    return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, **spec}
 
 
 def save_graph(model_proto: onnx.ModelProto, directory: Path) -> bool:
@@ -184,8 +184,6 @@ def save_graph(model_proto: onnx.ModelProto, directory: Path) -> bool:
     weight_bytes = sum(t.ByteSize() for t in model_proto.graph.initializer)
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD
     path = directory / MODEL_FILE
-    for stale in (path, directory / MODEL_DATA_FILE):  # onnx appends to an existing data file
-        stale.unlink(missing_ok=True)
     onnx.save_model(
         model_proto,
         str(path),

@@ -27,7 +27,7 @@ from kvserve.service.runtime import DecoderRuntime
 
 from .artifact import ArtifactError, open_artifact
 from .io_contract import SLOTS
-from .quality import eval_windows, text_quality
+from .quality import eval_windows, greedy_tokens, text_quality
 from .tolerances import TOLERANCES, Tolerance, kl_divergence
 
 
@@ -239,15 +239,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     # greedy: ONNX Runtime's own loop against the eager reference's tokens
     greedy_prompts = prompts_of(GREEDY_PROMPTS)
     eager_tokens = generate(reference, greedy_prompts, steps).tokens.numpy()
-    logits = np.stack([row[-1] for row in driver.prefill(greedy_prompts)])  # (B, V)
-    onnx_tokens = []
-    for step in range(steps):
-        token = logits.argmax(-1)  # (B,)
-        onnx_tokens.append(token)
-        if step == steps - 1:
-            break
-        logits = driver.decode(token)
-    onnx_tokens = np.stack(onnx_tokens, axis=1)  # (B, N)
+    onnx_tokens = greedy_tokens(driver, greedy_prompts, steps)  # (B, N)
     greedy_identical = bool(np.array_equal(onnx_tokens, eager_tokens))
 
     text = None
@@ -256,7 +248,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
 
         encode = load_tokenizer(artifact.tokenizer_path).encode
         windows = eval_windows(encode, config.vocab_size, config.n_ctx)
-        text = text_quality(driver, reference, windows, greedy_steps=min(32, config.n_ctx - 17))
+        text = text_quality(driver, reference, windows)
         bound = tolerance.text
         text["passed"] = bool(
             text["top1_agreement"] >= bound.top1_min and text["kl_mean"] <= bound.kl_mean_max

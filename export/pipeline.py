@@ -26,7 +26,7 @@ from kvserve.model.vocabulary import write_preset_tokenizer
 
 from . import artifact as art
 from . import io_contract as io
-from .onnx_export import export_graph, inplace_write_problems, save_graph
+from .onnx_export import inplace_write_problems, save_graph, trace_graph
 from .quantize import SCHEMES, QuantizeError, quantize_model
 from .parity import format_report, verify, write_report
 
@@ -78,17 +78,17 @@ def record_golden(model: GPT2) -> art.GoldenRecord:
     )
 
 
-def quantize_graph(directory: Path, scheme: str, n_layer: int, kv_cache: str) -> tuple[dict, bool]:
-    """Rewrite directory/model.onnx with scheme's 8-bit weights; (the manifest's facts, whether external)."""
+def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str) -> tuple[onnx.ModelProto, dict]:
+    """The graph with scheme's 8-bit weights, and the manifest's facts about them."""
     try:
-        quantized, facts = quantize_model(onnx.load(str(directory / art.MODEL_FILE)), scheme)
+        quantized, facts = quantize_model(graph, scheme)
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
     if kv_cache in (io.INPLACE, io.SLOTS):
         problems = inplace_write_problems(quantized.graph, n_layer)
         if problems:
             raise RuntimeError("quantization broke the in-place KV write: " + "; ".join(problems[:3]))
-    return facts, save_graph(quantized, directory)
+    return quantized, facts
 
 
 def export_artifact(
@@ -116,9 +116,11 @@ def export_artifact(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = model.float().eval()
-        graph = export_graph(model, staging, dtype, kv_cache)
+        proto, graph = trace_graph(model, dtype, kv_cache)
         if quantize is not None:
-            graph["quantization"], graph["external_data"] = quantize_graph(staging, quantize, model.config.n_layer, kv_cache)
+            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache)
+        graph["external_data"] = save_graph(proto, staging)
+        del proto  # its weights are on disk now; verify loads the graph from there
         (staging / art.CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:

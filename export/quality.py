@@ -16,10 +16,11 @@ from kvserve.model.corpus import load_corpus
 from kvserve.model.generate import generate
 from kvserve.model.gpt2 import GPT2
 
-from .tolerances import kl_divergence, log_softmax
+from .tolerances import kl_of_log_probs, log_softmax
 
 WINDOWS = 4
-GREEDY_PROMPT = 16
+GREEDY_PROMPT_TOKENS = 16  # each window's opening the greedy comparison continues from
+GREEDY_STEPS = 32
 
 
 def eval_windows(encode, vocab_size: int, n_ctx: int, count: int = WINDOWS, length: int = 128) -> list[list[int]]:
@@ -35,7 +36,7 @@ def eval_windows(encode, vocab_size: int, n_ctx: int, count: int = WINDOWS, leng
 def compare_distributions(onnx_logits: np.ndarray, eager_logits: np.ndarray, targets: np.ndarray) -> dict:
     """Both (N, V) over the same N positions; targets (N,) the real next tokens."""
     log_q, log_p = log_softmax(onnx_logits), log_softmax(eager_logits)
-    kl = kl_divergence(eager_logits, onnx_logits)  # (N,)
+    kl = kl_of_log_probs(log_p, log_q)  # (N,): KL(eager || onnx)
     rows = np.arange(len(targets))
     return {
         "positions": int(len(targets)),
@@ -47,8 +48,19 @@ def compare_distributions(onnx_logits: np.ndarray, eager_logits: np.ndarray, tar
     }
 
 
+def greedy_tokens(driver, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """ONNX Runtime's own greedy loop through a parity driver: (B, steps) tokens."""
+    logits = np.stack([row[-1] for row in driver.prefill(prompts)])  # (B, V)
+    tokens = []
+    for step in range(steps):
+        tokens.append(logits.argmax(-1))  # (B,)
+        if step < steps - 1:
+            logits = driver.decode(tokens[-1])
+    return np.stack(tokens, axis=1)
+
+
 @torch.no_grad()
-def text_quality(driver, reference: GPT2, windows: list[list[int]], greedy_steps: int) -> dict:
+def text_quality(driver, reference: GPT2, windows: list[list[int]]) -> dict:
     """driver: a parity driver (prefill returns each row's logits at every position; decode one token a row)."""
     inputs = [w[:-1] for w in windows]
     targets = np.concatenate([np.asarray(w[1:]) for w in windows])
@@ -60,15 +72,10 @@ def text_quality(driver, reference: GPT2, windows: list[list[int]], greedy_steps
     result = compare_distributions(onnx_logits, eager_logits.reshape(-1, eager_logits.shape[-1]).numpy(), targets)
     result["perplexity_ratio"] = result["perplexity_onnx"] / result["perplexity_eager"]
 
-    prompts = [w[:GREEDY_PROMPT] for w in windows]
+    greedy_steps = min(GREEDY_STEPS, reference.config.n_ctx - GREEDY_PROMPT_TOKENS - 1)
+    prompts = [w[:GREEDY_PROMPT_TOKENS] for w in windows]
     eager_tokens = generate(reference, prompts, greedy_steps).tokens.numpy()  # (B, N)
-    logits = np.stack([row[-1] for row in driver.prefill(prompts)])  # (B, V)
-    onnx_tokens = []
-    for step in range(greedy_steps):
-        onnx_tokens.append(logits.argmax(-1))
-        if step < greedy_steps - 1:
-            logits = driver.decode(onnx_tokens[-1])
-    onnx_tokens = np.stack(onnx_tokens, axis=1)  # (B, N)
+    onnx_tokens = greedy_tokens(driver, prompts, greedy_steps)  # (B, N)
     same = np.cumprod(onnx_tokens == eager_tokens, axis=1).sum(axis=1)  # per row: tokens before the first difference
     result["greedy_steps"] = greedy_steps
     result["greedy_prefix"] = [int(n) for n in same]

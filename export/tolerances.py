@@ -22,7 +22,11 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def kl_divergence(reference_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """KL(reference || other) of each position's next-token distribution, in nats: both (N, V) -> (N,)."""
-    log_p, log_q = log_softmax(reference_logits), log_softmax(logits)
+    return kl_of_log_probs(log_softmax(reference_logits), log_softmax(logits))
+
+
+def kl_of_log_probs(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
+    """KL(p || q) per row from log-probabilities: both (N, V) -> (N,)."""
     return (np.exp(log_p) * (log_p - log_q)).sum(-1)
 
 
