@@ -13,12 +13,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from kvserve.errors import UserError
 
 from .checkpoint import save_checkpoint
 from .config import DecoderConfig
@@ -180,7 +183,14 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
-    record = train(TrainConfig(**args), out)
+    bad = [name for name, value in args.items() if value < 0 or (value == 0 and name not in ("seed", "threads", "weight_decay"))]
+    try:
+        if bad:
+            raise UserError(f"--{bad[0].replace('_', '-')} must be positive, got {args[bad[0]]}")
+        record = train(TrainConfig(**args), out)
+    except (UserError, ValueError) as exc:  # a bad value, no King James text installed, a config DecoderConfig refuses
+        print(f"kvserve.model.train: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"held-out perplexity {record['held_out_perplexity']} after {record['train_seconds']} s -> {out}")
 
 
