@@ -32,18 +32,20 @@ from kvserve.service.kv_slots import pool_capacity  # noqa: E402
 from kvserve.service.runtime import DecoderRuntime  # noqa: E402
 
 
-def artifact_logits(directory: Path, window: np.ndarray) -> np.ndarray:
-    """(T, V) logits of one window prefilled as a single chunk of row 0."""
-    artifact = open_artifact(directory)
-    config = artifact.config
-    runtime = _runtimes.setdefault(directory, DecoderRuntime(artifact.model_path, config.n_layer, "float32", "cpu", kv_cache="slots"))
-    pool = _pools.setdefault(directory, runtime.new_pool(1, config.n_head, config.d_head, pool_capacity(config)))
-    scratch = np.array([pool.capacity - 1])
-    return runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), window, 0, 0, 1 + np.arange(len(window)))
+class SlotsPrefill:
+    """One artifact's session and a one-row pool: a window's logits at every position, in one chunk."""
 
+    def __init__(self, directory: Path):
+        artifact = open_artifact(directory)
+        config = artifact.config
+        self.runtime = DecoderRuntime(artifact.model_path, config.n_layer, "float32", "cpu", kv_cache="slots")
+        self.pool = self.runtime.new_pool(1, config.n_head, config.d_head, pool_capacity(config))
 
-_runtimes: dict = {}
-_pools: dict = {}
+    def logits(self, window: np.ndarray) -> np.ndarray:
+        """(T, V) for a (T,) window."""
+        scratch = np.array([self.pool.capacity - 1])
+        return self.runtime.run_slots(self.pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), window, 0, 0,
+                                      1 + np.arange(len(window)))
 
 
 def main() -> None:
@@ -57,8 +59,8 @@ def main() -> None:
     source = {"kind": "checkpoint", "path": str(checkpoint)}
     artifacts = {}
     for name, quantize in (("float32", None), ("int8", "int8")):
-        artifacts[name] = work / name
-        export_artifact(model, source, artifacts[name], overwrite=True, provider="cpu", tokenizer_dir=checkpoint, quantize=quantize)
+        export_artifact(model, source, work / name, overwrite=True, provider="cpu", tokenizer_dir=checkpoint, quantize=quantize)
+        artifacts[name] = SlotsPrefill(work / name)
 
     from tokenizers import Tokenizer
 
@@ -77,8 +79,8 @@ def main() -> None:
         eager = eager[0].numpy()  # (T, V)
         rows = np.arange(len(targets))
         nll["eager"] -= log_softmax(eager)[rows, targets].sum()
-        for name, directory in artifacts.items():
-            logits = artifact_logits(directory, inputs)
+        for name, artifact in artifacts.items():
+            logits = artifact.logits(inputs)
             nll[name] -= log_softmax(logits)[rows, targets].sum()
             kl[name] += kl_divergence(eager, logits).sum()
             agree[name] += int((logits.argmax(-1) == eager.argmax(-1)).sum())
