@@ -19,6 +19,7 @@ import numpy as np
 
 from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
+from kvserve.model.hf_config import config_from_hf
 
 from .io_contract import CONCAT, DTYPES, KV_CACHES, QUANTIZATIONS
 
@@ -123,7 +124,7 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
             raise ArtifactError(f"{directory / name}: missing (is this a kvserve export?)")
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
-        config = DecoderConfig.from_hf_dict(json.loads((directory / CONFIG_FILE).read_text()))
+        config = config_from_hf(json.loads((directory / CONFIG_FILE).read_text()))
     except (json.JSONDecodeError, ValueError, TypeError) as exc:
         raise ArtifactError(f"{directory}: unreadable manifest or config ({exc})") from None
     where = directory / MANIFEST_FILE

@@ -13,7 +13,8 @@ other tools can drive a kvserve artifact:
     present.{i}.key             (batch_size, num_heads, past_sequence_length + sequence_length, head_dim)
     present.{i}.value           (batch_size, num_heads, past_sequence_length + sequence_length, head_dim)
 
-One graph serves both phases: a prefill passes past_sequence_length = 0.
+One graph serves both phases: a prefill passes past_sequence_length = 0. num_heads in the K/V shapes is the
+model's K/V head count (num_key_value_heads): fewer than its query heads for a grouped-query model.
 
 That is the `concat` KV cache, the default: present is a new tensor, past plus this step. Its decode step
 copies the whole cache, which grows costly with a long past on a CPU. The `inplace` cache keeps the names
@@ -110,14 +111,14 @@ def output_names(n_layer: int) -> list[str]:
     return [LOGITS] + [n for i in range(n_layer) for n in present_names(i)]
 
 
-def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT) -> dict[str, dict]:
+def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT) -> dict[str, dict]:
     """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unsupported KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
     if kv_cache == SLOTS:
-        return _slots_spec(n_layer, n_head, d_head, vocab_size, dtype)
+        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, dtype)
     past_axis, present_axis = (PAST, TOTAL) if kv_cache == CONCAT else (CAPACITY, CAPACITY)
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
@@ -129,13 +130,13 @@ def io_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str,
     outputs = {LOGITS: {"shape": [BATCH, SEQUENCE, vocab_size], "dtype": "float32"}}
     for layer in range(n_layer):
         for name in past_names(layer):
-            inputs[name] = {"shape": [BATCH, n_head, past_axis, d_head], "dtype": dtype}
+            inputs[name] = {"shape": [BATCH, n_kv_head, past_axis, d_head], "dtype": dtype}
         for name in present_names(layer):
-            outputs[name] = {"shape": [BATCH, n_head, present_axis, d_head], "dtype": dtype}
+            outputs[name] = {"shape": [BATCH, n_kv_head, present_axis, d_head], "dtype": dtype}
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _slots_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: str) -> dict[str, dict]:
+def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str) -> dict[str, dict]:
     inputs = {
         INPUT_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
         POSITION_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
@@ -147,7 +148,7 @@ def _slots_spec(n_layer: int, n_head: int, d_head: int, vocab_size: int, dtype: 
         LOGITS_INDEX: {"shape": [NUM_LOGITS], "dtype": "int64"},
     }
     outputs = {LOGITS: {"shape": [NUM_LOGITS, vocab_size], "dtype": "float32"}}
-    kv = {"shape": [BATCH, n_head, CAPACITY, d_head], "dtype": dtype}
+    kv = {"shape": [BATCH, n_kv_head, CAPACITY, d_head], "dtype": dtype}
     for layer in range(n_layer):
         inputs.update({name: dict(kv) for name in past_names(layer)})
         outputs.update({name: dict(kv) for name in present_names(layer)})

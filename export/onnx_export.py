@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from kvserve.model.gpt2 import GPT2
+from kvserve.model.decoders import Decoder
 
 from . import io_contract as io
 from .artifact import MODEL_DATA_FILE, MODEL_FILE
@@ -29,7 +29,7 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 class _FlatSignature(nn.Module):
     """(input_ids, attention_mask, position_ids, past) -> (logits, present): the concat graph's signature."""
 
-    def __init__(self, model: GPT2):
+    def __init__(self, model: Decoder):
         super().__init__()
         self.model = model
 
@@ -58,11 +58,11 @@ class _SlotsSignature(_FlatSignature):
         return logits, tuple(presents)
 
 
-def _slots_example_inputs(model: GPT2, dtype: torch.dtype):
+def _slots_example_inputs(model: Decoder, dtype: torch.dtype):
     # Distinct sizes of 2 and more for every axis, so the tracer neither specialises nor merges them.
     config = model.config
     batch, width, chunk, chunk_width, capacity, n_logits = 2, 5, 3, 6, 9, 4
-    kv_shape = (batch, config.n_head, capacity, config.d_head)  # (B, H, C, d_k)
+    kv_shape = (batch, config.n_kv_head, capacity, config.d_head)  # (B, H_kv, C, d_k)
     step = (
         torch.zeros(batch, 1, dtype=torch.int64),
         torch.tensor([[3], [4]], dtype=torch.int64),
@@ -77,13 +77,13 @@ def _slots_example_inputs(model: GPT2, dtype: torch.dtype):
     return step + (kv,)
 
 
-def _example_inputs(model: GPT2, dtype: torch.dtype, kv_cache: str):
+def _example_inputs(model: Decoder, dtype: torch.dtype, kv_cache: str):
     # Sizes of 2 and more keep every axis symbolic while tracing (0 and 1 would be specialised);
     # the graph still runs with a zero-length past, which the parity checks exercise.
     config = model.config
     batch, seq, past = 2, 3, 4
     columns = past if kv_cache == io.CONCAT else past + seq + 1  # inplace: a buffer with room to spare
-    kv_shape = (batch, config.n_head, columns, config.d_head)  # (B, H, P or C, d_k)
+    kv_shape = (batch, config.n_kv_head, columns, config.d_head)  # (B, H_kv, P or C, d_k)
     step = (
         torch.zeros(batch, seq, dtype=torch.int64),
         torch.ones(batch, past + seq if kv_cache == io.CONCAT else columns, dtype=torch.int64),
@@ -130,7 +130,7 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
     return problems
 
 
-def trace_graph(model: GPT2, dtype: str, kv_cache: str = io.CONCAT) -> tuple[onnx.ModelProto, dict]:
+def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT) -> tuple[onnx.ModelProto, dict]:
     """Trace model in dtype with the kv_cache layout: the graph, checked against the contract, and the
     manifest's facts about it (save_graph writes it)."""
     config = model.config
@@ -168,7 +168,7 @@ def trace_graph(model: GPT2, dtype: str, kv_cache: str = io.CONCAT) -> tuple[onn
             verbose=False,
         )
     model_proto = program.model_proto
-    spec = io.io_spec(n_layer, config.n_head, config.d_head, config.vocab_size, dtype, kv_cache)
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache)
     _name_axes(model_proto, spec)
     if kv_cache in (io.INPLACE, io.SLOTS):
         problems = inplace_write_problems(model_proto.graph, n_layer)

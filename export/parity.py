@@ -21,7 +21,7 @@ import torch
 
 from kvserve.errors import UserError
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
-from kvserve.model.gpt2 import GPT2
+from kvserve.model.decoders import Decoder
 from kvserve.service.kv_slots import pool_capacity
 from kvserve.service.runtime import DecoderRuntime
 
@@ -105,7 +105,7 @@ class _PaddedDriver:
         """Prompts from an empty cache; returns each row's logits at every prompt position, (L_r, V)."""
         ids, self.mask = left_pad(prompts)  # (B, T)
         self.pos = position_ids_from_mask(self.mask)
-        empty = self.runtime.empty_past(len(prompts), self.config.n_head, self.config.d_head)
+        empty = self.runtime.empty_past(len(prompts), self.config.n_kv_head, self.config.d_head)
         out = self.runtime.run(ids.numpy(), self.mask.numpy(), self.pos.numpy(), empty)
         self.past = out.present
         real = self.mask.numpy().astype(bool)
@@ -142,7 +142,7 @@ class _SlotsDriver:
 
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
         rows = len(prompts)
-        self.pool = self.runtime.new_pool(rows, self.config.n_head, self.config.d_head, self.capacity)
+        self.pool = self.runtime.new_pool(rows, self.config.n_kv_head, self.config.d_head, self.capacity)
         self.lengths = np.array([len(p) for p in prompts])
         self.decoding = False
         scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
@@ -166,7 +166,7 @@ class _SlotsDriver:
 
 
 @torch.no_grad()
-def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", steps: int = 8) -> dict:
+def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto", steps: int = 8) -> dict:
     """Run every check; return the report (see print_report). Never raises on a parity failure."""
     artifact = open_artifact(artifact_dir)
     config = artifact.config
@@ -186,7 +186,7 @@ def verify(artifact_dir: str | Path, reference: GPT2, provider: str = "auto", st
     else:
         driver = _PaddedDriver(runtime, config)
     checks: list[dict] = []
-    kv_max = np.zeros((config.n_layer, config.n_head))
+    kv_max = np.zeros((config.n_layer, config.n_kv_head))
 
     def prompts_of(lengths) -> list[list[int]]:
         return [rng.integers(0, config.vocab_size, min(n, max_prompt)).tolist() for n in lengths]

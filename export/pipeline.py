@@ -21,7 +21,8 @@ from kvserve.errors import JobFailed, UserError
 from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
 from kvserve.model.config import preset
 from kvserve.model.generate import generate
-from kvserve.model.gpt2 import GPT2, build
+from kvserve.model.decoders import Decoder, build
+from kvserve.model.hf_config import config_to_hf
 from kvserve.model.vocabulary import write_preset_tokenizer
 
 from . import artifact as art
@@ -41,7 +42,7 @@ class ParityFailed(JobFailed):
     """The exported graph disagrees with the eager reference; nothing was left at the destination."""
 
 
-def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: int = 0) -> tuple[GPT2, dict]:
+def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: int = 0) -> tuple[Decoder, dict]:
     """The eager model to export, and how to find it again (recorded in the manifest)."""
     if (preset_name is None) == (checkpoint is None):
         raise ExportError("give exactly one of --preset or --checkpoint")
@@ -55,7 +56,7 @@ def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: in
     return load_checkpoint(checkpoint), {"kind": "checkpoint", "path": str(checkpoint)}
 
 
-def reference_for(artifact_dir: str | Path, checkpoint: str | Path | None = None) -> GPT2:
+def reference_for(artifact_dir: str | Path, checkpoint: str | Path | None = None) -> Decoder:
     """The eager model an artifact is verified against: the given checkpoint, else its recorded source."""
     manifest = art.open_artifact(artifact_dir, check_files=False).manifest
     if checkpoint is not None:
@@ -68,7 +69,7 @@ def reference_for(artifact_dir: str | Path, checkpoint: str | Path | None = None
     return load_checkpoint(source["path"])
 
 
-def record_golden(model: GPT2) -> art.GoldenRecord:
+def record_golden(model: Decoder) -> art.GoldenRecord:
     prompt = art.golden_prompt(model.config.vocab_size, length=min(12, model.config.n_ctx - GOLDEN_STEPS))
     result = generate(model, [prompt], GOLDEN_STEPS)
     return art.GoldenRecord(
@@ -92,7 +93,7 @@ def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: 
 
 
 def export_artifact(
-    model: GPT2,
+    model: Decoder,
     source: dict,
     out: str | Path,
     dtype: str = "float32",
@@ -121,7 +122,7 @@ def export_artifact(
             proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache)
         graph["external_data"] = save_graph(proto, staging)
         del proto  # its weights are on disk now; verify loads the graph from there
-        (staging / art.CONFIG_FILE).write_text(json.dumps(model.config.to_hf_dict(), indent=2) + "\n")
+        (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
         if tokenizer_dir is not None:
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).exists():

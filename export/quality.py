@@ -14,7 +14,7 @@ import torch
 
 from kvserve.model.corpus import load_corpus
 from kvserve.model.generate import generate
-from kvserve.model.gpt2 import GPT2
+from kvserve.model.decoders import Decoder
 
 from .tolerances import kl_of_log_probs, log_softmax
 
@@ -60,7 +60,7 @@ def greedy_tokens(driver, prompts: list[list[int]], steps: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def text_quality(driver, reference: GPT2, windows: list[list[int]]) -> dict:
+def text_quality(driver, reference: Decoder, windows: list[list[int]]) -> dict:
     """driver: a parity driver (prefill returns each row's logits at every position; decode one token a row)."""
     inputs = [w[:-1] for w in windows]
     targets = np.concatenate([np.asarray(w[1:]) for w in windows])

@@ -2,109 +2,108 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
+
+
+# Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
+GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
+ARCHITECTURES = (GPT2_ARCH, LLAMA_ARCH)
+MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH}
+
+
+@dataclass(frozen=True)
+class Llama3RopeScaling:
+    """Llama 3.1's rotary frequency rescaling (rope_type "llama3"): long wavelengths are slowed by factor,
+    short ones kept, the band between interpolated, so a model trained at original_max_position_embeddings
+    reads longer contexts."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    vocab_size: int = 50257  # rows of the token embedding, tied to the LM head
+    model_type: str = "gpt2"  # config.json's model_type: gpt2, or llama / qwen2 / mistral (the Llama family)
+    vocab_size: int = 50257  # rows of the token embedding (and of the LM head)
     n_ctx: int = 1024  # context length: the most positions prompt + generated may span
     d_model: int = 768  # residual stream width
-    n_head: int = 12  # attention heads per layer; d_model must divide evenly
+    n_head: int = 12  # query heads per layer
     n_layer: int = 12  # transformer blocks
     d_mlp: int = 3072  # hidden width of each block's MLP
-    layer_norm_eps: float = 1e-5
+    layer_norm_eps: float = 1e-5  # epsilon of every norm (LayerNorm for GPT-2, RMSNorm for Llama)
     dropout: float = 0.0  # kept for checkpoint round-trips; inference never drops out
-    eos_token_id: int | None = 50256  # end-of-sequence token, None when the model has none
-    initializer_range: float = 0.02  # std of random initial weights (GPT-2's; config.json keeps it)
+    eos_token_ids: tuple[int, ...] = (50256,)  # generation stops on any of these; () when the model has none
+    bos_token_id: int | None = None  # written back to config.json; tokenizers add it, the model does not
+    initializer_range: float = 0.02  # std of random initial weights (config.json keeps it)
+    # The Llama family; GPT-2 keeps the defaults (None means "as many as n_head" / "d_model // n_head").
+    n_kv_head: int | None = None  # K/V heads, shared by groups of n_head // n_kv_head query heads; the cache holds these
+    head_dim: int | None = None  # width of one head (Llama-family configs may set it apart from d_model // n_head)
+    rope_theta: float = 10000.0  # base of the rotary embedding's frequencies
+    rope_scaling: Llama3RopeScaling | None = None  # None: plain RoPE
+    qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2; Llama's attention_bias)
+    o_bias: bool = False  # a bias on the output projection (Llama's attention_bias)
+    mlp_bias: bool = False  # biases on the MLP's three projections (Llama's mlp_bias)
+    tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2 always; Llama when config says)
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "n_ctx", "d_model", "n_head", "n_layer", "d_mlp"):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; kvserve implements {', '.join(MODEL_TYPES)}")
+        # Resolve the derived defaults once, so every reader sees concrete numbers.
+        if self.n_kv_head is None:
+            object.__setattr__(self, "n_kv_head", self.n_head)
+        if self.head_dim is None and self.n_head > 0:
+            object.__setattr__(self, "head_dim", self.d_model // self.n_head)
+        object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        for name in ("vocab_size", "n_ctx", "d_model", "n_head", "n_layer", "d_mlp", "n_kv_head", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DecoderConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.d_model % self.n_head:
-            raise ValueError(f"d_model ({self.d_model}) is not divisible by n_head ({self.n_head})")
-        if self.eos_token_id is not None and not 0 <= self.eos_token_id < self.vocab_size:
-            raise ValueError(f"eos_token_id {self.eos_token_id} is outside the vocabulary ({self.vocab_size})")
+        if self.architecture == GPT2_ARCH:
+            if self.d_model % self.n_head:
+                raise ValueError(f"d_model ({self.d_model}) is not divisible by n_head ({self.n_head})")
+            llama_only = {"n_kv_head": self.n_kv_head != self.n_head, "head_dim": self.head_dim != self.d_model // self.n_head,
+                          "rope_scaling": self.rope_scaling is not None, "qkv_bias": self.qkv_bias, "o_bias": self.o_bias,
+                          "mlp_bias": self.mlp_bias, "tie_word_embeddings": not self.tie_word_embeddings}
+            for name, set_apart in llama_only.items():
+                if set_apart:
+                    raise ValueError(f"DecoderConfig.{name} is a Llama-family setting; GPT-2 keeps its default")
+        if self.n_head % self.n_kv_head:
+            raise ValueError(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head})")
+        if self.head_dim % 2 and self.architecture == LLAMA_ARCH:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: rotary embeddings rotate pairs of channels")
+        for eos in self.eos_token_ids:
+            if not 0 <= eos < self.vocab_size:
+                raise ValueError(f"eos_token_id {eos} is outside the vocabulary ({self.vocab_size})")
+
+    @property
+    def architecture(self) -> str:
+        """The decoder family that implements this config: GPT2_ARCH or LLAMA_ARCH."""
+        return MODEL_TYPES[self.model_type]
 
     @property
     def d_head(self) -> int:
-        return self.d_model // self.n_head
+        return self.head_dim
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (what config.json's single-id field holds), None when there is none."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def kv_group(self) -> int:
+        """Query heads per K/V head: 1 for multi-head attention, more for grouped-query attention."""
+        return self.n_head // self.n_kv_head
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    @classmethod
-    def from_dict(cls, values: dict) -> "DecoderConfig":
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in values.items() if k in known})
-
-    # --- GPT-2 checkpoint format (transformers' config.json) -----------------------------
-
-    def to_hf_dict(self) -> dict:
-        return {
-            "architectures": ["GPT2LMHeadModel"],
-            "model_type": "gpt2",
-            "activation_function": "gelu_new",
-            "vocab_size": self.vocab_size,
-            "n_positions": self.n_ctx,
-            "n_embd": self.d_model,
-            "n_head": self.n_head,
-            "n_layer": self.n_layer,
-            "n_inner": self.d_mlp,
-            "layer_norm_epsilon": self.layer_norm_eps,
-            "resid_pdrop": self.dropout,
-            "embd_pdrop": self.dropout,
-            "attn_pdrop": self.dropout,
-            "bos_token_id": self.eos_token_id,
-            "eos_token_id": self.eos_token_id,
-            "initializer_range": self.initializer_range,
-            "tie_word_embeddings": True,
-        }
-
-    @classmethod
-    def from_hf_dict(cls, hf: dict) -> "DecoderConfig":
-        """Map a GPT-2 config.json onto ours; anything we do not implement is refused by name."""
-        if hf.get("model_type") != "gpt2":
-            raise ValueError(f"unsupported architecture: model_type {hf.get('model_type')!r} (only 'gpt2' is supported)")
-        unsupported = {
-            "activation_function": ("gelu_new", hf.get("activation_function", "gelu_new")),
-            "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
-            "scale_attn_by_inverse_layer_idx": (False, hf.get("scale_attn_by_inverse_layer_idx", False)),
-            "reorder_and_upcast_attn": (False, hf.get("reorder_and_upcast_attn", False)),
-            "add_cross_attention": (False, hf.get("add_cross_attention", False)),
-            "tie_word_embeddings": (True, hf.get("tie_word_embeddings", True)),
-        }
-        for key, (expected, actual) in unsupported.items():
-            if actual != expected:
-                raise ValueError(f"unsupported GPT-2 variant: {key}={actual!r} (kvserve implements {key}={expected!r})")
-        missing = [k for k in ("vocab_size", "n_embd", "n_head", "n_layer") if k not in hf]
-        if missing:
-            raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
-        d_model = int(hf["n_embd"])
-        eos = hf.get("eos_token_id")
-        if isinstance(eos, list):
-            eos = eos[0] if eos else None
-        if eos is not None and not 0 <= int(eos) < int(hf["vocab_size"]):
-            eos = None  # an id the model can never emit: transformers tolerates it, and so do we
-        return cls(
-            vocab_size=int(hf["vocab_size"]),
-            n_ctx=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
-            d_model=d_model,
-            n_head=int(hf["n_head"]),
-            n_layer=int(hf["n_layer"]),
-            d_mlp=int(hf.get("n_inner") or 4 * d_model),
-            layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            eos_token_id=None if eos is None else int(eos),
-            initializer_range=float(hf.get("initializer_range", 0.02)),
-        )
 
 
 PRESETS: dict[str, DecoderConfig] = {
     # Byte-level vocabulary (256 bytes + end-of-sequence): exports in seconds, drives the demo and tests. Its
     # weights are drawn wider than GPT-2's 0.02 so that what it generates depends on the context: at 0.02 a
     # model this small repeats its prompt's last token, and tests of stops, seeds and batching pass trivially.
-    "tiny": DecoderConfig(vocab_size=257, n_ctx=256, d_model=64, n_head=4, n_layer=2, d_mlp=256, eos_token_id=256, initializer_range=0.3),
+    "tiny": DecoderConfig(vocab_size=257, n_ctx=256, d_model=64, n_head=4, n_layer=2, d_mlp=256, eos_token_ids=(256,), initializer_range=0.3),
     # GPT-2 small, 124M parameters.
     "gpt2": DecoderConfig(),
 }

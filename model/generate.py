@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .gpt2 import GPT2
+from .decoders import Decoder
 
 
 def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,7 +60,7 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, 
 
 @torch.no_grad()
 def generate(
-    model: GPT2,
+    model: Decoder,
     prompts: list[list[int]],
     max_new_tokens: int,
     temperature: float = 0.0,

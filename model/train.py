@@ -127,7 +127,7 @@ def train(config: TrainConfig, out: Path) -> dict:
         n_head=config.n_head,
         n_layer=config.n_layer,
         d_mlp=config.d_mlp,
-        eos_token_id=tokenizer.token_to_id(EOS),
+        eos_token_ids=(tokenizer.token_to_id(EOS),),
     )
     model = GPT2(decoder).init_weights(config.seed)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

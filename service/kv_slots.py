@@ -77,9 +77,9 @@ class SlotBatch:
     def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
         self.runtime, self.config, self.max_rows = runtime, config, max_rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
-        self.pool: SlotPool = runtime.new_pool(max_rows, config.n_head, config.d_head, pool_capacity(config))
+        self.pool: SlotPool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
         self.compact = runtime.device == "cpu"  # fill a hole by moving the last row (see the module docstring)
-        self._cell_bytes = 2 * config.n_layer * config.n_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
+        self._cell_bytes = 2 * config.n_layer * config.n_kv_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
 
     # --- what the engine and the scheduler read -----------------------------------------------------
 

@@ -53,7 +53,7 @@ class PaddedBatch:
         self.rows: list[Sequence] = []
         self.past: DeviceCache | None = None  # P columns in use, each (B, H, P, d_k) or a larger buffer
         self.mask = np.zeros((0, 0), dtype=np.int64)  # (B, P): 1 where a row has a real token
-        self._bytes_per_cell = 2 * config.n_layer * config.n_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
+        self._bytes_per_cell = 2 * config.n_layer * config.n_kv_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
 
     def kv_bytes(self) -> int:
         """Bytes of K/V held: B x capacity cells (padding and spare columns included) x K, V of every layer."""
@@ -113,7 +113,7 @@ class PaddedBatch:
             mask[row, width - len(seq.prompt_ids) :] = 1
         position_ids = np.maximum(mask.cumsum(axis=1) - 1, 0)  # (B_new, T): real tokens count from 0
         ahead = width + max(s.max_new_tokens for s in admitted)
-        empty = self.runtime.empty_past(len(admitted), self.config.n_head, self.config.d_head, room_for=ahead)
+        empty = self.runtime.empty_past(len(admitted), self.config.n_kv_head, self.config.d_head, room_for=ahead)
         out = self.runtime.run(input_ids, mask, position_ids, empty)
         for seq in admitted:
             seq.cached_tokens = len(seq.prompt_ids)

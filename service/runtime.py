@@ -95,10 +95,10 @@ class SlotPool:
     numpy's (the device is the host), zeroed here so every page is touched before any step runs; under
     CUDA it is device memory, read back only to move a row (kv_slots never does under CUDA)."""
 
-    def __init__(self, runtime: "DecoderRuntime", rows: int, n_head: int, d_head: int, capacity: int):
+    def __init__(self, runtime: "DecoderRuntime", rows: int, n_kv_head: int, d_head: int, capacity: int):
         self.runtime, self.rows, self.capacity = runtime, rows, capacity
-        self.shape = (rows, n_head, capacity, d_head)  # (S, H, C, d_k)
-        self.row_bytes = n_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
+        self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
+        self.row_bytes = n_kv_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
         if runtime.device == "cpu":
             self.arrays = [np.empty(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
             for array in self.arrays:
@@ -246,9 +246,9 @@ class DecoderRuntime:
         self.traffic.host_bytes += sum(a.nbytes for a in arrays)
         return arrays
 
-    def empty_past(self, batch_size: int, n_head: int, d_head: int, room_for: int = 0) -> DeviceCache:
+    def empty_past(self, batch_size: int, n_kv_head: int, d_head: int, room_for: int = 0) -> DeviceCache:
         """An empty cache for a prefill; inplace: a buffer with room_for columns, so the steps ahead never grow it."""
-        shape = (batch_size, n_head, 0, d_head)  # (B, H, 0, d_k): a prefill
+        shape = (batch_size, n_kv_head, 0, d_head)  # (B, H_kv, 0, d_k): a prefill
         return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names], room_for=room_for)
 
     def _in_buffer(self, array: np.ndarray, capacity: int) -> np.ndarray:
@@ -291,8 +291,8 @@ class DecoderRuntime:
 
     # --- the slots layout: one step over a SlotPool -------------------------------------------------
 
-    def new_pool(self, rows: int, n_head: int, d_head: int, capacity: int) -> SlotPool:
-        return SlotPool(self, rows, n_head, d_head, capacity)
+    def new_pool(self, rows: int, n_kv_head: int, d_head: int, capacity: int) -> SlotPool:
+        return SlotPool(self, rows, n_kv_head, d_head, capacity)
 
     def _bound_pool(self, pool: SlotPool, rows: int):
         """An IO binding with the pool's first rows bound as past and present; made once per (pool, rows)."""

@@ -8,6 +8,7 @@ from safetensors.torch import load_file, save_file
 
 from kvserve.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_checksum
 from kvserve.model.config import DecoderConfig, preset
+from kvserve.model.hf_config import config_from_hf, config_to_hf
 from kvserve.model.gpt2 import build
 
 
@@ -42,8 +43,8 @@ def test_pytorch_bin_and_unprefixed_names_load(tmp_path, tiny_model):
 
 
 def test_hf_config_round_trip():
-    config = DecoderConfig(vocab_size=300, n_ctx=64, d_model=48, n_head=6, n_layer=3, d_mlp=100, eos_token_id=299)
-    assert DecoderConfig.from_hf_dict(config.to_hf_dict()) == config
+    config = DecoderConfig(vocab_size=300, n_ctx=64, d_model=48, n_head=6, n_layer=3, d_mlp=100, eos_token_ids=(299,))
+    assert config_from_hf(config_to_hf(config)) == config
 
 
 @pytest.fixture
@@ -83,7 +84,7 @@ def test_malformed_checkpoints_are_named(checkpoint, breakage, message):
 @pytest.mark.parametrize(
     "edit, message",
     [
-        ({"model_type": "llama"}, "unsupported architecture: model_type 'llama'"),
+        ({"model_type": "falcon"}, "unsupported architecture: model_type 'falcon'"),
         ({"activation_function": "relu"}, "activation_function='relu'"),
         ({"n_head": 5}, "not divisible by n_head"),
     ],

@@ -1,0 +1,151 @@
+"""Causal attention over the per-layer KV cache, shared by every architecture (gpt2.py, llama.py).
+
+A model projects its own Q, K and V (and rotates them, for Llama); from there the cache and the attention
+are the same. The cache comes in one of three layouts, the same ones the export offers (export/io_contract.py):
+
+  concat   past (B, H_kv, P, d_k) -> present (B, H_kv, P + T, d_k): the new K/V are appended; the mask is
+           (B, P + T). P = 0 is a prefill.
+  inplace  a fixed-capacity buffer (B, H_kv, C, d_k) -> the same buffer with this step's K/V written at the
+           columns `cache_position` (T,); the mask is (B, C). Exported, present can be the very memory past
+           was, so a decode step writes one column instead of copying the whole cache (gpt-fast's idea).
+  slots    the server's own: a pool of per-sequence rows (S, H_kv, C, d_k), each row left-aligned (a token at
+           position p lives in column p); one step runs one new token for every row plus one chunk of one
+           row's prompt, so decode and chunked prefill share one pass over the weights (SlotStep).
+
+The cache holds H_kv heads. With grouped-query attention (H_kv < H) each K/V head serves H / H_kv query
+heads; they are grouped only inside scaled_dot_product_attention, never repeated in the cache.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# One layer's cache entry: (K, V), each (B, H_kv, S, d_k).
+LayerKV = tuple[torch.Tensor, torch.Tensor]
+
+
+def attention_allowed(attention_mask: torch.Tensor, query_columns: torch.Tensor) -> torch.Tensor:
+    """Which keys each query may attend to: causal by cache column, and never padding.
+
+    attention_mask: (B, S) over the cache columns, 1 for real tokens and 0 for padding. query_columns: (T,)
+    the column each query's own K/V occupy. Returns a bool (B, 1, T, S).
+    """
+    key_columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)  # (S,)
+    causal = key_columns[None, :] <= query_columns[:, None]  # (T, S)
+    return causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, T, S)
+
+
+def query_columns(attention_mask: torch.Tensor, steps: int, cache_position: torch.Tensor | None) -> torch.Tensor:
+    """The cache column of each of this step's T queries: the last T (concat), or cache_position (inplace)."""
+    if cache_position is None:
+        return torch.arange(steps, device=attention_mask.device) + attention_mask.shape[1] - steps  # (T,)
+    return cache_position  # (T,)
+
+
+def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
+    """The allowed keys as an additive float32 bias: 0 where allowed, the most negative float elsewhere.
+
+    Built once per step and added to every layer's scores: a broadcast Where per layer and head cost ONNX
+    Runtime 0.3 s of a 1.3 s 1,000-token prefill on the development VM; one Add costs a fraction of that.
+    """
+    return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def write_columns(buffer: torch.Tensor, columns: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """buffer (B, H, C, d_k) with new (B, H, T, d_k) written at the sequence columns (T,).
+
+    Spelled as one index_put over (batch, head, column) so the export is a single ScatterND whose data
+    input is the past itself (index_copy along dim 2 exports with a transpose of the whole buffer on
+    each side, which would copy it twice). Eager torch copies the buffer; the exported graph need not.
+    """
+    batch = torch.arange(buffer.shape[0], device=buffer.device)[:, None, None]  # (B, 1, 1)
+    head = torch.arange(buffer.shape[1], device=buffer.device)[None, :, None]  # (1, H, 1)
+    return torch.ops.aten.index_put(buffer, [batch, head, columns[None, None, :]], new)  # (B, H, C, d_k)
+
+
+def scaled_dot_product_attention(q, k, v, bias):
+    """softmax(q k^T / sqrt(d_k) + bias) v for q (B, H, T, d_k), k and v (B, H_kv, S, d_k), bias (B, 1, T, S)
+    from attention_bias; scores and softmax in float32 for fp16 safety. A query whose keys are all masked (a
+    padding position) gets uniform weights, not NaN: its output is never read, but NaN would poison nothing
+    less than the whole batch's logits check.
+
+    Grouped-query attention (H_kv < H): query head h reads K/V head h // (H / H_kv), as transformers'
+    repeat_kv has it. The group's queries are stacked as extra rows of one matrix against their shared
+    K/V head, so K/V are neither repeated nor copied.
+    """
+    B, H, T, d_k = q.shape
+    H_kv, S = k.shape[1], k.shape[2]
+    if H_kv == H:
+        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(d_k) + bias  # (B, H, T, S)
+        weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, T, S)
+        return weights @ v  # (B, H, T, d_k)
+    group = H // H_kv
+    q = q.reshape(B, H_kv, group * T, d_k)  # (B, H_kv, g * T, d_k): row j * T + t is query head h_kv * g + j at t
+    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(d_k)  # (B, H_kv, g * T, S)
+    scores = scores.view(B, H_kv, group, T, S) + bias[:, :, None]  # (B, H_kv, g, T, S): one bias for the group
+    weights = torch.softmax(scores, dim=-1).to(v.dtype).view(B, H_kv, group * T, S)  # (B, H_kv, g * T, S)
+    return (weights @ v).view(B, H, T, d_k)  # (B, H, T, d_k)
+
+
+def cached_attention(q, k, v, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
+    """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat or inplace cache.
+    Returns the attention output (B, H, T, d_k) and the layer's present (K, V)."""
+    past_k, past_v = past
+    if cache_position is None:
+        k = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, d_k)
+        v = torch.cat([past_v, v], dim=2)  # (B, H_kv, P + T, d_k)
+    else:
+        k = write_columns(past_k, cache_position, k)  # (B, H_kv, C, d_k)
+        v = write_columns(past_v, cache_position, v)  # (B, H_kv, C, d_k)
+    return scaled_dot_product_attention(q, k, v, bias), (k, v)
+
+
+class SlotStep:
+    """Where one `slots` step's N = B + T tokens go: B decode tokens (one per cache row, rows 0..B-1) then
+    a prompt chunk of T tokens of row `chunk_slot`. Built once per forward, shared by every layer.
+
+    Both parts read their rows' columns with one gather from the pool seen as (S * H_kv * C_cap, d_k): decode
+    rows their first W columns, the chunk its own row's first W_c. (Slicing the pool's column axis cost ONNX
+    Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.)"""
+
+    def __init__(self, position_ids, attention_mask, chunk_position_ids, chunk_attention_mask, chunk_slot, n_kv_head: int, capacity: int):
+        B, T = position_ids.shape[0], chunk_position_ids.shape[1]
+        device = position_ids.device
+        rows = torch.cat([torch.arange(B, device=device), chunk_slot.expand(T)])  # (N,)
+        self.write_rows = rows[:, None]  # (N, 1)
+        self.write_columns = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])[:, None]  # (N, 1)
+        self.n_decode = B
+        heads = torch.arange(n_kv_head, device=device)  # (H_kv,)
+        decode_columns = torch.arange(attention_mask.shape[1], device=device)  # (W,): decode rows read these
+        decode_planes = torch.arange(B, device=device)[:, None] * n_kv_head + heads[None, :]  # (B, H_kv)
+        self.decode_cells = decode_planes[:, :, None] * capacity + decode_columns[None, None, :]  # (B, H_kv, W)
+        self.decode_bias = attention_bias((attention_mask > 0)[:, None, None, :])  # (B, 1, 1, W)
+        chunk_columns = torch.arange(chunk_attention_mask.shape[1], device=device)  # (W_c,): the chunk reads these
+        self.chunk_cells = (chunk_slot * n_kv_head + heads)[:, None] * capacity + chunk_columns[None, :]  # (H_kv, W_c)
+        causal = chunk_columns[None, :] <= chunk_position_ids.reshape(T)[:, None]  # (T, W_c)
+        self.chunk_bias = attention_bias((causal & (chunk_attention_mask > 0))[None, None])  # (1, 1, T, W_c)
+        self.positions = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
+
+
+def slots_attention(q, k, v, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+    """A `slots` step's q (N, H, d_k) and new k, v (N, H_kv, d_k), decode rows first, against the row pool
+    past (each (S, H_kv, C_cap, d_k)). Returns the attention output (N, H * d_k) and the pool, written."""
+    N, H, d_k = q.shape
+    B, H_kv = step.n_decode, k.shape[1]
+    kv_heads = torch.arange(H_kv, device=q.device)[None, :]  # (1, H_kv)
+    # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
+    index = [step.write_rows, kv_heads, step.write_columns]  # broadcast to (N, H_kv)
+    past_k, past_v = past
+    k = torch.ops.aten.index_put(past_k, index, k)  # (S, H_kv, C_cap, d_k)
+    v = torch.ops.aten.index_put(past_v, index, v)  # (S, H_kv, C_cap, d_k)
+    k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
+    q_decode = q[:B].view(B, H, 1, d_k)  # (B, H, 1, d_k)
+    k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
+    y_decode = scaled_dot_product_attention(q_decode, k_decode, v_decode, step.decode_bias)  # (B, H, 1, d_k)
+    q_chunk = q[B:].transpose(0, 1)[None]  # (1, H, T, d_k)
+    k_row, v_row = k_cells[step.chunk_cells][None], v_cells[step.chunk_cells][None]  # (1, H_kv, W_c, d_k)
+    y_chunk = scaled_dot_product_attention(q_chunk, k_row, v_row, step.chunk_bias)  # (1, H, T, d_k)
+    y = torch.cat([y_decode.view(B, H * d_k), y_chunk[0].transpose(0, 1).reshape(N - B, H * d_k)])  # (N, H * d_k)
+    return y, (k, v)

@@ -1,0 +1,191 @@
+"""transformers' config.json <-> DecoderConfig, for every model_type kvserve implements. No torch here: the
+torch-free server reads an artifact's config.json through it too.
+
+Whatever a config.json asks for that kvserve does not implement is refused by name (a rope type, an
+activation, a sliding window shorter than the context), never silently approximated.
+"""
+
+from __future__ import annotations
+
+from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, Llama3RopeScaling
+
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def config_from_hf(hf: dict, generation: dict | None = None) -> DecoderConfig:
+    """A config.json (and, when given, generation_config.json, whose eos_token_id wins) as a DecoderConfig."""
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported architecture: model_type {model_type!r} (kvserve implements {', '.join(MODEL_TYPES)})")
+    eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
+    eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+    vocab_size = _required(hf, "vocab_size")
+    # An id the model can never emit: transformers tolerates it, and so do we.
+    eos_ids = tuple(dict.fromkeys(i for i in eos_ids if 0 <= i < vocab_size))
+    bos = hf.get("bos_token_id")
+    common = dict(
+        model_type=model_type,
+        vocab_size=vocab_size,
+        eos_token_ids=eos_ids,
+        bos_token_id=int(bos) if isinstance(bos, int) and 0 <= bos < vocab_size else None,
+        initializer_range=float(hf.get("initializer_range", 0.02)),
+    )
+    if model_type == GPT2_ARCH:
+        return _gpt2_from_hf(hf, common | {"bos_token_id": None})  # GPT-2's is its EOS; config_to_hf writes it so
+    return _llama_from_hf(hf, common)
+
+
+def config_to_hf(config: DecoderConfig) -> dict:
+    """The config.json transformers' from_pretrained reads for this config."""
+    eos = list(config.eos_token_ids)
+    common = {
+        "architectures": [HF_ARCHITECTURES[config.model_type]],
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "bos_token_id": config.bos_token_id if config.bos_token_id is not None else config.eos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "initializer_range": config.initializer_range,
+        "tie_word_embeddings": config.tie_word_embeddings,
+    }
+    if config.model_type == GPT2_ARCH:
+        return common | {
+            "activation_function": "gelu_new",
+            "n_positions": config.n_ctx,
+            "n_embd": config.d_model,
+            "n_head": config.n_head,
+            "n_layer": config.n_layer,
+            "n_inner": config.d_mlp,
+            "layer_norm_epsilon": config.layer_norm_eps,
+            "resid_pdrop": config.dropout,
+            "embd_pdrop": config.dropout,
+            "attn_pdrop": config.dropout,
+        }
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if config.rope_scaling is not None:
+        scaling = config.rope_scaling
+        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
+                "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_max_position_embeddings}
+    hf = common | {
+        "hidden_act": "silu",
+        "hidden_size": config.d_model,
+        "intermediate_size": config.d_mlp,
+        "num_attention_heads": config.n_head,
+        "num_key_value_heads": config.n_kv_head,
+        "head_dim": config.head_dim,
+        "num_hidden_layers": config.n_layer,
+        "max_position_embeddings": config.n_ctx,
+        "rms_norm_eps": config.layer_norm_eps,
+        # Both spellings: transformers 5 reads rope_parameters, transformers 4 (and most published configs) rope_theta/rope_scaling.
+        "rope_parameters": rope,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
+        "attention_dropout": config.dropout,
+    }
+    if config.model_type == "llama":
+        hf |= {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
+    elif config.model_type == "qwen2":
+        hf |= {"use_sliding_window": False}
+    else:
+        hf |= {"sliding_window": None}
+    return hf
+
+
+def _required(hf: dict, key: str) -> int:
+    if key not in hf or hf[key] is None:
+        raise ValueError(f"config.json lacks required field {key!r}")
+    return int(hf[key])
+
+
+def _gpt2_from_hf(hf: dict, common: dict) -> DecoderConfig:
+    unsupported = {
+        "activation_function": ("gelu_new", hf.get("activation_function", "gelu_new")),
+        "scale_attn_weights": (True, hf.get("scale_attn_weights", True)),
+        "scale_attn_by_inverse_layer_idx": (False, hf.get("scale_attn_by_inverse_layer_idx", False)),
+        "reorder_and_upcast_attn": (False, hf.get("reorder_and_upcast_attn", False)),
+        "add_cross_attention": (False, hf.get("add_cross_attention", False)),
+        "tie_word_embeddings": (True, hf.get("tie_word_embeddings", True)),
+    }
+    for key, (expected, actual) in unsupported.items():
+        if actual != expected:
+            raise ValueError(f"unsupported GPT-2 variant: {key}={actual!r} (kvserve implements {key}={expected!r})")
+    missing = [k for k in ("n_embd", "n_head", "n_layer") if k not in hf]
+    if missing:
+        raise ValueError(f"config.json lacks required field(s): {', '.join(missing)}")
+    d_model = int(hf["n_embd"])
+    return DecoderConfig(
+        **common,
+        n_ctx=int(hf.get("n_positions", hf.get("n_ctx", 1024))),
+        d_model=d_model,
+        n_head=int(hf["n_head"]),
+        n_layer=int(hf["n_layer"]),
+        d_mlp=int(hf.get("n_inner") or 4 * d_model),
+        layer_norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+    )
+
+
+def _rope(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
+    """rope_theta and the scaling, from transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
+    parameters = hf.get("rope_parameters") or {}
+    if "rope_theta" in parameters or "rope_type" in parameters:
+        theta, scaling = parameters.get("rope_theta", hf.get("rope_theta", 10000.0)), parameters
+    else:
+        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor {partial!r} (kvserve rotates every channel: 1.0)")
+    if rope_type == "default":
+        return float(theta), None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope_type {rope_type!r} (kvserve implements 'default' and 'llama3')")
+    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [f for f in fields if f not in scaling]
+    if missing:
+        raise ValueError(f"rope_scaling of type 'llama3' lacks {', '.join(missing)}")
+    return float(theta), Llama3RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling["low_freq_factor"]),
+        high_freq_factor=float(scaling["high_freq_factor"]),
+        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
+    )
+
+
+def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
+    model_type = hf["model_type"]
+    n_ctx = _required(hf, "max_position_embeddings")
+    act = hf.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"unsupported hidden_act {act!r} (kvserve implements the SwiGLU MLP: 'silu')")
+    if hf.get("pretraining_tp", 1) != 1:
+        raise ValueError(f"unsupported pretraining_tp {hf['pretraining_tp']!r} (kvserve implements 1)")
+    window = hf.get("sliding_window")
+    slides = hf.get("use_sliding_window", True) if model_type == "qwen2" else window is not None
+    layer_types = hf.get("layer_types") or []
+    if model_type == "qwen2" and "sliding_attention" in layer_types:
+        slides = True
+    if slides and window is not None and int(window) < n_ctx:
+        raise ValueError(
+            f"unsupported sliding_window {window} < max_position_embeddings {n_ctx} (kvserve attends to the whole context; "
+            "a window that covers it is accepted)"
+        )
+    theta, scaling = _rope(hf)
+    d_model, n_head = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
+    attention_bias = bool(hf.get("attention_bias", False))
+    return DecoderConfig(
+        **common,
+        n_ctx=n_ctx,
+        d_model=d_model,
+        n_head=n_head,
+        n_layer=_required(hf, "num_hidden_layers"),
+        d_mlp=_required(hf, "intermediate_size"),
+        layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        n_kv_head=int(hf.get("num_key_value_heads") or n_head),
+        head_dim=int(hf.get("head_dim") or d_model // n_head),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        # Qwen2 always biases Q, K and V (not O); Llama biases all four when attention_bias; Mistral none.
+        qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
+        o_bias=model_type == "llama" and attention_bias,
+        mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
+    )
