@@ -18,7 +18,6 @@ heads; they are grouped only inside scaled_dot_product_attention, never repeated
 
 from __future__ import annotations
 
-import math
 
 import torch
 
@@ -78,12 +77,12 @@ def scaled_dot_product_attention(q, k, v, bias):
     B, H, T, d_k = q.shape
     H_kv, S = k.shape[1], k.shape[2]
     if H_kv == H:
-        scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(d_k) + bias  # (B, H, T, S)
+        scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5 + bias  # (B, H, T, S)
         weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, T, S)
         return weights @ v  # (B, H, T, d_k)
     group = H // H_kv
     q = q.reshape(B, H_kv, group * T, d_k)  # (B, H_kv, g * T, d_k): row j * T + t is query head h_kv * g + j at t
-    scores = (q @ k.transpose(-2, -1)).float() / math.sqrt(d_k)  # (B, H_kv, g * T, S)
+    scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5  # (B, H_kv, g * T, S)
     scores = scores.view(B, H_kv, group, T, S) + bias[:, :, None]  # (B, H_kv, g, T, S): one bias for the group
     weights = torch.softmax(scores, dim=-1).to(v.dtype).view(B, H_kv, group * T, S)  # (B, H_kv, g * T, S)
     return (weights @ v).view(B, H, T, d_k)  # (B, H, T, d_k)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -26,7 +27,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="session")
 def tiny_model():
     from kvserve.model.config import preset
-    from kvserve.model.gpt2 import build
+    from kvserve.model.decoders import build
 
     return build(preset("tiny"), seed=0)
 
@@ -96,6 +97,67 @@ def make_hf_checkpoint(tmp_path_factory):
         hf = GPT2LMHeadModel(GPT2Config(**config)).eval()
         directory = tmp_path_factory.mktemp("hf-checkpoint")
         hf.save_pretrained(directory)
+        return hf, directory
+
+    return make
+
+
+# Llama-family configs the tests hold kvserve to (transformers' own config classes, random weights). Together they
+# cover grouped 2:1 and 4:1 and plain multi-head K/V, head_dim apart from hidden_size / heads and not 64,
+# rope_theta 500000 with llama3 rope scaling, tied and untied LM heads, Q/K/V (and O, MLP) biases.
+LLAMA_CONFIGS = {
+    "llama gqa 2:1 llama3-rope tied": ("llama", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=160, rope_theta=500000.0, tie_word_embeddings=True,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+    )),
+    "llama gqa 4:1 head_dim 24 untied": ("llama", dict(
+        vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=24, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,
+    )),
+    "llama multi-head head_dim 40 biased": ("llama", dict(
+        vocab_size=256, hidden_size=80, intermediate_size=112, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
+        max_position_embeddings=128, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+    )),
+    "qwen2 gqa 3:1 qkv-bias tied": ("qwen2", dict(
+        vocab_size=400, hidden_size=96, intermediate_size=144, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        max_position_embeddings=128, rope_theta=1000000.0, tie_word_embeddings=True,
+    )),
+    "mistral gqa 2:1 head_dim 32 untied": ("mistral", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False,
+    )),
+}
+
+
+@pytest.fixture(scope="session")
+def make_hf_llama(tmp_path_factory):
+    """Factory: a transformers Llama-family model (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM) with random
+    weights from a config, saved locally as save_pretrained writes it: optionally in bfloat16, optionally sharded.
+    Returns the model in float32 (the reference: exactly the saved weights) and the directory."""
+    import torch
+    import transformers
+
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+    def make(model_type: str, seed: int = 0, dtype=None, max_shard_size=None, generation=None, **config):
+        torch.manual_seed(seed)
+        # Weights far wider than the 0.02 default: greedy tokens then depend on the context and win by clear margins
+        # (at 0.02 a model this small repeats one token whatever it reads, and a token-for-token check proves little).
+        config.setdefault("initializer_range", 0.3)
+        config.setdefault("bos_token_id", 1)
+        config.setdefault("eos_token_id", 2)
+        prefix = classes[model_type]
+        hf_config = getattr(transformers, f"{prefix}Config")(**config, attn_implementation="eager")
+        hf = getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval()
+        if dtype is not None:
+            hf = hf.to(dtype)
+        directory = tmp_path_factory.mktemp(f"hf-{model_type}")
+        hf.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+        if generation is not None:
+            (directory / "generation_config.json").write_text(json.dumps(generation))
+        if dtype is not None:  # read back in float32: hf.float() would keep rotary frequencies rounded to dtype
+            hf = getattr(transformers, f"{prefix}ForCausalLM").from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
         return hf, directory
 
     return make

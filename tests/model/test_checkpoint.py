@@ -96,3 +96,113 @@ def test_unsupported_configs_are_named(checkpoint, edit, message):
     with pytest.raises(CheckpointError) as error:
         load_checkpoint(checkpoint)
     assert message in str(error.value)
+
+
+# --- the Llama family -------------------------------------------------------------------------------------
+
+
+def _llama(make_hf_llama, **overrides):
+    from tests.conftest import LLAMA_CONFIGS
+
+    model_type, config = LLAMA_CONFIGS["llama gqa 4:1 head_dim 24 untied"]
+    return make_hf_llama(model_type, **(config | overrides))
+
+
+@torch.no_grad()
+def test_sharded_bfloat16_checkpoint_loads_exactly(make_hf_llama):
+    """save_pretrained in bfloat16, split in shards with model.safetensors.index.json: every weight arrives, as float32."""
+    hf, directory = _llama(make_hf_llama, dtype=torch.bfloat16, max_shard_size="40KB")
+    assert (directory / "model.safetensors.index.json").exists() and len(list(directory.glob("model-*.safetensors"))) > 2
+    ours = load_checkpoint(directory)
+    assert next(ours.parameters()).dtype == torch.float32
+    ids = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+    theirs = hf(input_ids=ids).logits  # hf: the same bfloat16 weights, widened to float32
+    mine, _ = ours(ids, torch.ones_like(ids), torch.arange(8)[None], ours.empty_cache(1))
+    assert (mine - theirs).abs().max() <= 1e-5
+
+
+def test_llama_save_then_load_round_trips_and_transformers_reads_it(tmp_path, make_hf_llama):
+    from transformers import LlamaForCausalLM
+
+    _, directory = _llama(make_hf_llama)
+    ours = load_checkpoint(directory)
+    save_checkpoint(ours, tmp_path)
+    again = load_checkpoint(tmp_path)
+    assert again.config == ours.config and weights_checksum(again) == weights_checksum(ours)
+    hf = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.tensor([[7, 7, 8, 9]])
+    with torch.no_grad():
+        mine, _ = ours(ids, torch.ones_like(ids), torch.arange(4)[None], ours.empty_cache(1))
+        assert (hf(input_ids=ids).logits - mine).abs().max() <= 1e-5
+
+
+def test_eos_ids_come_from_generation_config_as_a_list(make_hf_llama):
+    _, directory = _llama(make_hf_llama, generation={"eos_token_id": [2, 7, 299], "bos_token_id": 1})
+    config = load_checkpoint(directory).config
+    assert config.eos_token_ids == (2, 7, 299) and config.eos_token_id == 2
+    assert config_from_hf(config_to_hf(config)) == config  # the list survives into an artifact's config.json
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        ({"model_type": "gemma"}, "unsupported architecture: model_type 'gemma'"),
+        ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}, "unsupported partial_rotary_factor 0.5"),
+        ({"model_type": "mistral", "sliding_window": 64}, "unsupported sliding_window 64 < max_position_embeddings 128"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}, "unsupported sliding_window 32"),
+        ({"num_key_value_heads": 3}, "n_head (8) is not a multiple of n_kv_head (3)"),
+        ({"hidden_size": None}, "lacks required field 'hidden_size'"),
+    ],
+    ids=["architecture", "activation", "rope type", "partial rotary", "mistral window", "qwen2 window", "kv heads", "no width"],
+)
+def test_unsupported_llama_configs_are_named(make_hf_llama, edit, message):
+    _, directory = _llama(make_hf_llama)
+    config = json.loads((directory / "config.json").read_text())
+    config.update(edit)
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(directory)
+    assert message in str(error.value)
+
+
+def test_a_window_covering_the_context_and_older_rope_fields_are_accepted(make_hf_llama):
+    """Mistral with a sliding window as long as the context attends as Llama does; transformers 4's rope_theta and
+    rope_scaling spelling (most published configs) read the same as transformers 5's rope_parameters."""
+    _, directory = _llama(make_hf_llama)
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("rope_parameters")
+    config |= {"model_type": "mistral", "sliding_window": 128, "rope_theta": 500000.0,
+               "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32}}
+    (directory / "config.json").write_text(json.dumps(config))
+    loaded = load_checkpoint(directory).config
+    assert loaded.model_type == "mistral" and loaded.rope_theta == 500000.0 and loaded.rope_scaling.factor == 8.0
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), "missing tensor(s): model.layers.1.self_attn.k_proj.weight"),
+        (lambda t: t.pop("lm_head.weight"), "missing tensor(s): lm_head.weight"),
+        (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(96, 96)}),
+         "'model.layers.0.self_attn.k_proj.weight' has shape (96, 96), expected (48, 96)"),
+    ],
+    ids=["missing k_proj", "untied head missing", "k_proj with query heads"],
+)
+def test_malformed_llama_checkpoints_are_named(make_hf_llama, edit, message):
+    _, directory = _llama(make_hf_llama)
+    tensors = load_file(directory / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, directory / "model.safetensors")
+    with pytest.raises(CheckpointError) as error:
+        load_checkpoint(directory)
+    assert message in str(error.value)
+
+
+def test_a_shard_index_naming_a_missing_shard_is_named(make_hf_llama):
+    _, directory = _llama(make_hf_llama, max_shard_size="40KB")
+    shard = sorted(directory.glob("model-*.safetensors"))[1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
+        load_checkpoint(directory)

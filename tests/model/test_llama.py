@@ -1,0 +1,90 @@
+"""The Llama-family eager reference against transformers' LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM:
+same weights (saved by save_pretrained, loaded by kvserve), same logits, same tokens, every cache layout."""
+
+import pytest
+import torch
+
+from kvserve.model.checkpoint import load_checkpoint
+from kvserve.model.generate import generate, left_pad, position_ids_from_mask
+from tests.conftest import LLAMA_CONFIGS
+
+PROMPTS = [[5, 17, 42], [1, 3, 4, 5, 6, 7, 8, 9, 10], [250], [11, 12, 13, 14, 15, 16]]
+
+
+@pytest.fixture(scope="module", params=list(LLAMA_CONFIGS), ids=list(LLAMA_CONFIGS))
+def pair(request, make_hf_llama):
+    model_type, config = LLAMA_CONFIGS[request.param]
+    hf, directory = make_hf_llama(model_type, seed=len(request.param), **config)
+    return hf, load_checkpoint(directory)
+
+
+def test_config_is_read_as_written(pair):
+    hf, ours = pair
+    config = ours.config
+    assert config.architecture == "llama" and config.model_type == hf.config.model_type
+    head_dim = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // hf.config.num_attention_heads
+    assert (config.n_head, config.n_kv_head, config.head_dim) == (hf.config.num_attention_heads, hf.config.num_key_value_heads, head_dim)
+    assert config.tie_word_embeddings == hf.config.tie_word_embeddings
+    # the cache holds the K/V heads, not the query heads
+    assert ours.empty_cache(2, 5)[0][0].shape == (2, hf.config.num_key_value_heads, 5, head_dim)
+
+
+@torch.no_grad()
+def test_logits_match_transformers_on_a_padded_batch(pair):
+    hf, ours = pair
+    input_ids, attention_mask = left_pad(PROMPTS)  # (4, 9), rows padded on the left
+    position_ids = position_ids_from_mask(attention_mask)
+    theirs = hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    mine, _ = ours(input_ids, attention_mask, position_ids, ours.empty_cache(len(PROMPTS)))
+    real = attention_mask.bool()
+    assert theirs[real].abs().max() > 0.5  # logits with a spread, not a model that says nothing
+    assert (mine[real] - theirs[real]).abs().max().item() <= 1e-5
+
+
+@torch.no_grad()
+def test_greedy_generation_matches_transformers_token_for_token(pair):
+    hf, ours = pair
+    steps = 40
+    mine = generate(ours, PROMPTS, steps).tokens  # (4, 40)
+    input_ids, attention_mask = left_pad(PROMPTS)
+    theirs = hf.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None
+    )[:, input_ids.shape[1]:]
+    assert theirs.shape == mine.shape
+    assert len(set(mine[0].tolist())) > 3  # a continuation that depends on its context, not one token repeated
+    assert torch.equal(theirs, mine)
+
+
+@torch.no_grad()
+def test_every_cache_layout_gives_the_same_logits(pair):
+    """concat decode steps, an inplace buffer and a slots step (decode rows beside a prompt chunk) all equal a
+    full forward over the whole sequence (within float32 noise: logits here reach 10, and the sums run in another order)."""
+    close = 1e-4
+    _, ours = pair
+    sequence = torch.tensor([[7, 8, 9, 10, 11, 12, 13]])
+    T = sequence.shape[1]
+    full, full_present = ours(sequence, torch.ones_like(sequence), torch.arange(T)[None], ours.empty_cache(1))
+
+    _, past = ours(sequence[:, :4], torch.ones(1, 4, dtype=torch.int64), torch.arange(4)[None], ours.empty_cache(1))
+    for t in range(4, T):  # concat: one token at a time
+        step, past = ours(sequence[:, t : t + 1], torch.ones(1, t + 1, dtype=torch.int64), torch.tensor([[t]]), past)
+        assert (step[0, -1] - full[0, t]).abs().max() <= close
+
+    capacity = T + 3  # inplace: a buffer wider than the sequence, written at cache_position
+    mask = (torch.arange(capacity) < T).long()[None]
+    inplace, buffer = ours(sequence, mask, torch.arange(T)[None], ours.empty_cache(1, capacity), torch.arange(T))
+    assert (inplace - full).abs().max() <= close
+    assert (buffer[0][0][:, :, :T] - full_present[0][0]).abs().max() <= close
+
+    # slots: row 0 decodes its 5th token while row 1's prompt (the same sequence) runs as one chunk
+    pool = ours.empty_cache(2, capacity)
+    _, pool = ours.forward_slots(
+        torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), capacity - 1), torch.ones(2, 1, dtype=torch.int64),
+        sequence[:, :4], torch.arange(4)[None], torch.ones(1, 4, dtype=torch.int64), torch.tensor([0]), torch.tensor([5]), pool,
+    )
+    logits, pool = ours.forward_slots(
+        sequence[:, 4:5].expand(2, 1), torch.tensor([[4], [capacity - 1]]), (torch.arange(5) <= 4).long()[None].expand(2, 5),
+        sequence, torch.arange(T)[None], torch.ones(1, T, dtype=torch.int64), torch.tensor([1]), torch.tensor([0, 2 + T - 1]), pool,
+    )
+    assert (logits[0] - full[0, 4]).abs().max() <= close  # row 0's decode token
+    assert (logits[1] - full[0, T - 1]).abs().max() <= close  # the chunk's last token
