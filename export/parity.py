@@ -28,7 +28,7 @@ from kvserve.service.runtime import DecoderRuntime
 from .artifact import ArtifactError, open_artifact
 from .io_contract import SLOTS
 from .quality import eval_windows, greedy_tokens, text_quality
-from .tolerances import TOLERANCES, Tolerance, kl_divergence
+from .tolerances import TOLERANCES, Tolerance, kl_divergence, logits_bound
 
 
 class VerifyRefused(UserError):
@@ -46,6 +46,7 @@ class _Check:
     def __init__(self, name: str):
         self.name, self.max_abs, self.sum_abs, self.count, self.agree, self.positions = name, 0.0, 0.0, 0, 0, 0
         self.kl_sum = 0.0
+        self.eager_max_abs = 0.0  # the largest |eager logit| seen: the scale of a relative logits tolerance
         self.kv_max_abs: float | None = None  # None: this check compares no K/V
 
     def add_logits(self, onnx_logits: np.ndarray, eager_logits: np.ndarray) -> None:
@@ -57,16 +58,18 @@ class _Check:
         self.agree += int((onnx_logits.argmax(-1) == eager_logits.argmax(-1)).sum())
         self.positions += onnx_logits.shape[0]
         self.kl_sum += float(kl_divergence(eager_logits, onnx_logits).sum())  # KL(eager || onnx)
+        self.eager_max_abs = max(self.eager_max_abs, float(np.abs(eager_logits).max()))
 
     def result(self, tolerance: Tolerance) -> dict:
         top1 = self.agree / self.positions
         kl_mean = self.kl_sum / self.positions
-        passed = self.max_abs <= tolerance.logits_max_abs and top1 >= tolerance.top1_min
+        passed = self.max_abs <= logits_bound(tolerance, np.array(self.eager_max_abs)) and top1 >= tolerance.top1_min
         passed = passed and (self.kv_max_abs is None or self.kv_max_abs <= tolerance.kv_max_abs)
         passed = passed and (tolerance.kl_mean_max is None or kl_mean <= tolerance.kl_mean_max)
         return {
             "name": self.name,
             "max_abs_logits": self.max_abs,
+            "max_abs_eager_logit": self.eager_max_abs,
             "mean_abs_logits": self.sum_abs / self.count,
             "top1_agreement": top1,
             "kl_mean": kl_mean,
@@ -291,13 +294,15 @@ def format_report(report: dict) -> str:
         f"parity: {report['artifact']} ({report['dtype']}{', ' + report['quantization'] + ' weights' if report.get('quantization') else ''}, "
         f"{report.get('kv_cache', 'concat')} KV cache) on {report['provider']}",
         "",
-        f"| check | max abs Δ logits | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
+        f"| check | max abs Δ logits{' (of max abs logit)' if report['tolerance'].get('logits_relative') else ''} | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
         "|---|---:|---:|---:|---:|---:|:-:|",
     ]
+    relative = report["tolerance"].get("logits_relative", False)
     for c in report["checks"]:
         kv = "n/a" if c["kv_max_abs"] is None else f"{c['kv_max_abs']:.2e}"
+        scale = f" (of {c['max_abs_eager_logit']:.3g})" if relative else ""
         lines.append(
-            f"| {c['name']} | {c['max_abs_logits']:.2e} | {c['mean_abs_logits']:.2e} | "
+            f"| {c['name']} | {c['max_abs_logits']:.2e}{scale} | {c['mean_abs_logits']:.2e} | "
             f"{c['top1_agreement']:.3f} | {c['kl_mean']:.1e} | {kv} | "
             f"{'yes' if c['passed'] else 'NO'} |"
         )
@@ -323,7 +328,7 @@ def format_report(report: dict) -> str:
     )
     tol = report["tolerance"]
     lines.append(
-        f"tolerance ({report.get('quantization') or report['dtype']}): logits {tol['logits_max_abs']:g}, "
+        f"tolerance ({report.get('quantization') or report['dtype']}): logits {tol['logits_max_abs']:g}{' (relative)' if tol.get('logits_relative') else ''}, "
         f"K/V {tol['kv_max_abs']:g}{' (relative)' if tol['kv_relative'] else ''}, top-1 >= {tol['top1_min']:g}"
         + (f", mean KL <= {tol['kl_mean_max']:g}" if tol["kl_mean_max"] is not None else "")
         + f", greedy identical {'required' if tol['greedy_identical'] else 'reported'}"

@@ -42,19 +42,25 @@ class TextTolerance:
 
 @dataclass(frozen=True)
 class Tolerance:
-    logits_max_abs: float  # largest |onnx - eager| allowed on any logit
+    """How close an artifact's numbers must stay to the eager reference's."""
+
+    logits_max_abs: float  # largest |onnx - eager| allowed on any logit; see logits_relative
     kv_max_abs: float  # largest |onnx - eager| on any present K/V entry, per (layer, head); see kv_relative
     top1_min: float  # least share of positions whose argmax token agrees
     greedy_identical: bool  # whether greedy tokens must match exactly
     kv_relative: bool = False  # kv_max_abs is a fraction of the eager K/V's largest |value| in that (layer, head)
+    logits_relative: bool = False  # logits_max_abs is a fraction of the eager logits' largest |value| in that check
     kl_mean_max: float | None = None  # largest mean KL(eager || onnx) per compared position; None: not checked
     text: TextTolerance | None = None  # real-text checks; None: not run
 
 
 TOLERANCES = {
     "float32": Tolerance(logits_max_abs=1e-4, kv_max_abs=1e-4, top1_min=1.0, greedy_identical=True),
-    # float16 keeps ~3 significant digits; LayerNorm statistics and softmax run in float32 in the graph.
-    "float16": Tolerance(logits_max_abs=5e-2, kv_max_abs=5e-2, top1_min=0.95, greedy_identical=False),
+    # float16 keeps ~3 significant digits (norm statistics and softmax run in float32 in the graph), so its error
+    # grows with the numbers' size: bounds relative to the largest eager logit and the largest K/V of each (layer,
+    # head). Measured on the CPU provider: Qwen2-shaped test weights with logits up to 12 are off by up to 6.5e-2
+    # (0.6% of the largest) and their K/V by 0.4%; a fixed 5e-2 bound would fail them and let small-logit models drift.
+    "float16": Tolerance(logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.95, greedy_identical=False, kv_relative=True, logits_relative=True),
     # 8-bit weights in blocks of 32 with float scales (export/quantize.py). Measured (README, "Int8"): the
     # trained default model stays within a tenth of these bounds (mean KL 2e-4, relative K/V 1.5e-2, text top-1
     # 0.99, perplexity x1.002, all 32 greedy tokens), the gpt2 preset within half; a zeroed scale exceeds them
@@ -66,3 +72,9 @@ TOLERANCES = {
         text=TextTolerance(top1_min=0.9, kl_mean_max=0.01, perplexity_ratio_max=1.01, greedy_prefix_min=4),
     ),
 }
+
+
+def logits_bound(tolerance: Tolerance, eager_logits: np.ndarray) -> float:
+    """The largest |onnx - eager| logit difference allowed where the eager logits are eager_logits."""
+    scale = float(np.abs(eager_logits).max()) if tolerance.logits_relative else 1.0
+    return tolerance.logits_max_abs * scale

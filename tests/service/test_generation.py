@@ -339,5 +339,5 @@ def test_a_float16_artifact_is_served_end_to_end(tmp_path_factory, tiny_model):
         logits = tiny_model(ids, torch.ones_like(ids), torch.arange(len(tokens))[None], tiny_model.empty_cache(1))[0][0]
     expected = torch.log_softmax(logits.double(), dim=-1)[len(PROMPTS[3]) - 1 : -1]  # the distributions each token came from
     assert len(got) == 20
-    assert max(abs(lp - expected[k, t].item()) for k, (t, lp) in enumerate(got)) <= 5e-2  # float16's tolerance
+    assert max(abs(lp - expected[k, t].item()) for k, (t, lp) in enumerate(got)) <= 5e-2  # float16 noise on this model's small logits
     assert sum(t == int(expected[k].argmax()) for k, (t, _) in enumerate(got)) >= 19  # greedy, up to a near tie
