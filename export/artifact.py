@@ -1,8 +1,9 @@
 """The artifact directory: what `kvserve export` writes and what `kvserve serve` reads. No torch here.
 
     model.onnx          the graph (model.onnx.data beside it holds the weights when they are large)
-    config.json         the decoder config, in GPT-2's config.json format
-    manifest.json       I/O names, shapes with symbolic axes, dtypes, opset, IR version, checksums, source
+    config.json         the decoder config, as transformers' config.json (model_type gpt2, llama, qwen2, mistral)
+    manifest.json       architecture, K/V heads, I/O names, shapes with symbolic axes, dtypes, opset, IR version,
+                        checksums, source
     golden.npz          a fixed prompt, the eager model's greedy tokens and the logits behind each one
     parity.json         the verify report written at export time
     tokenizer.json ...  copied from the checkpoint when it has them
@@ -82,6 +83,11 @@ class Artifact:
         return self.manifest["dtype"]
 
     @property
+    def architecture(self) -> str:
+        """The decoder family (model/config.py ARCHITECTURES); artifacts from before the Llama family are GPT-2."""
+        return self.manifest.get("architecture", self.config.architecture)
+
+    @property
     def kv_cache(self) -> str:
         """The graph's KV cache layout, io_contract.CONCAT or INPLACE."""
         return self.manifest.get("kv_cache", CONCAT)
@@ -146,6 +152,12 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
     quantization = manifest.get("quantization")
     if quantization is not None and (not isinstance(quantization, dict) or quantization.get("scheme") not in QUANTIZATIONS):
         raise ArtifactError(f"{where}: quantization must be null or an object whose scheme is one of {', '.join(QUANTIZATIONS)}")
+    architecture = manifest.get("architecture", config.architecture)
+    if architecture != config.architecture or manifest.get("model_type", config.model_type) != config.model_type:
+        raise ArtifactError(
+            f"{where}: architecture {architecture!r} ({manifest.get('model_type')!r}) disagrees with config.json's "
+            f"model_type {config.model_type!r}"
+        )
     if check_files:
         for name, expected in files.items():
             path = directory / name

@@ -7,7 +7,8 @@ Checks, each over real numbers from both sides:
   recompute  the cached decode's last logits against a full recompute of the whole sequence (past = 0)
   greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
   text       quantized artifacts only: teacher-forced held-out text (export/quality.py)
-The present K/V divergence is kept per (layer, head), so a broken tolerance names where it starts.
+The present K/V divergence is kept per (layer, head), so a broken tolerance names where it starts (the K/V
+heads: a grouped-query model's cache holds fewer heads than it has query heads).
 """
 
 from __future__ import annotations
@@ -166,6 +167,15 @@ class _SlotsDriver:
 
     def kv(self) -> list[list[np.ndarray]]:
         return [self.pool.row_to_host(row, int(length)) for row, length in enumerate(self.lengths)]
+
+
+def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: int, provider: str = "auto") -> np.ndarray:
+    """The artifact's own greedy continuation of prompts, (B, steps): a slots artifact a row per prompt as the
+    server runs it, a concat or inplace one as one left-padded batch, Optimum-style."""
+    artifact = open_artifact(artifact_dir)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache)
+    driver = _SlotsDriver(runtime, artifact.config, pool_capacity(artifact.config)) if artifact.kv_cache == SLOTS else _PaddedDriver(runtime, artifact.config)
+    return greedy_tokens(driver, prompts, steps)
 
 
 @torch.no_grad()

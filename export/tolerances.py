@@ -60,7 +60,12 @@ TOLERANCES = {
     # grows with the numbers' size: bounds relative to the largest eager logit and the largest K/V of each (layer,
     # head). Measured on the CPU provider: Qwen2-shaped test weights with logits up to 12 are off by up to 6.5e-2
     # (0.6% of the largest) and their K/V by 0.4%; a fixed 5e-2 bound would fail them and let small-logit models drift.
-    "float16": Tolerance(logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.95, greedy_identical=False, kv_relative=True, logits_relative=True),
+    # Top-1 is reported, not held: with every logit within the bound, the argmax can only move where the eager
+    # model's top two are within twice the bound of each other, a near-tie (random test weights have them: one of
+    # 17 prompt positions of a Llama-shaped model flipped, KL 1.5e-5). Mean KL is held instead (measured <= 6e-5).
+    "float16": Tolerance(
+        logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-3,
+    ),
     # 8-bit weights in blocks of 32 with float scales (export/quantize.py). Measured (README, "Int8"): the
     # trained default model stays within a tenth of these bounds (mean KL 2e-4, relative K/V 1.5e-2, text top-1
     # 0.99, perplexity x1.002, all 32 greedy tokens), the gpt2 preset within half; a zeroed scale exceeds them

@@ -59,7 +59,7 @@ MUTATIONS = (
     Mutation(
         "the model's EOS not among the stop ids",
         "service/engine.py",
-        (("            stop_ids.add(config.eos_token_id)", "            pass"),),
+        (("            stop_ids.update(config.eos_token_ids)", "            pass"),),
         (f"{GEN}::test_the_models_eos_ends_a_normal_request_at_that_token",),
     ),
     Mutation(

@@ -167,8 +167,8 @@ class Engine:
         if bad:
             raise InvalidArgument("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
         stop_ids = set(request.stop_token_ids)
-        if config.eos_token_id is not None and not request.ignore_eos:
-            stop_ids.add(config.eos_token_id)
+        if not request.ignore_eos:
+            stop_ids.update(config.eos_token_ids)
         if params.seed == 0:
             params = SamplingParams(**{**params.__dict__, "seed": secrets.randbits(63)})
         return Sequence(

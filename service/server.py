@@ -205,6 +205,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             config=pb.ModelConfig(
                 vocab_size=config.vocab_size, context_length=config.n_ctx, d_model=config.d_model,
                 num_heads=config.n_head, num_layers=config.n_layer, eos_token_id=config.eos_token_id,
+                architecture=config.architecture, model_type=config.model_type, num_key_value_heads=config.n_kv_head,
+                head_dim=config.head_dim, eos_token_ids=config.eos_token_ids,
             ),
             manifest_sha256=app.artifact.manifest_sha256,
             dtype=app.artifact.dtype,
@@ -389,7 +391,10 @@ class App:
         self.engine = engine
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        log.info("SERVING %s (%s, %d layers, batch <= %d)", options.artifact, self.artifact.dtype, config.n_layer, options.max_batch_size)
+        log.info(
+            "SERVING %s (%s %s, %d layers, %d K/V heads, batch <= %d)",
+            options.artifact, config.model_type, self.artifact.dtype, config.n_layer, config.n_kv_head, options.max_batch_size,
+        )
 
     async def shutdown(self) -> None:
         """NOT_SERVING first, refuse new requests, let in-flight streams finish within the grace period."""

@@ -163,6 +163,30 @@ def make_hf_llama(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def llama_artifact(tmp_path_factory, make_hf_llama):
+    """Factory, cached per session: LLAMA_CONFIGS[name]'s transformers model saved as a checkpoint and exported from
+    it (`kvserve export --checkpoint`, verified) with the given KV cache layout and dtype. Returns (hf, checkpoint, artifact)."""
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.model.checkpoint import load_checkpoint
+
+    checkpoints, artifacts = {}, {}
+
+    def make(name: str, kv_cache: str = "slots", dtype: str = "float32"):
+        if name not in checkpoints:
+            model_type, config = LLAMA_CONFIGS[name]
+            checkpoints[name] = make_hf_llama(model_type, seed=len(name), **config)
+        hf, checkpoint = checkpoints[name]
+        if (name, kv_cache, dtype) not in artifacts:
+            out = tmp_path_factory.mktemp("llama-artifacts") / f"{kv_cache}-{dtype}"
+            source = {"kind": "checkpoint", "path": str(checkpoint)}
+            export_artifact(load_checkpoint(checkpoint), source, out, dtype=dtype, provider=PROVIDER, kv_cache=kv_cache)
+            artifacts[name, kv_cache, dtype] = out
+        return hf, checkpoint, artifacts[name, kv_cache, dtype]
+
+    return make
+
+
 KEY = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
 
 

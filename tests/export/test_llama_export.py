@@ -1,0 +1,87 @@
+"""Llama-family artifacts: exported from transformers checkpoints, K/V shaped by the K/V heads, verified, and
+generating exactly what transformers' generate does (a row per prompt in the slots layout, a left-padded batch
+in the concat layout)."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from kvserve.export.artifact import ArtifactError, open_artifact
+from kvserve.export.parity import artifact_greedy
+from kvserve.model.generate import left_pad
+from tests.conftest import LLAMA_CONFIGS, PROVIDER
+
+PROMPTS = [[5, 17, 42], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [250], [11, 12, 13, 14, 15, 16]]
+STEPS = 36
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompts, steps):
+    """transformers' own generate on a left-padded batch, never stopping early: (B, steps)."""
+    input_ids, attention_mask = left_pad(prompts)
+    out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[:, input_ids.shape[1]:].numpy()
+
+
+@pytest.mark.parametrize("name", list(LLAMA_CONFIGS))
+def test_exported_artifact_generates_what_transformers_generates(llama_artifact, name):
+    hf, _, artifact_dir = llama_artifact(name)
+    artifact = open_artifact(artifact_dir)
+    config = hf.config
+    assert artifact.architecture == "llama" and artifact.manifest["model_type"] == config.model_type
+    assert artifact.manifest["kv_heads"] == config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert artifact.manifest["inputs"]["past_key_values.0.key"]["shape"] == ["batch_size", config.num_key_value_heads, "cache_capacity", head_dim]
+    assert artifact.parity_report()["passed"]
+    expected = hf_greedy(hf, PROMPTS, STEPS)
+    assert len(set(expected[1].tolist())) > 4  # a continuation that depends on its context
+    np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), expected)
+
+
+@pytest.mark.parametrize("name", ["llama gqa 4:1 head_dim 24 untied", "qwen2 gqa 3:1 qkv-bias tied"])
+def test_concat_artifact_on_a_padded_batch_generates_what_transformers_generates(llama_artifact, name):
+    hf, _, artifact_dir = llama_artifact(name, kv_cache="concat")
+    assert open_artifact(artifact_dir).manifest["outputs"]["present.0.key"]["shape"][1] == hf.config.num_key_value_heads
+    np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), hf_greedy(hf, PROMPTS, STEPS))
+
+
+def test_inplace_and_float16_artifacts_pass_parity(llama_artifact):
+    name = "llama gqa 2:1 llama3-rope tied"
+    hf, _, inplace = llama_artifact(name, kv_cache="inplace")
+    np.testing.assert_array_equal(artifact_greedy(inplace, PROMPTS, STEPS, PROVIDER), hf_greedy(hf, PROMPTS, STEPS))
+    _, _, half = llama_artifact(name, dtype="float16")
+    report = open_artifact(half).parity_report()
+    assert report["passed"] and report["dtype"] == "float16"
+    assert len(report["kv_max_abs_per_layer_head"][0]) == hf.config.num_key_value_heads  # divergence per K/V head
+
+
+def test_verify_names_the_kv_head_a_broken_key_projection_breaks(llama_artifact, tmp_path):
+    """Zero the K rows of layer 1's second K/V head in the eager reference: verify fails naming layer 1, K/V head 1."""
+    from kvserve.export.parity import verify
+    from kvserve.model.checkpoint import load_checkpoint
+
+    name = "llama gqa 4:1 head_dim 24 untied"
+    _, checkpoint, artifact_dir = llama_artifact(name)
+    reference = load_checkpoint(checkpoint)
+    config = reference.config
+    k_rows = slice(config.n_head * config.head_dim + config.head_dim, config.n_head * config.head_dim + 2 * config.head_dim)
+    with torch.no_grad():
+        reference.model.layers[1].self_attn.qkv_proj.weight[k_rows] = 0
+    report = verify(artifact_dir, reference, provider=PROVIDER)
+    assert not report["passed"]
+    assert report["first_failing_layer_head"]["layer"] == 1 and report["first_failing_layer_head"]["head"] == 1
+
+
+def test_an_artifact_whose_manifest_disagrees_with_its_config_is_refused(llama_artifact, tmp_path):
+    import shutil
+
+    _, _, artifact_dir = llama_artifact("qwen2 gqa 3:1 qkv-bias tied")
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact_dir, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["architecture"] = "gpt2"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="architecture 'gpt2'"):
+        open_artifact(copy, check_files=False)
