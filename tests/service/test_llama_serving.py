@@ -1,0 +1,85 @@
+"""A Llama-family artifact served over gRPC: concurrent streams equal transformers' generate, the model info
+names the architecture and its K/V heads, the KV bytes count K/V heads, and any of several EOS ids stops."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import numpy as np
+import pytest
+
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from ..conftest import LLAMA_CONFIGS
+from ..export.test_llama_export import hf_greedy
+from .conftest import collect, start_server
+
+NAME = "llama gqa 4:1 head_dim 24 untied"
+PROMPTS = [[(11 * i + 5 * j) % 290 + 3 for j in range(length)] for i, length in enumerate((1, 4, 7, 12, 19, 26, 40, 55))]
+STEPS = 34
+
+
+@pytest.fixture(scope="module")
+def served(llama_artifact):
+    hf, _, artifact = llama_artifact(NAME)
+    # 4 rows for 8 streams and a budget of 8 tokens a step: streams wait, join, leave, and long prompts prefill in chunks.
+    running = start_server(artifact, max_batch_size=4, max_queue=64, step_token_budget=8)
+    with grpc.insecure_channel(running.target) as channel:
+        yield hf, pb_grpc.GenerationServiceStub(channel)
+    running.stop()
+
+
+def greedy(ids, n, **extra):
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=n, ignore_eos=True, **extra)
+
+
+def test_eight_concurrent_streams_generate_what_transformers_generates(served):
+    hf, stub = served
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], PROMPTS))
+    np.testing.assert_array_equal(np.array(together), hf_greedy(hf, PROMPTS, STEPS))
+
+
+def test_model_info_names_the_architecture_and_its_kv_heads(served):
+    hf, stub = served
+    _, config = LLAMA_CONFIGS[NAME]
+    info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    got = info.config
+    assert (got.architecture, got.model_type, got.num_heads, got.num_key_value_heads, got.head_dim) == ("llama", "llama", 8, 2, 24)
+    assert (got.num_layers, got.d_model, got.context_length) == (config["num_hidden_layers"], config["hidden_size"], config["max_position_embeddings"])
+    assert list(got.eos_token_ids) == [hf.config.eos_token_id] and got.eos_token_id == hf.config.eos_token_id
+    assert info.parity_gate.passed
+    stream = stub.Generate(greedy([5, 6, 7], 100), timeout=60)
+    next(stream)
+    (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
+    # a pool row holds the whole context and a scratch column, K and V of every layer's 2 K/V heads (not 8), float32
+    assert seq.kv_cache_bytes == (config["max_position_embeddings"] + 1) * 2 * config["num_hidden_layers"] * 2 * 24 * 4
+    stream.cancel()
+
+
+def test_any_of_several_eos_ids_ends_the_stream(make_hf_llama, tmp_path_factory):
+    """generation_config.json lists two EOS ids; the stream ends at whichever the model generates first."""
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.model.checkpoint import load_checkpoint
+
+    model_type, config = LLAMA_CONFIGS["qwen2 gqa 3:1 qkv-bias tied"]
+    prompt = [9, 8, 7, 6]
+    hf, _ = make_hf_llama(model_type, seed=3, **config)
+    continuation = hf_greedy(hf, [prompt], 24)[0].tolist()
+    stop_at = next(i for i in range(3, 24) if continuation[i] not in continuation[:i])  # a token first generated here
+    never = next(t for t in range(399, 0, -1) if t not in continuation)
+    eos_ids = [never, continuation[stop_at]]
+    _, checkpoint = make_hf_llama(model_type, seed=3, generation={"eos_token_id": eos_ids}, **config)
+    out = tmp_path_factory.mktemp("eos-list") / "artifact"
+    export_artifact(load_checkpoint(checkpoint), {"kind": "checkpoint", "path": str(checkpoint)}, out, provider="cpu")
+    running = start_server(out, max_batch_size=2)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=24))
+            assert ids == continuation[: stop_at + 1] and finish.reason == pb.FINISH_REASON_END_OF_SEQUENCE
+            ids, _, finish = collect(stub, greedy(prompt, 24))  # ignore_eos: every id passes
+            assert ids == continuation and finish.reason == pb.FINISH_REASON_LENGTH
+            assert list(stub.GetModelInfo(pb.GetModelInfoRequest()).config.eos_token_ids) == eos_ids
+    finally:
+        running.stop()
