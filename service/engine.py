@@ -25,6 +25,10 @@ from .text import IncrementalDecoder, StopSequences, Tokenizer
 
 log = logging.getLogger(__name__)
 
+# Prompt tokens the text decoder reads before the first new one: enough for a character split across byte
+# tokens and for a leading space that depends on what precedes it.
+PROMPT_CONTEXT_TOKENS = 6
+
 # --- errors the servicer maps to status codes (see server.ErrorInterceptor) ---------------------------
 
 
@@ -178,7 +182,7 @@ class Engine:
             params=params,
             stop_ids=frozenset(stop_ids),
             return_logprobs=request.return_logprobs,
-            decoder=IncrementalDecoder(self.tokenizer),
+            decoder=IncrementalDecoder(self.tokenizer, context=prompt[-PROMPT_CONTEXT_TOKENS:]),
             stops=StopSequences(request.stop_sequences),
         )
 

@@ -40,7 +40,9 @@ class HFTokenizer:
         self._tokenizer = _Tokenizer.from_file(str(path))
 
     def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False).ids
+        # With the tokenizer's own special tokens, as transformers encodes by default: a Llama-family tokenizer.json
+        # puts its BOS first (its post-processor), which the model was trained to see; GPT-2's adds nothing.
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text
@@ -59,11 +61,13 @@ class IncrementalDecoder:
     ends in an incomplete character (which decodes to U+FFFD).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, context: list[int] = ()):
+        """context: the prompt's last few tokens. Decoded before the first new token, they keep its text as it reads
+        after the prompt: a SentencePiece tokenizer drops a word's leading space when the word comes first."""
         self._tokenizer = tokenizer
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context)
         self._prefix = 0  # start of the decode window (one emitted chunk of context for merges)
-        self._read = 0  # tokens up to here are already emitted
+        self._read = len(self._ids)  # tokens up to here are already emitted (or are the prompt's)
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)

@@ -50,3 +50,50 @@ def test_text_goes_through_the_artifacts_tokenizer_and_deltas_are_whole_characte
                 assert text == tokenizer.decode(ids, skip_special_tokens=True)
     finally:
         running.stop()
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_llama_artifact(tmp_path_factory, make_hf_llama):
+    """A Llama artifact whose tokenizer.json is built as Llama 2's is: Metaspace ("▁" for spaces) BPE with byte
+    fallback, and a post-processor that puts <s> (BOS) first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from kvserve.export.pipeline import export_artifact, load_source
+
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback()])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *bytes_])
+    tokenizer.train_from_iterator(CORPUS, trainer)
+    bos, eos = tokenizer.token_to_id("<s>"), tokenizer.token_to_id("</s>")
+    tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    _, checkpoint = make_hf_llama(
+        "llama", vocab_size=tokenizer.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, bos_token_id=bos, eos_token_id=eos,
+    )
+    tokenizer.save(str(checkpoint / "tokenizer.json"))
+    model, source = load_source(None, checkpoint)
+    out = tmp_path_factory.mktemp("sentencepiece") / "artifact"
+    export_artifact(model, source, out, provider="cpu", tokenizer_dir=checkpoint)
+    return out, tokenizer, bos
+
+
+def test_a_llama_tokenizer_puts_bos_first_and_streams_its_spaces(sentencepiece_llama_artifact):
+    artifact, tokenizer, bos = sentencepiece_llama_artifact
+    running = start_server(artifact)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            prompt = "the quick brown fox"
+            ids = list(stub.Tokenize(pb.TokenizeRequest(text=prompt)).ids)
+            assert ids[0] == bos and ids == tokenizer.encode(prompt).ids  # as transformers' tokenizer encodes it
+            for seed in (1, 2):
+                sampling = pb.SamplingParams(temperature=1.0, seed=seed)
+                got, text, finish = collect(stub, pb.GenerateRequest(text=prompt, max_new_tokens=40, sampling=sampling, ignore_eos=True))
+                assert finish.prompt_tokens == len(ids)
+                # the stream reads on from the prompt: a "▁" word start keeps its space, the first one included
+                assert text.startswith(" ") or not tokenizer.id_to_token(got[0]).startswith("▁")
+                assert prompt + text == tokenizer.decode(ids + got, skip_special_tokens=True)
+    finally:
+        running.stop()
