@@ -88,6 +88,33 @@ def scaled_dot_product_attention(q, k, v, bias):
     return (weights @ v).view(B, H, T, d_k)  # (B, H, T, d_k)
 
 
+def one_token_attention(q, k, v, bias):
+    """scaled_dot_product_attention for one query a row, as a decode step has: q (B, H, d_k), k and v (B, H_kv,
+    W, d_k), bias (B, 1, 1, W). A K/V head's group of query heads is a (g, d_k) matrix by a plain view, so this
+    costs two reshapes where the general form needs six (a 30-layer model runs it 30 times a step).
+    Returns (B, H * d_k), the heads concatenated."""
+    B, H, d_k = q.shape
+    H_kv = k.shape[1]
+    q = q.view(B, H_kv, H // H_kv, d_k)  # (B, H_kv, g, d_k): query head h_kv * g + j is row j
+    scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5 + bias  # (B, H_kv, g, W)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H_kv, g, W)
+    return (weights @ v).view(B, H * d_k)  # (B, H * d_k)
+
+
+def chunk_attention(q, k, v, bias):
+    """scaled_dot_product_attention for one row's prompt chunk, without a batch axis: q (T, H, d_k), that row's k
+    and v (H_kv, 1, W_c, d_k), bias (T, W_c). A decode step runs it on an empty chunk in every layer, so it is
+    spelled in few ops. (The reshape to 4 axes also keeps ONNX Runtime from folding q's transpose into its
+    FusedMatMul, whose batch-transposed form fails on an empty chunk with a floating point exception.)
+    Returns (T, H * d_k), the heads concatenated."""
+    T, H, d_k = q.shape
+    H_kv = k.shape[0]
+    q = q.transpose(0, 1).reshape(H_kv, H // H_kv, T, d_k)  # (H_kv, g, T, d_k): a K/V head's query heads
+    scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5 + bias  # (H_kv, g, T, W_c)
+    weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (H_kv, g, T, W_c)
+    return (weights @ v).view(H, T, d_k).transpose(0, 1).reshape(T, H * d_k)  # (T, H * d_k)
+
+
 def cached_attention(q, k, v, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
     """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat or inplace cache.
     Returns the attention output (B, H, T, d_k) and the layer's present (K, V)."""
@@ -109,9 +136,12 @@ class SlotStep:
     rows their first W columns, the chunk its own row's first W_c. (Slicing the pool's column axis cost ONNX
     Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.)"""
 
-    def __init__(self, position_ids, attention_mask, chunk_position_ids, chunk_attention_mask, chunk_slot, n_kv_head: int, capacity: int):
+    def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV):
+        """The slots inputs (see GPT2.forward_slots, export/io_contract.py) and a layer's row pool."""
         B, T = position_ids.shape[0], chunk_position_ids.shape[1]
+        n_kv_head, capacity = pool[0].shape[1], pool[0].shape[2]
         device = position_ids.device
+        self.token_ids = torch.cat([input_ids.reshape(B), chunk_ids.reshape(T)])  # (N,): decode tokens, then the chunk
         rows = torch.cat([torch.arange(B, device=device), chunk_slot.expand(T)])  # (N,)
         self.write_rows = rows[:, None]  # (N, 1)
         self.write_columns = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])[:, None]  # (N, 1)
@@ -122,9 +152,9 @@ class SlotStep:
         self.decode_cells = decode_planes[:, :, None] * capacity + decode_columns[None, None, :]  # (B, H_kv, W)
         self.decode_bias = attention_bias((attention_mask > 0)[:, None, None, :])  # (B, 1, 1, W)
         chunk_columns = torch.arange(chunk_attention_mask.shape[1], device=device)  # (W_c,): the chunk reads these
-        self.chunk_cells = (chunk_slot * n_kv_head + heads)[:, None] * capacity + chunk_columns[None, :]  # (H_kv, W_c)
+        self.chunk_cells = ((chunk_slot * n_kv_head + heads)[:, None] * capacity + chunk_columns[None, :])[:, None]  # (H_kv, 1, W_c)
         causal = chunk_columns[None, :] <= chunk_position_ids.reshape(T)[:, None]  # (T, W_c)
-        self.chunk_bias = attention_bias((causal & (chunk_attention_mask > 0))[None, None])  # (1, 1, T, W_c)
+        self.chunk_bias = attention_bias(causal & (chunk_attention_mask > 0))  # (T, W_c)
         self.positions = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
 
 
@@ -140,11 +170,9 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV) -> tuple[torch.Tenso
     k = torch.ops.aten.index_put(past_k, index, k)  # (S, H_kv, C_cap, d_k)
     v = torch.ops.aten.index_put(past_v, index, v)  # (S, H_kv, C_cap, d_k)
     k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
-    q_decode = q[:B].view(B, H, 1, d_k)  # (B, H, 1, d_k)
     k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
-    y_decode = scaled_dot_product_attention(q_decode, k_decode, v_decode, step.decode_bias)  # (B, H, 1, d_k)
-    q_chunk = q[B:].transpose(0, 1)[None]  # (1, H, T, d_k)
-    k_row, v_row = k_cells[step.chunk_cells][None], v_cells[step.chunk_cells][None]  # (1, H_kv, W_c, d_k)
-    y_chunk = scaled_dot_product_attention(q_chunk, k_row, v_row, step.chunk_bias)  # (1, H, T, d_k)
-    y = torch.cat([y_decode.view(B, H * d_k), y_chunk[0].transpose(0, 1).reshape(N - B, H * d_k)])  # (N, H * d_k)
+    y_decode = one_token_attention(q[:B], k_decode, v_decode, step.decode_bias)  # (B, H * d_k)
+    k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
+    y_chunk = chunk_attention(q[B:], k_row, v_row, step.chunk_bias)  # (T, H * d_k)
+    y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
     return y, (k, v)

@@ -166,12 +166,9 @@ class GPT2(nn.Module):
         caller writes it at a column no real token will be read from before it is overwritten (the last one).
         Positions past the context are clamped for the position embedding only: they are those scratch tokens.
         """
-        capacity = past_key_values[0][0].shape[2]
-        step = SlotStep(position_ids, attention_mask, chunk_position_ids, chunk_attention_mask, chunk_slot, self.config.n_head, capacity)
-        ids = torch.cat([input_ids.reshape(1, -1), chunk_ids], dim=1)  # (1, N)
-        positions = torch.cat([position_ids.reshape(1, -1), chunk_position_ids], dim=1)  # (1, N)
-        positions = positions.clamp(max=self.config.n_ctx - 1)
-        x = self.transformer.wte(ids) + self.transformer.wpe(positions)  # (1, N, C)
+        step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0])
+        positions = step.positions.clamp(max=self.config.n_ctx - 1)  # (N,)
+        x = (self.transformer.wte(step.token_ids) + self.transformer.wpe(positions))[None]  # (1, N, C)
         presents = []
         for block, past in zip(self.transformer.h, past_key_values):
             x, present = block.forward_slots(x, step, past)

@@ -42,7 +42,8 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "architectures": [HF_ARCHITECTURES[config.model_type]],
         "model_type": config.model_type,
         "vocab_size": config.vocab_size,
-        "bos_token_id": config.bos_token_id if config.bos_token_id is not None else config.eos_token_id,
+        # GPT-2's BOS is its EOS (its config.json says so); the Llama family's is its own, or none.
+        "bos_token_id": config.eos_token_id if config.model_type == GPT2_ARCH else config.bos_token_id,
         "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
         "initializer_range": config.initializer_range,
         "tie_word_embeddings": config.tie_word_embeddings,

@@ -36,8 +36,13 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        variance = h.pow(2).mean(-1, keepdim=True)
+        if torch.onnx.is_in_onnx_export():
+            # The same arithmetic spelled as ONNX Runtime's fusion expects (x / sqrt, not x * rsqrt): it becomes one
+            # SimplifiedLayerNormalization instead of 7 ops, for each of a 30-layer model's 61 norms a step. The
+            # eager model keeps transformers' rsqrt, whose rounding the tests hold it to; verify holds the graph to it.
+            return self.weight * (h / torch.sqrt(variance + self.eps)).to(x.dtype)
+        return self.weight * (h * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
 def rope_frequencies(config: DecoderConfig) -> list[float]:
@@ -60,25 +65,29 @@ def rope_frequencies(config: DecoderConfig) -> list[float]:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos and sin of each position's angles. The frequencies stay float32 constants, not a buffer: a buffer
-    would follow the model to float16, and a float16 frequency is off by radians a thousand positions in."""
+    """The angles of each position, as (cos, signed sin) for rotate(). The frequencies stay float32 constants,
+    not a buffer: a buffer would follow the model to float16, and a float16 frequency is off by radians a
+    thousand positions in."""
 
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.inv_freq = rope_frequencies(config)
 
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (..., T) -> cos, sin (..., T, d_k) in dtype."""
+        """position_ids (..., T) -> cos, signed sin (..., T, d_k) in dtype. Channel i and i + d_k / 2 share an
+        angle; the first half's sine is negated here, once a step, instead of the rotated half in every layer."""
         inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=position_ids.device)  # (d_k / 2,)
         angles = position_ids[..., None].float() * inv_freq  # (..., T, d_k / 2)
-        angles = torch.cat([angles, angles], dim=-1)  # (..., T, d_k): channel i and i + d_k / 2 share an angle
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        sin = angles.sin()
+        return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)  # (..., T, d_k)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (..., d_k) rotated pairwise by the angles: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
-    x1, x2 = x.chunk(2, dim=-1)  # 2 x (..., d_k / 2)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (..., d_k) rotated pairwise by the angles: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), transformers'
+    rotate_half arithmetic exactly (negating a product's factor is exact). The halves swap with one gather."""
+    half = x.shape[-1] // 2
+    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(x.device)  # (d_k,): (x2, x1)
+    return x * cos + x.index_select(-1, swap) * signed_sin
 
 
 class GroupedQueryAttention(nn.Module):
@@ -86,31 +95,29 @@ class GroupedQueryAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.d_head = config.n_head, config.n_kv_head, config.head_dim
         q_width, kv_width = self.n_head * self.d_head, self.n_kv_head * self.d_head
-        self.widths = (q_width, kv_width, kv_width)
         self.qkv_proj = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.qkv_bias)  # fused Q, K, V
         self.o_proj = nn.Linear(q_width, config.d_model, bias=config.o_bias)  # W_O: mixes the concatenated heads
 
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x (..., C) -> q (..., H, d_k), k and v (..., H_kv, d_k), q and k rotated (together: one rotation a layer)."""
+        qkv = self.qkv_proj(x).unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.d_head))  # (..., H + 2 H_kv, d_k)
+        qk, v = qkv.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (..., H + H_kv, d_k), (..., H_kv, d_k)
+        q, k = rotate(qk, cos, sin).split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
+        return q, k, v
+
     def forward(self, x, cos, sin, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
-        """x (B, T, C); cos, sin (B, 1, T, d_k)."""
+        """x (B, T, C); cos, sin (B, T, 1, d_k)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(self.widths, dim=2)  # (B, T, H * d_k), 2 x (B, T, H_kv * d_k)
-        q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
-        k = k.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)  # (B, H_kv, T, d_k)
-        v = v.view(B, T, self.n_kv_head, self.d_head).transpose(1, 2)  # (B, H_kv, T, d_k)
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, H, T, d_k), 2 x (B, H_kv, T, d_k)
         y, present = cached_attention(q, k, v, bias, past, cache_position)  # (B, H, T, d_k)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.d_head)  # (B, T, H * d_k): heads concatenated
         return self.o_proj(y), present
 
     def forward_slots(self, x, cos, sin, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
-        """x (1, N, C): the step's tokens, decode rows first; cos, sin (N, 1, d_k). past: the row pool."""
-        N = x.shape[1]
-        q, k, v = self.qkv_proj(x[0]).split(self.widths, dim=1)  # (N, H * d_k), 2 x (N, H_kv * d_k)
-        q = rotate(q.view(N, self.n_head, self.d_head), cos, sin)  # (N, H, d_k)
-        k = rotate(k.view(N, self.n_kv_head, self.d_head), cos, sin)  # (N, H_kv, d_k)
-        v = v.view(N, self.n_kv_head, self.d_head)  # (N, H_kv, d_k)
+        """x (N, C): the step's tokens, decode rows first; cos, sin (N, 1, d_k). past: the row pool."""
+        q, k, v = self.project(x, cos, sin)  # (N, H, d_k), 2 x (N, H_kv, d_k)
         y, present = slots_attention(q, k, v, step, past)  # (N, H * d_k)
-        return self.o_proj(y[None]), present
+        return self.o_proj(y), present
 
 
 class SwiGLU(nn.Module):
@@ -185,7 +192,9 @@ class Llama(nn.Module):
         """Final norm and LM head; logits leave in float32 whatever the model's dtype, so sampling is precise."""
         x = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, C)
-        return (x @ weight.T).float()
+        # F.linear, not x @ weight.T: on a slots step's (K, C) rows it exports as one Gemm reading the (V, C) matrix
+        # as stored, row by row, the faster layout for a few rows on the CPU (and no transposed copy of the table).
+        return F.linear(x, weight).float()
 
     def forward(
         self,
@@ -199,37 +208,26 @@ class Llama(nn.Module):
         bias = attention_bias(attention_allowed(attention_mask, columns))  # (B, 1, T, S)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.rotary(position_ids, x.dtype)  # (B, T, d_k)
-        cos, sin = cos[:, None], sin[:, None]  # (B, 1, T, d_k): the same angles for every head
+        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, d_k): the same angles for every head
         presents = []
         for block, past in zip(self.model.layers, past_key_values):
             x, present = block(x, cos, sin, bias, past, cache_position)
             presents.append(present)
         return self.logits(x), presents  # (B, T, V)
 
-    def forward_slots(
-        self,
-        input_ids: torch.Tensor,  # (B, 1) int64: one token for each of the pool's rows 0..B-1
-        position_ids: torch.Tensor,  # (B, 1) int64: its position, which is also the column it is written at
-        attention_mask: torch.Tensor,  # (B, W) int64: the columns each row attends to (W <= C_cap)
-        chunk_ids: torch.Tensor,  # (1, T) int64: a chunk of one row's prompt; T may be 0
-        chunk_position_ids: torch.Tensor,  # (1, T) int64: the chunk's positions (= columns)
-        chunk_attention_mask: torch.Tensor,  # (1, W_c) int64: the columns of its row the chunk reads
-        chunk_slot: torch.Tensor,  # (1,) int64: the row the chunk belongs to
-        logits_index: torch.Tensor,  # (K,) int64: which of the N = B + T tokens get logits
-        past_key_values: list[LayerKV],  # per layer (K, V), each (S, H_kv, C_cap, d_k): the row pool
-    ) -> tuple[torch.Tensor, list[LayerKV]]:
-        """One `slots` step, as GPT2.forward_slots: every row decodes one token, one row's prompt advances a chunk."""
-        capacity = past_key_values[0][0].shape[2]
-        step = SlotStep(position_ids, attention_mask, chunk_position_ids, chunk_attention_mask, chunk_slot, self.config.n_kv_head, capacity)
-        ids = torch.cat([input_ids.reshape(1, -1), chunk_ids], dim=1)  # (1, N)
-        x = self.model.embed_tokens(ids)  # (1, N, C)
+    def forward_slots(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
+                      logits_index, past_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV]]:
+        """One `slots` step, with GPT2.forward_slots's inputs and meaning: every row decodes one token and one row's
+        prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k)."""
+        step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0])
+        x = self.model.embed_tokens(step.token_ids)  # (N, C): a slots step needs no batch axis
         cos, sin = self.rotary(step.positions, x.dtype)  # (N, d_k)
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, d_k): the same angles for every head
         presents = []
         for block, past in zip(self.model.layers, past_key_values):
             x, present = block.forward_slots(x, cos, sin, step, past)
             presents.append(present)
-        return self.logits(x[0].index_select(0, logits_index)), presents  # (K, V): only the tokens sampled from
+        return self.logits(x.index_select(0, logits_index)), presents  # (K, V): only the tokens sampled from
 
 
 def build(config: DecoderConfig, seed: int = 0) -> Llama:

@@ -90,12 +90,17 @@ def test_malformed_checkpoints_are_named(checkpoint, breakage, message):
     ],
 )
 def test_unsupported_configs_are_named(checkpoint, edit, message):
-    config = json.loads((checkpoint / "config.json").read_text())
+    assert message in _refusal_after_editing_config(checkpoint, edit)
+
+
+def _refusal_after_editing_config(directory, edit: dict) -> str:
+    """The CheckpointError loading directory gives once edit is merged into its config.json."""
+    config = json.loads((directory / "config.json").read_text())
     config.update(edit)
-    (checkpoint / "config.json").write_text(json.dumps(config))
+    (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(checkpoint)
-    assert message in str(error.value)
+        load_checkpoint(directory)
+    return str(error.value)
 
 
 # --- the Llama family -------------------------------------------------------------------------------------
@@ -159,12 +164,7 @@ def test_eos_ids_come_from_generation_config_as_a_list(make_hf_llama):
 )
 def test_unsupported_llama_configs_are_named(make_hf_llama, edit, message):
     _, directory = _llama(make_hf_llama)
-    config = json.loads((directory / "config.json").read_text())
-    config.update(edit)
-    (directory / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError) as error:
-        load_checkpoint(directory)
-    assert message in str(error.value)
+    assert message in _refusal_after_editing_config(directory, edit)
 
 
 def test_a_window_covering_the_context_and_older_rope_fields_are_accepted(make_hf_llama):
@@ -206,3 +206,9 @@ def test_a_shard_index_naming_a_missing_shard_is_named(make_hf_llama):
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
         load_checkpoint(directory)
+
+
+@pytest.mark.parametrize("name", ["tiny", "gpt2", "tiny-llama", "llama-135m"])
+def test_every_preset_survives_config_json(name):
+    """An artifact's config.json is how export and serve agree on the model: every preset must read back as itself."""
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(preset(name))))) == preset(name)

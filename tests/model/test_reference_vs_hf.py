@@ -1,10 +1,11 @@
 """The eager reference against transformers' GPT2LMHeadModel: same weights, same logits, same tokens."""
 
+import numpy as np
 import pytest
-import torch
 
 from kvserve.model.checkpoint import load_checkpoint
-from kvserve.model.generate import generate, left_pad, position_ids_from_mask
+from kvserve.model.generate import generate
+from tests.hf_reference import hf_greedy, padded_logits_gap
 
 CONFIGS = {
     # heads other than 12, d_model not a power of two, an MLP width that is not 4 x d_model
@@ -21,25 +22,12 @@ def pair(request, make_hf_checkpoint):
     return hf, load_checkpoint(directory)
 
 
-@torch.no_grad()
 def test_logits_match_transformers_on_a_padded_batch(pair):
     hf, ours = pair
-    input_ids, attention_mask = left_pad(PROMPTS)  # (4, 9), rows padded on the left
-    position_ids = position_ids_from_mask(attention_mask)
-    theirs = hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    mine, _ = ours(input_ids, attention_mask, position_ids, ours.empty_cache(len(PROMPTS)))
-    real = attention_mask.bool()
-    assert (mine[real] - theirs[real]).abs().max().item() <= 1e-5
+    assert padded_logits_gap(hf, ours, PROMPTS) <= 1e-5
 
 
-@torch.no_grad()
 def test_greedy_generation_matches_transformers_token_for_token(pair):
     hf, ours = pair
-    steps = 40
-    mine = generate(ours, PROMPTS, steps).tokens  # (4, 40)
-    input_ids, attention_mask = left_pad(PROMPTS)
-    theirs = hf.generate(
-        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0
-    )[:, input_ids.shape[1]:]
-    assert theirs.shape == mine.shape
-    assert torch.equal(theirs, mine)
+    mine = generate(ours, PROMPTS, 40).tokens.numpy()  # (4, 40)
+    np.testing.assert_array_equal(mine, hf_greedy(hf, PROMPTS, 40))

@@ -1,0 +1,26 @@
+"""transformers as the independent reference: the same padded batch through both models, and its own generate."""
+
+import numpy as np
+import torch
+
+from kvserve.model.generate import left_pad, position_ids_from_mask
+
+
+@torch.no_grad()
+def padded_logits_gap(hf, ours, prompts: list[list[int]]) -> float:
+    """Largest |ours - transformers| logit over the real positions of a left-padded batch of prompts."""
+    input_ids, attention_mask = left_pad(prompts)  # (B, T), rows padded on the left
+    position_ids = position_ids_from_mask(attention_mask)
+    theirs = hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+    mine, _ = ours(input_ids, attention_mask, position_ids, ours.empty_cache(len(prompts)))
+    real = attention_mask.bool()
+    assert theirs[real].abs().max() > 0.5  # logits with a spread, not a model that says nothing
+    return (mine[real] - theirs[real]).abs().max().item()
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompts: list[list[int]], steps: int) -> np.ndarray:
+    """transformers' own generate on a left-padded batch, never stopping early: (B, steps)."""
+    input_ids, attention_mask = left_pad(prompts)
+    out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
+    return out[:, input_ids.shape[1]:].numpy()
