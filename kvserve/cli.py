@@ -51,7 +51,7 @@ def _serve(args) -> int:
         metrics_port=args.metrics_port, step_token_budget=args.step_token_budget, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
-        max_message_bytes=args.max_message_bytes, health_port=args.health_port,
+        max_message_bytes=args.max_message_bytes, health_port=args.health_port, max_context=args.max_context,
     )
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port}
     ports_ok = all(p is None or 0 <= p < 65536 for p in ports.values())
@@ -142,8 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", help="export a checkpoint or preset to a verified ONNX artifact")
     source = export.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help="a built-in config with seeded random weights (tiny, gpt2)")
-    source.add_argument("--checkpoint", help="a GPT-2-format checkpoint directory (config.json + weights)")
+    source.add_argument("--preset", help="a built-in config with seeded random weights (tiny, gpt2, tiny-llama, llama-135m)")
+    source.add_argument("--checkpoint", help="a transformers checkpoint directory (config.json + safetensors or .bin weights; model_type gpt2, llama, qwen2 or mistral)")
     export.add_argument("--out", required=True, help="the artifact directory to write")
     export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     export.add_argument(
@@ -193,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default {limits.max_text_bytes})")
     serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES, int),
                        help=f"bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default {DEFAULT_MAX_MESSAGE_BYTES})")
+    serve.add_argument("--max-context", type=positive, default=_env("MAX_CONTEXT", None, int),
+                       help="prompt + generated tokens one sequence may hold, at most the model's context; sizes every row's "
+                       "KV cache [KVSERVE_MAX_CONTEXT] (default: the model's context)")
     serve.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")
     serve.add_argument("--tls-key", default=_env("TLS_KEY", None), help="its PEM private key [KVSERVE_TLS_KEY]")
     serve.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None),

@@ -3,6 +3,7 @@ engine's own prefill + cached-decode path, reproduces what the eager reference r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,8 +68,11 @@ def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, captur
     )
 
 
-def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: int) -> Scheduler:
-    return Scheduler(make_batch(runtime, artifact.config, rows), budget)
+def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: int, tokens: int) -> Scheduler:
+    """A scheduler over a batch of rows for sequences of at most tokens: the replay's, not the whole context's
+    (a long-context model's full rows would be gigabytes the server has not yet decided to spend)."""
+    config = dataclasses.replace(artifact.config, n_ctx=min(artifact.config.n_ctx, tokens))
+    return Scheduler(make_batch(runtime, config, rows), budget)
 
 
 def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
@@ -78,7 +82,7 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     tolerance = TOLERANCES[artifact.precision]
     steps = len(golden.tokens)
     seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
-    for _, event in _scheduler(runtime, artifact, 1, step_token_budget).drive([seq]):
+    for _, event in _scheduler(runtime, artifact, 1, step_token_budget, len(golden.prompt_ids) + steps + 1).drive([seq]):
         if isinstance(event, BaseException):
             return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
     logits = np.stack(seq.captured_logits).astype(np.float64)  # (N, V)
@@ -112,10 +116,11 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> None:
     """Fill the serving batch to its largest size through the serving path (prefills, then decodes at every
     batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards."""
-    config = artifact.config
+    config = batch.config  # as served: its context may be cut (serve --max-context)
     batch_size = batch.max_rows
-    prompt_len = max(1, min(8, config.n_ctx - batch_size - 2))
-    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, batch_size + 1) for i in range(batch_size)]
+    prompt_len = max(1, min(8, config.n_ctx // 2))
+    new_tokens = max(1, min(batch_size + 1, config.n_ctx - prompt_len))
+    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, new_tokens) for i in range(batch_size)]
     results = Scheduler(batch, step_token_budget).drive(rows)  # a failure anywhere counts
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from dataclasses import dataclass
@@ -15,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve.errors import JobFailed, UserError
 from kvserve.export.artifact import open_artifact
+from kvserve.model.config import DecoderConfig
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -71,6 +73,18 @@ class ServerOptions:
     # A second, plaintext port that serves only the health service: for probes that cannot speak TLS
     # (Kubernetes' native gRPC probes). None: off.
     health_port: int | None = None
+    # Prompt + generated tokens one sequence may hold, at most the model's context; it sizes every row's KV cache.
+    # None: the model's whole context (a Llama 3.2's 131,072 columns a row would not fit in memory).
+    max_context: int | None = None
+
+
+def served_config(config: DecoderConfig, max_context: int | None) -> DecoderConfig:
+    """The model's config as the server runs it: its context cut to max_context tokens a sequence."""
+    if max_context is None:
+        return config
+    if not 2 <= max_context <= config.n_ctx:
+        raise UserError(f"--max-context must be in [2, {config.n_ctx}] (the model's context), got {max_context}")
+    return dataclasses.replace(config, n_ctx=max_context)
 
 
 class _Undecodable:
@@ -213,7 +227,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             execution_provider=app.runtime.provider,
             provider_note=app.runtime.fallback_reason or "",
             limits=pb.Limits(
-                max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=config.n_ctx,
+                max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=engine.config.n_ctx,
                 step_token_budget=engine.limits.step_token_budget, max_stop_sequences=engine.limits.max_stop_sequences,
                 max_stop_length=engine.limits.max_stop_length, max_text_bytes=engine.limits.max_text_bytes,
                 max_message_bytes=app.options.max_message_bytes,
@@ -362,7 +376,7 @@ class App:
         options = self.options
         if self.artifact is None:
             self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
-        config = self.artifact.config
+        config = served_config(self.artifact.config, options.max_context)
         self.runtime = await asyncio.to_thread(
             DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider, kv_cache=self.artifact.kv_cache
         )
@@ -392,8 +406,8 @@ class App:
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
-            "SERVING %s (%s %s, %d layers, %d K/V heads, batch <= %d)",
-            options.artifact, config.model_type, self.artifact.dtype, config.n_layer, config.n_kv_head, options.max_batch_size,
+            "SERVING %s (%s %s, %d layers, %d K/V heads, batch <= %d, %d tokens a sequence)",
+            options.artifact, config.model_type, self.artifact.dtype, config.n_layer, config.n_kv_head, options.max_batch_size, config.n_ctx,
         )
 
     async def shutdown(self) -> None:

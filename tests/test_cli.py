@@ -87,3 +87,9 @@ def test_metrics_port_equal_to_the_grpc_port_or_taken(tiny_artifact):
         result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--metrics-port", str(port), "--provider", "cpu")
     one_line_error(result, f"cannot serve metrics on 127.0.0.1:{port}")
     assert "listening" not in result.stderr
+
+
+def test_max_context_beyond_the_models_is_refused_in_one_line(tiny_artifact):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--provider", "cpu", "--max-context", "257"),
+                   "--max-context must be in [2, 256] (the model's context), got 257")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--max-context", "0"), "--max-context")
