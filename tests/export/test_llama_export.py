@@ -10,19 +10,11 @@ import torch
 
 from kvserve.export.artifact import ArtifactError, open_artifact
 from kvserve.export.parity import artifact_greedy
-from kvserve.model.generate import left_pad
 from tests.conftest import LLAMA_CONFIGS, PROVIDER
+from tests.hf_reference import hf_greedy
 
 PROMPTS = [[5, 17, 42], [1, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [250], [11, 12, 13, 14, 15, 16]]
 STEPS = 36
-
-
-@torch.no_grad()
-def hf_greedy(hf, prompts, steps):
-    """transformers' own generate on a left-padded batch, never stopping early: (B, steps)."""
-    input_ids, attention_mask = left_pad(prompts)
-    out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
-    return out[:, input_ids.shape[1]:].numpy()
 
 
 @pytest.mark.parametrize("name", list(LLAMA_CONFIGS))

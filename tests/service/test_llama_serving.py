@@ -11,7 +11,7 @@ from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from ..conftest import LLAMA_CONFIGS
-from ..export.test_llama_export import hf_greedy
+from ..hf_reference import hf_greedy
 from .conftest import collect, start_server
 
 NAME = "llama gqa 4:1 head_dim 24 untied"
