@@ -65,7 +65,7 @@ proto: $(BIN)/.installed
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvserve/v1/generation.proto
 
 demo: setup
-	BIN=$(BIN) MODEL=$(MODEL) ARTIFACT=$(ARTIFACTS)/$(notdir $(MODEL)) PORT=$(PORT) bash scripts/demo.sh
+	BIN=$(BIN) MODEL=$(MODEL) ARTIFACTS=$(ARTIFACTS) PORT=$(PORT) bash scripts/demo.sh
 
 test: setup system-tools
 	$(BIN)/python -m pytest -q
@@ -76,6 +76,7 @@ bench: setup
 	test -d $(ARTIFACTS)/gpt2-slots || $(BIN)/kvserve export --preset gpt2 --out $(ARTIFACTS)/gpt2-slots
 	$(BIN)/python bench/serving_latency.py --new $(ARTIFACTS)/gpt2-slots --baseline $(ARTIFACTS)/gpt2
 	$(BIN)/python bench/int8_decode.py --artifact $(ARTIFACTS)/gpt2-slots
+	$(BIN)/python bench/llama_decode.py --artifact $(ARTIFACTS)/llama-135m
 	$(BIN)/python bench/int8_quality.py --checkpoint $(MODEL)
 
 # Local version labels (torch's "+cpu") are dropped: every pin must resolve from the public index alone.

@@ -2,16 +2,17 @@
 # The main job on the built-in default model: export + verify, serve, stream one generation, stop.
 # Called by `make demo`; expects the virtual environment that `make setup` builds. The default model is the
 # small GPT-2 trained on the King James Bible that the repository ships (checkpoints/kjv-gpt2, made by
-# model/train.py); MODEL=DIR exports another checkpoint, PRESET=tiny|gpt2 a preset with random weights.
+# model/train.py); MODEL=DIR exports another checkpoint, PRESET=NAME a preset with random weights (tiny, gpt2,
+# tiny-llama, llama-135m).
 set -euo pipefail
 BIN=${BIN:-.venv/bin}
 MODEL=${MODEL:-checkpoints/kjv-gpt2}
 PORT=${PORT:-50051}
 PROMPT=${PROMPT:-And the LORD said unto Moses,}
 if [ -n "${PRESET:-}" ]; then
-  source=(--preset "$PRESET"); name="the $PRESET preset"; ARTIFACT=${ARTIFACT:-artifacts/$PRESET}
+  source=(--preset "$PRESET"); name="the $PRESET preset"; ARTIFACT=${ARTIFACT:-${ARTIFACTS:-artifacts}/$PRESET}
 else
-  source=(--checkpoint "$MODEL"); name="$MODEL"; ARTIFACT=${ARTIFACT:-artifacts/$(basename "$MODEL")}
+  source=(--checkpoint "$MODEL"); name="$MODEL"; ARTIFACT=${ARTIFACT:-${ARTIFACTS:-artifacts}/$(basename "$MODEL")}
 fi
 
 echo "== 1/4 export $name to $ARTIFACT and verify it against the eager model"

@@ -1,0 +1,109 @@
+"""Decode speed of a ~135M Llama-shaped model (the llama-135m preset: SmolLM2-135M's shape, random weights):
+transformers' LlamaForCausalLM.generate vs our eager model vs our ONNX graph as the server runs it.
+
+Batch 1, greedy, a 128-token prompt, 128 new tokens, the same weights everywhere (the preset saved as a
+checkpoint and read back by transformers). Decode tokens/s counts the 127 tokens after the first: time(128
+tokens) - time(1 token), so prefill is excluded. The implementations take turns within every round; the
+best round of each is kept. Before timing, all three must produce the same 16 greedy tokens. Prints a
+markdown table and the machine it ran on.
+
+    python bench/llama_decode.py [--artifact artifacts/llama-135m] [--provider auto|cpu|cuda] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_latency import PROMPT_LEN, NEW_TOKENS, decode_rates  # noqa: E402
+from machine import describe  # noqa: E402
+
+from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
+from kvserve.model.checkpoint import save_checkpoint  # noqa: E402
+from kvserve.model.generate import generate  # noqa: E402
+from kvserve.service.kv_slots import pool_capacity  # noqa: E402
+from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+
+PRESET = "llama-135m"
+
+
+def slots_generate(runtime: DecoderRuntime, pool, prompt: list[int], n: int) -> list[int]:
+    """Greedy through the slots graph as the server runs a lone stream: the prompt as one chunk of row 0, then
+    one decode step per token (row 0 reads its own columns)."""
+    scratch = np.array([pool.capacity - 1])
+    logits = runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), np.asarray(prompt, np.int64), 0, 0,
+                               np.array([1 + len(prompt) - 1]))
+    tokens, length = [], len(prompt)
+    for step in range(n):
+        tokens.append(int(logits[0].argmax()))
+        if step == n - 1:
+            break
+        position = np.array([length])
+        mask = np.ones((1, length + 1), np.int64)  # (1, W): every column up to and including the new token's
+        logits = runtime.run_slots(pool, np.array(tokens[-1:], np.int64), position, mask, np.zeros(0, np.int64), 0, 0, np.array([0]))
+        length += 1
+    return tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--artifact", default=f"artifacts/{PRESET}", help="the preset's slots artifact; exported here first if missing")
+    parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    model, source = load_source(PRESET, None, seed=0)
+    if not Path(args.artifact).exists():
+        print(f"exporting the {PRESET} preset to {args.artifact} ...", file=sys.stderr)
+        export_artifact(model, source, args.artifact, provider=args.provider)
+    artifact = open_artifact(args.artifact)
+    if artifact.manifest["source"] != source or artifact.kv_cache != "slots":
+        sys.exit(f"{args.artifact} is not the {PRESET} preset (seed 0) with the slots KV cache")
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots")
+    pool = runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
+
+    from transformers import LlamaForCausalLM
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_checkpoint(model, tmp)
+        hf = LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    hf_ids = torch.tensor([prompt])
+
+    def hf_run(n):
+        with torch.no_grad():
+            return hf.generate(input_ids=hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=n, min_new_tokens=n,
+                               do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    # Same weights, same tokens: check before timing anything.
+    theirs = hf_run(16)[0, PROMPT_LEN:].tolist()
+    eager = generate(model, [prompt], 16).tokens[0].tolist()
+    ours = slots_generate(runtime, pool, prompt, 16)
+    assert ours == eager == theirs, f"the implementations disagree; not timing ({ours} / {eager} / {theirs})"
+
+    provider = runtime.provider
+    names = ["transformers LlamaForCausalLM.generate (torch, KV cache)", "kvserve eager model (torch, KV cache)",
+             f"kvserve ONNX, slots KV cache, as served ({provider})"]
+    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: slots_generate(runtime, pool, prompt, n)]
+    rows = [(name, *rate) for name, rate in zip(names, decode_rates(args.repeats, runners))]
+    hf_rate = rows[0][1]
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"## Decode, {PRESET} preset ({params:.0f}M, {config.n_layer} layers, {config.n_head} query / {config.n_kv_head} K/V heads), "
+          f"batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
+    print("| implementation | decode tokens/s | ms/step | vs transformers |")
+    print("|---|---:|---:|---:|")
+    for name, rate, ms in rows:
+        print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.2f}x |")
+    print(f"\nmachine: {describe(provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+if __name__ == "__main__":
+    main()
