@@ -132,10 +132,9 @@ class SlotStep:
     """Where one `slots` step's N = B + T tokens go: B decode tokens (one per cache row, rows 0..B-1) then
     a prompt chunk of T tokens of row `chunk_slot`. Built once per forward, shared by every layer.
 
-    Both parts read their rows' columns with one gather from the pool by (row, head, column): decode rows their
-    first W columns, the chunk its own row's first W_c. (Slicing the pool's column axis cost ONNX Runtime a fifth
-    of a 16-row decode step; the gather copies the same cells at memcpy speed.) The indices are built here, once a
-    step, whole, so every layer's scatter and gathers are one op each."""
+    Both parts read their rows' columns with one gather from the pool seen as (S * H_kv * C_cap, d_k): decode
+    rows their first W columns, the chunk its own row's first W_c. (Slicing the pool's column axis cost ONNX
+    Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.)"""
 
     def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV):
         """The slots inputs (see GPT2.forward_slots, export/io_contract.py) and a layer's row pool."""
@@ -152,14 +151,11 @@ class SlotStep:
         self.write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), columns[:, None].expand(shape)]  # 3 x (N, H_kv)
         self.n_decode = B
         decode_columns = torch.arange(attention_mask.shape[1], device=device)  # (W,): decode rows read these
-        read = (B, n_kv_head, attention_mask.shape[1])
-        self.decode_cells = [torch.arange(B, device=device)[:, None, None].expand(read), heads[None, :, None].expand(read),
-                             decode_columns[None, None, :].expand(read)]  # 3 x (B, H_kv, W): row, head, column
+        decode_planes = torch.arange(B, device=device)[:, None] * n_kv_head + heads[None, :]  # (B, H_kv)
+        self.decode_cells = decode_planes[:, :, None] * capacity + decode_columns[None, None, :]  # (B, H_kv, W)
         self.decode_bias = attention_bias((attention_mask > 0)[:, None, None, :])  # (B, 1, 1, W)
         chunk_columns = torch.arange(chunk_attention_mask.shape[1], device=device)  # (W_c,): the chunk reads these
-        read = (n_kv_head, 1, chunk_attention_mask.shape[1])
-        self.chunk_cells = [chunk_slot[:, None, None].expand(read), heads[:, None, None].expand(read),
-                            chunk_columns[None, None, :].expand(read)]  # 3 x (H_kv, 1, W_c): row, head, column
+        self.chunk_cells = ((chunk_slot * n_kv_head + heads)[:, None] * capacity + chunk_columns[None, :])[:, None]  # (H_kv, 1, W_c)
         causal = chunk_columns[None, :] <= chunk_position_ids.reshape(T)[:, None]  # (T, W_c)
         self.chunk_bias = attention_bias(causal & (chunk_attention_mask > 0))  # (T, W_c)
         self.positions = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
@@ -174,10 +170,11 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV) -> tuple[torch.Tenso
     past_k, past_v = past
     k = torch.ops.aten.index_put(past_k, step.write_index, k)  # (S, H_kv, C_cap, d_k)
     v = torch.ops.aten.index_put(past_v, step.write_index, v)  # (S, H_kv, C_cap, d_k)
-    k_decode, v_decode = k[step.decode_cells], v[step.decode_cells]  # (B, H_kv, W, d_k)
+    k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
+    k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
     q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
     y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias)  # (B, H * d_k)
-    k_row, v_row = k[step.chunk_cells], v[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
+    k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
     y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias)  # (T, H * d_k)
     y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
     return y, (k, v)
