@@ -7,7 +7,8 @@ Schemes (chosen by measurement, bench/int8_decode.py; README "Int8"):
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
                 (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
 Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
-Transpose(wte), which is folded into a weight of its own here (the embedding lookup keeps the float table).
+Transpose(wte), which is folded into a weight of its own here (the embedding lookup keeps the float table), and
+a Gemm with a weight (a linear layer on 2-D rows, as the Llama family's slots step runs them) becomes a MatMul first.
 """
 
 from __future__ import annotations
@@ -58,6 +59,37 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
     return folded
 
 
+def gemms_to_matmuls(model: onnx.ModelProto) -> int:
+    """Replace Gemm(x, W, b) with a float weight W (what a linear layer on 2-D rows exports as: the Llama family's
+    slots step) by MatMul(x, W as (in, out)) + b, the form the quantizers rewrite. Returns how many."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    replaced = 0
+    for index, node in reversed(list(enumerate(graph.node))):
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        plain = attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0 and not attributes.get("transA", 0)
+        if node.op_type != "Gemm" or node.input[1] not in initializers or not plain:
+            continue
+        weight = numpy_helper.to_array(initializers[node.input[1]])
+        if attributes.get("transB", 0):
+            weight = np.ascontiguousarray(weight.T)  # (out, in) -> (in, out)
+        name = f"{node.input[1]}.matmul"
+        graph.initializer.append(numpy_helper.from_array(weight, name))
+        has_bias = len(node.input) > 2 and node.input[2]
+        product = f"{node.output[0]}.product" if has_bias else node.output[0]
+        replacement = [onnx.helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.name}.matmul")]
+        if has_bias:
+            replacement.append(onnx.helper.make_node("Add", [product, node.input[2]], [node.output[0]], name=f"{node.name}.bias"))
+        del graph.node[index]
+        for offset, new in enumerate(replacement):
+            graph.node.insert(index + offset, new)
+        replaced += 1
+    used = {name for node in graph.node for name in node.input}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)  # the (out, in) originals, now read by nothing
+    return replaced
+
+
 def weight_matmuls(model: onnx.ModelProto) -> int:
     initializers = {init.name for init in model.graph.initializer}
     return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers)
@@ -66,6 +98,7 @@ def weight_matmuls(model: onnx.ModelProto) -> int:
 def quantize_model(model: onnx.ModelProto, scheme: str) -> tuple[onnx.ModelProto, dict]:
     """The quantized graph and what the manifest records about it."""
     fold_weight_transposes(model)
+    gemms_to_matmuls(model)
     count = weight_matmuls(model)
     if count == 0:
         raise QuantizeError("the graph has no weight MatMul to quantize")
