@@ -84,7 +84,7 @@ class Artifact:
 
     @property
     def architecture(self) -> str:
-        """The decoder family (model/config.py ARCHITECTURES); artifacts from before the Llama family are GPT-2."""
+        """The decoder family, "gpt2" or "llama" (DecoderConfig.architecture); artifacts from before the Llama family are GPT-2."""
         return self.manifest.get("architecture", self.config.architecture)
 
     @property

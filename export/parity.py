@@ -300,14 +300,14 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
 
 def format_report(report: dict) -> str:
     """A markdown table of the checks, then the greedy, K/V and provider lines."""
+    relative = report["tolerance"].get("logits_relative", False)
     lines = [
         f"parity: {report['artifact']} ({report['dtype']}{', ' + report['quantization'] + ' weights' if report.get('quantization') else ''}, "
         f"{report.get('kv_cache', 'concat')} KV cache) on {report['provider']}",
         "",
-        f"| check | max abs Δ logits{' (of max abs logit)' if report['tolerance'].get('logits_relative') else ''} | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
+        f"| check | max abs Δ logits{' (of max abs logit)' if relative else ''} | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
         "|---|---:|---:|---:|---:|---:|:-:|",
     ]
-    relative = report["tolerance"].get("logits_relative", False)
     for c in report["checks"]:
         kv = "n/a" if c["kv_max_abs"] is None else f"{c['kv_max_abs']:.2e}"
         scale = f" (of {c['max_abs_eager_logit']:.3g})" if relative else ""

@@ -13,11 +13,10 @@ are the same. The cache comes in one of three layouts, the same ones the export 
            row's prompt, so decode and chunked prefill share one pass over the weights (SlotStep).
 
 The cache holds H_kv heads. With grouped-query attention (H_kv < H) each K/V head serves H / H_kv query
-heads; they are grouped only inside scaled_dot_product_attention, never repeated in the cache.
+heads; they are grouped only inside the attention functions below, never repeated in the cache.
 """
 
 from __future__ import annotations
-
 
 import torch
 
@@ -165,7 +164,7 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV) -> tuple[torch.Tenso
     """A `slots` step's q (N, H, d_k) and new k, v (N, H_kv, d_k), decode rows first, against the row pool
     past (each (S, H_kv, C_cap, d_k)). Returns the attention output (N, H * d_k) and the pool, written."""
     N, H, d_k = q.shape
-    B, H_kv = step.n_decode, k.shape[1]
+    B = step.n_decode
     # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
     past_k, past_v = past
     k = torch.ops.aten.index_put(past_k, step.write_index, k)  # (S, H_kv, C_cap, d_k)

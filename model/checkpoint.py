@@ -98,15 +98,15 @@ def read_config(directory: Path) -> DecoderConfig:
         raise CheckpointError(f"{path}: {exc}") from None
 
 
-def checkpoint_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor a checkpoint of this config holds, by the checkpoint's own name, with its shape."""
-    model = new_decoder(config)
+def checkpoint_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
+    """Every tensor a checkpoint of this model holds, by the checkpoint's own name, with its shape."""
+    config = model.config
     shapes = {}
     for key, param in model.state_dict().items():
         if key.endswith(TRANSPOSED):
             shapes[key] = tuple(param.shape[::-1])
             continue
-        fused = next((ours for ours in FUSED if f".{ours}." in key), None)
+        fused = _fused_into(key)
         if fused is None:
             shapes[key] = tuple(param.shape)
             continue
@@ -114,6 +114,11 @@ def checkpoint_shapes(config: DecoderConfig) -> dict[str, tuple[int, ...]]:
         for part, size in zip(FUSED[fused], parts):
             shapes[key.replace(fused, part)] = (size, *param.shape[1:])
     return shapes
+
+
+def _fused_into(key: str) -> str | None:
+    """The FUSED module a parameter of ours belongs to, None for a plain one."""
+    return next((ours for ours in FUSED if f".{ours}." in key), None)
 
 
 def _split_sizes(config: DecoderConfig, fused: str) -> tuple[int, ...]:
@@ -134,7 +139,8 @@ def load_checkpoint(directory: str | Path) -> Decoder:
     directory = Path(directory)
     config = read_config(directory)
     tensors, path = _read_tensors(directory)
-    expected = checkpoint_shapes(config)
+    model = new_decoder(config)
+    expected = checkpoint_shapes(model)
     found: dict[str, torch.Tensor] = {}
     lm_head = None
     for name, tensor in tensors.items():
@@ -154,10 +160,9 @@ def load_checkpoint(directory: str | Path) -> Decoder:
     missing = sorted(set(expected) - set(found))
     if missing:
         raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    model = new_decoder(config)
     state = {}
     for key, param in model.state_dict().items():
-        fused = next((ours for ours in FUSED if f".{ours}." in key), None)
+        fused = _fused_into(key)
         if fused is not None:
             state[key] = torch.cat([found[key.replace(fused, part)] for part in FUSED[fused]])
         else:
@@ -181,7 +186,7 @@ def save_checkpoint(model: Decoder, directory: str | Path, dtype: torch.dtype = 
     (directory / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     state = {}
     for key, tensor in model.state_dict().items():
-        fused = next((ours for ours in FUSED if f".{ours}." in key), None)
+        fused = _fused_into(key)
         if fused is not None:
             parts = tensor.split(_split_sizes(model.config, fused))
             state.update({key.replace(fused, name): part for name, part in zip(FUSED[fused], parts)})

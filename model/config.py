@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
 GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
-ARCHITECTURES = (GPT2_ARCH, LLAMA_ARCH)
 MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH}
 
 
@@ -90,13 +89,6 @@ class DecoderConfig:
         """The first end-of-sequence id (what config.json's single-id field holds), None when there is none."""
         return self.eos_token_ids[0] if self.eos_token_ids else None
 
-    @property
-    def kv_group(self) -> int:
-        """Query heads per K/V head: 1 for multi-head attention, more for grouped-query attention."""
-        return self.n_head // self.n_kv_head
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 PRESETS: dict[str, DecoderConfig] = {

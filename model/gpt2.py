@@ -175,8 +175,3 @@ class GPT2(nn.Module):
             presents.append(present)
         x = self.transformer.ln_f(x[0].index_select(0, logits_index))  # (K, C): only the tokens sampled from
         return (x @ self.transformer.wte.weight.T).float(), presents  # (K, V)
-
-
-def build(config: DecoderConfig, seed: int = 0) -> GPT2:
-    """A model with seeded random GPT-2 weights, in eval mode."""
-    return GPT2(config).init_weights(seed).eval()

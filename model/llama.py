@@ -228,8 +228,3 @@ class Llama(nn.Module):
             x, present = block.forward_slots(x, cos, sin, step, past)
             presents.append(present)
         return self.logits(x.index_select(0, logits_index)), presents  # (K, V): only the tokens sampled from
-
-
-def build(config: DecoderConfig, seed: int = 0) -> Llama:
-    """A model with seeded random weights, in eval mode."""
-    return Llama(config).init_weights(seed).eval()

@@ -20,7 +20,7 @@ from .padded_batch import PaddedBatch
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
-from .sequence import GenerationRequest, Sequence, StepEvent
+from .sequence import GenerationRequest, Sequence
 from .text import IncrementalDecoder, StopSequences, Tokenizer
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ def test_verify_cli_writes_json_and_sets_the_exit_code(tiny_artifact, tmp_path):
 def test_verify_cli_fails_against_other_weights(tiny_artifact, tmp_path):
     from kvserve.model.checkpoint import save_checkpoint
     from kvserve.model.config import preset
-    from kvserve.model.gpt2 import build
+    from kvserve.model.decoders import build
 
     save_checkpoint(build(preset("tiny"), seed=99), tmp_path / "other")
     result = run_cli("verify", str(tiny_artifact), "--provider", "cpu", "--checkpoint", str(tmp_path / "other"), "--report", str(tmp_path / "r.json"))

@@ -9,7 +9,7 @@ from safetensors.torch import load_file, save_file
 from kvserve.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_checksum
 from kvserve.model.config import DecoderConfig, preset
 from kvserve.model.hf_config import config_from_hf, config_to_hf
-from kvserve.model.gpt2 import build
+from kvserve.model.decoders import build
 
 
 def test_save_then_load_round_trips_exactly(tmp_path, tiny_model):

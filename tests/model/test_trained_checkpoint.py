@@ -10,7 +10,7 @@ import torch
 
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.corpus import load_corpus
-from kvserve.model.gpt2 import build
+from kvserve.model.decoders import build
 from kvserve.model.train import TrainConfig, perplexity, token_stream, train
 from kvserve.service.text import HFTokenizer
 
