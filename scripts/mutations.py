@@ -65,7 +65,7 @@ MUTATIONS = (
     Mutation(
         "text before a stop sequence, in the same push, dropped",
         "service/text.py",
-        (("            return text[:index], stop", "            return \"\", stop"),),
+        (("                return text[: end - len(stop)], stop", "                return \"\", stop"),),
         (f"{GEN}::test_stop_sequences_end_the_stream_without_sending_the_stop_text",
          "tests/service/test_text_and_sampling.py::test_stop_sequences_are_held_back_and_cut"),
     ),
