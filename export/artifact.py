@@ -22,7 +22,7 @@ from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 from kvserve.model.hf_config import config_from_hf
 
-from .io_contract import CONCAT, DTYPES, KV_CACHES, QUANTIZATIONS
+from .io_contract import ATTENTIONS, CONCAT, DTYPES, KV_CACHES, QUANTIZATIONS, STANDARD
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -93,6 +93,11 @@ class Artifact:
         return self.manifest.get("kv_cache", CONCAT)
 
     @property
+    def attention(self) -> str:
+        """A slots graph's attention, io_contract.STANDARD or FUSED; artifacts from before fused attention are standard."""
+        return self.manifest.get("attention", STANDARD)
+
+    @property
     def quantization(self) -> str | None:
         """The weight quantization (io_contract.QUANTIZATIONS), None for float weights."""
         facts = self.manifest.get("quantization")
@@ -149,6 +154,8 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
         raise ArtifactError(
             f"{directory / MANIFEST_FILE}: kv_cache {manifest['kv_cache']!r} is not one of {', '.join(KV_CACHES)}"
         )
+    if manifest.get("attention", STANDARD) not in ATTENTIONS:
+        raise ArtifactError(f"{where}: attention {manifest['attention']!r} is not one of {', '.join(ATTENTIONS)}")
     quantization = manifest.get("quantization")
     if quantization is not None and (not isinstance(quantization, dict) or quantization.get("scheme") not in QUANTIZATIONS):
         raise ArtifactError(f"{where}: quantization must be null or an object whose scheme is one of {', '.join(QUANTIZATIONS)}")

@@ -52,6 +52,21 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
     present.{i}.key / .value    (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
 
 Only the tokens named by logits_index reach the LM head and the host: in serving, one per row that samples.
+
+A `slots` graph's attention is `standard` (the ops above) or `fused` (Llama family, head_dim a multiple of 16:
+ONNX Runtime's com.microsoft.GroupQueryAttention does rotation, cache write and attention in one node per
+layer and part, model/fused_attention.py). The fused operator writes only the rows it is given, so the
+chunk's row comes as its own input, bound to that row of the pool, and a row reads exactly its columns up
+to its position (no masks, no chunk_slot). It needs at least one decode row and one chunk token:
+
+    input_ids, position_ids     (batch_size, 1)                                        int64, as above
+    chunk_ids                   (1, chunk_length)                                      int64, >= 1 long
+    chunk_position_ids          (1, chunk_length)                                      int64
+    logits_index                (num_logits,)                                          int64
+    past_key_values.{i}.*       (batch_size, num_heads, cache_capacity, head_dim)      the decode rows
+    chunk_key_values.{i}.*      (1, num_heads, cache_capacity, head_dim)               the chunk's row
+ -> logits, present.{i}.*       as above
+    chunk_present.{i}.*         (1, num_heads, cache_capacity, head_dim)               the chunk's row, written
 """
 
 from __future__ import annotations
@@ -79,6 +94,8 @@ CHUNK_SLOT = "chunk_slot"
 LOGITS_INDEX = "logits_index"
 
 CONCAT, INPLACE, SLOTS = "concat", "inplace", "slots"
+STANDARD, FUSED = "standard", "fused"
+ATTENTIONS = (STANDARD, FUSED)
 KV_CACHES = (SLOTS, CONCAT, INPLACE)
 DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: the layout the server serves best
 
@@ -99,7 +116,18 @@ def present_names(layer: int) -> tuple[str, str]:
     return f"present.{layer}.key", f"present.{layer}.value"
 
 
-def input_names(n_layer: int, kv_cache: str = CONCAT) -> list[str]:
+def chunk_past_names(layer: int) -> tuple[str, str]:
+    return f"chunk_key_values.{layer}.key", f"chunk_key_values.{layer}.value"
+
+
+def chunk_present_names(layer: int) -> tuple[str, str]:
+    return f"chunk_present.{layer}.key", f"chunk_present.{layer}.value"
+
+
+def input_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD) -> list[str]:
+    if attention == FUSED:
+        step = [INPUT_IDS, POSITION_IDS, CHUNK_IDS, CHUNK_POSITION_IDS, LOGITS_INDEX]
+        return step + [n for i in range(n_layer) for n in past_names(i)] + [n for i in range(n_layer) for n in chunk_past_names(i)]
     if kv_cache == SLOTS:
         step = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, CHUNK_IDS, CHUNK_POSITION_IDS, CHUNK_ATTENTION_MASK, CHUNK_SLOT, LOGITS_INDEX]
     else:
@@ -107,18 +135,22 @@ def input_names(n_layer: int, kv_cache: str = CONCAT) -> list[str]:
     return step + [n for i in range(n_layer) for n in past_names(i)]
 
 
-def output_names(n_layer: int) -> list[str]:
-    return [LOGITS] + [n for i in range(n_layer) for n in present_names(i)]
+def output_names(n_layer: int, attention: str = STANDARD) -> list[str]:
+    chunk = [n for i in range(n_layer) for n in chunk_present_names(i)] if attention == FUSED else []
+    return [LOGITS] + [n for i in range(n_layer) for n in present_names(i)] + chunk
 
 
-def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT) -> dict[str, dict]:
+def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT,
+            attention: str = STANDARD) -> dict[str, dict]:
     """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unsupported KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
+    if attention not in ATTENTIONS or (attention == FUSED and kv_cache != SLOTS):
+        raise ValueError(f"unsupported attention {attention!r} for the {kv_cache} KV cache")
     if kv_cache == SLOTS:
-        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, dtype)
+        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, dtype, attention)
     past_axis, present_axis = (PAST, TOTAL) if kv_cache == CONCAT else (CAPACITY, CAPACITY)
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
@@ -136,7 +168,7 @@ def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: s
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str) -> dict[str, dict]:
+def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, attention: str) -> dict[str, dict]:
     inputs = {
         INPUT_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
         POSITION_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
@@ -152,4 +184,11 @@ def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtyp
     for layer in range(n_layer):
         inputs.update({name: dict(kv) for name in past_names(layer)})
         outputs.update({name: dict(kv) for name in present_names(layer)})
+    if attention == FUSED:
+        for name in (ATTENTION_MASK, CHUNK_ATTENTION_MASK, CHUNK_SLOT):
+            del inputs[name]
+        row = {"shape": [1, n_kv_head, CAPACITY, d_head], "dtype": dtype}
+        for layer in range(n_layer):
+            inputs.update({name: dict(row) for name in chunk_past_names(layer)})
+            outputs.update({name: dict(row) for name in chunk_present_names(layer)})
     return {"inputs": inputs, "outputs": outputs}

@@ -8,11 +8,14 @@ import warnings
 from pathlib import Path
 
 import onnx
+import onnxscript
 import torch
+from onnx.defs import OpSchema
 from torch import nn
 from torch.export import Dim
 
 from kvserve.model.decoders import Decoder
+from kvserve.model.fused_attention import supports_fused_attention
 
 from . import io_contract as io
 from .artifact import MODEL_DATA_FILE, MODEL_FILE
@@ -56,6 +59,75 @@ class _SlotsSignature(_FlatSignature):
             list(past_key_values),
         )
         return logits, tuple(presents)
+
+
+class _FusedSlotsSignature(_FlatSignature):
+    """The fused `slots` step: (decode tokens, chunk, logits_index, decode rows, chunk row) -> (logits, both written)."""
+
+    def forward(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values, chunk_key_values):
+        logits, presents, chunk_presents = self.model.forward_slots_fused(
+            input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, list(past_key_values), list(chunk_key_values)
+        )
+        return logits, tuple(presents), tuple(chunk_presents)
+
+
+# onnx knows no schema for ONNX Runtime's contrib operators, and the exporter emits a node only through one: this
+# declares GroupQueryAttention's inputs, outputs and the attributes kvserve sets (ONNX Runtime's own definition
+# has more optional ones, which keep their defaults).
+_MICROSOFT = onnxscript.values.Opset("com.microsoft", 1)
+
+
+def _declare_group_query_attention() -> None:
+    if "GroupQueryAttention" in _MICROSOFT:
+        return
+    param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
+    inputs = [param("query", "T"), param("key", "T", param_option=optional), param("value", "T", param_option=optional),
+              param("past_key", "T", param_option=optional), param("past_value", "T", param_option=optional),
+              param("seqlens_k", "M"), param("total_sequence_length", "M"),
+              param("cos_cache", "T", param_option=optional), param("sin_cache", "T", param_option=optional)]
+    outputs = [param("output", "T"), param("present_key", "T"), param("present_value", "T")]
+    attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
+                  OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "K/V heads"),
+                  OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, "rotate Q and K by position", required=False)]
+    types = [("T", ["tensor(float)", "tensor(float16)"], "model dtype"), ("M", ["tensor(int32)"], "lengths")]
+    onnx.defs.register_schema(OpSchema("GroupQueryAttention", "com.microsoft", 1, inputs=inputs, outputs=outputs,
+                                       type_constraints=types, attributes=attributes))
+
+
+def _group_query_attention(qkv, past_key, past_value, last_position, total_length, cos, sin, n_head: int, n_kv_head: int):
+    """kvserve::rotary_row_attention as ONNX Runtime's operator: packed QKV, the rows as a shared past/present
+    buffer, seqlens_k = each row's last position (its length - 1), rotary on."""
+    return _MICROSOFT.GroupQueryAttention(qkv, None, None, past_key, past_value, last_position, total_length, cos, sin,
+                                          num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=1)
+
+
+def _fused_example_inputs(model: Decoder, dtype: torch.dtype):
+    config = model.config
+    batch, chunk, capacity, n_logits = 2, 3, 9, 4
+    step = (
+        torch.zeros(batch, 1, dtype=torch.int64),
+        torch.tensor([[3], [4]], dtype=torch.int64),
+        torch.zeros(1, chunk, dtype=torch.int64),
+        torch.arange(chunk, dtype=torch.int64)[None],
+        torch.arange(n_logits, dtype=torch.int64),
+    )
+    rows = (batch, config.n_kv_head, capacity, config.d_head)  # (B, H_kv, C, d_k)
+    row = (1, config.n_kv_head, capacity, config.d_head)  # (1, H_kv, C, d_k)
+    kv = tuple((torch.zeros(rows, dtype=dtype), torch.zeros(rows, dtype=dtype)) for _ in range(config.n_layer))
+    chunk_kv = tuple((torch.zeros(row, dtype=dtype), torch.zeros(row, dtype=dtype)) for _ in range(config.n_layer))
+    return step + (kv, chunk_kv)
+
+
+def fused_attention_refusal(model: Decoder, kv_cache: str) -> str | None:
+    """Why model cannot be exported with fused attention, or None when it can."""
+    config = model.config
+    if kv_cache != io.SLOTS:
+        return f"fused attention is a slots KV cache graph (got --kv-cache {kv_cache})"
+    if not hasattr(model, "forward_slots_fused"):
+        return f"fused attention covers the Llama family (rotary embeddings), not {config.model_type}"
+    if not supports_fused_attention(config.head_dim):
+        return f"fused attention needs head_dim a multiple of 16 (ONNX Runtime's GroupQueryAttention); this model's is {config.head_dim}"
+    return None
 
 
 def _slots_example_inputs(model: Decoder, dtype: torch.dtype):
@@ -130,9 +202,28 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
     return problems
 
 
-def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT) -> tuple[onnx.ModelProto, dict]:
-    """Trace model in dtype with the kv_cache layout: the graph, checked against the contract, and the
+def fused_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
+    """inplace_write_problems for a fused graph: each present (and chunk_present) is written by the GroupQueryAttention
+    whose past buffer is that layer's past (chunk past) itself, its only reader."""
+    producers = {out: node for node in graph.node for out in node.output}
+    problems = []
+    for layer in range(n_layer):
+        for pasts, presents in ((io.past_names(layer), io.present_names(layer)), (io.chunk_past_names(layer), io.chunk_present_names(layer))):
+            for slot, (past, present) in enumerate(zip(pasts, presents)):
+                writer = producers.get(present)
+                if writer is None or writer.op_type != "GroupQueryAttention" or writer.input[3 + slot] != past or writer.output[1 + slot] != present:
+                    problems.append(f"{present} is not GroupQueryAttention's present for {past}")
+                readers = [n.op_type for n in graph.node if past in n.input and n is not writer and n.op_type != "Shape"]
+                if readers:
+                    problems.append(f"{past} is also read by {', '.join(readers)}")
+    return problems
+
+
+def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention: str = io.STANDARD) -> tuple[onnx.ModelProto, dict]:
+    """Trace model in dtype with the kv_cache layout and attention: the graph, checked against the contract, and the
     manifest's facts about it (save_graph writes it)."""
+    if attention == io.FUSED and (refusal := fused_attention_refusal(model, kv_cache)):
+        raise ValueError(refusal)
     config = model.config
     torch_dtype = TORCH_DTYPES[dtype]
     model = copy.deepcopy(model).to(torch_dtype).eval()  # the caller keeps its float32 reference
@@ -140,8 +231,16 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT) -> tuple[
     dynamic = Dim.DYNAMIC
     step_axes = {name: {0: dynamic, 1: dynamic} for name in ("input_ids", "attention_mask", "position_ids")}
     kv_axes = tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer))
-    example = None
-    if kv_cache == io.CONCAT:
+    example, translations = None, {}
+    if attention == io.FUSED:
+        _declare_group_query_attention()
+        translations = {torch.ops.kvserve.rotary_row_attention.default: _group_query_attention}
+        signature, example = _FusedSlotsSignature(model), _fused_example_inputs(model, torch_dtype)
+        dynamic_shapes = {
+            "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic},
+            "logits_index": {0: dynamic}, "past_key_values": kv_axes, "chunk_key_values": tuple(({2: dynamic}, {2: dynamic}) for _ in range(n_layer)),
+        }
+    elif kv_cache == io.CONCAT:
         signature = _FlatSignature(model)
         dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
     elif kv_cache == io.SLOTS:
@@ -162,19 +261,24 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT) -> tuple[
             example or _example_inputs(model, torch_dtype, kv_cache),
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
-            input_names=io.input_names(n_layer, kv_cache),
-            output_names=io.output_names(n_layer),
+            input_names=io.input_names(n_layer, kv_cache, attention),
+            output_names=io.output_names(n_layer, attention),
             opset_version=OPSET,
+            custom_translation_table=translations,
             verbose=False,
         )
     model_proto = program.model_proto
-    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache)
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention)
     _name_axes(model_proto, spec)
-    if kv_cache in (io.INPLACE, io.SLOTS):
+    if attention == io.FUSED:
+        problems = fused_write_problems(model_proto.graph, n_layer)
+        if problems:
+            raise RuntimeError("the fused slots graph cannot be written in place: " + "; ".join(problems[:3]))
+    elif kv_cache in (io.INPLACE, io.SLOTS):
         problems = inplace_write_problems(model_proto.graph, n_layer)
         if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
             raise RuntimeError("the inplace KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
-    return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, **spec}
+    return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, "attention": attention, **spec}
 
 
 def save_graph(model_proto: onnx.ModelProto, directory: Path) -> bool:

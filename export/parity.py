@@ -285,6 +285,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
         "dtype": artifact.dtype,
         "quantization": artifact.quantization,
         "kv_cache": artifact.kv_cache,
+        "attention": artifact.attention,
         "provider": runtime.provider,
         "provider_note": runtime.fallback_reason,
         "tolerance": asdict(tolerance),
@@ -303,7 +304,7 @@ def format_report(report: dict) -> str:
     relative = report["tolerance"].get("logits_relative", False)
     lines = [
         f"parity: {report['artifact']} ({report['dtype']}{', ' + report['quantization'] + ' weights' if report.get('quantization') else ''}, "
-        f"{report.get('kv_cache', 'concat')} KV cache) on {report['provider']}",
+        f"{report.get('kv_cache', 'concat')} KV cache{', fused attention' if report.get('attention') == 'fused' else ''}) on {report['provider']}",
         "",
         f"| check | max abs Δ logits{' (of max abs logit)' if relative else ''} | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
         "|---|---:|---:|---:|---:|---:|:-:|",

@@ -24,10 +24,11 @@ from kvserve.model.generate import generate
 from kvserve.model.decoders import Decoder, build
 from kvserve.model.hf_config import config_to_hf
 from kvserve.model.vocabulary import write_preset_tokenizer
+from kvserve.service.runtime import cuda_available
 
 from . import artifact as art
 from . import io_contract as io
-from .onnx_export import inplace_write_problems, save_graph, trace_graph
+from .onnx_export import fused_attention_refusal, fused_write_problems, inplace_write_problems, save_graph, trace_graph
 from .quantize import SCHEMES, QuantizeError, quantize_model
 from .parity import format_report, verify, write_report
 
@@ -79,17 +80,36 @@ def record_golden(model: Decoder) -> art.GoldenRecord:
     )
 
 
-def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str) -> tuple[onnx.ModelProto, dict]:
+def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str, attention: str = io.STANDARD) -> tuple[onnx.ModelProto, dict]:
     """The graph with scheme's 8-bit weights, and the manifest's facts about them."""
     try:
         quantized, facts = quantize_model(graph, scheme)
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
     if kv_cache in (io.INPLACE, io.SLOTS):
-        problems = inplace_write_problems(quantized.graph, n_layer)
+        check = fused_write_problems if attention == io.FUSED else inplace_write_problems
+        problems = check(quantized.graph, n_layer)
         if problems:
             raise RuntimeError("quantization broke the in-place KV write: " + "; ".join(problems[:3]))
     return quantized, facts
+
+
+AUTO = "auto"
+
+
+def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, requested: str = AUTO) -> str:
+    """The slots graph's attention: what was asked for (refused by name when the model cannot have it), or for "auto"
+    fused wherever it runs (Llama family, head_dim a multiple of 16, the slots cache), except a float32 graph that
+    this machine would verify on CUDA, whose GroupQueryAttention kernel is float16 only there."""
+    if requested not in (AUTO, *io.ATTENTIONS):
+        raise ExportError(f"unknown attention {requested!r}; choose one of auto, {', '.join(io.ATTENTIONS)}")
+    refusal = fused_attention_refusal(model, kv_cache)
+    if requested == io.FUSED and refusal:
+        raise ExportError(f"--attention fused: {refusal}")
+    if requested != AUTO:
+        return requested
+    on_cuda = provider != "cpu" and cuda_available()
+    return io.STANDARD if refusal or (dtype == "float32" and on_cuda) else io.FUSED
 
 
 def export_artifact(
@@ -102,6 +122,7 @@ def export_artifact(
     tokenizer_dir: str | Path | None = None,
     kv_cache: str = io.DEFAULT_KV_CACHE,
     quantize: str | None = None,
+    attention: str = AUTO,
 ) -> dict:
     """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
     out = Path(out).resolve()
@@ -111,15 +132,16 @@ def export_artifact(
         raise ExportError(f"unknown quantization {quantize!r}; choose one of: {', '.join(SCHEMES)}")
     if quantize is not None and dtype != "float32":
         raise ExportError(f"--quantize {quantize} quantizes a float32 graph's weights; drop --dtype {dtype}")
+    attention = choose_attention(model, kv_cache, dtype, provider, attention)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = model.float().eval()
-        proto, graph = trace_graph(model, dtype, kv_cache)
+        proto, graph = trace_graph(model, dtype, kv_cache, attention)
         if quantize is not None:
-            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache)
+            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention)
         graph["external_data"] = save_graph(proto, staging)
         del proto  # its weights are on disk now; verify loads the graph from there
         (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
@@ -140,6 +162,7 @@ def export_artifact(
             "inputs": graph["inputs"],
             "outputs": graph["outputs"],
             "kv_cache": kv_cache,
+            "attention": attention,
             "quantization": graph.get("quantization"),
             "architecture": model.config.architecture,
             "model_type": model.config.model_type,

@@ -18,7 +18,7 @@ def _export(args) -> int:
     model, source = load_source(args.preset, args.checkpoint, args.seed)
     report = export_artifact(
         model, source, args.out, dtype=args.dtype, overwrite=args.overwrite, provider=args.provider,
-        tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache, quantize=args.quantize,
+        tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache, quantize=args.quantize, attention=args.attention,
     )
     print(format_report(report))
     print(f"artifact written to {args.out}")
@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-cache", choices=("slots", "concat", "inplace"), default="slots",
         help="KV cache layout: slots (default: what the server runs best; a row per sequence, chunked prefill), "
         "concat (present = past + step; Optimum's I/O) or inplace (one buffer written in place)",
+    )
+    export.add_argument(
+        "--attention", choices=("auto", "fused", "standard"), default="auto",
+        help="a slots graph's attention: fused (ONNX Runtime's GroupQueryAttention, one node a layer; Llama family with "
+        "head_dim a multiple of 16), standard (ONNX ops), or auto (default: fused where it runs, except float32 "
+        "exported on a CUDA machine, whose fused kernel is float16 only)",
     )
     export.add_argument(
         "--quantize", choices=("int8",), default=None,

@@ -24,6 +24,7 @@ from torch import nn
 
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
 from .config import DecoderConfig
+from .fused_attention import rotary_row_attention, rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +120,31 @@ class GroupedQueryAttention(nn.Module):
         y, present = slots_attention(q, k, v, step, past)  # (N, H * d_k)
         return self.o_proj(y), present
 
+    def forward_fused(self, x, step: "FusedSlotStep", rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
+        """x (N, C): B decode tokens then T chunk tokens; rows (B, H_kv, C_cap, d_k) and chunk_row (1, H_kv, C_cap, d_k)
+        the cache rows they are written into. Rotation, cache write and attention are one operator per part."""
+        qkv = self.qkv_proj(x)  # (N, (H + 2 H_kv) d_k): unrotated
+        decode, chunk = qkv.split([step.n_decode, qkv.shape[0] - step.n_decode])  # (B, ...), (T, ...)
+        args = (step.cos, step.sin, self.n_head, self.n_kv_head)
+        y_decode, *present = rotary_row_attention(decode[:, None], *rows, step.decode_last, step.decode_total, *args)  # (B, 1, H d_k)
+        y_chunk, *chunk_present = rotary_row_attention(chunk[None], *chunk_row, step.chunk_last, step.chunk_total, *args)  # (1, T, H d_k)
+        width = self.n_head * self.d_head
+        y = torch.cat([y_decode.reshape(step.n_decode, width), y_chunk.reshape(-1, width)])  # (N, H d_k)
+        return self.o_proj(y), tuple(present), tuple(chunk_present)
+
+
+class FusedSlotStep:
+    """What every layer of a fused `slots` step shares: the B decode rows each write and read up to their position, the
+    chunk's T tokens end at its last position; the rotary tables cover every column a row can have."""
+
+    def __init__(self, config: DecoderConfig, position_ids, chunk_position_ids, dtype: torch.dtype):
+        self.n_decode = position_ids.shape[0]
+        self.decode_last = position_ids.reshape(self.n_decode).to(torch.int32)  # (B,)
+        self.chunk_last = chunk_position_ids[:, -1].to(torch.int32)  # (1,)
+        self.decode_total = self.decode_last.max() + 1  # () int32: the longest row, as the operator wants it
+        self.chunk_total = self.chunk_last.max() + 1  # ()
+        self.cos, self.sin = rotary_tables(rope_frequencies(config), config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2)
+
 
 class SwiGLU(nn.Module):
     def __init__(self, config: DecoderConfig):
@@ -153,6 +179,12 @@ class LlamaBlock(nn.Module):
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, present
+
+    def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
+        attn_out, present, chunk_present = self.self_attn.forward_fused(self.input_layernorm(x), step, rows, chunk_row)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, present, chunk_present
 
 
 class Llama(nn.Module):
@@ -228,3 +260,19 @@ class Llama(nn.Module):
             x, present = block.forward_slots(x, cos, sin, step, past)
             presents.append(present)
         return self.logits(x.index_select(0, logits_index)), presents  # (K, V): only the tokens sampled from
+
+    def forward_slots_fused(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values: list[LayerKV],
+                            chunk_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV], list[LayerKV]]:
+        """The `slots` step with fused attention (fused_attention.py): B decode tokens, a token per row of past_key_values
+        (each (B, H_kv, C_cap, d_k)) at its position, and a chunk of T >= 1 tokens of the row chunk_key_values (each
+        (1, H_kv, C_cap, d_k)), ending at chunk_position_ids' last. The two may be rows of one pool: a decode row that is
+        also the chunk's row writes elsewhere than the chunk does (the caller's scratch column). Logits at logits_index."""
+        B, T = input_ids.shape[0], chunk_ids.shape[1]
+        x = self.model.embed_tokens(torch.cat([input_ids.reshape(B), chunk_ids.reshape(T)]))  # (N, C): decode tokens, then the chunk
+        step = FusedSlotStep(self.config, position_ids, chunk_position_ids, x.dtype)
+        presents, chunk_presents = [], []
+        for block, rows, chunk_row in zip(self.model.layers, past_key_values, chunk_key_values):
+            x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)
+            presents.append(present)
+            chunk_presents.append(chunk_present)
+        return self.logits(x.index_select(0, logits_index)), presents, chunk_presents  # (K, V)

@@ -31,7 +31,7 @@ class GateResult:
 def contract_problems(runtime: DecoderRuntime, artifact: Artifact) -> list[str]:
     """Where the live session's inputs and outputs differ from the KV contract the artifact declares."""
     config = artifact.config
-    expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache)
+    expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention)
     live = runtime.signature()
     problems = []
     for side in ("inputs", "outputs"):

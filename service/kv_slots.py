@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvserve.export.io_contract import STANDARD
 from kvserve.model.config import DecoderConfig
 
 from .runtime import DecoderRuntime, SlotPool
@@ -120,7 +121,9 @@ class SlotBatch:
         return longest if far else None
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
-        solo = self._solo(decode) if chunk is None else None
+        # A fused graph reads each row's own columns only, so no row needs to step aside (and its runtime makes a chunk of
+        # a decode token by itself when the step has no chunk).
+        solo = self._solo(decode) if chunk is None and self.runtime.attention == STANDARD else None
         if solo is not None:
             decode = [s for s in decode if s is not solo]
         pool = self.pool

@@ -15,6 +15,11 @@ sequence, fed an attention mask over those columns. Under the inplace layout the
 spare columns: each step's present is bound to the past's own memory; when a step needs more columns than
 the buffer has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
 
+A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the decode rows and the chunk's row
+separately, each as its own past and present, and needs a decode row and a chunk token in every step;
+run_slots keeps its meaning for both graphs and arranges a fused step itself (_run_fused). On CUDA the fused
+kernel is float16 only: a float32 fused graph is refused there with the fix named.
+
 Every copy of K/V that the runtime makes is counted (KvTraffic), so tests can hold the serving path to
 "no K/V through the host in steady state".
 """
@@ -71,6 +76,11 @@ def _cuda_missing_reason() -> str | None:
     return None
 
 
+def cuda_available() -> bool:
+    """Whether the CUDA provider can start here (what provider "auto" then picks)."""
+    return _cuda_missing_reason() is None
+
+
 # The inplace layout's smallest buffer, in columns: below it, a buffer's size makes no measurable difference.
 MIN_CAPACITY = 64
 
@@ -97,7 +107,11 @@ class SlotPool:
 
     def __init__(self, runtime: "DecoderRuntime", rows: int, n_kv_head: int, d_head: int, capacity: int):
         self.runtime, self.rows, self.capacity = runtime, rows, capacity
-        self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
+        # A fused graph needs a decode row in every step: when none decodes but the chunk's, a spare row past the last
+        # takes a throwaway token at column 0 (reading one column), so the pool has one row more than the batch's.
+        self.spare_row = rows if runtime.attention == io.FUSED else None
+        physical = rows + (self.spare_row is not None)
+        self.shape = (physical, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
         self.row_bytes = n_kv_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
         if runtime.device == "cpu":
             self.arrays = [np.empty(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
@@ -207,6 +221,14 @@ class DecoderRuntime:
                 raise ProviderUnavailable("CUDA requested but the session could not start on it")
             self.fallback_reason = "the CUDA provider failed to start"
         self.device = "cuda" if self.provider == CUDA else "cpu"
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.attention = io.FUSED if io.chunk_past_names(0)[0] in inputs else io.STANDARD  # the graph says which it is
+        if self.attention == io.FUSED and self.device == "cuda" and dtype == "float32":
+            raise ProviderUnavailable("ONNX Runtime runs GroupQueryAttention on CUDA in float16 only: export this model with "
+                                      "--dtype float16, or --attention standard, to serve it on the GPU")
+        self.vocab_size = next(o.shape[-1] for o in self.session.get_outputs() if o.name == io.LOGITS)
+        self._chunk_past_names = [n for i in range(n_layer) for n in io.chunk_past_names(i)]
+        self._chunk_present_names = [n for i in range(n_layer) for n in io.chunk_present_names(i)]
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
         self.traffic = KvTraffic()
@@ -294,17 +316,24 @@ class DecoderRuntime:
     def new_pool(self, rows: int, n_kv_head: int, d_head: int, capacity: int) -> SlotPool:
         return SlotPool(self, rows, n_kv_head, d_head, capacity)
 
-    def _bound_pool(self, pool: SlotPool, rows: int):
-        """An IO binding with the pool's first rows bound as past and present; made once per (pool, rows)."""
-        if self._pool_binding is not None and self._pool_binding[0] is pool and self._pool_binding[1] == rows:
-            return self._pool_binding[2]
+    def _bound_pool(self, pool: SlotPool, rows: int, first_row: int = 0, chunk_row: int | None = None):
+        """An IO binding with the pool's rows first_row .. first_row + rows - 1 bound as past and present (and, for a fused
+        graph, row chunk_row as the chunk's past and present); made once per (pool, rows, first_row, chunk_row)."""
+        key = (pool, rows, first_row, chunk_row)
+        if self._pool_binding is not None and self._pool_binding[0] == key:
+            return self._pool_binding[1]
         binding = self.session.io_binding()
         binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs() lists outputs in binding order
-        shape = (rows,) + pool.shape[1:]  # (B, H, C, d_k): rows 0..B-1 are contiguous at the start
-        for past_name, present_name, value in zip(self._past_names, self._present_names, pool.values):
-            binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
-            binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
-        self._pool_binding = (pool, rows, binding)
+        names = [(self._past_names, self._present_names, first_row, rows)]
+        if chunk_row is not None:
+            names.append((self._chunk_past_names, self._chunk_present_names, chunk_row, 1))
+        for past_names, present_names, row, count in names:
+            shape = (count,) + pool.shape[1:]  # (B, H, C, d_k): consecutive rows from row on
+            for past_name, present_name, value in zip(past_names, present_names, pool.values):
+                address = value.data_ptr() + row * pool.row_bytes
+                binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, address)
+                binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, address)
+        self._pool_binding = (key, binding)
         return binding
 
     def run_slots(
@@ -319,6 +348,8 @@ class DecoderRuntime:
         logits_index: np.ndarray,  # (K,) which of the B + T tokens get logits
     ) -> np.ndarray:
         """One slots step; returns the logits (K, V) in host memory. The pool's rows 0..B-1 are updated in place."""
+        if self.attention == io.FUSED:
+            return self._run_fused(pool, input_ids, position_ids, chunk_ids, chunk_start, chunk_slot, logits_index)
         rows = input_ids.shape[0]
         binding = self._bound_pool(pool, rows)
         chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1)  # (1, T)
@@ -331,6 +362,45 @@ class DecoderRuntime:
         binding.bind_cpu_input(io.CHUNK_ATTENTION_MASK, np.ones((1, max(chunk_end, 1)), dtype=np.int64))  # its row's columns so far
         binding.bind_cpu_input(io.CHUNK_SLOT, np.array([chunk_slot], dtype=np.int64))
         binding.bind_cpu_input(io.LOGITS_INDEX, np.ascontiguousarray(logits_index, dtype=np.int64))
-        binding.bind_output(io.LOGITS, "cpu")  # unallocated again: its shape (K, V) changes from step to step
+        return self._run_for_logits(binding, len(logits_index))
+
+    def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index) -> np.ndarray:
+        """run_slots for a fused graph, whose operator needs a decode row and a chunk token at least (io_contract): with
+        no chunk, the highest decoding row's token becomes a one-token chunk of its own row, and the rows below it decode
+        as usual; a chunk in the last row leaves that row's scratch token out; when no other row is left to decode, the
+        spare row does (one throwaway token). The logits come back in run_slots' order all the same."""
+        rows, n_chunk = input_ids.shape[0], len(chunk_ids)
+        logits_index = np.asarray(logits_index, np.int64)
+        solo = None
+        if n_chunk == 0:
+            decoding = logits_index[logits_index < rows]
+            if decoding.size == 0:
+                raise ValueError("a step with no chunk must decode at least one row")
+            solo = chunk_slot = int(decoding.max())
+            chunk_ids, chunk_start, count = np.asarray(input_ids[solo : solo + 1]), int(position_ids[solo]), solo
+        else:
+            count = rows - 1 if chunk_slot == rows - 1 else rows
+        if count:
+            first, tokens, positions = 0, input_ids[:count], position_ids[:count]
+        else:
+            first, count, tokens, positions = pool.spare_row, 1, np.zeros(1), np.zeros(1)
+        order = np.arange(rows + n_chunk)  # each run_slots token's place among the graph's: decode rows below count keep theirs
+        order[rows:] = count + np.arange(n_chunk)  # the chunk follows the graph's decode rows
+        if solo is not None:
+            order[solo] = count
+        binding = self._bound_pool(pool, count, first, chunk_slot)
+        chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1)  # (1, T)
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(tokens, dtype=np.int64).reshape(count, 1))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(positions, dtype=np.int64).reshape(count, 1))
+        binding.bind_cpu_input(io.CHUNK_IDS, chunk)
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_start + chunk.shape[1], dtype=np.int64)[None])
+        binding.bind_cpu_input(io.LOGITS_INDEX, order[logits_index])
+        return self._run_for_logits(binding, len(logits_index))
+
+    def _run_for_logits(self, binding, n_logits: int) -> np.ndarray:
+        """Run a slots step whose logits land in a new host array (K, V) bound up front: asking the binding for its
+        outputs afterwards would wrap every bound K/V buffer too (121 objects a step for a 30-layer model, 0.5 ms)."""
+        logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V)
+        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
         self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        return logits

@@ -240,6 +240,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             parity_gate=pb.ParityGate(passed=app.gate.passed, overridden=app.gate.overridden, summary=app.gate.summary),
             tokenizer=engine.tokenizer.name,
             kv_cache=app.artifact.kv_cache,
+            attention=app.artifact.attention,
         )
 
 

@@ -33,6 +33,24 @@ def tiny_model():
 
 
 @pytest.fixture(scope="session")
+def tiny_llama_model():
+    from kvserve.model.config import preset
+    from kvserve.model.decoders import build
+
+    return build(preset("tiny-llama"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_fused_artifact(tmp_path_factory, tiny_llama_model) -> Path:
+    """The tiny-llama preset exported as `kvserve export --preset tiny-llama` writes it: slots, fused attention."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-llama"
+    export_artifact(tiny_llama_model, {"kind": "preset", "name": "tiny-llama", "seed": 0}, out, provider=PROVIDER, attention="fused")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
     """The tiny preset exported (float32) and verified, as `kvserve export --preset tiny` writes it: the
     default `slots` KV cache, the one the server runs best."""
@@ -166,23 +184,25 @@ def make_hf_llama(tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_artifact(tmp_path_factory, make_hf_llama):
     """Factory, cached per session: LLAMA_CONFIGS[name]'s transformers model saved as a checkpoint and exported from
-    it (`kvserve export --checkpoint`, verified) with the given KV cache layout and dtype. Returns (hf, checkpoint, artifact)."""
+    it (`kvserve export --checkpoint`, verified) with the given KV cache layout, dtype and attention (auto: fused where
+    the model allows it). Returns (hf, checkpoint, artifact)."""
     from kvserve.export.pipeline import export_artifact
     from kvserve.model.checkpoint import load_checkpoint
 
     checkpoints, artifacts = {}, {}
 
-    def make(name: str, kv_cache: str = "slots", dtype: str = "float32"):
+    def make(name: str, kv_cache: str = "slots", dtype: str = "float32", attention: str = "auto"):
         if name not in checkpoints:
             model_type, config = LLAMA_CONFIGS[name]
             checkpoints[name] = make_hf_llama(model_type, seed=len(name), **config)
         hf, checkpoint = checkpoints[name]
-        if (name, kv_cache, dtype) not in artifacts:
-            out = tmp_path_factory.mktemp("llama-artifacts") / f"{kv_cache}-{dtype}"
+        key = (name, kv_cache, dtype, attention)
+        if key not in artifacts:
+            out = tmp_path_factory.mktemp("llama-artifacts") / f"{kv_cache}-{dtype}-{attention}"
             source = {"kind": "checkpoint", "path": str(checkpoint)}
-            export_artifact(load_checkpoint(checkpoint), source, out, dtype=dtype, provider=PROVIDER, kv_cache=kv_cache)
-            artifacts[name, kv_cache, dtype] = out
-        return hf, checkpoint, artifacts[name, kv_cache, dtype]
+            export_artifact(load_checkpoint(checkpoint), source, out, dtype=dtype, provider=PROVIDER, kv_cache=kv_cache, attention=attention)
+            artifacts[key] = out
+        return hf, checkpoint, artifacts[key]
 
     return make
 

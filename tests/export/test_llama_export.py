@@ -3,8 +3,12 @@ generating exactly what transformers' generate does (a row per prompt in the slo
 in the concat layout)."""
 
 import json
+import re
+from collections import Counter
+from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -77,3 +81,60 @@ def test_an_artifact_whose_manifest_disagrees_with_its_config_is_refused(llama_a
     (copy / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="architecture 'gpt2'"):
         open_artifact(copy, check_files=False)
+
+
+def graph_ops(artifact_dir) -> Counter:
+    return Counter(n.op_type for n in onnx.load(str(Path(artifact_dir) / "model.onnx"), load_external_data=False).graph.node)
+
+
+def test_auto_attention_is_fused_where_group_query_attention_runs(llama_artifact):
+    """head_dim 16: one GroupQueryAttention per layer for the decode rows and one for the chunk, no scatter or gather;
+    head_dim 24 (ONNX Runtime's kernel wants multiples of 16): the standard ops."""
+    name = "qwen2 gqa 3:1 qkv-bias tied"
+    _, _, fused = llama_artifact(name)
+    artifact = open_artifact(fused)
+    assert artifact.attention == "fused" and artifact.parity_report()["passed"]
+    ops = graph_ops(fused)
+    assert ops["GroupQueryAttention"] == 2 * LLAMA_CONFIGS[name][1]["num_hidden_layers"]
+    assert not ops["ScatterND"] and not ops["GatherND"] and not ops["Softmax"]
+    assert artifact.manifest["inputs"]["chunk_key_values.0.key"]["shape"] == [1, 2, "cache_capacity", 16]
+    _, _, standard = llama_artifact("llama gqa 4:1 head_dim 24 untied")
+    assert open_artifact(standard).attention == "standard" and not graph_ops(standard)["GroupQueryAttention"]
+
+
+def test_fused_and_standard_attention_generate_the_same_tokens(llama_artifact):
+    name = "mistral gqa 2:1 head_dim 32 untied"
+    hf, _, fused = llama_artifact(name)
+    _, _, standard = llama_artifact(name, attention="standard")
+    assert (open_artifact(fused).attention, open_artifact(standard).attention) == ("fused", "standard")
+    expected = hf_greedy(hf, PROMPTS, STEPS)
+    np.testing.assert_array_equal(artifact_greedy(standard, PROMPTS, STEPS, PROVIDER), expected)
+    np.testing.assert_array_equal(artifact_greedy(fused, PROMPTS, STEPS, PROVIDER), expected)
+
+
+def test_fused_attention_is_refused_by_name_where_it_cannot_run(llama_artifact, tiny_model, tiny_llama_model, tmp_path):
+    from kvserve.export.pipeline import ExportError, export_artifact
+    from kvserve.model.checkpoint import load_checkpoint
+
+    _, checkpoint, _ = llama_artifact("llama gqa 4:1 head_dim 24 untied")
+    cases = [
+        (load_checkpoint(checkpoint), {}, "needs head_dim a multiple of 16 (ONNX Runtime's GroupQueryAttention); this model's is 24"),
+        (tiny_model, {}, "covers the Llama family (rotary embeddings), not gpt2"),
+        (tiny_llama_model, {"kv_cache": "concat"}, "a slots KV cache graph (got --kv-cache concat)"),
+    ]
+    for model, options, message in cases:
+        with pytest.raises(ExportError, match=re.escape(message)):
+            export_artifact(model, {"kind": "test"}, tmp_path / "out", provider=PROVIDER, attention="fused", **options)
+    assert list(tmp_path.iterdir()) == []  # nothing half-written
+
+
+def test_auto_attention_keeps_float32_standard_where_it_would_verify_on_cuda(tiny_llama_model, monkeypatch):
+    """ONNX Runtime's CUDA GroupQueryAttention is float16 only: exported on a CUDA machine, a float32 graph stays standard."""
+    from kvserve.export import pipeline
+
+    assert pipeline.choose_attention(tiny_llama_model, "slots", "float32", "auto") == "fused"  # no GPU here
+    monkeypatch.setattr(pipeline, "cuda_available", lambda: True)
+    assert pipeline.choose_attention(tiny_llama_model, "slots", "float32", "auto") == "standard"
+    assert pipeline.choose_attention(tiny_llama_model, "slots", "float32", "cpu") == "fused"
+    assert pipeline.choose_attention(tiny_llama_model, "slots", "float16", "auto") == "fused"
+    assert pipeline.choose_attention(tiny_llama_model, "concat", "float16", "auto") == "standard"

@@ -114,6 +114,8 @@ def test_an_int8_artifact_streams_english_over_grpc(trained_int8_artifact):
     [
         (["--quantize", "int4"], "argument --quantize: invalid choice: 'int4'"),
         (["--quantize", "int8", "--dtype", "float16"], "--quantize int8 quantizes a float32 graph"),
+        (["--attention", "fused"], "--attention fused: fused attention covers the Llama family (rotary embeddings), not gpt2"),
+        (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
     ],
 )
 def test_bad_quantize_values_exit_2_in_one_line_and_write_nothing(tmp_path, args, message):
@@ -140,3 +142,20 @@ def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf
     weights = {i.name for i in graph.graph.initializer}
     assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 4 * model.config.n_layer + 1
     assert not [n for n in graph.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]  # no float weight left
+
+
+def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf_llama, tmp_path):
+    """Fused attention and int8 together: the projections around each GroupQueryAttention are MatMulNBits."""
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.model.checkpoint import load_checkpoint
+
+    from ..conftest import LLAMA_CONFIGS
+
+    model_type, config = LLAMA_CONFIGS["mistral gqa 2:1 head_dim 32 untied"]
+    _, checkpoint = make_hf_llama(model_type, **(config | {"initializer_range": 0.02}))
+    model = load_checkpoint(checkpoint)
+    report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, tmp_path / "int8", provider=PROVIDER, quantize="int8")
+    assert report["passed"] and report["quantization"] == "int8"
+    nodes = onnx.load(str(tmp_path / "int8" / "model.onnx")).graph.node
+    assert sum(n.op_type == "MatMulNBits" for n in nodes) == 4 * model.config.n_layer + 1
+    assert sum(n.op_type == "GroupQueryAttention" for n in nodes) == 2 * model.config.n_layer

@@ -14,7 +14,8 @@ from ..conftest import LLAMA_CONFIGS
 from ..hf_reference import hf_greedy
 from .conftest import collect, start_server
 
-NAME = "llama gqa 4:1 head_dim 24 untied"
+NAME = "llama gqa 4:1 head_dim 24 untied"  # standard attention (head_dim 24 cannot be fused)
+FUSED = "mistral gqa 2:1 head_dim 32 untied"  # exported with fused attention (auto)
 PROMPTS = [[(11 * i + 5 * j) % 290 + 3 for j in range(length)] for i, length in enumerate((1, 4, 7, 12, 19, 26, 40, 55))]
 STEPS = 34
 
@@ -23,6 +24,15 @@ STEPS = 34
 def served(llama_artifact):
     hf, _, artifact = llama_artifact(NAME)
     # 4 rows for 8 streams and a budget of 8 tokens a step: streams wait, join, leave, and long prompts prefill in chunks.
+    running = start_server(artifact, max_batch_size=4, max_queue=64, step_token_budget=8)
+    with grpc.insecure_channel(running.target) as channel:
+        yield hf, pb_grpc.GenerationServiceStub(channel)
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def served_fused(llama_artifact):
+    hf, _, artifact = llama_artifact(FUSED)
     running = start_server(artifact, max_batch_size=4, max_queue=64, step_token_budget=8)
     with grpc.insecure_channel(running.target) as channel:
         yield hf, pb_grpc.GenerationServiceStub(channel)
@@ -40,6 +50,16 @@ def test_eight_concurrent_streams_generate_what_transformers_generates(served):
     np.testing.assert_array_equal(np.array(together), hf_greedy(hf, PROMPTS, STEPS))
 
 
+def test_eight_concurrent_streams_through_fused_attention_generate_what_transformers_generates(served_fused):
+    """The same 8 streams through a GroupQueryAttention graph: decode-only steps (a decode token made the chunk), chunks
+    in the last row and in a middle row, a lone prompt on the spare row."""
+    hf, stub = served_fused
+    assert stub.GetModelInfo(pb.GetModelInfoRequest()).attention == "fused"
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], PROMPTS))
+    np.testing.assert_array_equal(np.array(together), hf_greedy(hf, PROMPTS, STEPS))
+
+
 def test_model_info_names_the_architecture_and_its_kv_heads(served):
     hf, stub = served
     _, config = LLAMA_CONFIGS[NAME]
@@ -48,7 +68,7 @@ def test_model_info_names_the_architecture_and_its_kv_heads(served):
     assert (got.architecture, got.model_type, got.num_heads, got.num_key_value_heads, got.head_dim) == ("llama", "llama", 8, 2, 24)
     assert (got.num_layers, got.d_model, got.context_length) == (config["num_hidden_layers"], config["hidden_size"], config["max_position_embeddings"])
     assert list(got.eos_token_ids) == [hf.config.eos_token_id] and got.eos_token_id == hf.config.eos_token_id
-    assert info.parity_gate.passed
+    assert info.parity_gate.passed and info.attention == "standard"
     stream = stub.Generate(greedy([5, 6, 7], 100), timeout=60)
     next(stream)
     (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences

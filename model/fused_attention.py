@@ -1,0 +1,72 @@
+"""Rotary grouped-query attention over cache rows as one operator: the eager definition of what ONNX Runtime's
+com.microsoft.GroupQueryAttention computes, so a Llama-family `slots` step can be exported as one fused node
+per layer and part (export/onnx_export.py maps the operator to it; tests hold the two to each other).
+
+For each of B rows, S new tokens (packed Q, K and V, not yet rotated) sit at the positions last - S + 1 ..
+last of that row, which are also their cache columns. They are rotated by their positions (rotate_half
+arithmetic, the cos/sin tables indexed by position), written into the row's K/V buffer, and attend
+causally to the row's columns 0 .. their own. Columns past a row's last token are never read, so a buffer
+row holds whatever it held there.
+
+ONNX Runtime writes the new K/V into the buffer it is given when present is bound to past's memory, and
+reads no further than each row's last column: a decode step costs one node per layer instead of the
+rotation, the scatter, the gathers and the attention (some 30 nodes). Its limits: head_dim a multiple of
+16; at least one row and one new token per row; a row's S tokens are its last (no padding after them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import attention_bias, scaled_dot_product_attention
+
+# ONNX Runtime 1.31's CPU kernel refuses other head widths.
+HEAD_DIM_MULTIPLE = 16
+
+
+def supports_fused_attention(head_dim: int) -> bool:
+    return head_dim % HEAD_DIM_MULTIPLE == 0
+
+
+def rotary_tables(inv_freq: list[float], positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of every position's angles, each (positions, d_k / 2), computed in float32 then cast."""
+    angles = torch.arange(positions, dtype=torch.float32)[:, None] * torch.tensor(inv_freq, dtype=torch.float32)  # (P, d_k / 2)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@torch.library.custom_op("kvserve::rotary_row_attention", mutates_args=())
+def rotary_row_attention(
+    qkv: torch.Tensor,  # (B, S, (H + 2 H_kv) d_k)
+    past_key: torch.Tensor,  # (B, H_kv, C, d_k)
+    past_value: torch.Tensor,  # (B, H_kv, C, d_k)
+    last_position: torch.Tensor,  # (B,) int32: each row's last new token's position
+    total_length: torch.Tensor,  # () int32: the longest row after the step (the operator's total_sequence_length)
+    cos: torch.Tensor,  # (P, d_k / 2)
+    sin: torch.Tensor,  # (P, d_k / 2)
+    n_head: int,
+    n_kv_head: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns the attention output (B, S, H d_k) and the rows' K and V with the new tokens written."""
+    B, S, _ = qkv.shape
+    C, d_k = past_key.shape[2], past_key.shape[3]
+    positions = last_position.long()[:, None] - S + 1 + torch.arange(S, device=qkv.device)  # (B, S)
+    q, k, v = qkv.view(B, S, n_head + 2 * n_kv_head, d_k).split([n_head, n_kv_head, n_kv_head], dim=2)  # (B, S, heads, d_k)
+    cos_p, sin_p = cos[positions][:, :, None], sin[positions][:, :, None]  # (B, S, 1, d_k / 2)
+
+    def rotate(x):  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos_p - x2 * sin_p, x2 * cos_p + x1 * sin_p], dim=-1)
+
+    rows = torch.arange(B, device=qkv.device)[:, None].expand(B, S)  # (B, S)
+    present_key, present_value = past_key.clone(), past_value.clone()
+    present_key[rows, :, positions] = rotate(k)  # each (B, S, H_kv, d_k) at (row, column)
+    present_value[rows, :, positions] = v
+    allowed = torch.arange(C, device=qkv.device)[None, None, :] <= positions[:, :, None]  # (B, S, C): causal, within the row
+    y = scaled_dot_product_attention(rotate(q).transpose(1, 2), present_key, present_value, attention_bias(allowed[:, None]))  # (B, H, S, d_k)
+    return y.transpose(1, 2).reshape(B, S, n_head * d_k), present_key, present_value
+
+
+@rotary_row_attention.register_fake
+def _(qkv, past_key, past_value, last_position, total_length, cos, sin, n_head, n_kv_head):
+    B, S, _ = qkv.shape
+    return qkv.new_empty(B, S, n_head * past_key.shape[3]), torch.empty_like(past_key), torch.empty_like(past_value)
