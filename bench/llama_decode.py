@@ -1,5 +1,6 @@
 """Decode speed of a ~135M Llama-shaped model (the llama-135m preset: SmolLM2-135M's shape, random weights):
-transformers' LlamaForCausalLM.generate vs our eager model vs our ONNX graph as the server runs it.
+transformers' LlamaForCausalLM.generate vs our eager model vs our ONNX graphs as the server runs them, with
+fused attention (GroupQueryAttention, what `kvserve export` writes for this model) and with standard ops.
 
 Batch 1, greedy, a 128-token prompt, 128 new tokens, the same weights everywhere (the preset saved as a
 checkpoint and read back by transformers). Decode tokens/s counts the 127 tokens after the first: time(128
@@ -7,7 +8,8 @@ tokens) - time(1 token), so prefill is excluded. The implementations take turns 
 best round of each is kept. Before timing, all three must produce the same 16 greedy tokens. Prints a
 markdown table and the machine it ran on.
 
-    python bench/llama_decode.py [--artifact artifacts/llama-135m] [--provider auto|cpu|cuda] [--repeats 3]
+    python bench/llama_decode.py [--artifact artifacts/llama-135m] [--standard-artifact artifacts/llama-135m-standard]
+                                 [--provider auto|cpu|cuda] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -54,21 +56,24 @@ def slots_generate(runtime: DecoderRuntime, pool, prompt: list[int], n: int) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--artifact", default=f"artifacts/{PRESET}", help="the preset's slots artifact; exported here first if missing")
+    parser.add_argument("--artifact", default=f"artifacts/{PRESET}", help="the preset's fused slots artifact; exported here first if missing")
+    parser.add_argument("--standard-artifact", default=f"artifacts/{PRESET}-standard", help="the same with standard attention; exported if missing")
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     model, source = load_source(PRESET, None, seed=0)
-    if not Path(args.artifact).exists():
-        print(f"exporting the {PRESET} preset to {args.artifact} ...", file=sys.stderr)
-        export_artifact(model, source, args.artifact, provider=args.provider)
-    artifact = open_artifact(args.artifact)
-    if artifact.manifest["source"] != source or artifact.kv_cache != "slots":
-        sys.exit(f"{args.artifact} is not the {PRESET} preset (seed 0) with the slots KV cache")
-    config = artifact.config
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots")
-    pool = runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
+    graphs = {}
+    for path, attention in ((args.artifact, "fused"), (args.standard_artifact, "standard")):
+        if not Path(path).exists():
+            print(f"exporting the {PRESET} preset to {path} ({attention} attention) ...", file=sys.stderr)
+            export_artifact(model, source, path, provider=args.provider, attention=attention)
+        artifact = open_artifact(path)
+        if artifact.manifest["source"] != source or artifact.kv_cache != "slots" or artifact.attention != attention:
+            sys.exit(f"{path} is not the {PRESET} preset (seed 0) with the slots KV cache and {attention} attention")
+        config = artifact.config
+        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots")
+        graphs[attention] = (runtime, runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config)))
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
 
     from transformers import LlamaForCausalLM
@@ -86,13 +91,16 @@ def main() -> None:
     # Same weights, same tokens: check before timing anything.
     theirs = hf_run(16)[0, PROMPT_LEN:].tolist()
     eager = generate(model, [prompt], 16).tokens[0].tolist()
-    ours = slots_generate(runtime, pool, prompt, 16)
-    assert ours == eager == theirs, f"the implementations disagree; not timing ({ours} / {eager} / {theirs})"
+    for attention, (runtime, pool) in graphs.items():
+        ours = slots_generate(runtime, pool, prompt, 16)
+        assert ours == eager == theirs, f"the implementations disagree ({attention}); not timing ({ours} / {eager} / {theirs})"
 
-    provider = runtime.provider
+    provider = graphs["fused"][0].provider
     names = ["transformers LlamaForCausalLM.generate (torch, KV cache)", "kvserve eager model (torch, KV cache)",
-             f"kvserve ONNX, slots KV cache, as served ({provider})"]
-    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: slots_generate(runtime, pool, prompt, n)]
+             f"kvserve ONNX, slots, fused attention, as served ({provider})", f"kvserve ONNX, slots, standard attention, as served ({provider})"]
+    runners = [hf_run, lambda n: generate(model, [prompt], n)] + [
+        lambda n, graph=graph: slots_generate(*graph, prompt, n) for graph in graphs.values()
+    ]
     rows = [(name, *rate) for name, rate in zip(names, decode_rates(args.repeats, runners))]
     hf_rate = rows[0][1]
     params = sum(p.numel() for p in model.parameters()) / 1e6
