@@ -369,32 +369,29 @@ class DecoderRuntime:
         no chunk, the highest decoding row's token becomes a one-token chunk of its own row, and the rows below it decode
         as usual; a chunk in the last row leaves that row's scratch token out; when no other row is left to decode, the
         spare row does (one throwaway token). The logits come back in run_slots' order all the same."""
-        rows, n_chunk = input_ids.shape[0], len(chunk_ids)
+        rows, n_chunk = len(input_ids), len(chunk_ids)
         logits_index = np.asarray(logits_index, np.int64)
-        solo = None
-        if n_chunk == 0:
-            decoding = logits_index[logits_index < rows]
-            if decoding.size == 0:
+        if n_chunk == 0:  # then every logit is a decode row's: the highest one's token goes through the chunk
+            if not len(logits_index):
                 raise ValueError("a step with no chunk must decode at least one row")
-            solo = chunk_slot = int(decoding.max())
-            chunk_ids, chunk_start, count = np.asarray(input_ids[solo : solo + 1]), int(position_ids[solo]), solo
+            chunk_slot = count = int(logits_index.max())  # the rows below it decode; its logit follows theirs
+            chunk_ids, chunk_start = input_ids[chunk_slot : chunk_slot + 1], int(position_ids[chunk_slot])
+            graph_index = logits_index
+        elif chunk_slot == rows - 1:
+            count = rows - 1  # the chunk's row is the last: its scratch token need not run, the chunk moves up one
+            graph_index = np.where(logits_index >= rows, logits_index - 1, logits_index)
         else:
-            count = rows - 1 if chunk_slot == rows - 1 else rows
-        if count:
-            first, tokens, positions = 0, input_ids[:count], position_ids[:count]
-        else:
-            first, count, tokens, positions = pool.spare_row, 1, np.zeros(1), np.zeros(1)
-        order = np.arange(rows + n_chunk)  # each run_slots token's place among the graph's: decode rows below count keep theirs
-        order[rows:] = count + np.arange(n_chunk)  # the chunk follows the graph's decode rows
-        if solo is not None:
-            order[solo] = count
+            count, graph_index = rows, logits_index
+        first = 0
+        if count == 0:  # nothing else decodes: the spare row does, one throwaway token at its column 0, ahead of the chunk
+            first, count, input_ids, position_ids = pool.spare_row, 1, np.zeros(1, np.int64), np.zeros(1, np.int64)
+            graph_index = logits_index + (n_chunk == 0)
         binding = self._bound_pool(pool, count, first, chunk_slot)
-        chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1)  # (1, T)
-        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(tokens, dtype=np.int64).reshape(count, 1))
-        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(positions, dtype=np.int64).reshape(count, 1))
-        binding.bind_cpu_input(io.CHUNK_IDS, chunk)
-        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_start + chunk.shape[1], dtype=np.int64)[None])
-        binding.bind_cpu_input(io.LOGITS_INDEX, order[logits_index])
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids[:count], dtype=np.int64).reshape(count, 1))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids[:count], dtype=np.int64).reshape(count, 1))
+        binding.bind_cpu_input(io.CHUNK_IDS, np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1))
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_start + len(chunk_ids), dtype=np.int64)[None])
+        binding.bind_cpu_input(io.LOGITS_INDEX, graph_index)
         return self._run_for_logits(binding, len(logits_index))
 
     def _run_for_logits(self, binding, n_logits: int) -> np.ndarray:
