@@ -109,7 +109,7 @@ def main() -> None:
     print("| implementation | decode tokens/s | ms/step | vs transformers |")
     print("|---|---:|---:|---:|")
     for name, rate, ms in rows:
-        print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.2f}x |")
+        print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.3f}x |")
     print(f"\nmachine: {describe(provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")
 
 
