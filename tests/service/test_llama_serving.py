@@ -20,23 +20,24 @@ PROMPTS = [[(11 * i + 5 * j) % 290 + 3 for j in range(length)] for i, length in 
 STEPS = 34
 
 
-@pytest.fixture(scope="module")
-def served(llama_artifact):
-    hf, _, artifact = llama_artifact(NAME)
-    # 4 rows for 8 streams and a budget of 8 tokens a step: streams wait, join, leave, and long prompts prefill in chunks.
+def serve(llama_artifact, name):
+    """transformers' model of LLAMA_CONFIGS[name] and a stub of its artifact's server. 4 rows for 8 streams and a budget of
+    8 tokens a step: streams wait, join, leave, and long prompts prefill in chunks."""
+    hf, _, artifact = llama_artifact(name)
     running = start_server(artifact, max_batch_size=4, max_queue=64, step_token_budget=8)
     with grpc.insecure_channel(running.target) as channel:
         yield hf, pb_grpc.GenerationServiceStub(channel)
     running.stop()
+
+
+@pytest.fixture(scope="module")
+def served(llama_artifact):
+    yield from serve(llama_artifact, NAME)
 
 
 @pytest.fixture(scope="module")
 def served_fused(llama_artifact):
-    hf, _, artifact = llama_artifact(FUSED)
-    running = start_server(artifact, max_batch_size=4, max_queue=64, step_token_budget=8)
-    with grpc.insecure_channel(running.target) as channel:
-        yield hf, pb_grpc.GenerationServiceStub(channel)
-    running.stop()
+    yield from serve(llama_artifact, FUSED)
 
 
 def greedy(ids, n, **extra):
