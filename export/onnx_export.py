@@ -182,40 +182,30 @@ def _name_axes(model_proto: onnx.ModelProto, spec: dict) -> None:
                     raise RuntimeError(f"exported {value.name} has a dimension {dim.dim_value}, contract says {axis}")
 
 
-def inplace_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
+def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str = io.STANDARD) -> list[str]:
     """Why the graph is unsafe to run with each present bound to its past's memory; [] when it is safe.
 
-    Safe means: present.{i} is produced by a ScatterND whose data input is past.{i} itself (so ONNX Runtime
-    skips the copy when the buffers coincide), and nothing else reads past.{i}'s values (a reader scheduled
-    after the write would see this step's K/V). Reading only its shape is harmless.
+    Safe means: present.{i} is produced by the operator that writes in place, reading past.{i} itself (so ONNX
+    Runtime skips the copy when the buffers coincide): a ScatterND whose data input it is, or in a fused graph the
+    GroupQueryAttention whose past_key / past_value it is (and chunk_present.{i} likewise from chunk_key_values.{i});
+    and nothing else reads past.{i}'s values (a reader scheduled after the write would see this step's K/V).
+    Reading only its shape is harmless.
     """
+    pairs = [(io.past_names(layer), io.present_names(layer)) for layer in range(n_layer)]
+    if attention == io.FUSED:
+        pairs += [(io.chunk_past_names(layer), io.chunk_present_names(layer)) for layer in range(n_layer)]
     producers = {out: node for node in graph.node for out in node.output}
     problems = []
-    for layer in range(n_layer):
-        for past, present in zip(io.past_names(layer), io.present_names(layer)):
+    for pasts, presents in pairs:
+        for slot, (past, present) in enumerate(zip(pasts, presents)):  # slot 0: key, 1: value
+            # (operator, its input that is the past, its output that is the present)
+            op, past_input, present_output = ("GroupQueryAttention", 3 + slot, 1 + slot) if attention == io.FUSED else ("ScatterND", 0, 0)
             writer = producers.get(present)
-            if writer is None or writer.op_type != "ScatterND" or writer.input[0] != past:
-                problems.append(f"{present} is not a ScatterND into {past}")
+            if writer is None or writer.op_type != op or writer.input[past_input] != past or writer.output[present_output] != present:
+                problems.append(f"{present} is not a {op} into {past}")
             readers = [n.op_type for n in graph.node if past in n.input and n is not writer and n.op_type != "Shape"]
             if readers:
                 problems.append(f"{past} is also read by {', '.join(readers)}")
-    return problems
-
-
-def fused_write_problems(graph: onnx.GraphProto, n_layer: int) -> list[str]:
-    """inplace_write_problems for a fused graph: each present (and chunk_present) is written by the GroupQueryAttention
-    whose past buffer is that layer's past (chunk past) itself, its only reader."""
-    producers = {out: node for node in graph.node for out in node.output}
-    problems = []
-    for layer in range(n_layer):
-        for pasts, presents in ((io.past_names(layer), io.present_names(layer)), (io.chunk_past_names(layer), io.chunk_present_names(layer))):
-            for slot, (past, present) in enumerate(zip(pasts, presents)):
-                writer = producers.get(present)
-                if writer is None or writer.op_type != "GroupQueryAttention" or writer.input[3 + slot] != past or writer.output[1 + slot] != present:
-                    problems.append(f"{present} is not GroupQueryAttention's present for {past}")
-                readers = [n.op_type for n in graph.node if past in n.input and n is not writer and n.op_type != "Shape"]
-                if readers:
-                    problems.append(f"{past} is also read by {', '.join(readers)}")
     return problems
 
 
@@ -270,14 +260,10 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
     model_proto = program.model_proto
     spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention)
     _name_axes(model_proto, spec)
-    if attention == io.FUSED:
-        problems = fused_write_problems(model_proto.graph, n_layer)
-        if problems:
-            raise RuntimeError("the fused slots graph cannot be written in place: " + "; ".join(problems[:3]))
-    elif kv_cache in (io.INPLACE, io.SLOTS):
-        problems = inplace_write_problems(model_proto.graph, n_layer)
+    if kv_cache in (io.INPLACE, io.SLOTS):
+        problems = inplace_write_problems(model_proto.graph, n_layer, attention)
         if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
-            raise RuntimeError("the inplace KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
+            raise RuntimeError(f"the {kv_cache} KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
     return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, "attention": attention, **spec}
 
 

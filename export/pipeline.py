@@ -28,7 +28,7 @@ from kvserve.service.runtime import cuda_available
 
 from . import artifact as art
 from . import io_contract as io
-from .onnx_export import fused_attention_refusal, fused_write_problems, inplace_write_problems, save_graph, trace_graph
+from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
 from .quantize import SCHEMES, QuantizeError, quantize_model
 from .parity import format_report, verify, write_report
 
@@ -87,8 +87,7 @@ def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: 
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
     if kv_cache in (io.INPLACE, io.SLOTS):
-        check = fused_write_problems if attention == io.FUSED else inplace_write_problems
-        problems = check(quantized.graph, n_layer)
+        problems = inplace_write_problems(quantized.graph, n_layer, attention)
         if problems:
             raise RuntimeError("quantization broke the in-place KV write: " + "; ".join(problems[:3]))
     return quantized, facts

@@ -137,13 +137,13 @@ class FusedSlotStep:
     """What every layer of a fused `slots` step shares: the B decode rows each write and read up to their position, the
     chunk's T tokens end at its last position; the rotary tables cover every column a row can have."""
 
-    def __init__(self, config: DecoderConfig, position_ids, chunk_position_ids, dtype: torch.dtype):
+    def __init__(self, rotary: RotaryEmbedding, positions: int, position_ids, chunk_position_ids, dtype: torch.dtype):
         self.n_decode = position_ids.shape[0]
         self.decode_last = position_ids.reshape(self.n_decode).to(torch.int32)  # (B,)
         self.chunk_last = chunk_position_ids[:, -1].to(torch.int32)  # (1,)
         self.decode_total = self.decode_last.max() + 1  # () int32: the longest row, as the operator wants it
         self.chunk_total = self.chunk_last.max() + 1  # ()
-        self.cos, self.sin = rotary_tables(rope_frequencies(config), config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2)
+        self.cos, self.sin = rotary_tables(rotary.inv_freq, positions, dtype)  # (positions, d_k / 2)
 
 
 class SwiGLU(nn.Module):
@@ -269,7 +269,7 @@ class Llama(nn.Module):
         also the chunk's row writes elsewhere than the chunk does (the caller's scratch column). Logits at logits_index."""
         B, T = input_ids.shape[0], chunk_ids.shape[1]
         x = self.model.embed_tokens(torch.cat([input_ids.reshape(B), chunk_ids.reshape(T)]))  # (N, C): decode tokens, then the chunk
-        step = FusedSlotStep(self.config, position_ids, chunk_position_ids, x.dtype)
+        step = FusedSlotStep(self.rotary, self.config.n_ctx + 1, position_ids, chunk_position_ids, x.dtype)  # every column of a row
         presents, chunk_presents = [], []
         for block, rows, chunk_row in zip(self.model.layers, past_key_values, chunk_key_values):
             x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)
