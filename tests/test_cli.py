@@ -56,6 +56,7 @@ BROKEN_ARTIFACTS = {
     "no dtype": (lambda m, d: m.pop("dtype"), "manifest.json: dtype None is not one of float32, float16"),
     "bfloat16": (lambda m, d: m.update(dtype="bfloat16"), "dtype 'bfloat16' is not one of float32, float16"),
     "corrupt model.onnx": (_corrupt_model, "model.onnx: ONNX Runtime cannot load it"),
+    "unknown attention": (lambda m, d: m.update(attention="flash"), "manifest.json: attention 'flash' is not one of standard, fused"),
 }
 
 
