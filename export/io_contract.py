@@ -54,19 +54,25 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
 Only the tokens named by logits_index reach the LM head and the host: in serving, one per row that samples.
 
 A `slots` graph's attention is `standard` (the ops above) or `fused` (Llama family, head_dim a multiple of 16:
-ONNX Runtime's com.microsoft.GroupQueryAttention does rotation, cache write and attention in one node per
-layer and part, model/fused_attention.py). The fused operator writes only the rows it is given, so the
-chunk's row comes as its own input, bound to that row of the pool, and a row reads exactly its columns up
-to its position (no masks, no chunk_slot). It needs at least one decode row and one chunk token:
+ONNX Runtime's com.microsoft.GroupQueryAttention does rotation, cache write and attention, model/
+fused_attention.py). The operator reads each row's columns up to its last position and writes only the
+rows it is given, so the graph has no masks and no chunk_slot: B rows take S new tokens each (decode rows,
+S = 1, or a lone prompt chunk as the one row), and a chunk of T >= 0 tokens goes into a row of its own,
+bound to that row of the same pool. Each layer's attention is an If on T: one operator without a chunk,
+two with one (the rows', the chunk's), so a decode step runs one operator a layer. The operator needs at
+least one row and one token in it:
 
-    input_ids, position_ids     (batch_size, 1)                                        int64, as above
-    chunk_ids                   (1, chunk_length)                                      int64, >= 1 long
+    input_ids, position_ids     (batch_size, sequence_length)                          int64, consecutive positions;
+                                                                                       the last = the row's last column
+    chunk_ids                   (1, chunk_length)                                      int64, may be 0 long
     chunk_position_ids          (1, chunk_length)                                      int64
-    logits_index                (num_logits,)                                          int64
-    past_key_values.{i}.*       (batch_size, num_heads, cache_capacity, head_dim)      the decode rows
+    logits_index                (num_logits,)                                          int64, of the B S row tokens
+                                                                                       (row by row), then the chunk's
+    past_key_values.{i}.*       (batch_size, num_heads, cache_capacity, head_dim)      the rows
     chunk_key_values.{i}.*      (1, num_heads, cache_capacity, head_dim)               the chunk's row
  -> logits, present.{i}.*       as above
     chunk_present.{i}.*         (1, num_heads, cache_capacity, head_dim)               the chunk's row, written
+                                                                                       (passed through when T = 0)
 """
 
 from __future__ import annotations
@@ -187,6 +193,8 @@ def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtyp
     if attention == FUSED:
         for name in (ATTENTION_MASK, CHUNK_ATTENTION_MASK, CHUNK_SLOT):
             del inputs[name]
+        for name in (INPUT_IDS, POSITION_IDS):
+            inputs[name]["shape"] = [BATCH, SEQUENCE]  # S new tokens a row
         row = {"shape": [1, n_kv_head, CAPACITY, d_head], "dtype": dtype}
         for layer in range(n_layer):
             inputs.update({name: dict(row) for name in chunk_past_names(layer)})

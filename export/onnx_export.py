@@ -8,9 +8,7 @@ import warnings
 from pathlib import Path
 
 import onnx
-import onnxscript
 import torch
-from onnx.defs import OpSchema
 from torch import nn
 from torch.export import Dim
 
@@ -19,6 +17,7 @@ from kvserve.model.fused_attention import supports_fused_attention
 
 from . import io_contract as io
 from .artifact import MODEL_DATA_FILE, MODEL_FILE
+from .fused_graph import declare_operators, expand_rows_and_chunk_attention, fused_write_problems, rows_and_chunk_placeholder
 
 OPSET = 18
 # onnxruntime 1.31 refuses the IR version onnx 1.23 writes by default (14); 10 covers opset 18.
@@ -62,7 +61,7 @@ class _SlotsSignature(_FlatSignature):
 
 
 class _FusedSlotsSignature(_FlatSignature):
-    """The fused `slots` step: (decode tokens, chunk, logits_index, decode rows, chunk row) -> (logits, both written)."""
+    """The fused `slots` step: (rows' new tokens, chunk, logits_index, rows, chunk row) -> (logits, both written)."""
 
     def forward(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values, chunk_key_values):
         logits, presents, chunk_presents = self.model.forward_slots_fused(
@@ -71,42 +70,12 @@ class _FusedSlotsSignature(_FlatSignature):
         return logits, tuple(presents), tuple(chunk_presents)
 
 
-# onnx knows no schema for ONNX Runtime's contrib operators, and the exporter emits a node only through one: this
-# declares GroupQueryAttention's inputs, outputs and the attributes kvserve sets (ONNX Runtime's own definition
-# has more optional ones, which keep their defaults).
-_MICROSOFT = onnxscript.values.Opset("com.microsoft", 1)
-
-
-def _declare_group_query_attention() -> None:
-    if "GroupQueryAttention" in _MICROSOFT:
-        return
-    param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
-    inputs = [param("query", "T"), param("key", "T", param_option=optional), param("value", "T", param_option=optional),
-              param("past_key", "T", param_option=optional), param("past_value", "T", param_option=optional),
-              param("seqlens_k", "M"), param("total_sequence_length", "M"),
-              param("cos_cache", "T", param_option=optional), param("sin_cache", "T", param_option=optional)]
-    outputs = [param("output", "T"), param("present_key", "T"), param("present_value", "T")]
-    attributes = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
-                  OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "K/V heads"),
-                  OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, "rotate Q and K by position", required=False)]
-    types = [("T", ["tensor(float)", "tensor(float16)"], "model dtype"), ("M", ["tensor(int32)"], "lengths")]
-    onnx.defs.register_schema(OpSchema("GroupQueryAttention", "com.microsoft", 1, inputs=inputs, outputs=outputs,
-                                       type_constraints=types, attributes=attributes))
-
-
-def _group_query_attention(qkv, past_key, past_value, last_position, total_length, cos, sin, n_head: int, n_kv_head: int):
-    """kvserve::rotary_row_attention as ONNX Runtime's operator: packed QKV, the rows as a shared past/present
-    buffer, seqlens_k = each row's last position (its length - 1), rotary on."""
-    return _MICROSOFT.GroupQueryAttention(qkv, None, None, past_key, past_value, last_position, total_length, cos, sin,
-                                          num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=1)
-
-
 def _fused_example_inputs(model: Decoder, dtype: torch.dtype):
     config = model.config
-    batch, chunk, capacity, n_logits = 2, 3, 9, 4
+    batch, tokens, chunk, capacity, n_logits = 2, 3, 4, 9, 5
     step = (
-        torch.zeros(batch, 1, dtype=torch.int64),
-        torch.tensor([[3], [4]], dtype=torch.int64),
+        torch.zeros(batch, tokens, dtype=torch.int64),
+        torch.tensor([[3, 4, 5], [4, 5, 6]], dtype=torch.int64),
         torch.zeros(1, chunk, dtype=torch.int64),
         torch.arange(chunk, dtype=torch.int64)[None],
         torch.arange(n_logits, dtype=torch.int64),
@@ -186,23 +155,20 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
     """Why the graph is unsafe to run with each present bound to its past's memory; [] when it is safe.
 
     Safe means: present.{i} is produced by the operator that writes in place, reading past.{i} itself (so ONNX
-    Runtime skips the copy when the buffers coincide): a ScatterND whose data input it is, or in a fused graph the
-    GroupQueryAttention whose past_key / past_value it is (and chunk_present.{i} likewise from chunk_key_values.{i});
-    and nothing else reads past.{i}'s values (a reader scheduled after the write would see this step's K/V).
-    Reading only its shape is harmless.
+    Runtime skips the copy when the buffers coincide): a ScatterND whose data input it is; and nothing else reads
+    past.{i}'s values (a reader scheduled after the write would see this step's K/V). Reading only its shape is
+    harmless. A fused graph's writers sit inside each layer's If: fused_graph.fused_write_problems.
     """
-    pairs = [(io.past_names(layer), io.present_names(layer)) for layer in range(n_layer)]
     if attention == io.FUSED:
-        pairs += [(io.chunk_past_names(layer), io.chunk_present_names(layer)) for layer in range(n_layer)]
+        return fused_write_problems(graph, n_layer)
+    pairs = [(io.past_names(layer), io.present_names(layer)) for layer in range(n_layer)]
     producers = {out: node for node in graph.node for out in node.output}
     problems = []
     for pasts, presents in pairs:
-        for slot, (past, present) in enumerate(zip(pasts, presents)):  # slot 0: key, 1: value
-            # (operator, its input that is the past, its output that is the present)
-            op, past_input, present_output = ("GroupQueryAttention", 3 + slot, 1 + slot) if attention == io.FUSED else ("ScatterND", 0, 0)
+        for past, present in zip(pasts, presents):
             writer = producers.get(present)
-            if writer is None or writer.op_type != op or writer.input[past_input] != past or writer.output[present_output] != present:
-                problems.append(f"{present} is not a {op} into {past}")
+            if writer is None or writer.op_type != "ScatterND" or writer.input[0] != past or writer.output[0] != present:
+                problems.append(f"{present} is not a ScatterND into {past}")
             readers = [n.op_type for n in graph.node if past in n.input and n is not writer and n.op_type != "Shape"]
             if readers:
                 problems.append(f"{past} is also read by {', '.join(readers)}")
@@ -223,12 +189,13 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
     kv_axes = tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer))
     example, translations = None, {}
     if attention == io.FUSED:
-        _declare_group_query_attention()
-        translations = {torch.ops.kvserve.rotary_row_attention.default: _group_query_attention}
+        declare_operators()
+        translations = {torch.ops.kvserve.rows_and_chunk_attention.default: rows_and_chunk_placeholder}
         signature, example = _FusedSlotsSignature(model), _fused_example_inputs(model, torch_dtype)
         dynamic_shapes = {
-            "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic},
-            "logits_index": {0: dynamic}, "past_key_values": kv_axes, "chunk_key_values": tuple(({2: dynamic}, {2: dynamic}) for _ in range(n_layer)),
+            "input_ids": step_axes["input_ids"], "position_ids": step_axes["position_ids"], "chunk_ids": {1: dynamic},
+            "chunk_position_ids": {1: dynamic}, "logits_index": {0: dynamic}, "past_key_values": kv_axes,
+            "chunk_key_values": tuple(({2: dynamic}, {2: dynamic}) for _ in range(n_layer)),
         }
     elif kv_cache == io.CONCAT:
         signature = _FlatSignature(model)
@@ -258,6 +225,8 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
             verbose=False,
         )
     model_proto = program.model_proto
+    if attention == io.FUSED:
+        expand_rows_and_chunk_attention(model_proto, dtype)
     spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention)
     _name_axes(model_proto, spec)
     if kv_cache in (io.INPLACE, io.SLOTS):

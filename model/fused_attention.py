@@ -1,12 +1,16 @@
 """Rotary grouped-query attention over cache rows as one operator: the eager definition of what ONNX Runtime's
-com.microsoft.GroupQueryAttention computes, so a Llama-family `slots` step can be exported as one fused node
-per layer and part (export/onnx_export.py maps the operator to it; tests hold the two to each other).
+com.microsoft.GroupQueryAttention computes, so a Llama-family `slots` step can be exported with fused attention
+(export/onnx_export.py maps the operators; tests hold the two to each other).
 
-For each of B rows, S new tokens (packed Q, K and V, not yet rotated) sit at the positions last - S + 1 ..
-last of that row, which are also their cache columns. They are rotated by their positions (rotate_half
-arithmetic, the cos/sin tables indexed by position), written into the row's K/V buffer, and attend
-causally to the row's columns 0 .. their own. Columns past a row's last token are never read, so a buffer
-row holds whatever it held there.
+rotary_row_attention: for each of B rows, S new tokens (packed Q, K and V, not yet rotated) sit at the
+positions last - S + 1 .. last of that row, which are also their cache columns. They are rotated by their
+positions (rotate_half arithmetic, the cos/sin tables indexed by position), written into the row's K/V
+buffer, and attend causally to the row's columns 0 .. their own. Columns past a row's last token are never
+read, so a buffer row holds whatever it held there.
+
+rows_and_chunk_attention: a whole step's attention, B rows of S tokens and a prompt chunk of T tokens in a
+row of its own, T possibly 0. It exports as one If a layer (export/onnx_export.py): with a chunk, two
+operators (the rows', the chunk's); without, one, and the chunk's K/V pass through untouched.
 
 ONNX Runtime writes the new K/V into the buffer it is given when present is bound to past's memory, and
 reads no further than each row's last column: a decode step costs one node per layer instead of the
@@ -70,3 +74,39 @@ def rotary_row_attention(
 def _(qkv, past_key, past_value, last_position, total_length, cos, sin, n_head, n_kv_head):
     B, S, _ = qkv.shape
     return qkv.new_empty(B, S, n_head * past_key.shape[3]), torch.empty_like(past_key), torch.empty_like(past_value)
+
+
+@torch.library.custom_op("kvserve::rows_and_chunk_attention", mutates_args=())
+def rows_and_chunk_attention(
+    qkv: torch.Tensor,  # (B S + T, (H + 2 H_kv) d_k): the rows' tokens, then the chunk's
+    rows_key: torch.Tensor,  # (B, H_kv, C, d_k)
+    rows_value: torch.Tensor,  # (B, H_kv, C, d_k)
+    chunk_key: torch.Tensor,  # (1, H_kv, C, d_k)
+    chunk_value: torch.Tensor,  # (1, H_kv, C, d_k)
+    rows_last: torch.Tensor,  # (B,) int32
+    rows_total: torch.Tensor,  # () int32
+    chunk_last: torch.Tensor,  # (1,) int32
+    chunk_total: torch.Tensor,  # () int32
+    cos: torch.Tensor,  # (P, d_k / 2)
+    sin: torch.Tensor,  # (P, d_k / 2)
+    row_tokens: torch.Tensor,  # (B, S): read for its shape only
+    chunk_tokens: torch.Tensor,  # (1, T): read for its shape only
+    n_head: int,
+    n_kv_head: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written."""
+    (B, S), T = row_tokens.shape, chunk_tokens.shape[1]
+    tables = (cos, sin, n_head, n_kv_head)
+    y_rows, rows_key, rows_value = rotary_row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, rows_total, *tables)  # (B, S, H d_k)
+    y_rows = y_rows.reshape(B * S, -1)  # (B S, H d_k)
+    if T == 0:
+        return y_rows, rows_key, rows_value, chunk_key.clone(), chunk_value.clone()
+    y_chunk, chunk_key, chunk_value = rotary_row_attention(qkv[B * S :].reshape(1, T, -1), chunk_key, chunk_value, chunk_last, chunk_total, *tables)  # (1, T, H d_k)
+    return torch.cat([y_rows, y_chunk.reshape(T, -1)]), rows_key, rows_value, chunk_key, chunk_value
+
+
+@rows_and_chunk_attention.register_fake
+def _(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens,
+      n_head, n_kv_head):
+    y = qkv.new_empty(qkv.shape[0], n_head * rows_key.shape[3])
+    return y, torch.empty_like(rows_key), torch.empty_like(rows_value), torch.empty_like(chunk_key), torch.empty_like(chunk_value)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
 from .config import DecoderConfig
-from .fused_attention import rotary_row_attention, rotary_tables
+from .fused_attention import rotary_tables, rows_and_chunk_attention
 
 
 class RMSNorm(nn.Module):
@@ -121,27 +121,25 @@ class GroupedQueryAttention(nn.Module):
         return self.o_proj(y), present
 
     def forward_fused(self, x, step: "FusedSlotStep", rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
-        """x (N, C): B decode tokens then T chunk tokens; rows (B, H_kv, C_cap, d_k) and chunk_row (1, H_kv, C_cap, d_k)
-        the cache rows they are written into. Rotation, cache write and attention are one operator per part."""
-        qkv = self.qkv_proj(x)  # (N, (H + 2 H_kv) d_k): unrotated
-        decode, chunk = qkv.split([step.n_decode, qkv.shape[0] - step.n_decode])  # (B, ...), (T, ...)
-        args = (step.cos, step.sin, self.n_head, self.n_kv_head)
-        y_decode, *present = rotary_row_attention(decode[:, None], *rows, step.decode_last, step.decode_total, *args)  # (B, 1, H d_k)
-        y_chunk, *chunk_present = rotary_row_attention(chunk[None], *chunk_row, step.chunk_last, step.chunk_total, *args)  # (1, T, H d_k)
-        width = self.n_head * self.d_head
-        y = torch.cat([y_decode.reshape(step.n_decode, width), y_chunk.reshape(-1, width)])  # (N, H d_k)
-        return self.o_proj(y), tuple(present), tuple(chunk_present)
+        """x (B S + T, C): S new tokens for each of B rows, then T chunk tokens; rows (B, H_kv, C_cap, d_k) and
+        chunk_row (1, H_kv, C_cap, d_k) the cache rows they are written into. Rotation, cache write and attention are
+        one operator for the rows and one for the chunk (none when T is 0)."""
+        qkv = self.qkv_proj(x)  # (B S + T, (H + 2 H_kv) d_k): unrotated
+        y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, step.rows_last, step.rows_total, step.chunk_last, step.chunk_total,
+                                               step.cos, step.sin, step.row_tokens, step.chunk_tokens, self.n_head, self.n_kv_head)
+        return self.o_proj(y), tuple(present[:2]), tuple(present[2:])  # (B S + T, C)
 
 
 class FusedSlotStep:
-    """What every layer of a fused `slots` step shares: the B decode rows each write and read up to their position, the
-    chunk's T tokens end at its last position; the rotary tables cover every column a row can have."""
+    """What every layer of a fused `slots` step shares: B rows of S new tokens, a row's tokens ending at its last
+    position, and a chunk of T >= 0 tokens of one more row; the rotary tables cover every column a row can have."""
 
-    def __init__(self, rotary: RotaryEmbedding, positions: int, position_ids, chunk_position_ids, dtype: torch.dtype):
-        self.n_decode = position_ids.shape[0]
-        self.decode_last = position_ids.reshape(self.n_decode).to(torch.int32)  # (B,)
-        self.chunk_last = chunk_position_ids[:, -1].to(torch.int32)  # (1,)
-        self.decode_total = self.decode_last.max() + 1  # () int32: the longest row, as the operator wants it
+    def __init__(self, rotary: RotaryEmbedding, positions: int, input_ids, position_ids, chunk_ids, chunk_position_ids, dtype: torch.dtype):
+        self.row_tokens, self.chunk_tokens = input_ids, chunk_ids  # (B, S), (1, T): their shapes tell the operator
+        self.rows_last = position_ids[:, -1].to(torch.int32)  # (B,): the operator's seqlens_k, each row's length - 1
+        self.rows_total = self.rows_last.max() + 1  # () int32: the longest row, as the operator wants it
+        # The chunk's last position; with T = 0 (no chunk) a 0 the operator never reads, not an index past the end.
+        self.chunk_last = torch.cat([chunk_position_ids, chunk_position_ids.new_zeros(1, 1)], dim=1).amax(dim=1).to(torch.int32)  # (1,)
         self.chunk_total = self.chunk_last.max() + 1  # ()
         self.cos, self.sin = rotary_tables(rotary.inv_freq, positions, dtype)  # (positions, d_k / 2)
 
@@ -263,13 +261,16 @@ class Llama(nn.Module):
 
     def forward_slots_fused(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values: list[LayerKV],
                             chunk_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV], list[LayerKV]]:
-        """The `slots` step with fused attention (fused_attention.py): B decode tokens, a token per row of past_key_values
-        (each (B, H_kv, C_cap, d_k)) at its position, and a chunk of T >= 1 tokens of the row chunk_key_values (each
-        (1, H_kv, C_cap, d_k)), ending at chunk_position_ids' last. The two may be rows of one pool: a decode row that is
-        also the chunk's row writes elsewhere than the chunk does (the caller's scratch column). Logits at logits_index."""
-        B, T = input_ids.shape[0], chunk_ids.shape[1]
-        x = self.model.embed_tokens(torch.cat([input_ids.reshape(B), chunk_ids.reshape(T)]))  # (N, C): decode tokens, then the chunk
-        step = FusedSlotStep(self.rotary, self.config.n_ctx + 1, position_ids, chunk_position_ids, x.dtype)  # every column of a row
+        """The `slots` step with fused attention (fused_attention.py): B rows of past_key_values (each (B, H_kv, C_cap,
+        d_k)) take S new tokens each, input_ids and position_ids (B, S), at consecutive positions ending at the row's
+        last; a chunk of T >= 0 tokens (chunk_ids, chunk_position_ids (1, T)) goes into the row chunk_key_values (each
+        (1, H_kv, C_cap, d_k)). The server's rows are decode rows (S = 1) beside a chunk, or a lone chunk as the one
+        row; chunk_key_values may be a row of the same pool, written only where the chunk is (or nowhere, T = 0).
+        Logits at logits_index of the B S row tokens (row by row), then the T chunk tokens."""
+        B, S = input_ids.shape
+        tokens = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,)
+        x = self.model.embed_tokens(tokens)  # (B S + T, C): a slots step needs no batch axis
+        step = FusedSlotStep(self.rotary, self.config.n_ctx + 1, input_ids, position_ids, chunk_ids, chunk_position_ids, x.dtype)
         presents, chunk_presents = [], []
         for block, rows, chunk_row in zip(self.model.layers, past_key_values, chunk_key_values):
             x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)

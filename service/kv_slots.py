@@ -121,8 +121,7 @@ class SlotBatch:
         return longest if far else None
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
-        # A fused graph reads each row's own columns only, so no row needs to step aside (and its runtime makes a chunk of
-        # a decode token by itself when the step has no chunk).
+        # A fused graph reads each row's own columns only, so no row needs to step aside.
         solo = self._solo(decode) if chunk is None and self.runtime.attention == STANDARD else None
         if solo is not None:
             decode = [s for s in decode if s is not solo]

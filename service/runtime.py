@@ -15,10 +15,10 @@ sequence, fed an attention mask over those columns. Under the inplace layout the
 spare columns: each step's present is bound to the past's own memory; when a step needs more columns than
 the buffer has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
 
-A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the decode rows and the chunk's row
-separately, each as its own past and present, and needs a decode row and a chunk token in every step;
-run_slots keeps its meaning for both graphs and arranges a fused step itself (_run_fused). On CUDA the fused
-kernel is float16 only: a float32 fused graph is refused there with the fix named.
+A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the rows and the chunk's row
+separately, each as its own past and present; run_slots keeps its meaning for both graphs and arranges a
+fused step itself (_run_fused). On CUDA the fused kernel is float16 only: a float32 fused graph is refused
+there with the fix named.
 
 Every copy of K/V that the runtime makes is counted (KvTraffic), so tests can hold the serving path to
 "no K/V through the host in steady state".
@@ -107,11 +107,7 @@ class SlotPool:
 
     def __init__(self, runtime: "DecoderRuntime", rows: int, n_kv_head: int, d_head: int, capacity: int):
         self.runtime, self.rows, self.capacity = runtime, rows, capacity
-        # A fused graph needs a decode row in every step: when none decodes but the chunk's, a spare row past the last
-        # takes a throwaway token at column 0 (reading one column), so the pool has one row more than the batch's.
-        self.spare_row = rows if runtime.attention == io.FUSED else None
-        physical = rows + (self.spare_row is not None)
-        self.shape = (physical, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
+        self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
         self.row_bytes = n_kv_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
         if runtime.device == "cpu":
             self.arrays = [np.empty(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
@@ -232,7 +228,7 @@ class DecoderRuntime:
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
         self.traffic = KvTraffic()
-        self._pool_binding: tuple | None = None  # (pool, rows, binding): the K/V bound once, reused step after step
+        self._pool_binding: tuple | None = None  # (key, binding): the K/V bound once, reused step after step
 
     # --- the graph's own description, for the load-time contract check ---------------------------
 
@@ -323,7 +319,6 @@ class DecoderRuntime:
         if self._pool_binding is not None and self._pool_binding[0] == key:
             return self._pool_binding[1]
         binding = self.session.io_binding()
-        binding.bind_output(io.LOGITS, "cpu")  # first: get_outputs() lists outputs in binding order
         names = [(self._past_names, self._present_names, first_row, rows)]
         if chunk_row is not None:
             names.append((self._chunk_past_names, self._chunk_present_names, chunk_row, 1))
@@ -365,32 +360,31 @@ class DecoderRuntime:
         return self._run_for_logits(binding, len(logits_index))
 
     def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index) -> np.ndarray:
-        """run_slots for a fused graph, whose operator needs a decode row and a chunk token at least (io_contract): with
-        no chunk, the highest decoding row's token becomes a one-token chunk of its own row, and the rows below it decode
-        as usual; a chunk in the last row leaves that row's scratch token out; when no other row is left to decode, the
-        spare row does (one throwaway token). The logits come back in run_slots' order all the same."""
+        """run_slots for a fused graph, whose operator needs a row and a token at least (io_contract): the rows are rows
+        0 .. the last that decodes (a token each; one below it with nothing to decode runs its scratch token) and the
+        chunk, if any, goes beside them; a chunk with no row decoding is the step's one row instead, the chunk inputs
+        left empty (their row bound to its own, passed through). The logits come back in run_slots' order."""
         rows, n_chunk = len(input_ids), len(chunk_ids)
         logits_index = np.asarray(logits_index, np.int64)
-        if n_chunk == 0:  # then every logit is a decode row's: the highest one's token goes through the chunk
-            if not len(logits_index):
-                raise ValueError("a step with no chunk must decode at least one row")
-            chunk_slot = count = int(logits_index.max())  # the rows below it decode; its logit follows theirs
-            chunk_ids, chunk_start = input_ids[chunk_slot : chunk_slot + 1], int(position_ids[chunk_slot])
-            graph_index = logits_index
-        elif chunk_slot == rows - 1:
-            count = rows - 1  # the chunk's row is the last: its scratch token need not run, the chunk moves up one
-            graph_index = np.where(logits_index >= rows, logits_index - 1, logits_index)
+        decoding = logits_index < rows  # the rest are the chunk's
+        chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, n_chunk)  # (1, T)
+        chunk_positions = np.arange(chunk_start, chunk_start + n_chunk, dtype=np.int64)[None]  # (1, T)
+        if decoding.any():
+            count = int(logits_index[decoding].max()) + 1
+            binding = self._bound_pool(pool, count, 0, chunk_slot if n_chunk else 0)
+            tokens = np.ascontiguousarray(input_ids[:count], dtype=np.int64).reshape(count, 1)  # (B, 1)
+            positions = np.ascontiguousarray(position_ids[:count], dtype=np.int64).reshape(count, 1)  # (B, 1)
+            graph_index = np.where(decoding, logits_index, logits_index - rows + count)  # the chunk follows the B rows
+        elif n_chunk:
+            binding = self._bound_pool(pool, 1, chunk_slot, chunk_slot)
+            tokens, positions, graph_index = chunk, chunk_positions, logits_index - rows
+            chunk = chunk_positions = np.zeros((1, 0), np.int64)
         else:
-            count, graph_index = rows, logits_index
-        first = 0
-        if count == 0:  # nothing else decodes: the spare row does, one throwaway token at its column 0, ahead of the chunk
-            first, count, input_ids, position_ids = pool.spare_row, 1, np.zeros(1, np.int64), np.zeros(1, np.int64)
-            graph_index = logits_index + (n_chunk == 0)
-        binding = self._bound_pool(pool, count, first, chunk_slot)
-        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids[:count], dtype=np.int64).reshape(count, 1))
-        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids[:count], dtype=np.int64).reshape(count, 1))
-        binding.bind_cpu_input(io.CHUNK_IDS, np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1))
-        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_start + len(chunk_ids), dtype=np.int64)[None])
+            raise ValueError("a step must decode a row or run a chunk")
+        binding.bind_cpu_input(io.INPUT_IDS, tokens)
+        binding.bind_cpu_input(io.POSITION_IDS, positions)
+        binding.bind_cpu_input(io.CHUNK_IDS, chunk)
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, chunk_positions)
         binding.bind_cpu_input(io.LOGITS_INDEX, graph_index)
         return self._run_for_logits(binding, len(logits_index))
 

@@ -83,21 +83,30 @@ def test_an_artifact_whose_manifest_disagrees_with_its_config_is_refused(llama_a
         open_artifact(copy, check_files=False)
 
 
-def graph_ops(artifact_dir) -> Counter:
-    return Counter(n.op_type for n in onnx.load(str(Path(artifact_dir) / "model.onnx"), load_external_data=False).graph.node)
+def graph_ops(artifact_dir, branch: str | None = None) -> Counter:
+    """The graph's operators; with branch ("then_branch" / "else_branch"), those inside every If's branch of that name."""
+    nodes = onnx.load(str(Path(artifact_dir) / "model.onnx"), load_external_data=False).graph.node
+    if branch is None:
+        return Counter(n.op_type for n in nodes)
+    return Counter(inner.op_type for n in nodes for a in n.attribute if a.name == branch for inner in a.g.node)
 
 
 def test_auto_attention_is_fused_where_group_query_attention_runs(llama_artifact):
-    """head_dim 16: one GroupQueryAttention per layer for the decode rows and one for the chunk, no scatter or gather;
-    head_dim 24 (ONNX Runtime's kernel wants multiples of 16): the standard ops."""
+    """head_dim 16: each layer's attention an If, a GroupQueryAttention on the rows and one on the chunk with a chunk,
+    the rows' alone without; no masks, scatter or gather. head_dim 24 (ONNX Runtime's kernel wants multiples of 16):
+    the standard ops."""
     name = "qwen2 gqa 3:1 qkv-bias tied"
     _, _, fused = llama_artifact(name)
     artifact = open_artifact(fused)
     assert artifact.attention == "fused" and artifact.parity_report()["passed"]
-    ops = graph_ops(fused)
-    assert ops["GroupQueryAttention"] == 2 * LLAMA_CONFIGS[name][1]["num_hidden_layers"]
+    ops, layers = graph_ops(fused), LLAMA_CONFIGS[name][1]["num_hidden_layers"]
+    assert ops["If"] == layers and not ops["GroupQueryAttention"]
+    assert graph_ops(fused, "then_branch")["GroupQueryAttention"] == 2 * layers
+    assert graph_ops(fused, "else_branch")["GroupQueryAttention"] == layers
     assert not ops["ScatterND"] and not ops["GatherND"] and not ops["Softmax"]
-    assert artifact.manifest["inputs"]["chunk_key_values.0.key"]["shape"] == [1, 2, "cache_capacity", 16]
+    inputs = artifact.manifest["inputs"]
+    assert inputs["input_ids"]["shape"] == ["batch_size", "sequence_length"] and "attention_mask" not in inputs
+    assert inputs["chunk_key_values.0.key"]["shape"] == [1, 2, "cache_capacity", 16]
     _, _, standard = llama_artifact("llama gqa 4:1 head_dim 24 untied")
     assert open_artifact(standard).attention == "standard" and not graph_ops(standard)["GroupQueryAttention"]
 

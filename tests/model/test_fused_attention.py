@@ -1,5 +1,5 @@
 """The fused slots step in eager torch (model/fused_attention.py's operator, what ONNX Runtime's GroupQueryAttention
-computes): prompts prefilled a chunk at a time into their rows, then decode rows beside a chunk, equal a full forward."""
+computes): prompts prefilled a chunk at a time into their rows, then rows decoding a token each, equal a full forward."""
 
 import pytest
 import torch
@@ -16,6 +16,9 @@ def put_rows(cache, rows: slice, written):
         k[rows], v[rows] = new_k, new_v
 
 
+NO_CHUNK = (torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64))  # chunk_ids, chunk_position_ids
+
+
 @torch.no_grad()
 def test_fused_steps_equal_a_full_forward(tiny_llama_model):
     model = tiny_llama_model
@@ -23,30 +26,41 @@ def test_fused_steps_equal_a_full_forward(tiny_llama_model):
     assert supports_fused_attention(config.head_dim)
     sequence = torch.randint(0, config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))
     full, _ = model(sequence, torch.ones_like(sequence), torch.arange(14)[None].expand(2, 14), model.empty_cache(2))
-    pool = model.empty_cache(3, config.n_ctx + 1)  # rows 0 and 1, and row 2 for throwaway decode tokens
-    spare = slice(2, 3)
-    token = torch.zeros(1, 1, dtype=torch.int64)
-    # row 0's prompt in chunks of 4 and 3, row 1's in one chunk of 10; the decode part is the spare row's token at column 0
-    for row, start, end in ((0, 0, 4), (0, 4, 7), (1, 0, 10)):
-        logits, decode_rows, chunk_row = model.forward_slots_fused(
-            token, token, sequence[row : row + 1, start:end], torch.arange(start, end)[None], torch.arange(1, 1 + end - start),
-            rows_of(pool, spare), rows_of(pool, slice(row, row + 1)),
+    pool = model.empty_cache(2, config.n_ctx + 1)
+    scale = full.abs().max()
+    # row 0's prompt in chunks of 4 and 3 as the step's only row (no chunk beside it)
+    for start, end in ((0, 4), (4, 7)):
+        logits, written, untouched = model.forward_slots_fused(
+            sequence[:1, start:end], torch.arange(start, end)[None], *NO_CHUNK, torch.arange(end - start), rows_of(pool, slice(0, 1)),
+            rows_of(pool, slice(1, 2)),
         )
-        put_rows(pool, spare, decode_rows)
-        put_rows(pool, slice(row, row + 1), chunk_row)
-        assert (logits - full[row, start:end]).abs().max() <= 1e-5 * full.abs().max()
-    # row 0 decodes its position 7 while row 1's chunk of 3 (positions 10..12) goes through the chunk part
-    logits, decode_rows, chunk_row = model.forward_slots_fused(
-        sequence[:1, 7:8], torch.tensor([[7]]), sequence[1:, 10:13], torch.arange(10, 13)[None], torch.tensor([0, 3]),
-        rows_of(pool, slice(0, 1)), rows_of(pool, slice(1, 2)),
-    )
-    assert (logits[0] - full[0, 7]).abs().max() <= 1e-5 * full.abs().max()
-    assert (logits[1] - full[1, 12]).abs().max() <= 1e-5 * full.abs().max()
+        put_rows(pool, slice(0, 1), written)
+        assert all(torch.equal(k, pk) and torch.equal(v, pv) for (k, v), (pk, pv) in zip(untouched, rows_of(pool, slice(1, 2))))
+        assert (logits - full[0, start:end]).abs().max() <= 1e-5 * scale
+    # row 0 decodes its positions 7.. while row 1's prompt goes in beside it, chunks of 6 and 4 (positions 0..9)
+    for step, (start, end) in enumerate(((0, 6), (6, 10))):
+        logits, written, chunk_written = model.forward_slots_fused(
+            sequence[:1, 7 + step : 8 + step], torch.tensor([[7 + step]]), sequence[1:, start:end], torch.arange(start, end)[None],
+            torch.tensor([end - start, 0]), rows_of(pool, slice(0, 1)), rows_of(pool, slice(1, 2)),
+        )
+        put_rows(pool, slice(0, 1), written)
+        put_rows(pool, slice(1, 2), chunk_written)
+        assert (logits[1] - full[0, 7 + step]).abs().max() <= 1e-5 * scale
+        assert (logits[0] - full[1, end - 1]).abs().max() <= 1e-5 * scale
+    # both rows decode a token each, at their own lengths (9 and 10): each reads its own columns only
+    for step in range(3):
+        positions = torch.tensor([[9 + step], [10 + step]])  # (B, 1)
+        logits, written, _ = model.forward_slots_fused(sequence.gather(1, positions), positions, *NO_CHUNK, torch.tensor([1, 0]), pool,
+                                                       rows_of(pool, slice(0, 1)))
+        put_rows(pool, slice(0, 2), written)
+        assert (logits[1] - full[0, 9 + step]).abs().max() <= 1e-5 * scale
+        assert (logits[0] - full[1, 10 + step]).abs().max() <= 1e-5 * scale
     # what each row holds is the full forward's K/V at its real positions
-    _, present = model(sequence[:1, :8], torch.ones(1, 8, dtype=torch.int64), torch.arange(8)[None], model.empty_cache(1))
-    for (k, v), (want_k, want_v) in zip(decode_rows, present):
-        assert (k[0, :, :8] - want_k[0]).abs().max() <= 1e-5 * want_k.abs().max()
-        assert (v[0, :, :8] - want_v[0]).abs().max() <= 1e-5 * want_v.abs().max()
+    _, present = model(sequence, torch.ones_like(sequence), torch.arange(14)[None].expand(2, 14), model.empty_cache(2))
+    for (k, v), (want_k, want_v) in zip(pool, present):
+        for row, length in ((0, 12), (1, 13)):
+            assert (k[row, :, :length] - want_k[row, :, :length]).abs().max() <= 1e-5 * want_k.abs().max()
+            assert (v[row, :, :length] - want_v[row, :, :length]).abs().max() <= 1e-5 * want_v.abs().max()
 
 
 @pytest.mark.parametrize("head_dim, fused", [(16, True), (32, True), (64, True), (24, False), (40, False), (8, False)])

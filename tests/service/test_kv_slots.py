@@ -170,3 +170,31 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(layout, request, 
     after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
     Scheduler(batch, step_token_budget=32).drive([after])
     assert after.generated == generate(tiny_model, [after.prompt_ids], 6).tokens[0].tolist()
+
+
+def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(runtime, model):
+    """As under CUDA, where a freed row stays a hole until a join fills it: the joining prompt's chunks run in a row
+    below decoding ones (the fused graph's decode run then covers the chunk's row with a scratch token)."""
+    batch = SlotBatch(runtime, model.config, 3)
+    batch.compact = False
+    scheduler = Scheduler(batch, step_token_budget=7)
+    seqs = [_greedy_sequence(i, prompt(200 + i, 5), 40) for i in range(3)]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(6):
+        batch.run(scheduler.plan())
+    seqs[1].cancelled = True
+    batch.run(scheduler.plan())
+    assert batch.slots[1] is None and seqs[2].slot == 2  # a hole between two decoding rows
+    joining = _greedy_sequence(9, prompt(209, 30), 12)
+    scheduler.waiting.append(joining)
+    chunked = 0
+    while not joining.generated:
+        plan = scheduler.plan()
+        chunked += plan.chunk is joining and len(plan.decode) == 2
+        batch.run(plan)
+    assert joining.slot == 1 and chunked >= 3  # its prompt went in chunks beside both decoding rows
+    for seq in (seqs[0], seqs[2], joining):
+        while not seq.finished:
+            batch.run(scheduler.plan())
+        assert seq.generated == generate(model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()

@@ -52,8 +52,8 @@ def test_eight_concurrent_streams_generate_what_transformers_generates(served):
 
 
 def test_eight_concurrent_streams_through_fused_attention_generate_what_transformers_generates(served_fused):
-    """The same 8 streams through a GroupQueryAttention graph: decode-only steps (a decode token made the chunk), chunks
-    in the last row and in a middle row, a lone prompt on the spare row."""
+    """The same 8 streams through a GroupQueryAttention graph: decode-only steps (each If's one-operator branch),
+    chunks beside decoding rows (the two-operator branch), a lone prompt's chunk as the step's one row."""
     hf, stub = served_fused
     assert stub.GetModelInfo(pb.GetModelInfoRequest()).attention == "fused"
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
