@@ -8,6 +8,9 @@ tokens) - time(1 token), so prefill is excluded. The implementations take turns 
 best round of each is kept. Before timing, all three must produce the same 16 greedy tokens. Prints a
 markdown table and the machine it ran on.
 
+A second table times one server step of each graph with 8 decoding rows (at position 128), alone and with
+a 64-token prompt chunk beside them (a ninth row's), the graphs taking turns, best of 5 per round.
+
     python bench/llama_decode.py [--artifact artifacts/llama-135m] [--standard-artifact artifacts/llama-135m-standard]
                                  [--provider auto|cpu|cuda] [--repeats 3]
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -110,7 +114,40 @@ def main() -> None:
     print("|---|---:|---:|---:|")
     for name, rate, ms in rows:
         print(f"| {name} | {rate:.1f} | {ms:.2f} | {rate / hf_rate:.3f}x |")
+    print("\n## One step with 8 decoding rows, ms (best of 5 a round, rounds alternating)\n")
+    print("| graph | 8 rows decode | + a 64-token chunk beside them |")
+    print("|---|---:|---:|")
+    for attention, (decode_ms, mixed_ms) in batch_steps(graphs, config, args.repeats).items():
+        print(f"| slots, {attention} attention | {decode_ms:.2f} | {mixed_ms:.2f} |")
     print(f"\nmachine: {describe(provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")
+
+
+def batch_steps(graphs: dict, config, repeats: int, rows: int = 8, chunk: int = 64) -> dict[str, tuple[float, float]]:
+    """Best ms of a step of rows decoding rows, and of one with a chunk-token prompt in row rows beside them."""
+    rng = np.random.default_rng(2)
+    ids = rng.integers(0, config.vocab_size, rows + 1)
+    piece = rng.integers(0, config.vocab_size, chunk)
+    steps = {}
+    for attention, (runtime, _) in graphs.items():
+        pool = runtime.new_pool(rows + 1, config.n_kv_head, config.head_dim, pool_capacity(config))
+        positions = np.full(rows + 1, PROMPT_LEN)
+        positions[rows] = pool.capacity - 1  # the chunk's row: a scratch token, as kv_slots feeds it
+        mask = (np.arange(PROMPT_LEN + 1)[None] <= positions[:, None]).astype(np.int64)  # (B, W)
+        empty = np.zeros(0, np.int64)
+        steps[attention] = (
+            lambda runtime=runtime, pool=pool, p=positions, m=mask: runtime.run_slots(pool, ids[:rows], p[:rows], m[:rows], empty, 0, 0, np.arange(rows)),
+            lambda runtime=runtime, pool=pool, p=positions, m=mask: runtime.run_slots(pool, ids, p, m, piece, PROMPT_LEN, rows, np.arange(rows)),
+        )
+    best = {attention: [float("inf"), float("inf")] for attention in steps}
+    for _ in range(repeats):
+        for attention, pair in steps.items():
+            for i, step in enumerate(pair):
+                step()  # warm: the binding for this shape
+                for _ in range(5):
+                    start = time.perf_counter()
+                    step()
+                    best[attention][i] = min(best[attention][i], (time.perf_counter() - start) * 1e3)
+    return {attention: tuple(ms) for attention, ms in best.items()}
 
 
 if __name__ == "__main__":
