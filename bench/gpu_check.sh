@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On a host with an NVIDIA GPU: parity on the CUDA provider (float32 and float16, tiny and gpt2 presets),
+# On a host with an NVIDIA GPU: parity on the CUDA provider (float32 and float16, tiny, gpt2 and tiny-llama presets),
 # the service tests on CUDA, and both benchmarks on CUDA. Writes its logs to ${RESULTS:-gpu-results}/.
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -16,6 +16,9 @@ for dtype in float32 float16; do
   step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache inplace --out "$ART/gpt2-$dtype-inplace" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-inplace.txt"
   step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache slots --out "$ART/gpt2-$dtype-slots" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-slots.txt"
 done
+# Llama family: fused attention (GroupQueryAttention, float16 only on CUDA) and float32, which auto keeps standard there.
+step $PY -m kvserve.cli export --preset tiny-llama --dtype float16 --out "$ART/tiny-llama-float16" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float16-fused.txt"
+step $PY -m kvserve.cli export --preset tiny-llama --dtype float32 --out "$ART/tiny-llama-float32" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float32.txt"
 step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_inplace_cache.py tests/service/test_kv_slots.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" --inplace-artifact "$ART/gpt2-float32-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" --inplace-artifact "$ART/gpt2-float16-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
