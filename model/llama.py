@@ -265,8 +265,10 @@ class Llama(nn.Module):
         d_k)) take S new tokens each, input_ids and position_ids (B, S), at consecutive positions ending at the row's
         last; a chunk of T >= 0 tokens (chunk_ids, chunk_position_ids (1, T)) goes into the row chunk_key_values (each
         (1, H_kv, C_cap, d_k)). The server's rows are decode rows (S = 1) beside a chunk, or a lone chunk as the one
-        row; chunk_key_values may be a row of the same pool, written only where the chunk is (or nowhere, T = 0).
-        Logits at logits_index of the B S row tokens (row by row), then the T chunk tokens."""
+        row; chunk_key_values may be a row of the same pool, written only where the chunk is (or nowhere, T = 0). A row
+        that is also the chunk's must write elsewhere than the chunk does (the caller's scratch column): the exported
+        graph fixes no order between the two operators. Logits at logits_index of the B S row tokens (row by row), then
+        the T chunk tokens."""
         B, S = input_ids.shape
         tokens = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,)
         x = self.model.embed_tokens(tokens)  # (B S + T, C): a slots step needs no batch axis

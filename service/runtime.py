@@ -371,7 +371,7 @@ class DecoderRuntime:
         chunk_positions = np.arange(chunk_start, chunk_start + n_chunk, dtype=np.int64)[None]  # (1, T)
         if decoding.any():
             count = int(logits_index[decoding].max()) + 1
-            binding = self._bound_pool(pool, count, 0, chunk_slot if n_chunk else 0)
+            binding = self._bound_pool(pool, count, 0, chunk_slot if n_chunk else 0)  # no chunk: row 0, passed through
             tokens = np.ascontiguousarray(input_ids[:count], dtype=np.int64).reshape(count, 1)  # (B, 1)
             positions = np.ascontiguousarray(position_ids[:count], dtype=np.int64).reshape(count, 1)  # (B, 1)
             graph_index = np.where(decoding, logits_index, logits_index - rows + count)  # the chunk follows the B rows
