@@ -23,6 +23,7 @@ import torch
 from kvserve.errors import UserError
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.decoders import Decoder
+from kvserve.service.gate import contract_problems
 from kvserve.service.kv_slots import pool_capacity
 from kvserve.service.runtime import DecoderRuntime
 
@@ -192,6 +193,9 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     tolerance = TOLERANCES[artifact.precision]
     # An inplace cache starts at 16 columns here, so the decode and greedy checks cross a buffer growth.
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache, min_capacity=16)
+    problems = contract_problems(runtime, artifact)
+    if problems:  # e.g. an artifact from a kvserve whose graph for this layout differed: driving it would fail midway
+        raise VerifyRefused(f"{artifact.directory}: the graph is not the contract its manifest declares ({'; '.join(problems[:2])}); re-export it")
     rng = np.random.default_rng(0)
     max_prompt = max(1, min(33, config.n_ctx - steps - 1))
     if artifact.kv_cache == SLOTS:

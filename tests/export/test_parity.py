@@ -75,3 +75,24 @@ def test_verify_passes_the_inplace_artifact_across_a_buffer_growth(tiny_inplace_
     assert report["kv_cache"] == "inplace" and report["greedy"]["identical"]
     assert all(c["max_abs_logits"] <= 1e-4 for c in report["checks"])
     assert "inplace KV cache" in format_report(report)
+
+
+def test_verify_refuses_a_graph_that_is_not_its_manifests_contract_in_one_line(tiny_llama_fused_artifact, tiny_llama_model, tmp_path):
+    """A fused artifact whose model.onnx is another graph (as one exported by a kvserve whose fused graph differed):
+    named before anything runs, not a traceback from midway through the checks."""
+    import shutil
+
+    from kvserve.export.artifact import sha256_file
+    from kvserve.export.pipeline import export_artifact
+
+    standard = tmp_path / "standard"
+    export_artifact(tiny_llama_model, {"kind": "preset", "name": "tiny-llama", "seed": 0}, standard, provider=PROVIDER, attention="standard")
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tiny_llama_fused_artifact, mixed)
+    shutil.copy(standard / "model.onnx", mixed / "model.onnx")
+    manifest = json.loads((mixed / "manifest.json").read_text())
+    manifest["files"]["model.onnx"] = sha256_file(mixed / "model.onnx")
+    (mixed / "manifest.json").write_text(json.dumps(manifest))
+    result = run_cli("verify", str(mixed), "--provider", "cpu")
+    assert result.returncode == 2 and "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert f"{mixed}: the graph is not the contract its manifest declares (graph inputs are" in result.stderr
