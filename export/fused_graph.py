@@ -5,8 +5,8 @@ The tracer meets one kvserve::rows_and_chunk_attention per layer and emits it as
 has a chunk": its then branch runs ONNX Runtime's com.microsoft.GroupQueryAttention on the rows and another
 on the chunk's row, its else branch one on the rows and passes the chunk's row through. A decode step (the
 common one) therefore runs one operator a layer, and a step with a chunk beside its decode rows still reads
-the weights once. The If costs nothing measurable (ad-hoc timing while this was built): its branches hold
-no weights, only the operators and the reshapes around them, and the K/V outputs land in the bound buffers.
+the weights once. The branches hold no weights, only the operators and the reshapes around them, and the
+If's K/V outputs are the buffers bound to them, so the operators still write in place.
 
 fused_write_problems says whether such a graph may run with every present bound to its past's memory.
 """

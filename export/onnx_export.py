@@ -161,11 +161,10 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
     """
     if attention == io.FUSED:
         return fused_write_problems(graph, n_layer)
-    pairs = [(io.past_names(layer), io.present_names(layer)) for layer in range(n_layer)]
     producers = {out: node for node in graph.node for out in node.output}
     problems = []
-    for pasts, presents in pairs:
-        for past, present in zip(pasts, presents):
+    for layer in range(n_layer):
+        for past, present in zip(io.past_names(layer), io.present_names(layer)):
             writer = producers.get(present)
             if writer is None or writer.op_type != "ScatterND" or writer.input[0] != past or writer.output[0] != present:
                 problems.append(f"{present} is not a ScatterND into {past}")

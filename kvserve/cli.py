@@ -153,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--attention", choices=("auto", "fused", "standard"), default="auto",
-        help="a slots graph's attention: fused (ONNX Runtime's GroupQueryAttention, one node a layer; Llama family with "
+        help="a slots graph's attention: fused (ONNX Runtime's GroupQueryAttention, one a layer, two in a step with a "
+        "prompt chunk; Llama family with "
         "head_dim a multiple of 16), standard (ONNX ops), or auto (default: fused where it runs, except float32 "
         "exported on a CUDA machine, whose fused kernel is float16 only)",
     )

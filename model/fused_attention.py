@@ -1,6 +1,6 @@
 """Rotary grouped-query attention over cache rows as one operator: the eager definition of what ONNX Runtime's
 com.microsoft.GroupQueryAttention computes, so a Llama-family `slots` step can be exported with fused attention
-(export/onnx_export.py maps the operators; tests hold the two to each other).
+(export/fused_graph.py spells it in ONNX; tests hold the two to each other).
 
 rotary_row_attention: for each of B rows, S new tokens (packed Q, K and V, not yet rotated) sit at the
 positions last - S + 1 .. last of that row, which are also their cache columns. They are rotated by their
@@ -9,8 +9,8 @@ buffer, and attend causally to the row's columns 0 .. their own. Columns past a 
 read, so a buffer row holds whatever it held there.
 
 rows_and_chunk_attention: a whole step's attention, B rows of S tokens and a prompt chunk of T tokens in a
-row of its own, T possibly 0. It exports as one If a layer (export/onnx_export.py): with a chunk, two
-operators (the rows', the chunk's); without, one, and the chunk's K/V pass through untouched.
+row of its own, T possibly 0: the torch custom op the exporter sees, one If a layer in ONNX (with a chunk,
+two operators, the rows' and the chunk's; without, one, and the chunk's K/V pass through untouched).
 
 ONNX Runtime writes the new K/V into the buffer it is given when present is bound to past's memory, and
 reads no further than each row's last column: a decode step costs one node per layer instead of the
@@ -38,13 +38,11 @@ def rotary_tables(inv_freq: list[float], positions: int, dtype: torch.dtype) -> 
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-@torch.library.custom_op("kvserve::rotary_row_attention", mutates_args=())
 def rotary_row_attention(
     qkv: torch.Tensor,  # (B, S, (H + 2 H_kv) d_k)
     past_key: torch.Tensor,  # (B, H_kv, C, d_k)
     past_value: torch.Tensor,  # (B, H_kv, C, d_k)
     last_position: torch.Tensor,  # (B,) int32: each row's last new token's position
-    total_length: torch.Tensor,  # () int32: the longest row after the step (the operator's total_sequence_length)
     cos: torch.Tensor,  # (P, d_k / 2)
     sin: torch.Tensor,  # (P, d_k / 2)
     n_head: int,
@@ -70,12 +68,6 @@ def rotary_row_attention(
     return y.transpose(1, 2).reshape(B, S, n_head * d_k), present_key, present_value
 
 
-@rotary_row_attention.register_fake
-def _(qkv, past_key, past_value, last_position, total_length, cos, sin, n_head, n_kv_head):
-    B, S, _ = qkv.shape
-    return qkv.new_empty(B, S, n_head * past_key.shape[3]), torch.empty_like(past_key), torch.empty_like(past_value)
-
-
 @torch.library.custom_op("kvserve::rows_and_chunk_attention", mutates_args=())
 def rows_and_chunk_attention(
     qkv: torch.Tensor,  # (B S + T, (H + 2 H_kv) d_k): the rows' tokens, then the chunk's
@@ -84,7 +76,7 @@ def rows_and_chunk_attention(
     chunk_key: torch.Tensor,  # (1, H_kv, C, d_k)
     chunk_value: torch.Tensor,  # (1, H_kv, C, d_k)
     rows_last: torch.Tensor,  # (B,) int32
-    rows_total: torch.Tensor,  # () int32
+    rows_total: torch.Tensor,  # () int32: the longest row after the step (the operator's total_sequence_length)
     chunk_last: torch.Tensor,  # (1,) int32
     chunk_total: torch.Tensor,  # () int32
     cos: torch.Tensor,  # (P, d_k / 2)
@@ -97,11 +89,11 @@ def rows_and_chunk_attention(
     """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written."""
     (B, S), T = row_tokens.shape, chunk_tokens.shape[1]
     tables = (cos, sin, n_head, n_kv_head)
-    y_rows, rows_key, rows_value = rotary_row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, rows_total, *tables)  # (B, S, H d_k)
+    y_rows, rows_key, rows_value = rotary_row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, *tables)  # (B, S, H d_k)
     y_rows = y_rows.reshape(B * S, -1)  # (B S, H d_k)
     if T == 0:
         return y_rows, rows_key, rows_value, chunk_key.clone(), chunk_value.clone()
-    y_chunk, chunk_key, chunk_value = rotary_row_attention(qkv[B * S :].reshape(1, T, -1), chunk_key, chunk_value, chunk_last, chunk_total, *tables)  # (1, T, H d_k)
+    y_chunk, chunk_key, chunk_value = rotary_row_attention(qkv[B * S :].reshape(1, T, -1), chunk_key, chunk_value, chunk_last, *tables)  # (1, T, H d_k)
     return torch.cat([y_rows, y_chunk.reshape(T, -1)]), rows_key, rows_value, chunk_key, chunk_value
 
 
