@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On a host with an NVIDIA GPU: parity on the CUDA provider (float32 and float16, tiny, gpt2 and tiny-llama presets),
-# the service tests on CUDA, and both benchmarks on CUDA. Writes its logs to ${RESULTS:-gpu-results}/.
+# the service tests on CUDA, and the benchmarks on CUDA (CUDA graphs included). Writes its logs to ${RESULTS:-gpu-results}/.
 #   bash bench/gpu_check.sh
 set -uo pipefail
 RESULTS=${RESULTS:-gpu-results}
@@ -19,10 +19,15 @@ done
 # Llama family: fused attention (GroupQueryAttention, float16 only on CUDA) and float32, which auto keeps standard there.
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float16 --out "$ART/tiny-llama-float16" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float16-fused.txt"
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float32 --out "$ART/tiny-llama-float32" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float32.txt"
-step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_inplace_cache.py tests/service/test_kv_slots.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
+step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_inplace_cache.py tests/service/test_kv_slots.py tests/service/test_fixed_decode.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" --inplace-artifact "$ART/gpt2-float32-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" --inplace-artifact "$ART/gpt2-float16-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-grpc-cuda.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots" 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots.txt"
+# CUDA graphs (serve --cuda-graph): decode steps captured per (rows, width) shape against uncaptured, in-process, both dtypes;
+# then the 16-stream load over gRPC with them.
+step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-slots" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp16.txt"
+step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float32-slots" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp32.txt"
+step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots" --cuda-graph 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots-graph.txt"
 step $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32-slots" --baseline "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-serving-cuda.txt"
 exit $status

@@ -2,7 +2,7 @@
 concurrency 1, 4 and 16, against a `kvserve serve` process; plus the in-process engine alone at
 concurrency 1, to show what gRPC costs. Bounded: a fixed number of requests per level and a time cap.
 
-    python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64]
+    python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64] [--cuda-graph]
 """
 
 from __future__ import annotations
@@ -71,19 +71,24 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
 class InProcess:
     """The engine without gRPC, in this process: the same requests, one stream."""
 
-    def __init__(self, artifact_dir, provider):
+    def __init__(self, artifact_dir, provider, cuda_graph: bool = False):
         from kvserve.export.artifact import open_artifact
+        from kvserve.service.engine import make_batch
         from kvserve.service.runtime import DecoderRuntime
 
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
-        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache)
+        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache,
+                                      cuda_graph=cuda_graph)
+        self.batch = make_batch(self.runtime, self.config, 16)  # one batch for every run: its decode shapes captured once
+        if getattr(self.batch, "fixed_decode", False):
+            self.batch.prepare_decode_shapes()
 
     async def run(self, prompt_len, new_tokens, requests):
         from kvserve.service.engine import Engine, EngineLimits
         from kvserve.service.text import ByteTokenizer
 
-        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64))
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64), batch=self.batch)
         engine.start()
         try:
             return await self._measure(engine, prompt_len, new_tokens, requests)
@@ -123,10 +128,10 @@ def merged(runs: list[dict]) -> dict:
     }
 
 
-def start_server(artifact, provider):
+def start_server(artifact, provider, cuda_graph: bool = False):
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", provider,
-         "--max-batch-size", "16", "--max-queue", "64"],
+         "--max-batch-size", "16", "--max-queue", "64"] + (["--cuda-graph"] if cuda_graph else []),
         stderr=subprocess.PIPE, text=True,
     )
     port = None
@@ -147,13 +152,14 @@ def main() -> None:
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cuda-graph", action="store_true", help="serve (and run the in-process engine) with --cuda-graph")
     args = parser.parse_args()
     from kvserve.export.artifact import open_artifact
 
     config = open_artifact(args.artifact).config
-    local = InProcess(args.artifact, args.provider)
+    local = InProcess(args.artifact, args.provider, args.cuda_graph)
     provider = local.runtime.provider
-    process, target = start_server(args.artifact, args.provider)
+    process, target = start_server(args.artifact, args.provider, args.cuda_graph)
     try:
         engine_runs, grpc_runs = [], []
         for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
@@ -169,7 +175,8 @@ def main() -> None:
 
     print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
           f"{args.new_tokens} new tokens, greedy, {REQUESTS_PER_STREAM} requests per stream "
-          f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= 16\n")
+          f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= 16"
+          + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "") + "\n")
     print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
 

@@ -52,6 +52,7 @@ def _serve(args) -> int:
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
         max_message_bytes=args.max_message_bytes, health_port=args.health_port, max_context=args.max_context,
+        cuda_graph=args.cuda_graph,
     )
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port}
     ports_ok = all(p is None or 0 <= p < 65536 for p in ports.values())
@@ -183,6 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", limits.max_batch_size, int), help=f"sequences per step [KVSERVE_MAX_BATCH_SIZE] (default {limits.max_batch_size})")
     serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", limits.max_queue, int), help=f"requests waiting for a free row before RESOURCE_EXHAUSTED; 0: none wait [KVSERVE_MAX_QUEUE] (default {limits.max_queue})")
     serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=_env("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
+    serve.add_argument("--cuda-graph", action="store_true", default=_env("CUDA_GRAPH", False, bool),
+                       help="capture decode steps as CUDA graphs, one per (rows, width) shape, at load (standard slots "
+                       "graphs on the CUDA provider; elsewhere the server says why not and runs uncaptured) [KVSERVE_CUDA_GRAPH]")
     serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")

@@ -51,6 +51,18 @@ MUTATIONS = (
         (f"{GEN}::test_concurrent_greedy_streams_equal_each_request_alone_and_the_eager_reference",),
     ),
     Mutation(
+        "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
+        "service/kv_slots.py",
+        (("return advance_each(decode, logits[[seq.slot for seq in decode]])", "return advance_each(decode, logits[: len(decode)])"),),
+        ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",),
+    ),
+    Mutation(
+        "fixed-shape decode: decode rows read only up to the narrowest bucket",
+        "service/kv_slots.py",
+        (("rows, columns = self.decode_shape(width)", "rows, columns = self.decode_shape(min(width, MIN_DECODE_WIDTH))"),),
+        ("tests/service/test_fixed_decode.py::test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks",),
+    ),
+    Mutation(
         "stop token ids honoured on the first generated token only",
         "service/sequence.py",
         (("if reason is None and token in self.stop_ids:", "if reason is None and token in self.stop_ids and len(self.generated) == 1:"),),

@@ -82,7 +82,13 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     tolerance = TOLERANCES[artifact.precision]
     steps = len(golden.tokens)
     seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
-    for _, event in _scheduler(runtime, artifact, 1, step_token_budget, len(golden.prompt_ids) + steps + 1).drive([seq]):
+    scheduler = _scheduler(runtime, artifact, 1, step_token_budget, len(golden.prompt_ids) + steps + 1)
+    try:
+        results = scheduler.drive([seq])
+    finally:
+        if hasattr(scheduler.batch, "pool"):
+            runtime.release_pool(scheduler.batch.pool)  # its bound steps (and CUDA graphs) are the replay's alone
+    for _, event in results:
         if isinstance(event, BaseException):
             return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
     logits = np.stack(seq.captured_logits).astype(np.float64)  # (N, V)
@@ -115,7 +121,8 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
 
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> None:
     """Fill the serving batch to its largest size through the serving path (prefills, then decodes at every
-    batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards."""
+    batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
+    fixed-shape decode steps then binds (and captures) every shape it may run."""
     config = batch.config  # as served: its context may be cut (serve --max-context)
     batch_size = batch.max_rows
     prompt_len = max(1, min(8, config.n_ctx // 2))
@@ -125,3 +132,5 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
+    if getattr(batch, "fixed_decode", False):
+        batch.prepare_decode_shapes()

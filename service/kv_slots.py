@@ -15,6 +15,10 @@ Decode rows read only the columns up to the longest of them; a chunk reads its o
 chunk runs and one row is much longer than the rest (a long prompt now decoding), that row's token goes
 through the chunk instead, and the others read their own short widths, not the long one's.
 
+A batch with fixed_decode (the runtime captures CUDA graphs) runs each decode-only step at a bucketed shape
+instead (decode_shape: rows and width rounded up to powers of two), every shape bound, and captured, at warm-up
+(prepare_decode_shapes); the rows beyond the batch's run scratch tokens. Steps with a chunk keep exact shapes.
+
 Joining takes the lowest free row; leaving frees a row, and on the CPU provider the last row moves into
 it (one row, in place) so rows 0..B-1 stay dense and a step computes no idle row. Under CUDA a free row
 stays a hole until the next join fills it, so nothing moves at all. No K/V crosses to the host either way.
@@ -40,6 +44,9 @@ StepResults = list[tuple[Sequence, StepEvent | BaseException]]
 # A decoding row takes the chunk's place (when free) once it is this much longer than every other row:
 # reading its width in every row would cost more than the extra row the decode part then computes.
 SOLO_MIN_RATIO, SOLO_MIN_EXTRA = 2, 32
+# The narrowest width a fixed-shape decode step reads (fixed_decode): every width is one more shape to bind and
+# capture, and from 64 up a 1,024-token context has five.
+MIN_DECODE_WIDTH = 64
 
 
 @dataclass
@@ -75,11 +82,16 @@ class SlotBatch:
 
     chunked = True  # prompts may be prefilled a chunk at a time
 
-    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
+    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None):
+        """fixed_decode: run decode-only steps at bucketed shapes (runtime.run_decode); default: when the runtime
+        captures them as CUDA graphs."""
         self.runtime, self.config, self.max_rows = runtime, config, max_rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
         self.pool: SlotPool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
         self.compact = runtime.device == "cpu"  # fill a hole by moving the last row (see the module docstring)
+        self.fixed_decode = runtime.captures_decode if fixed_decode is None else fixed_decode
+        if self.fixed_decode and runtime.attention != STANDARD:
+            raise ValueError("fixed-shape decode steps need a standard slots graph (a fused graph's If cannot be captured)")
         self._cell_bytes = 2 * config.n_layer * config.n_kv_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
 
     # --- what the engine and the scheduler read -----------------------------------------------------
@@ -120,7 +132,48 @@ class SlotBatch:
         far = longest.cached_tokens >= SOLO_MIN_RATIO * second.cached_tokens + SOLO_MIN_EXTRA
         return longest if far else None
 
+    def decode_shape(self, width: int) -> tuple[int, int]:
+        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at: each the
+        next power of two (width at least MIN_DECODE_WIDTH), at most the pool's rows and the context. So a 16-row pool
+        of a 1,024-token context runs decode steps at 5 x 5 shapes, each bound (and captured) once."""
+        rows = min(1 << max(len(self.slots) - 1, 0).bit_length(), self.max_rows)
+        columns = min(max(MIN_DECODE_WIDTH, 1 << max(width - 1, 0).bit_length()), self.config.n_ctx)
+        return rows, columns
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """Every shape decode_shape can return for this pool, smallest first."""
+        row_counts = sorted({min(1 << n, self.max_rows) for n in range(self.max_rows.bit_length() + 1)})
+        widths = sorted({min(max(MIN_DECODE_WIDTH, 1 << n), self.config.n_ctx) for n in range(self.config.n_ctx.bit_length() + 1)})
+        return [(rows, width) for rows in row_counts for width in widths]
+
+    def prepare_decode_shapes(self) -> None:
+        """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits
+        for a capture. Every row runs a scratch token, written at the scratch column no real token is read from."""
+        if self.slots:
+            raise RuntimeError("decode shapes are prepared on an empty batch")
+        scratch = self.pool.capacity - 1
+        for rows, width in self.decode_shapes():
+            positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
+            self.runtime.run_decode(self.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64))
+
+    def _decode_fixed(self, decode: list[Sequence]) -> StepResults:
+        """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""
+        width = int(max(seq.cached_tokens for seq in decode)) + 1
+        rows, columns = self.decode_shape(width)
+        input_ids = np.zeros(rows, dtype=np.int64)  # (B,)
+        position_ids = np.full(rows, self.pool.capacity - 1, dtype=np.int64)  # (B,): scratch unless a row decodes
+        for seq in decode:
+            input_ids[seq.slot] = seq.generated[-1]
+            position_ids[seq.slot] = seq.cached_tokens
+        attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        logits = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask)  # (B, V)
+        for seq in decode:
+            seq.cached_tokens += 1
+        return advance_each(decode, logits[[seq.slot for seq in decode]])
+
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
+        if self.fixed_decode and chunk is None:
+            return self._decode_fixed(decode)
         # A fused graph reads each row's own columns only, so no row needs to step aside.
         solo = self._solo(decode) if chunk is None and self.runtime.attention == STANDARD else None
         if solo is not None:

@@ -15,6 +15,12 @@ sequence, fed an attention mask over those columns. Under the inplace layout the
 spare columns: each step's present is bound to the past's own memory; when a step needs more columns than
 the buffer has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
 
+Under CUDA graphs (cuda_graph=True: the session opened with enable_cuda_graph) a decode-only step of a standard
+slots graph goes through run_decode: at a fixed (rows, width) shape, its inputs written into device buffers bound
+once per shape, captured by ONNX Runtime at its first run under a graph id of its own and replayed after; every
+other run says gpu_graph_id -1 (never captured). Where capture cannot run (CPU provider, other layouts, a graph
+ONNX Runtime refuses: a fused graph's If), cuda_graph_note says why and steps run as before.
+
 A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the rows and the chunk's row
 separately, each as its own past and present; run_slots keeps its meaning for both graphs and arranges a
 fused step itself (_run_fused). On CUDA the fused kernel is float16 only: a float32 fused graph is refused
@@ -29,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import io as io_text
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +55,8 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
 # What the CUDA provider of onnxruntime-gpu 1.31 loads; missing ones make it fall back to CPU.
 CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcudnn.so.9")
+# The run option naming the CUDA graph a run captures or replays; -1: neither.
+GRAPH_ID = "gpu_graph_id"
 
 
 class ProviderUnavailable(UserError):
@@ -74,6 +83,11 @@ def _cuda_missing_reason() -> str | None:
         except OSError:
             return f"{library} not found (the CUDA provider needs CUDA 13 and cuDNN 9)"
     return None
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def cuda_available() -> bool:
@@ -147,6 +161,21 @@ class SlotPool:
         return [v.numpy()[row, :, :columns] for v in self.values]
 
 
+@dataclass
+class FixedDecode:
+    """A decode step's inputs and logits at one shape, in buffers on the session's device, bound once: each step
+    writes its inputs into the same memory (a captured CUDA graph replays the addresses it was captured with)."""
+
+    binding: object
+    input_ids: object  # OrtValue (B, 1)
+    position_ids: object  # OrtValue (B, 1)
+    attention_mask: object  # OrtValue (B, W)
+    logits: object  # OrtValue (B, V) float32
+    run_options: object  # names the CUDA graph, when captured
+    graph_id: int | None
+    host_arrays: list  # on the CPU provider, the numpy memory behind the OrtValues: kept alive with them
+
+
 @dataclass(frozen=True)
 class DeviceCache:
     """The batch's K/V between steps: per layer K and V interleaved, OrtValues (B, H, capacity, d_k) on the
@@ -181,6 +210,7 @@ class DecoderRuntime:
         threads: int = 0,
         kv_cache: str = io.CONCAT,
         min_capacity: int = MIN_CAPACITY,  # inplace: the smallest buffer, in columns
+        cuda_graph: bool = False,  # capture slots decode steps as CUDA graphs where ONNX Runtime can (run_decode)
     ):
         if provider not in PROVIDER_CHOICES:
             raise ProviderUnavailable(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
@@ -205,12 +235,21 @@ class DecoderRuntime:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
-        try:
-            self.session = ort.InferenceSession(str(model_path), options, providers=providers)
-        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
-                ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.NoSuchFile) as exc:
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ModelUnloadable(f"{model_path}: ONNX Runtime cannot load it ({first_line})") from None
+        self.captures_decode = False  # decode steps of fixed shapes are captured as CUDA graphs (run_decode)
+        self.cuda_graph_note: str | None = None  # why CUDA graphs were asked for and are off
+        if cuda_graph and providers[0] == CPU:
+            self.cuda_graph_note = "CUDA graphs need the CUDA provider; decode steps run uncaptured"
+        elif cuda_graph and kv_cache != io.SLOTS:
+            self.cuda_graph_note = f"CUDA graphs capture slots decode steps; the {kv_cache} layout runs uncaptured"
+        elif cuda_graph:
+            graph_providers = [(CUDA, {**providers[0][1], "enable_cuda_graph": "1"}), CPU]
+            try:
+                self.session = ort.InferenceSession(str(model_path), options, providers=graph_providers)
+                self.captures_decode = self.session.get_providers()[0] == CUDA
+            except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # control flow, or compute nodes left on the CPU
+                self.cuda_graph_note = f"CUDA graphs off: ONNX Runtime will not capture this graph ({_first_line(exc)})"
+        if not self.captures_decode:
+            self.session = self._open(model_path, options, providers)
         self.provider = self.session.get_providers()[0]
         if len(providers) > 1 and self.provider != CUDA:
             if provider == "cuda":
@@ -229,6 +268,18 @@ class DecoderRuntime:
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
         self.traffic = KvTraffic()
         self._pool_binding: tuple | None = None  # (key, binding): the K/V bound once, reused step after step
+        self._fixed_steps: dict[tuple, FixedDecode] = {}  # (pool, rows, width) -> its buffers (run_decode)
+        self._graph_ids = itertools.count(1)  # never reused: a captured graph holds its buffers' addresses
+        self._uncaptured = ort.RunOptions()
+        self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
+
+    @staticmethod
+    def _open(model_path, options, providers):
+        try:
+            return ort.InferenceSession(str(model_path), options, providers=providers)
+        except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
+                ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.NoSuchFile) as exc:
+            raise ModelUnloadable(f"{model_path}: ONNX Runtime cannot load it ({_first_line(exc)})") from None
 
     # --- the graph's own description, for the load-time contract check ---------------------------
 
@@ -302,7 +353,7 @@ class DecoderRuntime:
                 binding.bind_ortvalue_input(name, value)
             for name in self._present_names:
                 binding.bind_output(name, self.device, 0)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._uncaptured)
         outputs = binding.get_outputs()
         present = past.values if self.kv_cache == io.INPLACE else list(outputs[1:])
         return StepOutput(logits=outputs[0].numpy(), present=DeviceCache(present, total))
@@ -359,6 +410,68 @@ class DecoderRuntime:
         binding.bind_cpu_input(io.LOGITS_INDEX, np.ascontiguousarray(logits_index, dtype=np.int64))
         return self._run_for_logits(binding, len(logits_index))
 
+    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+        """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
+        position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
+        buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
+        of its own, captured at its first run and replayed after. Returns the logits (B, V) in host memory."""
+        rows, width = attention_mask.shape
+        step = self._fixed_steps.get((pool, rows, width))
+        if step is None:
+            step = self._fixed_steps[(pool, rows, width)] = self._bind_fixed(pool, rows, width)
+        step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
+        step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
+        step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
+        self.session.run_with_iobinding(step.binding, step.run_options)
+        return step.logits.numpy().copy() if self.device == "cpu" else step.logits.numpy()  # CPU: numpy is the buffer
+
+    def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
+        if self.attention != io.STANDARD:
+            raise ValueError("run_decode drives a standard slots graph; a fused graph's steps go through run_slots")
+        if rows > pool.rows:
+            raise ValueError(f"a decode step of {rows} rows on a pool of {pool.rows}")
+        host = {
+            io.INPUT_IDS: np.zeros((rows, 1), np.int64),  # (B, 1)
+            io.POSITION_IDS: np.zeros((rows, 1), np.int64),  # (B, 1)
+            io.ATTENTION_MASK: np.zeros((rows, width), np.int64),  # (B, W)
+            io.CHUNK_IDS: np.zeros((1, 0), np.int64),  # (1, 0): no chunk
+            io.CHUNK_POSITION_IDS: np.zeros((1, 0), np.int64),  # (1, 0)
+            io.CHUNK_ATTENTION_MASK: np.ones((1, 1), np.int64),  # (1, 1)
+            io.CHUNK_SLOT: np.zeros(1, np.int64),  # (1,)
+            io.LOGITS_INDEX: np.arange(rows, dtype=np.int64),  # (B,): every row
+        }
+        logits = np.zeros((rows, self.vocab_size), np.float32)  # (B, V)
+        values = {name: ort.OrtValue.ortvalue_from_numpy(array, self.device, 0) for name, array in host.items()}
+        logits_value = ort.OrtValue.ortvalue_from_numpy(logits, self.device, 0)
+        binding = self.session.io_binding()
+        for name, value in values.items():
+            binding.bind_ortvalue_input(name, value)
+        binding.bind_ortvalue_output(io.LOGITS, logits_value)
+        shape = (rows,) + pool.shape[1:]  # (B, H_kv, C, d_k): rows 0..B-1
+        for past_name, present_name, value in zip(self._past_names, self._present_names, pool.values):
+            binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
+            binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
+        graph_id, run_options = None, self._uncaptured
+        if self.captures_decode:
+            graph_id, run_options = next(self._graph_ids), ort.RunOptions()
+            run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
+        host_arrays = list(host.values()) + [logits] if self.device == "cpu" else []
+        return FixedDecode(binding, values[io.INPUT_IDS], values[io.POSITION_IDS], values[io.ATTENTION_MASK], logits_value,
+                           run_options, graph_id, host_arrays)
+
+    def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
+        """The (rows, width) shapes run_decode has bound for pool, in the order they were first run."""
+        return [(rows, width) for (p, rows, width) in self._fixed_steps if p is pool]
+
+    def release_pool(self, pool: SlotPool) -> None:
+        """Forget the decode steps bound to pool (and release their CUDA graphs): the pool is no longer used."""
+        for key in [k for k in self._fixed_steps if k[0] is pool]:
+            step = self._fixed_steps.pop(key)
+            if step.graph_id is not None:
+                self.session.release_captured_graph(step.graph_id)
+        if self._pool_binding is not None and self._pool_binding[0][0] is pool:
+            self._pool_binding = None
+
     def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index) -> np.ndarray:
         """run_slots for a fused graph, whose operator needs a row and a token at least (io_contract): the rows are rows
         0 .. the last that decodes (a token each; one below it with nothing to decode runs its scratch token) and the
@@ -393,5 +506,5 @@ class DecoderRuntime:
         outputs afterwards would wrap every bound K/V buffer too (121 objects a step for a 30-layer model)."""
         logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V)
         binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-        self.session.run_with_iobinding(binding)
+        self.session.run_with_iobinding(binding, self._uncaptured)
         return logits

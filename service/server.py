@@ -76,6 +76,9 @@ class ServerOptions:
     # Prompt + generated tokens one sequence may hold, at most the model's context; it sizes every row's KV cache.
     # None: the model's whole context (a Llama 3.2's 131,072 columns a row would not fit in memory).
     max_context: int | None = None
+    # Capture decode steps as CUDA graphs (standard slots graphs on the CUDA provider); where they cannot run, the
+    # server says why (log, GetModelInfo's provider_note) and serves uncaptured.
+    cuda_graph: bool = False
 
 
 def served_config(config: DecoderConfig, max_context: int | None) -> DecoderConfig:
@@ -225,7 +228,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             manifest_sha256=app.artifact.manifest_sha256,
             dtype=app.artifact.dtype,
             execution_provider=app.runtime.provider,
-            provider_note=app.runtime.fallback_reason or "",
+            provider_note="; ".join(note for note in (app.runtime.fallback_reason, app.runtime.cuda_graph_note) if note),
             limits=pb.Limits(
                 max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=engine.config.n_ctx,
                 step_token_budget=engine.limits.step_token_budget, max_stop_sequences=engine.limits.max_stop_sequences,
@@ -379,10 +382,13 @@ class App:
             self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
         config = served_config(self.artifact.config, options.max_context)
         self.runtime = await asyncio.to_thread(
-            DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider, kv_cache=self.artifact.kv_cache
+            DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider, kv_cache=self.artifact.kv_cache,
+            cuda_graph=options.cuda_graph,
         )
         if self.runtime.fallback_reason:
             log.warning("serving on the CPU provider: %s", self.runtime.fallback_reason)
+        if self.runtime.cuda_graph_note:
+            log.warning("%s", self.runtime.cuda_graph_note)
         log.info("execution provider: %s", self.runtime.provider)
         self.metrics.execution_provider.labels(provider=self.runtime.provider).set(1)
         gate = await asyncio.to_thread(run_gate, self.runtime, self.artifact, options.step_token_budget)
@@ -396,6 +402,8 @@ class App:
         self.gate = gate
         batch = await asyncio.to_thread(make_batch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
         await asyncio.to_thread(warm_up, batch, self.artifact, options.step_token_budget)
+        if self.runtime.captures_decode:
+            log.info("decode steps run as CUDA graphs: %d shapes captured", len(self.runtime.fixed_shapes(batch.pool)))
         tokenizer = load_tokenizer(self.artifact.tokenizer_path)
         limits = EngineLimits(
             options.max_batch_size, options.max_queue, options.step_token_budget,

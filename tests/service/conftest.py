@@ -92,7 +92,7 @@ def live(stub):
 
 def slow_down(monkeypatch, app, seconds=0.01):
     """Make each model step of this server take a little longer, so tests can act mid-generation."""
-    for name in ("run", "run_slots"):  # the padded layouts' step and the slots layout's
+    for name in ("run", "run_slots", "run_decode"):  # the padded layouts' step, the slots layout's, a fixed-shape decode
         real = getattr(app.runtime, name)
 
         def slowed(*args, real=real):

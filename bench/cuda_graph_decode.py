@@ -1,0 +1,111 @@
+"""Decode steps as CUDA graphs against uncaptured ones: the serving batch (kv_slots.SlotBatch, no gRPC) of one
+standard slots artifact, in-process, both ways in one run.
+
+  uncaptured     the server's default: decode steps at their exact shapes, inputs bound from host memory
+  fixed shapes   `serve --cuda-graph`: decode steps at bucketed (rows, width) shapes, inputs written into bound
+                 device buffers, every shape prepared before timing; captured as a CUDA graph per shape where the
+                 session can (the CUDA provider); on the CPU provider the same steps run uncaptured, which shows
+                 what the bucketing alone costs there
+
+Batch 1: a 128-token prompt, 128 new tokens, greedy: ms per decode step (the steps after the first token).
+Batch 16: 16 sequences joined together (prompt 32, 64 new tokens each): aggregate decode tokens/s over the steps
+where all 16 decode. The two take turns within every round; the best round of each is kept. Also whether both
+produced the same greedy tokens. Prints a markdown table and the machine.
+
+    python bench/cuda_graph_decode.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
+from kvserve.service.gate import _greedy_sequence  # noqa: E402
+from kvserve.service.kv_slots import SlotBatch  # noqa: E402
+from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+from kvserve.service.scheduler import Scheduler  # noqa: E402
+
+SOLO = (1, 128, 128)  # rows, prompt, new tokens
+CROWD = (16, 32, 64)
+
+
+def decode_run(batch: SlotBatch, rows: int, prompt_len: int, new_tokens: int, vocab_size: int) -> tuple[float, int, list]:
+    """Join rows sequences, run them to the end; returns (seconds, tokens) of the steps where every row decodes
+    and nothing prefills, and the generated tokens."""
+    scheduler = Scheduler(batch, step_token_budget=0)
+    seqs = [_greedy_sequence(i, ((np.arange(prompt_len) * 7919 + 13 * (i + 1)) % vocab_size).tolist(), new_tokens) for i in range(rows)]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    seconds, tokens = 0.0, 0
+    while scheduler.waiting or batch.rows:
+        plan = scheduler.plan()
+        timed = plan.chunk is None and not plan.joining and len(plan.decode) == rows
+        start = time.perf_counter()
+        batch.run(plan)
+        if timed:
+            seconds += time.perf_counter() - start
+            tokens += rows
+    return seconds, tokens, [s.generated for s in seqs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", default="artifacts/gpt2", help="a standard slots artifact; the gpt2 preset is exported there if missing")
+    parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    artifact_dir = Path(args.artifact)
+    if not artifact_dir.exists():
+        model, source = load_source("gpt2", None)
+        export_artifact(model, source, artifact_dir, provider=args.provider)
+    artifact = open_artifact(artifact_dir)
+    if artifact.kv_cache != "slots" or artifact.attention != "standard":
+        raise SystemExit(f"{artifact_dir}: need a slots artifact with standard attention (kvserve export --kv-cache slots)")
+    config = artifact.config
+    rows_needed = max(SOLO[0], CROWD[0])
+    variants = {}
+    for name, cuda_graph in (("uncaptured", False), ("fixed shapes", True)):
+        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots", cuda_graph=cuda_graph)
+        batch = SlotBatch(runtime, config, rows_needed, fixed_decode=cuda_graph)
+        if cuda_graph:
+            batch.prepare_decode_shapes()
+        decode_run(batch, 2, 16, 8, config.vocab_size)  # warm-up: first runs pay allocation and kernel selection
+        variants[name] = (runtime, batch)
+    best = {(name, shape): (float("inf"), 1) for name in variants for shape in (SOLO, CROWD)}
+    generated = {}
+    for _ in range(args.rounds):
+        for shape in (SOLO, CROWD):
+            for name, (runtime, batch) in variants.items():  # alternating: drift hits both alike
+                seconds, tokens, tokens_out = decode_run(batch, *shape, config.vocab_size)
+                if seconds < best[(name, shape)][0]:
+                    best[(name, shape)] = (seconds, tokens)
+                generated[(name, shape)] = tokens_out
+    runtime = variants["fixed shapes"][0]
+    captured = "captured as CUDA graphs" if runtime.captures_decode else f"not captured ({runtime.cuda_graph_note})"
+    print(f"{artifact_dir} ({config.n_layer} layers, d_model {config.d_model}, {artifact.dtype}), {runtime.provider}, greedy, "
+          f"best of {args.rounds} rounds, alternating; fixed shapes: {captured}\n")
+    print("| decode steps | batch 1 ms/step | batch 1 tokens/s | batch 16 ms/step | batch 16 tokens/s | same tokens as uncaptured |")
+    print("|---|---:|---:|---:|---:|:-:|")
+    for name in variants:
+        cells = []
+        for shape in (SOLO, CROWD):
+            seconds, tokens = best[(name, shape)]
+            steps = tokens / shape[0]
+            cells.append(f"{seconds / steps * 1e3:.2f} | {tokens / seconds:.1f}")
+        same = all(generated[(name, s)] == generated[("uncaptured", s)] for s in (SOLO, CROWD))
+        print(f"| {name} | " + " | ".join(cells) + f" | {'yes' if same else 'NO'} |")
+    print(f"\nmachine: {describe(runtime.provider)}")
+
+
+if __name__ == "__main__":
+    main()

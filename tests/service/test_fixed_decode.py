@@ -1,0 +1,150 @@
+"""Decode steps at fixed shapes (SlotBatch.fixed_decode, DecoderRuntime.run_decode): what a CUDA graph captures.
+
+Under CUDA graphs (`serve --cuda-graph`) a decode-only step runs at a bucketed (rows, width) shape with its inputs
+written into buffers bound once. The same path runs on the CPU provider, uncaptured, so CI holds it to the eager
+model; with KVSERVE_TEST_PROVIDER=cuda the runtime here asks for CUDA graphs and the same tests check the captured
+steps (bench/gpu_check.sh runs them)."""
+
+import numpy as np
+import pytest
+
+from kvserve.export.artifact import open_artifact
+from kvserve.model.generate import generate
+from kvserve.service.gate import _greedy_sequence, warm_up
+from kvserve.service.kv_slots import MIN_DECODE_WIDTH, SlotBatch
+from kvserve.service.runtime import DecoderRuntime
+from kvserve.service.scheduler import Scheduler
+
+from ..conftest import PROVIDER
+
+
+def open_runtime(artifact_dir) -> DecoderRuntime:
+    artifact = open_artifact(artifact_dir)
+    return DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache,
+                          cuda_graph=PROVIDER == "cuda")
+
+
+@pytest.fixture(scope="module")
+def runtime(tiny_artifact):
+    runtime = open_runtime(tiny_artifact)
+    assert runtime.captures_decode == (PROVIDER == "cuda"), runtime.cuda_graph_note
+    return runtime
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    return np.random.default_rng(seed).integers(1, 256, length).tolist()
+
+
+def eager_tokens(model, seq) -> list[int]:
+    return generate(model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+
+
+def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(runtime, tiny_model):
+    batch = SlotBatch(runtime, tiny_model.config, 12, fixed_decode=True)  # n_ctx 256
+    assert batch.decode_shapes() == [(r, w) for r in (1, 2, 4, 8, 12) for w in (64, 128, 256)]
+    batch.slots = [None] * 3
+    assert batch.decode_shape(1) == (4, MIN_DECODE_WIDTH)
+    assert batch.decode_shape(65) == (4, 128)
+    batch.slots = [None] * 9
+    assert batch.decode_shape(256) == (12, 256)
+
+
+def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks(runtime, tiny_model):
+    runtime.traffic.host_bytes = 0
+    batch = SlotBatch(runtime, tiny_model.config, 5, fixed_decode=True)
+    seqs = [_greedy_sequence(i, prompt(300 + i, 1 + (11 * i) % 70), 1 + (7 * i) % 90) for i in range(24)]
+    scheduler = Scheduler(batch, step_token_budget=12)
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    steps = 0
+    while scheduler.waiting or batch.rows:
+        plan = scheduler.plan()
+        if steps == 40 and plan.decode:
+            plan.decode[0].cancelled = True  # leaves mid-stream: its row frees at the next step
+        batch.run(plan)
+        steps += 1
+    cancelled = [s for s in seqs if s.cancelled]
+    assert len(cancelled) == 1 and all(s.finished or s.cancelled for s in seqs)
+    for seq in seqs:
+        if not seq.cancelled:
+            assert seq.generated == eager_tokens(tiny_model, seq), seq.id
+    assert runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
+    assert set(runtime.fixed_shapes(batch.pool)) <= set(batch.decode_shapes())
+    assert len(runtime.fixed_shapes(batch.pool)) >= 4  # the run crossed row and width buckets
+
+
+def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(runtime, tiny_model):
+    """As under CUDA: a freed row stays a hole, and the step's shape has rows beyond the batch's; both run scratch tokens."""
+    batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
+    batch.compact = False
+    scheduler = Scheduler(batch, step_token_budget=0)
+    seqs = [_greedy_sequence(i, prompt(400 + i, 9), 30) for i in range(3)]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(8):
+        batch.run(scheduler.plan())
+    seqs[0].cancelled = True
+    batch.run(scheduler.plan())
+    assert batch.slots[0] is None and batch.decode_shape(16)[0] == 4  # 3 slots (one a hole) run as 4 rows
+    for seq in seqs[1:]:
+        while not seq.finished:
+            batch.run(scheduler.plan())
+        assert seq.generated == eager_tokens(tiny_model, seq)
+
+
+def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_artifact, tiny_model):
+    runtime = open_runtime(tiny_artifact)
+    artifact = open_artifact(tiny_artifact)
+    batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
+    warm_up(batch, artifact)
+    prepared = runtime.fixed_shapes(batch.pool)
+    assert sorted(prepared) == batch.decode_shapes() and not batch.rows
+    seqs = [_greedy_sequence(i, prompt(500 + i, 3 + 20 * i), 100) for i in range(4)]
+    Scheduler(batch, step_token_budget=16).drive(seqs)
+    assert runtime.fixed_shapes(batch.pool) == prepared  # no shape first met while serving (no capture mid-stream)
+    for seq in seqs:
+        assert seq.generated == eager_tokens(tiny_model, seq)
+    runtime.release_pool(batch.pool)
+    assert runtime.fixed_shapes(batch.pool) == []
+
+
+def test_only_a_standard_slots_graph_takes_fixed_shape_decode(tiny_llama_fused_artifact, tiny_llama_model, tiny_concat_artifact):
+    fused = open_runtime(tiny_llama_fused_artifact)
+    assert not fused.captures_decode
+    with pytest.raises(ValueError, match="standard slots graph"):
+        SlotBatch(fused, tiny_llama_model.config, 2, fixed_decode=True)
+    concat = open_runtime(tiny_concat_artifact)
+    assert not concat.captures_decode
+
+
+def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_artifact, tiny_concat_artifact):
+    artifact = open_artifact(tiny_artifact)
+    on_cpu = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu", kv_cache="slots", cuda_graph=True)
+    assert not on_cpu.captures_decode and "need the CUDA provider" in on_cpu.cuda_graph_note
+    plain = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu", kv_cache="slots")
+    assert plain.cuda_graph_note is None
+
+
+def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does_not_capture(tiny_artifact, tiny_model):
+    import grpc
+
+    from kvserve.v1 import generation_pb2 as pb
+    from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+    from .conftest import collect, start_server
+
+    running = start_server(tiny_artifact, max_batch_size=4, cuda_graph=True)
+    try:
+        runtime = running.app.runtime
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            info = stub.GetModelInfo(pb.GetModelInfoRequest())
+            if PROVIDER == "cuda":
+                assert runtime.captures_decode and info.provider_note == ""
+                assert sorted(runtime.fixed_shapes(running.app.engine.batch.pool)) == running.app.engine.batch.decode_shapes()
+            else:
+                assert not runtime.captures_decode and "CUDA graphs need the CUDA provider" in info.provider_note
+            ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=20, ignore_eos=True))
+    finally:
+        running.stop()
+    assert finish is not None and ids == generate(tiny_model, [[5, 6, 7]], 20).tokens[0].tolist()
