@@ -174,6 +174,7 @@ class FixedDecode:
     run_options: object  # names the CUDA graph, when captured
     graph_id: int | None
     host_arrays: list  # on the CPU provider, the numpy memory behind the OrtValues: kept alive with them
+    captured: bool = False
 
 
 @dataclass(frozen=True)
@@ -422,8 +423,29 @@ class DecoderRuntime:
         step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
         step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
         step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
-        self.session.run_with_iobinding(step.binding, step.run_options)
+        if step.graph_id is not None and not step.captured:
+            self._capture(step)
+        else:
+            self.session.run_with_iobinding(step.binding, step.run_options)
         return step.logits.numpy().copy() if self.device == "cpu" else step.logits.numpy()  # CPU: numpy is the buffer
+
+    def _capture(self, step: FixedDecode) -> None:
+        """Run a step whose graph is not captured yet (ONNX Runtime captures it in this run). If capture fails, no step
+        is captured from then on: the failure is noted (cuda_graph_note) and the step reruns uncaptured, which writes
+        the same K/V at the same columns."""
+        try:
+            self.session.run_with_iobinding(step.binding, step.run_options)
+            step.captured = True
+            return
+        except Exception as exc:  # ONNX Runtime's errors have no common base; any failure here ends capturing
+            self.captures_decode = False
+            self.cuda_graph_note = f"CUDA graph capture failed ({_first_line(exc)}); decode steps run uncaptured"
+            log.warning("%s", self.cuda_graph_note)
+        for fixed in self._fixed_steps.values():
+            if fixed.captured:
+                self.session.release_captured_graph(fixed.graph_id)
+            fixed.graph_id, fixed.run_options, fixed.captured = None, self._uncaptured, False
+        self.session.run_with_iobinding(step.binding, step.run_options)
 
     def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
         if self.attention != io.STANDARD:

@@ -148,3 +148,26 @@ def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does
     finally:
         running.stop()
     assert finish is not None and ids == generate(tiny_model, [[5, 6, 7]], 20).tokens[0].tolist()
+
+
+def test_a_capture_that_fails_leaves_every_step_uncaptured_and_the_tokens_right(tiny_artifact, tiny_model, monkeypatch):
+    """ONNX Runtime can refuse a capture only on a GPU; here the session's run fails for any run that names a graph."""
+    runtime = open_runtime(tiny_artifact)
+    runtime.captures_decode = True  # as if the session had opened with enable_cuda_graph
+    real_run = runtime.session.run_with_iobinding
+    graph_runs = []
+
+    def run(binding, run_options=None):
+        if run_options is not None and run_options.get_run_config_entry("gpu_graph_id") != "-1":
+            graph_runs.append(run_options.get_run_config_entry("gpu_graph_id"))
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return real_run(binding, run_options)
+
+    monkeypatch.setattr(runtime.session, "run_with_iobinding", run)
+    batch = SlotBatch(runtime, tiny_model.config, 2, fixed_decode=True)
+    seqs = [_greedy_sequence(i, prompt(600 + i, 5 + i), 12) for i in range(2)]
+    Scheduler(batch, step_token_budget=0).drive(seqs)
+    assert graph_runs == ["1"]  # one attempt, then none
+    assert not runtime.captures_decode and "CUDA graph capture failed (operation not permitted" in runtime.cuda_graph_note
+    for seq in seqs:
+        assert seq.generated == eager_tokens(tiny_model, seq)
