@@ -114,3 +114,26 @@ def slowed_server(artifact, monkeypatch, seconds: float = 0.01, **options):
             yield running, pb_grpc.GenerationServiceStub(channel), channel
     finally:
         running.stop()
+
+
+def random_prompt(seed: int, length: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(seed).integers(1, 256, length).tolist()
+
+
+def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
+    """As under CUDA, where a freed row stays a hole until a join fills it: seqs run steps steps in a batch that does not
+    compact, then seqs[leaving] is cancelled and leaves at the next step. Returns the scheduler."""
+    from kvserve.service.scheduler import Scheduler
+
+    batch.compact = False
+    scheduler = Scheduler(batch, step_token_budget=budget)
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(steps):
+        batch.run(scheduler.plan())
+    seqs[leaving].cancelled = True
+    batch.run(scheduler.plan())
+    assert batch.slots[leaving] is None
+    return scheduler

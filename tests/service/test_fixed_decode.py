@@ -5,7 +5,6 @@ written into buffers bound once. The same path runs on the CPU provider, uncaptu
 model; with KVSERVE_TEST_PROVIDER=cuda the runtime here asks for CUDA graphs and the same tests check the captured
 steps (bench/gpu_check.sh runs them)."""
 
-import numpy as np
 import pytest
 
 from kvserve.export.artifact import open_artifact
@@ -16,6 +15,8 @@ from kvserve.service.runtime import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER
+from .conftest import hole_between_rows
+from .conftest import random_prompt as prompt
 
 
 def open_runtime(artifact_dir) -> DecoderRuntime:
@@ -29,10 +30,6 @@ def runtime(tiny_artifact):
     runtime = open_runtime(tiny_artifact)
     assert runtime.captures_decode == (PROVIDER == "cuda"), runtime.cuda_graph_note
     return runtime
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 256, length).tolist()
 
 
 def eager_tokens(model, seq) -> list[int]:
@@ -76,16 +73,9 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
 def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(runtime, tiny_model):
     """As under CUDA: a freed row stays a hole, and the step's shape has rows beyond the batch's; both run scratch tokens."""
     batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
-    batch.compact = False
-    scheduler = Scheduler(batch, step_token_budget=0)
     seqs = [_greedy_sequence(i, prompt(400 + i, 9), 30) for i in range(3)]
-    for seq in seqs:
-        scheduler.waiting.append(seq)
-    for _ in range(8):
-        batch.run(scheduler.plan())
-    seqs[0].cancelled = True
-    batch.run(scheduler.plan())
-    assert batch.slots[0] is None and batch.decode_shape(16)[0] == 4  # 3 slots (one a hole) run as 4 rows
+    scheduler = hole_between_rows(batch, seqs, leaving=0, steps=8, budget=0)
+    assert batch.decode_shape(16)[0] == 4  # 3 slots (one a hole) run as 4 rows
     for seq in seqs[1:]:
         while not seq.finished:
             batch.run(scheduler.plan())

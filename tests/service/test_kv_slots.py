@@ -16,6 +16,8 @@ from kvserve.service.runtime import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER
+from .conftest import hole_between_rows
+from .conftest import random_prompt as prompt
 
 
 @pytest.fixture(scope="module", params=["gpt2 standard", "llama fused"])
@@ -36,10 +38,6 @@ def runtime(served):
 @pytest.fixture(scope="module")
 def model(served):
     return served[1]
-
-
-def prompt(seed: int, length: int) -> list[int]:
-    return np.random.default_rng(seed).integers(1, 256, length).tolist()
 
 
 def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(runtime, model):
@@ -176,16 +174,9 @@ def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_wo
     """As under CUDA, where a freed row stays a hole until a join fills it: the joining prompt's chunks run in a row
     below decoding ones (the fused graph's decode run then covers the chunk's row with a scratch token)."""
     batch = SlotBatch(runtime, model.config, 3)
-    batch.compact = False
-    scheduler = Scheduler(batch, step_token_budget=7)
     seqs = [_greedy_sequence(i, prompt(200 + i, 5), 40) for i in range(3)]
-    for seq in seqs:
-        scheduler.waiting.append(seq)
-    for _ in range(6):
-        batch.run(scheduler.plan())
-    seqs[1].cancelled = True
-    batch.run(scheduler.plan())
-    assert batch.slots[1] is None and seqs[2].slot == 2  # a hole between two decoding rows
+    scheduler = hole_between_rows(batch, seqs, leaving=1, steps=6, budget=7)
+    assert seqs[2].slot == 2  # a hole between two decoding rows
     joining = _greedy_sequence(9, prompt(209, 30), 12)
     scheduler.waiting.append(joining)
     chunked = 0
