@@ -247,7 +247,7 @@ class DecoderRuntime:
             try:
                 self.session = ort.InferenceSession(str(model_path), options, providers=graph_providers)
                 self.captures_decode = self.session.get_providers()[0] == CUDA
-            except ort.capi.onnxruntime_pybind11_state.Fail as exc:  # control flow, or compute nodes left on the CPU
+            except Exception as exc:  # control flow, compute nodes left on the CPU; a file it cannot load fails again below
                 self.cuda_graph_note = f"CUDA graphs off: ONNX Runtime will not capture this graph ({_first_line(exc)})"
         if not self.captures_decode:
             self.session = self._open(model_path, options, providers)
@@ -489,7 +489,7 @@ class DecoderRuntime:
         """Forget the decode steps bound to pool (and release their CUDA graphs): the pool is no longer used."""
         for key in [k for k in self._fixed_steps if k[0] is pool]:
             step = self._fixed_steps.pop(key)
-            if step.graph_id is not None:
+            if step.captured:
                 self.session.release_captured_graph(step.graph_id)
         if self._pool_binding is not None and self._pool_binding[0][0] is pool:
             self._pool_binding = None

@@ -161,3 +161,22 @@ def test_a_capture_that_fails_leaves_every_step_uncaptured_and_the_tokens_right(
     assert not runtime.captures_decode and "CUDA graph capture failed (operation not permitted" in runtime.cuda_graph_note
     for seq in seqs:
         assert seq.generated == eager_tokens(tiny_model, seq)
+
+
+def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graphs(tiny_artifact, tiny_model, monkeypatch):
+    """Graph ids as a capturing session gets them (on the CPU provider, whose runs ignore the id)."""
+    runtime = open_runtime(tiny_artifact)
+    runtime.captures_decode = True
+    released = []
+    monkeypatch.setattr(runtime.session, "release_captured_graph", released.append)
+    first, second = (SlotBatch(runtime, tiny_model.config, 2, fixed_decode=True) for _ in range(2))
+    first.prepare_decode_shapes()
+    second.prepare_decode_shapes()
+    ids = {pool: [runtime._fixed_steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.pool, second.pool)}
+    assert len(ids[first.pool]) == len(first.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 64, 128, 256
+    assert len(set(ids[first.pool] + ids[second.pool])) == 12  # no id shared between shapes or pools
+    runtime.release_pool(first.pool)
+    assert sorted(released) == sorted(ids[first.pool]) and runtime.fixed_shapes(second.pool)
+    seq = _greedy_sequence(1, prompt(700, 6), 10)
+    Scheduler(second, step_token_budget=0).drive([seq])  # the other pool's steps still run
+    assert seq.generated == eager_tokens(tiny_model, seq) and len(runtime.fixed_shapes(second.pool)) == 6
