@@ -111,12 +111,15 @@ def _env(name: str, default, kind=str):
     value = os.environ.get(f"KVSERVE_{name}")
     if value is None:
         return default
-    if kind is bool:
-        return value.lower() in ("1", "true", "yes", "on")
+    if kind is bool and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
+        return value.strip().lower() in ("1", "true", "yes", "on")
     try:
+        if kind is bool:
+            raise ValueError(value)
         return kind(value)
     except ValueError:
-        print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {kind.__name__}", file=sys.stderr)
+        what = "on/off value (1/0, true/false, yes/no, on/off)" if kind is bool else kind.__name__
+        print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {what}", file=sys.stderr)
         sys.exit(UserError.exit_code)
 
 

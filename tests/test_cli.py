@@ -94,3 +94,9 @@ def test_max_context_beyond_the_models_is_refused_in_one_line(tiny_artifact):
     one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--provider", "cpu", "--max-context", "257"),
                    "--max-context must be in [2, 256] (the model's context), got 257")
     one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--max-context", "0"), "--max-context")
+
+
+@pytest.mark.parametrize("variable", ["KVSERVE_CUDA_GRAPH", "KVSERVE_ALLOW_PARITY_FAILURE", "KVSERVE_NO_REFLECTION"])
+def test_an_on_off_variable_that_is_neither_is_refused_in_one_line(variable, monkeypatch):
+    monkeypatch.setenv(variable, "maybe")
+    one_line_error(run_cli("serve", "--model", "does-not-matter"), f"{variable}='maybe' is not a valid on/off value")
