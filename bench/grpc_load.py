@@ -81,7 +81,7 @@ class InProcess:
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache,
                                       cuda_graph=cuda_graph)
         self.batch = make_batch(self.runtime, self.config, 16)  # one batch for every run: its decode shapes captured once
-        if getattr(self.batch, "fixed_decode", False):
+        if self.batch.fixed_decode:
             self.batch.prepare_decode_shapes()
 
     async def run(self, prompt_len, new_tokens, requests):

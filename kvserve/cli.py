@@ -106,20 +106,24 @@ def _bounded(kind, low=None, high=None, what=""):
     return parse
 
 
+ON_OFF = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+
+
 def _env(name: str, default, kind=str):
     """Defaults for `serve` come from KVSERVE_<FLAG> environment variables (how containers configure it)."""
     value = os.environ.get(f"KVSERVE_{name}")
     if value is None:
         return default
-    if kind is bool and value.strip().lower() in ("1", "true", "yes", "on", "0", "false", "no", "off", ""):
-        return value.strip().lower() in ("1", "true", "yes", "on")
+    if kind is bool:
+        parsed = ON_OFF.get(value.strip().lower())
+        if parsed is None:
+            print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid on/off value (1/0, true/false, yes/no, on/off)", file=sys.stderr)
+            sys.exit(UserError.exit_code)
+        return parsed
     try:
-        if kind is bool:
-            raise ValueError(value)
         return kind(value)
     except ValueError:
-        what = "on/off value (1/0, true/false, yes/no, on/off)" if kind is bool else kind.__name__
-        print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {what}", file=sys.stderr)
+        print(f"kvserve: error: KVSERVE_{name}={value!r} is not a valid {kind.__name__}", file=sys.stderr)
         sys.exit(UserError.exit_code)
 
 

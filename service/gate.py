@@ -86,8 +86,7 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     try:
         results = scheduler.drive([seq])
     finally:
-        if hasattr(scheduler.batch, "pool"):
-            runtime.release_pool(scheduler.batch.pool)  # its bound steps (and CUDA graphs) are the replay's alone
+        scheduler.batch.close()  # its bound steps (and CUDA graphs) are the replay's alone
     for _, event in results:
         if isinstance(event, BaseException):
             return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
@@ -132,5 +131,5 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
-    if getattr(batch, "fixed_decode", False):
+    if batch.fixed_decode:
         batch.prepare_decode_shapes()

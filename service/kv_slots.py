@@ -34,7 +34,7 @@ import numpy as np
 from kvserve.export.io_contract import STANDARD
 from kvserve.model.config import DecoderConfig
 
-from .runtime import DecoderRuntime, SlotPool
+from .runtime import DecoderRuntime, SlotPool, power_of_two_at_least
 from .sequence import Sequence, StepEvent
 
 log = logging.getLogger(__name__)
@@ -136,15 +136,23 @@ class SlotBatch:
         """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at: each the
         next power of two (width at least MIN_DECODE_WIDTH), at most the pool's rows and the context. So a 16-row pool
         of a 1,024-token context runs decode steps at 5 x 5 shapes, each bound (and captured) once."""
-        rows = min(1 << max(len(self.slots) - 1, 0).bit_length(), self.max_rows)
-        columns = min(max(MIN_DECODE_WIDTH, 1 << max(width - 1, 0).bit_length()), self.config.n_ctx)
-        return rows, columns
+        return self._rows_bucket(len(self.slots)), self._width_bucket(width)
+
+    def _rows_bucket(self, rows: int) -> int:
+        return min(power_of_two_at_least(rows), self.max_rows)
+
+    def _width_bucket(self, width: int) -> int:
+        return min(power_of_two_at_least(width, MIN_DECODE_WIDTH), self.config.n_ctx)
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """Every shape decode_shape can return for this pool, smallest first."""
-        row_counts = sorted({min(1 << n, self.max_rows) for n in range(self.max_rows.bit_length() + 1)})
-        widths = sorted({min(max(MIN_DECODE_WIDTH, 1 << n), self.config.n_ctx) for n in range(self.config.n_ctx.bit_length() + 1)})
+        row_counts = sorted({self._rows_bucket(n) for n in range(1, self.max_rows + 1)})
+        widths = sorted({self._width_bucket(w) for w in range(1, self.config.n_ctx + 1)})
         return [(rows, width) for rows in row_counts for width in widths]
+
+    def close(self) -> None:
+        """The batch is no longer used: the runtime forgets the decode steps bound to its pool (and their CUDA graphs)."""
+        self.runtime.release_pool(self.pool)
 
     def prepare_decode_shapes(self) -> None:
         """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits

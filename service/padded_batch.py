@@ -44,6 +44,7 @@ class PaddedBatch:
     """The rows of the running batch and their KV cache. Not thread-safe: one step thread calls it."""
 
     chunked = False  # a prompt is prefilled whole, in the step it joins
+    fixed_decode = False  # decode steps run at their exact shapes (no CUDA graphs: see kv_slots.SlotBatch)
 
     def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
         self.runtime = runtime
@@ -80,6 +81,9 @@ class PaddedBatch:
             self._joining = []
         self._remove([s for s in self.rows if s.finished])
         return results
+
+    def close(self) -> None:
+        """The batch is no longer used; the runtime holds nothing for it beyond its cache, which goes with it."""
 
     def fail_all(self, error: BaseException) -> StepResults:
         """Every sequence in the batch, or joining it in the step that failed, fails once with error."""

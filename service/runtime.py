@@ -99,9 +99,14 @@ def cuda_available() -> bool:
 MIN_CAPACITY = 64
 
 
+def power_of_two_at_least(n: int, minimum: int = 1) -> int:
+    """The smallest power of two >= n, and at least minimum: how buffers and fixed step shapes grow."""
+    return max(minimum, 1 << max(n - 1, 0).bit_length())
+
+
 def inplace_capacity(columns: int, minimum: int = MIN_CAPACITY) -> int:
     """The buffer capacity that holds columns: a power of two, at least minimum."""
-    return max(minimum, 1 << max(columns - 1, 0).bit_length())
+    return power_of_two_at_least(columns, minimum)
 
 
 @dataclass
