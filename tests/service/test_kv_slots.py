@@ -1,46 +1,74 @@
 """The slots batch on its own (no gRPC): rows in a device pool, chunked prefill interleaved with decode, the
 K/V each row holds, joins and leaves that never send K/V through the host, and a step that fails. The batch's
-tests run on both slots graphs: GPT-2's standard attention and a Llama's fused attention (GroupQueryAttention)."""
+tests run on both slots graphs: GPT-2's standard attention and a Llama's fused attention (GroupQueryAttention), the
+fused one in each of FUSED_DTYPES (float32 and float16; float16 alone under CUDA, whose kernel has no float32)."""
 
 import asyncio
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from kvserve.export.artifact import open_artifact
+from kvserve.export.parity import artifact_greedy
+from kvserve.export.tolerances import TOLERANCES
 from kvserve.model.generate import generate
 from kvserve.service.gate import _greedy_sequence
 from kvserve.service.kv_slots import SlotBatch
 from kvserve.service.runtime import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
-from ..conftest import PROVIDER
+from ..conftest import FUSED_DTYPES, PROVIDER
 from .conftest import hole_between_rows
 from .conftest import random_prompt as prompt
 
 
-@pytest.fixture(scope="module", params=["gpt2 standard", "llama fused"])
-def served(request):
-    """(runtime, eager model) of one slots artifact."""
-    model, artifact_dir = ("tiny_model", "tiny_artifact") if request.param == "gpt2 standard" else ("tiny_llama_model", "tiny_llama_fused_artifact")
-    artifact = open_artifact(request.getfixturevalue(artifact_dir))
+@dataclass(frozen=True)
+class Served:
+    """One slots artifact opened on the tests' provider, its eager model, and what its numbers are held to."""
+
+    artifact_dir: Path
+    runtime: DecoderRuntime
+    model: torch.nn.Module
+    greedy_is_eager: bool  # float32: a sequence's tokens are eager generate's; float16: the artifact's own, run alone
+    kv_relative_error: float  # largest |K/V - eager| relative to the eager values' largest |value|
+
+    def alone(self, seq) -> list[int]:
+        """The tokens seq must generate, batched or not: float16 greedy is not held to eager's (a near-tie may flip:
+        export/tolerances.py), so there the reference is the same artifact generating the prompt on its own."""
+        if self.greedy_is_eager:
+            return generate(self.model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+        return artifact_greedy(self.artifact_dir, [seq.prompt_ids], seq.max_new_tokens, PROVIDER)[0].tolist()
+
+
+@pytest.fixture(scope="module", params=["gpt2 standard"] + [f"llama fused {dtype}" for dtype in FUSED_DTYPES])
+def served(request, tiny_llama_fused_artifacts) -> Served:
+    if request.param == "gpt2 standard":
+        model, artifact_dir = request.getfixturevalue("tiny_model"), request.getfixturevalue("tiny_artifact")
+    else:
+        model, artifact_dir = request.getfixturevalue("tiny_llama_model"), tiny_llama_fused_artifacts(request.param.split()[-1])
+    artifact = open_artifact(artifact_dir)
     assert artifact.attention == request.param.split()[1]
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
-    return runtime, request.getfixturevalue(model)
+    tolerance = TOLERANCES[artifact.precision]
+    # float32: rounding only; float16: the parity tolerance, relative like it (tiny-llama's wide weights make K of 10 and more)
+    kv_error = 1e-5 if artifact.dtype == "float32" else tolerance.kv_max_abs
+    return Served(artifact_dir, runtime, model, tolerance.greedy_identical, kv_error)
 
 
 @pytest.fixture(scope="module")
 def runtime(served):
-    return served[0]
+    return served.runtime
 
 
 @pytest.fixture(scope="module")
 def model(served):
-    return served[1]
+    return served.model
 
 
-def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(runtime, model):
+def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(served, runtime, model):
     scheduler = Scheduler(SlotBatch(runtime, model.config, 4), step_token_budget=8)
     running = [_greedy_sequence(i, prompt(i, 5), 60) for i in range(2)]
     scheduler.drive([])  # nothing to do
@@ -62,7 +90,7 @@ def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks
         while not seq.finished:
             scheduler.batch.run(scheduler.plan())
     for seq in running + [long]:
-        assert seq.generated == generate(model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+        assert seq.generated == served.alone(seq)
 
 
 def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(runtime, model):
@@ -76,7 +104,7 @@ def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(runtime, mo
 
 
 @torch.no_grad()
-def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(runtime, model):
+def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(served, runtime, model):
     batch = SlotBatch(runtime, model.config, 3)
     scheduler = Scheduler(batch, step_token_budget=6)
     seqs = [_greedy_sequence(i, prompt(10 + i, n), 40) for i, n in enumerate((3, 17, 40))]
@@ -92,11 +120,10 @@ def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(runtime, model)
         row = batch.pool.row_to_host(seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
         for layer, (k, v) in enumerate(present):
             for got, want in ((row[2 * layer], k[0].numpy()), (row[2 * layer + 1], v[0].numpy())):
-                # float32 rounding, relative to the values' size (tiny-llama's wide weights make K of 10 and more)
-                assert np.abs(got - want).max() <= 1e-5 * max(1.0, np.abs(want).max())
+                assert np.abs(got - want).max() <= served.kv_relative_error * max(1.0, np.abs(want).max())
 
 
-def test_fifty_joins_and_leaves_move_no_kv_through_the_host(runtime, model):
+def test_fifty_joins_and_leaves_move_no_kv_through_the_host(served, runtime, model):
     runtime.traffic.host_bytes = runtime.traffic.row_moves = 0
     batch = SlotBatch(runtime, model.config, 4)
     seqs = [_greedy_sequence(i, prompt(100 + i, 1 + (7 * i) % 40), 1 + (5 * i) % 17) for i in range(50)]
@@ -106,7 +133,7 @@ def test_fifty_joins_and_leaves_move_no_kv_through_the_host(runtime, model):
     assert runtime.traffic.host_bytes == 0
     assert runtime.traffic.row_moves <= 50  # at most one row moved per leave (on CPU; none under CUDA)
     for seq in seqs[::7]:
-        assert seq.generated == generate(model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+        assert seq.generated == served.alone(seq)
 
 
 def test_a_cancelled_sequence_frees_its_row_within_one_step(runtime, model):
@@ -170,7 +197,7 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(layout, request, 
     assert after.generated == generate(tiny_model, [after.prompt_ids], 6).tokens[0].tolist()
 
 
-def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(runtime, model):
+def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(served, runtime, model):
     """As under CUDA, where a freed row stays a hole until a join fills it: the joining prompt's chunks run in a row
     below decoding ones (the fused graph's decode run then covers the chunk's row with a scratch token)."""
     batch = SlotBatch(runtime, model.config, 3)
@@ -188,4 +215,4 @@ def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_wo
     for seq in (seqs[0], seqs[2], joining):
         while not seq.finished:
             batch.run(scheduler.plan())
-        assert seq.generated == generate(model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+        assert seq.generated == served.alone(seq)
