@@ -82,6 +82,17 @@ def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_float16_artifact(tmp_path_factory, tiny_model) -> Path:
+    """The tiny preset exported in float16 (`kvserve export --preset tiny --dtype float16`), verified with float16's
+    tolerances: the precision the server runs on a GPU."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-float16"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER)
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_concat_artifact(tmp_path_factory, tiny_model) -> Path:
     """The tiny preset with the concat KV cache (`kvserve export --kv-cache concat`): Optimum-style I/O."""
     from kvserve.export.pipeline import export_artifact

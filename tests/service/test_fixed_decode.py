@@ -5,6 +5,7 @@ written into buffers bound once. The same path runs on the CPU provider, uncaptu
 model; with KVSERVE_TEST_PROVIDER=cuda the runtime here asks for CUDA graphs and the same tests check the captured
 steps (bench/gpu_check.sh runs them)."""
 
+import numpy as np
 import pytest
 
 from kvserve.export.artifact import open_artifact
@@ -68,6 +69,23 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
     assert runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
     assert set(runtime.fixed_shapes(batch.pool)) <= set(batch.decode_shapes())
     assert len(runtime.fixed_shapes(batch.pool)) >= 4  # the run crossed row and width buckets
+
+
+def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_shapes(tiny_float16_artifact, tiny_model):
+    """float16, the precision the CUDA graph targets are set in: fixed-shape steps (wider reads, scratch rows) give each
+    sequence the tokens the same artifact gives it at the batch's own shapes (float16 greedy is not held to eager's)."""
+    runtime = open_runtime(tiny_float16_artifact)
+    assert runtime.kv_dtype == np.float16 and runtime.captures_decode == (PROVIDER == "cuda"), runtime.cuda_graph_note
+    generated = {}
+    for fixed in (False, True):
+        batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=fixed)
+        seqs = [_greedy_sequence(i, prompt(600 + i, 1 + (13 * i) % 50), 1 + (17 * i) % 80) for i in range(10)]
+        Scheduler(batch, step_token_budget=10).drive(seqs)
+        generated[fixed] = [s.generated for s in seqs]
+        assert bool(runtime.fixed_shapes(batch.pool)) == fixed
+        batch.close()
+    assert generated[True] == generated[False]
+    assert len({tuple(g) for g in generated[True]}) == 10  # ten different continuations, not one repeated
 
 
 def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(runtime, tiny_model):

@@ -317,15 +317,12 @@ def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_a
     assert len(together[4]) == 6 and all(len(g) == n for k, (g, n) in enumerate(zip(together, steps)) if k != 4)
 
 
-def test_a_float16_artifact_is_served_end_to_end(tmp_path_factory, tiny_model):
-    from kvserve.export.pipeline import export_artifact
+def test_a_float16_artifact_is_served_end_to_end(tiny_float16_artifact, tiny_model):
     from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
     from .conftest import start_server
 
-    out = tmp_path_factory.mktemp("fp16") / "tiny-fp16"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER)
-    running = start_server(out)
+    running = start_server(tiny_float16_artifact)
     try:
         with grpc.insecure_channel(running.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
