@@ -64,12 +64,13 @@ def pool_capacity(config: DecoderConfig) -> int:
     return config.n_ctx + 1
 
 
-def advance_each(rows: list[Sequence], logits: np.ndarray) -> StepResults:
-    """logits (len(rows), V): each row's next-token logits. One sequence's failure is that sequence's alone."""
+def advance_each(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None = None) -> StepResults:
+    """logits (K, V): next-token logits; seqs[i]'s are row rows[i] (default: row i), read in place, not copied. One
+    sequence's failure is that sequence's alone."""
     results: StepResults = []
-    for row, seq in enumerate(rows):
+    for i, seq in enumerate(seqs):
         try:
-            results.append((seq, seq.advance(logits[row])))
+            results.append((seq, seq.advance(logits[i if rows is None else rows[i]])))
         except Exception as exc:  # a bug in one request's sampling or text must not stop the others
             log.exception("sequence %d failed", seq.id)
             seq.finished = True
@@ -177,7 +178,7 @@ class SlotBatch:
         logits = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask)  # (B, V)
         for seq in decode:
             seq.cached_tokens += 1
-        return advance_each(decode, logits[[seq.slot for seq in decode]])
+        return advance_each(decode, logits, [seq.slot for seq in decode])
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
         if self.fixed_decode and chunk is None:

@@ -420,7 +420,8 @@ class DecoderRuntime:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
-        of its own, captured at its first run and replayed after. Returns the logits (B, V) in host memory."""
+        of its own, captured at its first run and replayed after. Returns the logits (B, V) in host memory: on the CPU
+        provider the bound buffer itself, which the next step at this shape overwrites (read it before then)."""
         rows, width = attention_mask.shape
         step = self._fixed_steps.get((pool, rows, width))
         if step is None:
@@ -432,7 +433,7 @@ class DecoderRuntime:
             self._capture(step)
         else:
             self.session.run_with_iobinding(step.binding, step.run_options)
-        return step.logits.numpy().copy() if self.device == "cpu" else step.logits.numpy()  # CPU: numpy is the buffer
+        return step.logits.numpy()  # CUDA: a copy to the host; CPU: the buffer, no copy
 
     def _capture(self, step: FixedDecode) -> None:
         """Run a step whose graph is not captured yet (ONNX Runtime captures it in this run). If capture fails, no step
