@@ -75,20 +75,23 @@ class InProcess:
         from kvserve.export.artifact import open_artifact
         from kvserve.service.engine import make_batch
         from kvserve.service.runtime import DecoderRuntime
+        from kvserve.service.scheduler import step_thread
 
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache,
                                       cuda_graph=cuda_graph)
         self.batch = make_batch(self.runtime, self.config, 16)  # one batch for every run: its decode shapes captured once
+        self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
         if self.batch.fixed_decode:
-            self.batch.prepare_decode_shapes()
+            self.steps.submit(self.batch.prepare_decode_shapes).result()
 
     async def run(self, prompt_len, new_tokens, requests):
         from kvserve.service.engine import Engine, EngineLimits
         from kvserve.service.text import ByteTokenizer
 
-        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64), batch=self.batch)
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64), batch=self.batch,
+                        step_thread=self.steps)
         engine.start()
         try:
             return await self._measure(engine, prompt_len, new_tokens, requests)

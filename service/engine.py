@@ -66,13 +66,14 @@ class Engine:
     """Accepts requests, runs the scheduler loop, streams each sequence's events back to its caller."""
 
     def __init__(
-        self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None, batch=None
+        self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None, batch=None,
+        step_thread=None,
     ):
         if limits.max_batch_size < 1 or limits.max_queue < 0 or limits.step_token_budget < 0:
             raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and step_token_budget >= 0")
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
         self.batch = batch if batch is not None else make_batch(runtime, config, limits.max_batch_size)
-        self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics)
+        self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._ids = itertools.count(1)
         self._accepting = True
         self._task: asyncio.Task | None = None

@@ -30,15 +30,22 @@ from .sequence import Sequence, StepEvent
 log = logging.getLogger(__name__)
 
 
+def step_thread() -> ThreadPoolExecutor:
+    """The one thread a scheduler runs its model steps on. The server also runs the parity gate and the warm-up on
+    it: ONNX Runtime keeps CUDA graphs in the context of the thread that captured them (runtime.RUNS_TO_CAPTURE)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+
+
 class Scheduler:
     """Owns the waiting queue and the loop; the batch (kv_slots.SlotBatch or padded_batch.PaddedBatch) owns the rows."""
 
-    def __init__(self, batch, step_token_budget: int, metrics=None):
+    def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None):
         self.batch = batch
         self.step_token_budget = step_token_budget  # 0: no limit
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._owns_executor = executor is None  # a thread handed in is its giver's to close
+        self._executor = step_thread() if executor is None else executor
         self._wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -130,4 +137,5 @@ class Scheduler:
         return results
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        if self._owns_executor:
+            self._executor.shutdown(wait=True)

@@ -25,6 +25,7 @@ from .limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits
 from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
+from .scheduler import step_thread
 from .sampling import SamplingParams
 from .security import TokenAuthInterceptor, TokenFile, server_credentials
 from .sequence import FinishReason, GenerationRequest, StepEvent
@@ -289,6 +290,7 @@ class App:
         self.artifact = None
         self.runtime: DecoderRuntime | None = None
         self.engine: Engine | None = None
+        self.steps = None  # the step thread (scheduler.step_thread), made in load(), closed after the engine
         self.gate = GateResult(False, "not run yet")
         self.health: health.aio.HealthServicer | None = None  # both made in start(), on the serving loop
         self.server: grpc.aio.Server | None = None
@@ -391,25 +393,22 @@ class App:
             log.warning("%s", self.runtime.cuda_graph_note)
         log.info("execution provider: %s", self.runtime.provider)
         self.metrics.execution_provider.labels(provider=self.runtime.provider).set(1)
-        gate = await asyncio.to_thread(run_gate, self.runtime, self.artifact, options.step_token_budget)
-        if not gate.passed:
-            if not options.allow_parity_failure:
-                raise ParityGateFailed(f"parity gate failed, refusing to serve {options.artifact}: {gate.summary}")
-            log.error("!!! PARITY GATE FAILED, SERVING ANYWAY (--allow-parity-failure): %s", gate.summary)
-            gate = GateResult(False, gate.summary, overridden=True)
-        else:
-            log.info("parity gate passed: %s", gate.summary)
-        self.gate = gate
-        batch = await asyncio.to_thread(make_batch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
-        await asyncio.to_thread(warm_up, batch, self.artifact, options.step_token_budget)
+        tokenizer = load_tokenizer(self.artifact.tokenizer_path)
+        # The gate, the warm-up (which captures the CUDA graphs) and every step run on the step thread: a graph
+        # captured on another thread would not be replayed by the steps.
+        steps = self.steps = step_thread()
+        try:
+            batch = await self._prepare_batch(steps, config)
+        except BaseException:
+            steps.shutdown(wait=False)  # a failed load leaves no thread behind
+            raise
         if self.runtime.captures_decode:
             log.info("decode steps run as CUDA graphs: %d shapes captured", len(self.runtime.fixed_shapes(batch.pool)))
-        tokenizer = load_tokenizer(self.artifact.tokenizer_path)
         limits = EngineLimits(
             options.max_batch_size, options.max_queue, options.step_token_budget,
             options.max_stop_sequences, options.max_stop_length, options.max_text_bytes,
         )
-        engine = Engine(self.runtime, config, tokenizer, limits, self.metrics, batch=batch)
+        engine = Engine(self.runtime, config, tokenizer, limits, self.metrics, batch=batch, step_thread=steps)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):
@@ -418,6 +417,23 @@ class App:
             "SERVING %s (%s %s, %d layers, %d K/V heads, batch <= %d, %d tokens a sequence)",
             options.artifact, config.model_type, self.artifact.dtype, config.n_layer, config.n_kv_head, options.max_batch_size, config.n_ctx,
         )
+
+    async def _prepare_batch(self, steps, config):
+        """Run the parity gate, then allocate the serving batch and warm it up, all on the steps' thread."""
+        options = self.options
+        loop = asyncio.get_running_loop()
+        gate = await loop.run_in_executor(steps, run_gate, self.runtime, self.artifact, options.step_token_budget)
+        if not gate.passed:
+            if not options.allow_parity_failure:
+                raise ParityGateFailed(f"parity gate failed, refusing to serve {options.artifact}: {gate.summary}")
+            log.error("!!! PARITY GATE FAILED, SERVING ANYWAY (--allow-parity-failure): %s", gate.summary)
+            gate = GateResult(False, gate.summary, overridden=True)
+        else:
+            log.info("parity gate passed: %s", gate.summary)
+        self.gate = gate
+        batch = await loop.run_in_executor(steps, make_batch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
+        await loop.run_in_executor(steps, warm_up, batch, self.artifact, options.step_token_budget)
+        return batch
 
     async def shutdown(self) -> None:
         """NOT_SERVING first, refuse new requests, let in-flight streams finish within the grace period."""
@@ -436,6 +452,8 @@ class App:
             await self.health_server.stop(grace=None)
         if self.engine is not None:
             await self.engine.close()
+        if self.steps is not None:
+            self.steps.shutdown(wait=False)  # a load cancelled by a signal may still be running a gate or warm-up step
         self.metrics.close()
         log.info("stopped")
 
