@@ -157,16 +157,14 @@ class SlotBatch:
 
     def prepare_decode_shapes(self) -> None:
         """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits
-        for a capture: each runs as often as the runtime needs to have captured it (runtime.runs_to_prepare), on the
-        calling thread, which must be the one that serves. Every row runs a scratch token, written at the scratch
-        column no real token is read from."""
+        for a capture; on the thread that will run the steps (the graphs are that thread's). Every row runs a
+        scratch token, written at the scratch column no real token is read from."""
         if self.slots:
             raise RuntimeError("decode shapes are prepared on an empty batch")
         scratch = self.pool.capacity - 1
         for rows, width in self.decode_shapes():
             positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
-            for _ in range(self.runtime.runs_to_prepare):
-                self.runtime.run_decode(self.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64))
+            self.runtime.run_decode(self.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64))
 
     def _decode_fixed(self, decode: list[Sequence]) -> StepResults:
         """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""

@@ -17,9 +17,9 @@ the buffer has, the buffer is replaced by one of the next power-of-two capacity 
 
 Under CUDA graphs (cuda_graph=True: the session opened with enable_cuda_graph) a decode-only step of a standard
 slots graph goes through run_decode: at a fixed (rows, width) shape, its inputs written into device buffers bound
-once per shape, captured by ONNX Runtime under a graph id of its own within its first RUNS_TO_CAPTURE runs (the
-warm-up's) and replayed after; every other run says gpu_graph_id -1 (never captured). Captured graphs belong to the
-thread that ran them: the server runs the gate, the warm-up and every step on one thread. Where capture cannot run (CPU provider, other layouts, a graph
+once per shape, captured by ONNX Runtime at its first run under a graph id of its own and replayed after; every
+other run says gpu_graph_id -1 (never captured). A captured graph belongs to the thread that captured it: the
+server runs the gate, the warm-up (which captures) and every step on one thread. Where capture cannot run (CPU provider, other layouts, a graph
 ONNX Runtime refuses: a fused graph's If), cuda_graph_note says why and steps run as before.
 
 A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the rows and the chunk's row
@@ -56,13 +56,10 @@ NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
 # What the CUDA provider of onnxruntime-gpu 1.31 loads; missing ones make it fall back to CPU.
 CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcudnn.so.9")
-# The run option naming the CUDA graph a run captures or replays; -1: neither.
+# The run option naming the CUDA graph a run captures or replays; -1: neither. A graph id's first run captures it
+# (ONNX Runtime repeats that run internally until its CUDA provider's warm-up runs are done), into the context of
+# the calling thread: a run of the same id from another thread would capture it again, there.
 GRAPH_ID = "gpu_graph_id"
-# ONNX Runtime's CUDA provider keeps captured graphs in the calling thread's context and captures a graph id only
-# once that thread has made two regular runs (min_num_runs_before_cuda_graph_capture_): a graph id's third run on
-# one thread has been captured whatever ran before it. So every run that may capture comes from the thread that
-# serves (service/server.py), and a capture's failure is caught over a shape's first RUNS_TO_CAPTURE runs.
-RUNS_TO_CAPTURE = 3
 
 
 class ProviderUnavailable(UserError):
@@ -185,11 +182,7 @@ class FixedDecode:
     run_options: object  # names the CUDA graph, when captured
     graph_id: int | None
     host_arrays: list  # on the CPU provider, the numpy memory behind the OrtValues: kept alive with them
-    runs: int = 0  # under a graph id: after the first, ONNX Runtime may hold a graph for it; after RUNS_TO_CAPTURE, it does
-
-    @property
-    def may_be_captured(self) -> bool:
-        return self.graph_id is not None and self.runs > 0
+    captured: bool = False
 
 
 @dataclass(frozen=True)
@@ -430,8 +423,8 @@ class DecoderRuntime:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
-        of its own, captured within its first RUNS_TO_CAPTURE runs and replayed after. Returns the logits (B, V) in
-        host memory: on the CPU provider the bound buffer itself, which the next step at this shape overwrites."""
+        of its own, captured at its first run and replayed after. Returns the logits (B, V) in host memory: on the CPU
+        provider the bound buffer itself, which the next step at this shape overwrites (read it before then)."""
         rows, width = attention_mask.shape
         step = self._fixed_steps.get((pool, rows, width))
         if step is None:
@@ -439,34 +432,29 @@ class DecoderRuntime:
         step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
         step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
         step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
-        if step.graph_id is not None and step.runs < RUNS_TO_CAPTURE:
+        if step.graph_id is not None and not step.captured:
             self._capture(step)
         else:
             self.session.run_with_iobinding(step.binding, step.run_options)
-        step.runs += 1
         return step.logits.numpy()  # CUDA: a copy to the host; CPU: the buffer, no copy
 
     def _capture(self, step: FixedDecode) -> None:
-        """Run a step whose graph ONNX Runtime may capture in this run (one of its first RUNS_TO_CAPTURE). If that
-        fails, no step is captured from then on: the failure is noted (cuda_graph_note), the graphs captured so far
-        are released, and the step reruns uncaptured, which writes the same K/V at the same columns."""
+        """Run a step whose graph is not captured yet (ONNX Runtime captures it in this run). If capture fails, no step
+        is captured from then on: the failure is noted (cuda_graph_note) and the step reruns uncaptured, which writes
+        the same K/V at the same columns."""
         try:
             self.session.run_with_iobinding(step.binding, step.run_options)
+            step.captured = True
             return
         except Exception as exc:  # ONNX Runtime's errors have no common base; any failure here ends capturing
             self.captures_decode = False
             self.cuda_graph_note = f"CUDA graph capture failed ({_first_line(exc)}); decode steps run uncaptured"
             log.warning("%s", self.cuda_graph_note)
         for fixed in self._fixed_steps.values():
-            if fixed.may_be_captured:
+            if fixed.captured:
                 self.session.release_captured_graph(fixed.graph_id)
-            fixed.graph_id, fixed.run_options = None, self._uncaptured
+            fixed.graph_id, fixed.run_options, fixed.captured = None, self._uncaptured, False
         self.session.run_with_iobinding(step.binding, step.run_options)
-
-    @property
-    def runs_to_prepare(self) -> int:
-        """How often a decode shape runs before serving so that it is captured by then (1 when nothing captures)."""
-        return RUNS_TO_CAPTURE if self.captures_decode else 1
 
     def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
         if self.attention != io.STANDARD:
@@ -510,7 +498,7 @@ class DecoderRuntime:
         """Forget the decode steps bound to pool (and release their CUDA graphs): the pool is no longer used."""
         for key in [k for k in self._fixed_steps if k[0] is pool]:
             step = self._fixed_steps.pop(key)
-            if step.may_be_captured:
+            if step.captured:
                 self.session.release_captured_graph(step.graph_id)
         if self._pool_binding is not None and self._pool_binding[0][0] is pool:
             self._pool_binding = None

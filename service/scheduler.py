@@ -32,7 +32,7 @@ log = logging.getLogger(__name__)
 
 def step_thread() -> ThreadPoolExecutor:
     """The one thread a scheduler runs its model steps on. The server also runs the parity gate and the warm-up on
-    it: ONNX Runtime keeps CUDA graphs in the context of the thread that captured them (runtime.RUNS_TO_CAPTURE)."""
+    it: ONNX Runtime keeps CUDA graphs in the context of the thread that captured them (runtime.GRAPH_ID)."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
 
 
