@@ -19,8 +19,9 @@ Under CUDA graphs (cuda_graph=True: the session opened with enable_cuda_graph) a
 slots graph goes through run_decode: at a fixed (rows, width) shape, its inputs written into device buffers bound
 once per shape, captured by ONNX Runtime at its first run under a graph id of its own and replayed after; every
 other run says gpu_graph_id -1 (never captured). A captured graph belongs to the thread that captured it: the
-server runs the gate, the warm-up (which captures) and every step on one thread. Where capture cannot run (CPU provider, other layouts, a graph
-ONNX Runtime refuses: a fused graph's If), cuda_graph_note says why and steps run as before.
+server runs the gate, the warm-up (which captures) and every step on one thread. Where capture cannot run (CPU
+provider, other layouts, a graph ONNX Runtime refuses: a fused graph's If), cuda_graph_note says why and steps run
+as before.
 
 A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the rows and the chunk's row
 separately, each as its own past and present; run_slots keeps its meaning for both graphs and arranges a

@@ -25,8 +25,8 @@ from .limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits
 from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
-from .scheduler import step_thread
 from .sampling import SamplingParams
+from .scheduler import step_thread
 from .security import TokenAuthInterceptor, TokenFile, server_credentials
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .text import load_tokenizer
