@@ -53,8 +53,15 @@ MUTATIONS = (
     Mutation(
         "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
         "service/kv_slots.py",
-        (("return advance_each(decode, logits[[seq.slot for seq in decode]])", "return advance_each(decode, logits[: len(decode)])"),),
+        (("return advance_each(decode, logits, [seq.slot for seq in decode])", "return advance_each(decode, logits)"),),
         ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",),
+    ),
+    Mutation(
+        "the server's warm-up (which captures CUDA graphs) runs on a thread other than the steps'",
+        "service/server.py",
+        (("await loop.run_in_executor(steps, warm_up, batch, self.artifact, options.step_token_budget)",
+          "await asyncio.to_thread(warm_up, batch, self.artifact, options.step_token_budget)"),),
+        ("tests/service/test_fixed_decode.py::test_the_gate_the_warm_up_and_every_step_run_on_one_thread",),
     ),
     Mutation(
         "fixed-shape decode: decode rows read only up to the narrowest bucket",
