@@ -47,7 +47,7 @@ def greedy(runtime: DecoderRuntime, pool, rows: int, prompt: np.ndarray, new_tok
     start = time.perf_counter()
     for _ in range(new_tokens - 1):
         mask = np.ones((rows, int(lengths.max()) + 1), np.int64)  # (B, W): every row is as long as the others
-        logits = runtime.run_slots(pool, tokens, lengths, mask, empty, 0, 0, np.arange(rows))
+        logits = runtime.run_slots(pool, tokens, lengths, mask, empty, 0, 0, np.arange(rows)).logits
         tokens = logits.argmax(-1).astype(np.int64)
         lengths += 1
     return time.perf_counter() - start
@@ -56,7 +56,7 @@ def greedy(runtime: DecoderRuntime, pool, rows: int, prompt: np.ndarray, new_tok
 def prefill(runtime: DecoderRuntime, pool, rows: int, row: int, prompt: np.ndarray) -> np.ndarray:
     """Write prompt into row (every other row idle at the scratch column); the logits after its last token."""
     return runtime.run_slots(pool, np.zeros(rows, np.int64), np.full(rows, pool.capacity - 1), np.ones((rows, 1), np.int64),
-                             prompt, 0, row, np.array([rows + len(prompt) - 1]))[0]
+                             prompt, 0, row, np.array([rows + len(prompt) - 1])).logits[0]
 
 
 def batch_dependence(runtime: DecoderRuntime, config, prompt: np.ndarray, rows: int = 16) -> float:
@@ -68,10 +68,10 @@ def batch_dependence(runtime: DecoderRuntime, config, prompt: np.ndarray, rows: 
     for row in range(rows):
         prefill(runtime, crowd, rows, row, prompt if row == 0 else (prompt * (row + 3) + row) % config.vocab_size)
     width = len(prompt) + 1
-    lone = runtime.run_slots(alone, token, np.array([len(prompt)]), np.ones((1, width), np.int64), np.zeros(0, np.int64), 0, 0, np.arange(1))
+    lone = runtime.run_slots(alone, token, np.array([len(prompt)]), np.ones((1, width), np.int64), np.zeros(0, np.int64), 0, 0, np.arange(1)).logits
     tokens = np.concatenate([token, np.arange(1, rows)])
     beside = runtime.run_slots(crowd, tokens, np.full(rows, len(prompt)), np.ones((rows, width), np.int64), np.zeros(0, np.int64), 0, 0,
-                               np.arange(rows))
+                               np.arange(rows)).logits
     return float(np.abs(lone[0].astype(np.float64) - beside[0]).max())
 
 

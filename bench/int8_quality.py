@@ -45,7 +45,7 @@ class SlotsPrefill:
         """(T, V) for a (T,) window."""
         scratch = np.array([self.pool.capacity - 1])
         return self.runtime.run_slots(self.pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), window, 0, 0,
-                                      1 + np.arange(len(window)))
+                                      1 + np.arange(len(window))).logits
 
 
 def main() -> None:

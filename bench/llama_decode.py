@@ -45,7 +45,7 @@ def slots_generate(runtime: DecoderRuntime, pool, prompt: list[int], n: int) -> 
     one decode step per token (row 0 reads its own columns)."""
     scratch = np.array([pool.capacity - 1])
     logits = runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), np.asarray(prompt, np.int64), 0, 0,
-                               np.array([1 + len(prompt) - 1]))
+                               np.array([1 + len(prompt) - 1])).logits
     tokens, length = [], len(prompt)
     for step in range(n):
         tokens.append(int(logits[0].argmax()))
@@ -53,7 +53,7 @@ def slots_generate(runtime: DecoderRuntime, pool, prompt: list[int], n: int) -> 
             break
         position = np.array([length])
         mask = np.ones((1, length + 1), np.int64)  # (1, W): every column up to and including the new token's
-        logits = runtime.run_slots(pool, np.array(tokens[-1:], np.int64), position, mask, np.zeros(0, np.int64), 0, 0, np.array([0]))
+        logits = runtime.run_slots(pool, np.array(tokens[-1:], np.int64), position, mask, np.zeros(0, np.int64), 0, 0, np.array([0])).logits
         length += 1
     return tokens
 

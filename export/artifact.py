@@ -22,7 +22,7 @@ from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 from kvserve.model.hf_config import config_from_hf
 
-from .io_contract import ATTENTIONS, CONCAT, DTYPES, KV_CACHES, QUANTIZATIONS, STANDARD
+from .io_contract import ATTENTIONS, CONCAT, DTYPES, GREEDY_TOKENS, KV_CACHES, QUANTIZATIONS, STANDARD
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -96,6 +96,11 @@ class Artifact:
     def attention(self) -> str:
         """A slots graph's attention, io_contract.STANDARD or FUSED; artifacts from before fused attention are standard."""
         return self.manifest.get("attention", STANDARD)
+
+    @property
+    def greedy_tokens(self) -> bool:
+        """Whether the graph outputs each sampled row's argmax (io_contract.GREEDY_TOKENS): slots artifacts from before it do not."""
+        return GREEDY_TOKENS in self.manifest.get("outputs", {})
 
     @property
     def quantization(self) -> str | None:

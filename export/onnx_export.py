@@ -49,7 +49,15 @@ class _InplaceSignature(_FlatSignature):
 
 
 class _SlotsSignature(_FlatSignature):
-    """The `slots` step: (decode tokens, chunk, logits_index, row pool) -> (logits, pool written in place)."""
+    """The `slots` step: (decode tokens, chunk, logits_index, row pool) -> (logits, greedy tokens, pool written in place)."""
+
+    def __init__(self, model: Decoder, greedy_tokens: bool = True):
+        super().__init__(model)
+        self.greedy_tokens = greedy_tokens
+
+    def _step(self, logits: torch.Tensor) -> tuple:
+        """(K, V) logits -> the step's outputs before the K/V: the logits and, unless left out, each row's argmax (K,)."""
+        return (logits, logits.argmax(dim=-1)) if self.greedy_tokens else (logits,)
 
     def forward(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
                 logits_index, past_key_values):
@@ -57,17 +65,17 @@ class _SlotsSignature(_FlatSignature):
             input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, logits_index,
             list(past_key_values),
         )
-        return logits, tuple(presents)
+        return *self._step(logits), tuple(presents)
 
 
-class _FusedSlotsSignature(_FlatSignature):
+class _FusedSlotsSignature(_SlotsSignature):
     """The fused `slots` step: (rows' new tokens, chunk, logits_index, rows, chunk row) -> (logits, both written)."""
 
     def forward(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values, chunk_key_values):
         logits, presents, chunk_presents = self.model.forward_slots_fused(
             input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, list(past_key_values), list(chunk_key_values)
         )
-        return logits, tuple(presents), tuple(chunk_presents)
+        return *self._step(logits), tuple(presents), tuple(chunk_presents)
 
 
 def _fused_example_inputs(model: Decoder, dtype: torch.dtype):
@@ -174,9 +182,11 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
     return problems
 
 
-def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention: str = io.STANDARD) -> tuple[onnx.ModelProto, dict]:
+def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention: str = io.STANDARD,
+                greedy_tokens: bool = True) -> tuple[onnx.ModelProto, dict]:
     """Trace model in dtype with the kv_cache layout and attention: the graph, checked against the contract, and the
-    manifest's facts about it (save_graph writes it)."""
+    manifest's facts about it (save_graph writes it). greedy_tokens=False leaves that output out of a slots graph, as
+    kvserve exported it before (for comparisons and for the runtime's tests of such artifacts)."""
     if attention == io.FUSED and (refusal := fused_attention_refusal(model, kv_cache)):
         raise ValueError(refusal)
     config = model.config
@@ -190,7 +200,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
     if attention == io.FUSED:
         declare_operators()
         translations = {torch.ops.kvserve.rows_and_chunk_attention.default: rows_and_chunk_placeholder}
-        signature, example = _FusedSlotsSignature(model), _fused_example_inputs(model, torch_dtype)
+        signature, example = _FusedSlotsSignature(model, greedy_tokens), _fused_example_inputs(model, torch_dtype)
         dynamic_shapes = {
             "input_ids": step_axes["input_ids"], "position_ids": step_axes["position_ids"], "chunk_ids": {1: dynamic},
             "chunk_position_ids": {1: dynamic}, "logits_index": {0: dynamic}, "past_key_values": kv_axes,
@@ -200,7 +210,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
         signature = _FlatSignature(model)
         dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
     elif kv_cache == io.SLOTS:
-        signature, example = _SlotsSignature(model), _slots_example_inputs(model, torch_dtype)
+        signature, example = _SlotsSignature(model, greedy_tokens), _slots_example_inputs(model, torch_dtype)
         dynamic_shapes = {
             "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "attention_mask": {0: dynamic, 1: dynamic},
             "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_attention_mask": {1: dynamic}, "chunk_slot": None,
@@ -218,7 +228,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
             input_names=io.input_names(n_layer, kv_cache, attention),
-            output_names=io.output_names(n_layer, attention),
+            output_names=io.output_names(n_layer, kv_cache, attention, greedy_tokens),
             opset_version=OPSET,
             custom_translation_table=translations,
             verbose=False,
@@ -226,7 +236,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
     model_proto = program.model_proto
     if attention == io.FUSED:
         expand_rows_and_chunk_attention(model_proto, dtype)
-    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention)
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, greedy_tokens)
     _name_axes(model_proto, spec)
     if kv_cache in (io.INPLACE, io.SLOTS):
         problems = inplace_write_problems(model_proto.graph, n_layer, attention)

@@ -7,6 +7,7 @@ Checks, each over real numbers from both sides:
   recompute  the cached decode's last logits against a full recompute of the whole sequence (past = 0)
   greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
   text       quantized artifacts only: teacher-forced held-out text (export/quality.py)
+  argmax     slots graphs with greedy_tokens: that output equals its own logits' argmax at every row of every step
 The present K/V divergence is kept per (layer, head), so a broken tolerance names where it starts (the K/V
 heads: a grouped-query model's cache holds fewer heads than it has query heads).
 """
@@ -138,12 +139,17 @@ class _SlotsDriver:
 
     def __init__(self, runtime: DecoderRuntime, config, capacity: int):
         self.runtime, self.config, self.capacity = runtime, config, capacity
+        self.argmax_rows = self.argmax_mismatches = 0  # the graph's greedy_tokens against its logits' argmax
 
     def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
         width = int(max(positions.max(initial=0), 0)) + 1 if self.decoding else 1
         mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
-        return self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
-                                      np.asarray(logits_index, np.int64))
+        sampled = self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
+                                         np.asarray(logits_index, np.int64))
+        if sampled.greedy_tokens is not None:
+            self.argmax_rows += len(sampled.greedy_tokens)
+            self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
+        return sampled.logits
 
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
         rows = len(prompts)
@@ -278,6 +284,11 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
         failures.append(f"held-out text: outside {precision} tolerance")
     if tolerance.greedy_identical and not greedy_identical:
         failures.append("greedy tokens differ from the eager reference")
+    argmax = None
+    if getattr(driver, "argmax_rows", 0):
+        argmax = {"rows": driver.argmax_rows, "mismatches": driver.argmax_mismatches}
+        if driver.argmax_mismatches:
+            failures.append(f"the graph's greedy_tokens differ from its logits' argmax at {driver.argmax_mismatches} of {driver.argmax_rows} rows")
     first_bad = None
     over = np.argwhere(kv_max > tolerance.kv_max_abs)
     if len(over):
@@ -296,6 +307,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
         "checks": checks,
         "greedy": {"steps": steps, "identical": greedy_identical, "onnx": onnx_tokens.tolist(), "eager": eager_tokens.tolist()},
         "text": text,
+        "greedy_tokens_argmax": argmax,
         "kv_max_abs_per_layer_head": kv_max.tolist(),
         "first_failing_layer_head": first_bad,
         "failures": failures,
@@ -326,6 +338,11 @@ def format_report(report: dict) -> str:
     lines += [
         "",
         f"greedy {greedy['steps']} steps: tokens {'identical' if greedy['identical'] else 'DIFFER'}",
+    ]
+    argmax = report.get("greedy_tokens_argmax")
+    if argmax is not None:
+        lines.append(f"greedy_tokens output vs its logits' argmax: {argmax['rows'] - argmax['mismatches']} of {argmax['rows']} rows equal")
+    lines += [
         "present K/V max abs Δ per layer (worst head): "
         + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)),
     ]

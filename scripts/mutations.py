@@ -53,8 +53,36 @@ MUTATIONS = (
     Mutation(
         "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
         "service/kv_slots.py",
-        (("return advance_each(decode, logits, [seq.slot for seq in decode])", "return advance_each(decode, logits)"),),
-        ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",),
+        (("return advance_each(decode, sampled.logits, [seq.slot for seq in decode], sampled.greedy_tokens)",
+          "return advance_each(decode, sampled.logits, None, sampled.greedy_tokens)"),),
+        ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",
+         "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
+    ),
+    Mutation(
+        "a sequence that samples takes the graph's greedy token",
+        "service/sequence.py",
+        (("return (self.params.greedy and self.params.repetition_penalty == 1.0", "return (self.params.repetition_penalty == 1.0"),),
+        ("tests/service/test_kv_slots.py::test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits",
+         "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
+    ),
+    Mutation(
+        "a sequence asking for log-probabilities takes the graph's greedy token (and reports none)",
+        "service/sequence.py",
+        (("and not self.return_logprobs\n", "\n"),),
+        ("tests/service/test_kv_slots.py::test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits",),
+    ),
+    Mutation(
+        "a step of greedy rows reads the logits back anyway",
+        "service/kv_slots.py",
+        (("    return not all(seq.takes_greedy_token for seq in seqs)", "    return True"),),
+        ("tests/service/test_kv_slots.py::test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits",
+         "tests/service/test_fixed_decode.py::test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks"),
+    ),
+    Mutation(
+        "the load gate does not replay through the graph's greedy tokens",
+        "service/gate.py",
+        (("if runtime.greedy_tokens else []", "if False else []"),),
+        ("tests/export/test_parity.py::test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_the_load_gate",),
     ),
     Mutation(
         "the server's warm-up (which captures CUDA graphs) runs on a thread other than the steps'",

@@ -59,18 +59,27 @@ class StepPlan:
     chunk_tokens: int = 0  # by this many tokens
 
 
+def needs_logits(seqs: list[Sequence]) -> bool:
+    """Whether a step sampling for seqs must read their logits back, or their greedy tokens will do."""
+    return not all(seq.takes_greedy_token for seq in seqs)
+
+
 def pool_capacity(config: DecoderConfig) -> int:
     """Columns of a pool row: a whole context, then the scratch column."""
     return config.n_ctx + 1
 
 
-def advance_each(seqs: list[Sequence], logits: np.ndarray, rows: list[int] | None = None) -> StepResults:
-    """logits (K, V): next-token logits; seqs[i]'s are row rows[i] (default: row i), read in place, not copied. One
-    sequence's failure is that sequence's alone."""
+def advance_each(seqs: list[Sequence], logits: np.ndarray | None, rows: list[int] | None = None,
+                 greedy_tokens: np.ndarray | None = None) -> StepResults:
+    """logits (K, V) (None: a step that returned greedy tokens alone) and greedy_tokens (K,) (None: the graph has none):
+    seqs[i]'s are row rows[i] (default: row i), read in place, not copied. One sequence's failure is that sequence's
+    alone."""
     results: StepResults = []
     for i, seq in enumerate(seqs):
+        row = i if rows is None else rows[i]
         try:
-            results.append((seq, seq.advance(logits[i if rows is None else rows[i]])))
+            token = None if greedy_tokens is None else greedy_tokens[row]
+            results.append((seq, seq.advance(None if logits is None else logits[row], token)))
         except Exception as exc:  # a bug in one request's sampling or text must not stop the others
             log.exception("sequence %d failed", seq.id)
             seq.finished = True
@@ -176,10 +185,10 @@ class SlotBatch:
             input_ids[seq.slot] = seq.generated[-1]
             position_ids[seq.slot] = seq.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
-        logits = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask)  # (B, V)
+        sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode))  # B rows
         for seq in decode:
             seq.cached_tokens += 1
-        return advance_each(decode, logits, [seq.slot for seq in decode])
+        return advance_each(decode, sampled.logits, [seq.slot for seq in decode], sampled.greedy_tokens)
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
         if self.fixed_decode and chunk is None:
@@ -210,18 +219,17 @@ class SlotBatch:
             if completes:
                 logits_index.append(rows + len(piece) - 1)  # the prompt's last token: the first new one follows
         chunk_row = solo if solo is not None else chunk
-        logits = self.runtime.run_slots(
+        decoded = decode + ([solo] if solo is not None else [])  # a token each
+        sampling = decoded + ([chunk] if completes else [])  # logits_index's order
+        sampled = self.runtime.run_slots(
             pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
-            np.asarray(logits_index, dtype=np.int64),
+            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling),
         )
-        sampled = decode + ([solo] if solo is not None else [])
-        for seq in sampled:
+        for seq in decoded:
             seq.cached_tokens += 1
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
-            if completes:
-                sampled.append(chunk)
-        return advance_each(sampled, logits)
+        return advance_each(sampling, sampled.logits, None, sampled.greedy_tokens)
 
     def fail_all(self, error: BaseException) -> StepResults:
         """Every sequence holding a row fails with error; the batch is empty afterwards."""

@@ -2,8 +2,10 @@
 
 It opens the artifact's graph on the best provider it can (CUDA, then CPU), says which one runs and why,
 and runs one step with IO binding: the K/V cache goes in and comes out as OrtValues that stay on the
-device (GPU memory under CUDA), so the decode loop never copies the cache through the host. Only the
-logits come back to host memory, because sampling happens there.
+device (GPU memory under CUDA), so the decode loop never copies the cache through the host. Only what
+sampling reads comes back to host memory: a slots step returns each sampled row's greedy token, computed in
+the graph (io_contract.GREEDY_TOKENS), and its logits only when a row needs them (it samples, penalises
+repetition or reports log-probabilities): a step of greedy rows reads K tokens instead of K x V floats.
 
 The `slots` layout (the server's own) keeps the cache in a SlotPool: one allocation per layer's K and V,
 (rows, H, capacity, d_k), on the session's device. A step binds the pool's first rows by address as both
@@ -115,11 +117,21 @@ def inplace_capacity(columns: int, minimum: int = MIN_CAPACITY) -> int:
 
 @dataclass
 class KvTraffic:
-    """K/V copies the runtime made. host_bytes: through host memory (to_host / to_device / a row move staged
-    through the host); row_moves: rows of a SlotPool moved to another row."""
+    """What the runtime moved. host_bytes: K/V through host memory (to_host / to_device / a row move staged through
+    the host); row_moves: rows of a SlotPool moved to another row; logits_bytes: slots steps' logits handed to the
+    host for sampling (a copy from the device under CUDA)."""
 
     host_bytes: int = 0
     row_moves: int = 0
+    logits_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """What a slots step returns for the K tokens it samples from, in host memory."""
+
+    logits: np.ndarray | None  # (K, V) float32; None when the step was asked for greedy tokens alone
+    greedy_tokens: np.ndarray | None  # (K,) int64: each row's argmax; None when the graph has no such output
 
 
 class SlotPool:
@@ -180,6 +192,7 @@ class FixedDecode:
     position_ids: object  # OrtValue (B, 1)
     attention_mask: object  # OrtValue (B, W)
     logits: object  # OrtValue (B, V) float32
+    greedy_tokens: object | None  # OrtValue (B,) int64, when the graph outputs it
     run_options: object  # names the CUDA graph, when captured
     graph_id: int | None
     host_arrays: list  # on the CPU provider, the numpy memory behind the OrtValues: kept alive with them
@@ -271,7 +284,9 @@ class DecoderRuntime:
         if self.attention == io.FUSED and self.device == "cuda" and dtype == "float32":
             raise ProviderUnavailable("ONNX Runtime runs GroupQueryAttention on CUDA in float16 only: export this model with "
                                       "--dtype float16, or --attention standard, to serve it on the GPU")
-        self.vocab_size = next(o.shape[-1] for o in self.session.get_outputs() if o.name == io.LOGITS)
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.vocab_size = outputs[io.LOGITS].shape[-1]
+        self.greedy_tokens = io.GREEDY_TOKENS in outputs  # slots steps can hand back tokens without their logits
         self._chunk_past_names = [n for i in range(n_layer) for n in io.chunk_past_names(i)]
         self._chunk_present_names = [n for i in range(n_layer) for n in io.chunk_present_names(i)]
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
@@ -402,10 +417,12 @@ class DecoderRuntime:
         chunk_start: int,  # the chunk's first position
         chunk_slot: int,
         logits_index: np.ndarray,  # (K,) which of the B + T tokens get logits
-    ) -> np.ndarray:
-        """One slots step; returns the logits (K, V) in host memory. The pool's rows 0..B-1 are updated in place."""
+        with_logits: bool = True,  # False: greedy tokens alone will do (the logits are read anyway if the graph has none)
+    ) -> Sampled:
+        """One slots step; returns its K sampled rows' greedy tokens and logits in host memory. The pool's rows 0..B-1
+        are updated in place."""
         if self.attention == io.FUSED:
-            return self._run_fused(pool, input_ids, position_ids, chunk_ids, chunk_start, chunk_slot, logits_index)
+            return self._run_fused(pool, input_ids, position_ids, chunk_ids, chunk_start, chunk_slot, logits_index, with_logits)
         rows = input_ids.shape[0]
         binding = self._bound_pool(pool, rows)
         chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1)  # (1, T)
@@ -418,14 +435,16 @@ class DecoderRuntime:
         binding.bind_cpu_input(io.CHUNK_ATTENTION_MASK, np.ones((1, max(chunk_end, 1)), dtype=np.int64))  # its row's columns so far
         binding.bind_cpu_input(io.CHUNK_SLOT, np.array([chunk_slot], dtype=np.int64))
         binding.bind_cpu_input(io.LOGITS_INDEX, np.ascontiguousarray(logits_index, dtype=np.int64))
-        return self._run_for_logits(binding, len(logits_index))
+        return self._run_sampled(binding, len(logits_index), with_logits)
 
-    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray) -> np.ndarray:
+    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                   with_logits: bool = True) -> Sampled:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
-        of its own, captured at its first run and replayed after. Returns the logits (B, V) in host memory: on the CPU
-        provider the bound buffer itself, which the next step at this shape overwrites (read it before then)."""
+        of its own, captured at its first run and replayed after. Returns every row's greedy token (B,) and, with_logits
+        (or when the graph has no greedy tokens), its logits (B, V), in host memory: on the CPU provider the bound
+        buffers themselves, which the next step at this shape overwrites (read them before then)."""
         rows, width = attention_mask.shape
         step = self._fixed_steps.get((pool, rows, width))
         if step is None:
@@ -437,7 +456,12 @@ class DecoderRuntime:
             self._capture(step)
         else:
             self.session.run_with_iobinding(step.binding, step.run_options)
-        return step.logits.numpy()  # CUDA: a copy to the host; CPU: the buffer, no copy
+        tokens = None if step.greedy_tokens is None else step.greedy_tokens.numpy()  # CUDA: a copy to the host; CPU: the buffer
+        logits = None
+        if with_logits or tokens is None:
+            logits = step.logits.numpy()
+            self.traffic.logits_bytes += logits.nbytes
+        return Sampled(logits, tokens)
 
     def _capture(self, step: FixedDecode) -> None:
         """Run a step whose graph is not captured yet (ONNX Runtime captures it in this run). If capture fails, no step
@@ -473,12 +497,16 @@ class DecoderRuntime:
             io.LOGITS_INDEX: np.arange(rows, dtype=np.int64),  # (B,): every row
         }
         logits = np.zeros((rows, self.vocab_size), np.float32)  # (B, V)
+        tokens = np.zeros(rows, np.int64)  # (B,)
         values = {name: ort.OrtValue.ortvalue_from_numpy(array, self.device, 0) for name, array in host.items()}
         logits_value = ort.OrtValue.ortvalue_from_numpy(logits, self.device, 0)
+        tokens_value = ort.OrtValue.ortvalue_from_numpy(tokens, self.device, 0) if self.greedy_tokens else None
         binding = self.session.io_binding()
         for name, value in values.items():
             binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output(io.LOGITS, logits_value)
+        if tokens_value is not None:
+            binding.bind_ortvalue_output(io.GREEDY_TOKENS, tokens_value)
         shape = (rows,) + pool.shape[1:]  # (B, H_kv, C, d_k): rows 0..B-1
         for past_name, present_name, value in zip(self._past_names, self._present_names, pool.values):
             binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
@@ -487,9 +515,9 @@ class DecoderRuntime:
         if self.captures_decode:
             graph_id, run_options = next(self._graph_ids), ort.RunOptions()
             run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
-        host_arrays = list(host.values()) + [logits] if self.device == "cpu" else []
+        host_arrays = list(host.values()) + [logits, tokens] if self.device == "cpu" else []
         return FixedDecode(binding, values[io.INPUT_IDS], values[io.POSITION_IDS], values[io.ATTENTION_MASK], logits_value,
-                           run_options, graph_id, host_arrays)
+                           tokens_value, run_options, graph_id, host_arrays)
 
     def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
         """The (rows, width) shapes run_decode has bound for pool, in the order they were first run."""
@@ -504,11 +532,12 @@ class DecoderRuntime:
         if self._pool_binding is not None and self._pool_binding[0][0] is pool:
             self._pool_binding = None
 
-    def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index) -> np.ndarray:
+    def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index,
+                   with_logits: bool) -> Sampled:
         """run_slots for a fused graph, whose operator needs a row and a token at least (io_contract): the rows are rows
         0 .. the last that decodes (a token each; one below it with nothing to decode runs its scratch token) and the
         chunk, if any, goes beside them; a chunk with no row decoding is the step's one row instead, the chunk inputs
-        left empty (their row bound to its own, passed through). The logits come back in run_slots' order."""
+        left empty (their row bound to its own, passed through). The rows sampled come back in run_slots' order."""
         rows, n_chunk = len(input_ids), len(chunk_ids)
         logits_index = np.asarray(logits_index, np.int64)
         decoding = logits_index < rows  # the rest are the chunk's
@@ -531,12 +560,22 @@ class DecoderRuntime:
         binding.bind_cpu_input(io.CHUNK_IDS, chunk)
         binding.bind_cpu_input(io.CHUNK_POSITION_IDS, chunk_positions)
         binding.bind_cpu_input(io.LOGITS_INDEX, graph_index)
-        return self._run_for_logits(binding, len(logits_index))
+        return self._run_sampled(binding, len(logits_index), with_logits)
 
-    def _run_for_logits(self, binding, n_logits: int) -> np.ndarray:
-        """Run a slots step whose logits land in a new host array (K, V) bound up front: asking the binding for its
-        outputs afterwards would wrap every bound K/V buffer too (121 objects a step for a 30-layer model)."""
-        logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V)
-        binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+    def _run_sampled(self, binding, n_logits: int, with_logits: bool) -> Sampled:
+        """Run a slots step whose greedy tokens (K,) and, when asked for, logits (K, V) land in new host arrays bound up
+        front: asking the binding for its outputs afterwards would wrap every bound K/V buffer too (121 objects a step
+        for a 30-layer model). Logits not asked for stay where the step ran (ONNX Runtime allocates them there)."""
+        tokens = None
+        if self.greedy_tokens:
+            tokens = np.zeros(n_logits, np.int64)  # (K,)
+            binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, tokens.shape, tokens.ctypes.data)
+        logits = None
+        if with_logits or tokens is None:
+            logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V)
+            binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            self.traffic.logits_bytes += logits.nbytes
+        else:
+            binding.bind_output(io.LOGITS, self.device, 0)
         self.session.run_with_iobinding(binding, self._uncaptured)
-        return logits
+        return Sampled(logits, tokens)

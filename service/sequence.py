@@ -88,16 +88,29 @@ class Sequence:
         """Whether part of the prompt still has to go through the model (chunked prefill)."""
         return not self.generated and not self.finished
 
-    def advance(self, logits: np.ndarray) -> StepEvent:
-        """Take the next token from this sequence's logits (V,); apply stop rules; return the event."""
+    @property
+    def takes_greedy_token(self) -> bool:
+        """Whether the argmax of its logits is all this sequence reads from them (greedy, no repetition penalty, no
+        log-probability, no parity capture): then a step may hand it the greedy token alone (runtime.Sampled)."""
+        return (self.params.greedy and self.params.repetition_penalty == 1.0 and not self.return_logprobs
+                and self.captured_logits is None)
+
+    def advance(self, logits: np.ndarray | None, greedy_token: int | None = None) -> StepEvent:
+        """Take the next token: greedy_token (the argmax of this sequence's logits, computed where the step ran) when
+        the sequence takes it, else chosen from its logits (V,); apply stop rules; return the event."""
         now = time.monotonic_ns()
-        if self.captured_logits is not None:
-            self.captured_logits.append(logits.copy())
-        seen = None
-        if self.params.repetition_penalty != 1.0:
-            seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
-        token = choose(logits, self.params, self.rng, seen)
-        logprob = log_probability(logits, token) if self.return_logprobs else None
+        if greedy_token is not None and self.takes_greedy_token:
+            token, logprob = int(greedy_token), None
+        elif logits is None:
+            raise ValueError(f"sequence {self.id} samples from logits, but the step returned only greedy tokens")
+        else:
+            if self.captured_logits is not None:
+                self.captured_logits.append(logits.copy())
+            seen = None
+            if self.params.repetition_penalty != 1.0:
+                seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
+            token = choose(logits, self.params, self.rng, seen)
+            logprob = log_probability(logits, token) if self.return_logprobs else None
         self.generated.append(token)
         if len(self.generated) == 1:
             self.first_token_ns = now

@@ -10,8 +10,10 @@ import pytest
 from kvserve.export import io_contract as io
 from kvserve.export.artifact import open_artifact
 from kvserve.export.onnx_export import IR_VERSION, inplace_write_problems
+from kvserve.export.parity import format_report, verify
+from kvserve.export.pipeline import reference_for
 
-from ..conftest import run_cli
+from ..conftest import PROVIDER, run_cli
 
 
 def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_concat_artifact):
@@ -193,6 +195,27 @@ def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact):
     assert inplace_write_problems(onnx.load(str(tiny_artifact / "model.onnx")).graph, config.n_layer) == []
     report = json.loads((tiny_artifact / "parity.json").read_text())
     assert report["kv_cache"] == io.SLOTS and report["passed"] and report["greedy"]["identical"]
+
+
+def test_a_slots_graph_outputs_each_sampled_rows_argmax_and_verify_holds_it_to_the_logits(tiny_artifact):
+    artifact = open_artifact(tiny_artifact)
+    assert artifact.greedy_tokens
+    assert list(artifact.manifest["outputs"])[:2] == [io.LOGITS, io.GREEDY_TOKENS]
+    assert artifact.manifest["outputs"][io.GREEDY_TOKENS] == {"shape": [io.NUM_LOGITS], "dtype": "int64"}
+    report = json.loads((tiny_artifact / "parity.json").read_text())
+    argmax = report["greedy_tokens_argmax"]
+    assert argmax["rows"] > 100 and argmax["mismatches"] == 0  # every row of every verify step, prefill chunks included
+    assert f"greedy_tokens output vs its logits' argmax: {argmax['rows']} of {argmax['rows']} rows equal" in format_report(report)
+
+
+def test_a_slots_artifact_without_greedy_tokens_still_verifies(tiny_artifact_without_greedy_tokens):
+    """Slots artifacts exported before greedy_tokens keep working: the manifest says which outputs the graph has."""
+    artifact = open_artifact(tiny_artifact_without_greedy_tokens)
+    assert not artifact.greedy_tokens and io.GREEDY_TOKENS not in artifact.manifest["outputs"]
+    graph = onnx.load(str(tiny_artifact_without_greedy_tokens / "model.onnx")).graph
+    assert [o.name for o in graph.output] == io.output_names(artifact.config.n_layer, io.SLOTS, greedy_tokens=False)
+    report = verify(tiny_artifact_without_greedy_tokens, reference_for(tiny_artifact_without_greedy_tokens), provider=PROVIDER)
+    assert report["passed"] and report["greedy_tokens_argmax"] is None
 
 
 def test_every_artifact_file_is_readable_by_all_including_external_weights(tmp_path, tiny_model, monkeypatch):

@@ -137,3 +137,13 @@ def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
     batch.run(scheduler.plan())
     assert batch.slots[leaving] is None
     return scheduler
+
+
+def sequence(seq_id: int, prompt: list[int], max_new_tokens: int, return_logprobs: bool = False, **sampling):
+    """A server-internal sequence (no client, no stop rules) with the sampling parameters given (default: greedy)."""
+    from kvserve.service.sampling import SamplingParams
+    from kvserve.service.sequence import Sequence
+    from kvserve.service.text import ByteTokenizer, IncrementalDecoder, StopSequences
+
+    return Sequence(id=seq_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, params=SamplingParams(**sampling), stop_ids=frozenset(),
+                    return_logprobs=return_logprobs, decoder=IncrementalDecoder(ByteTokenizer()), stops=StopSequences(()))

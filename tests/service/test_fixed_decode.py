@@ -16,7 +16,7 @@ from kvserve.service.runtime import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER
-from .conftest import hole_between_rows
+from .conftest import hole_between_rows, sequence
 from .conftest import random_prompt as prompt
 
 
@@ -48,7 +48,7 @@ def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(runtime
 
 
 def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks(runtime, tiny_model):
-    runtime.traffic.host_bytes = 0
+    runtime.traffic.host_bytes = runtime.traffic.logits_bytes = 0
     batch = SlotBatch(runtime, tiny_model.config, 5, fixed_decode=True)
     seqs = [_greedy_sequence(i, prompt(300 + i, 1 + (11 * i) % 70), 1 + (7 * i) % 90) for i in range(24)]
     scheduler = Scheduler(batch, step_token_budget=12)
@@ -67,6 +67,7 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
         if not seq.cancelled:
             assert seq.generated == eager_tokens(tiny_model, seq), seq.id
     assert runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
+    assert runtime.traffic.logits_bytes == 0  # greedy rows: only the graph's greedy tokens come back
     assert set(runtime.fixed_shapes(batch.pool)) <= set(batch.decode_shapes())
     assert len(runtime.fixed_shapes(batch.pool)) >= 4  # the run crossed row and width buckets
 
@@ -86,6 +87,24 @@ def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_s
         batch.close()
     assert generated[True] == generated[False]
     assert len({tuple(g) for g in generated[True]}) == 10  # ten different continuations, not one repeated
+
+
+def test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape(runtime, tiny_model):
+    """A fixed-shape step reads its (rows, V) logits back when a row samples; each sequence reads its own slot's row,
+    through holes and scratch rows, and gets what it would get alone."""
+    runtime.traffic.logits_bytes = 0
+
+    def mixed():
+        return [_greedy_sequence(1, prompt(801, 4), 30), sequence(2, prompt(802, 6), 20, temperature=1.0, seed=7),
+                _greedy_sequence(3, prompt(803, 8), 30), sequence(4, prompt(804, 3), 25, temperature=0.7, top_p=0.9, seed=11)]
+
+    together = mixed()
+    scheduler = hole_between_rows(SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True), together, leaving=0, steps=6, budget=0)
+    scheduler.drive([])
+    assert runtime.traffic.logits_bytes > 0
+    for seq, alone in zip(together[1:], mixed()[1:]):
+        Scheduler(SlotBatch(runtime, tiny_model.config, 1), step_token_budget=0).drive([alone])
+        assert seq.generated == alone.generated, seq.id
 
 
 def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(runtime, tiny_model):

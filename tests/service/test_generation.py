@@ -258,7 +258,7 @@ def test_one_failing_request_is_internal_while_the_others_finish(stub, server, m
     monkeypatch.setattr(sequence_module, "choose", choose_or_fail)
     with ThreadPoolExecutor(5) as pool:
         healthy = [pool.submit(collect, stub, greedy(p, 30)) for p in PROMPTS[:4]]
-        doomed = pool.submit(collect, stub, greedy([1, 2], 30, sampling=pb.SamplingParams(seed=666)))
+        doomed = pool.submit(collect, stub, greedy([1, 2], 30, sampling=pb.SamplingParams(temperature=0.8, seed=666)))  # it samples: choose runs
         with pytest.raises(grpc.RpcError) as error:
             doomed.result()
         results = [h.result() for h in healthy]

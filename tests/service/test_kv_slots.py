@@ -21,7 +21,7 @@ from kvserve.service.runtime import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import FUSED_DTYPES, PROVIDER
-from .conftest import hole_between_rows
+from .conftest import hole_between_rows, sequence
 from .conftest import random_prompt as prompt
 
 
@@ -134,6 +134,43 @@ def test_fifty_joins_and_leaves_move_no_kv_through_the_host(served, runtime, mod
     assert runtime.traffic.row_moves <= 50  # at most one row moved per leave (on CPU; none under CUDA)
     for seq in seqs[::7]:
         assert seq.generated == served.alone(seq)
+
+
+def test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits(served, runtime, model):
+    """A step whose rows all choose greedily takes the graph's greedy_tokens and leaves the logits where the step ran;
+    one row that samples or reports log-probabilities makes the steps it shares read the logits, for every row, and
+    every row gets what it would get alone."""
+    runtime.traffic.logits_bytes = 0
+    batch = SlotBatch(runtime, model.config, 4)
+    greedy = [_greedy_sequence(i, prompt(500 + i, 1 + (9 * i) % 40), 1 + (5 * i) % 13) for i in range(10)]
+    Scheduler(batch, step_token_budget=10).drive(greedy)
+    assert runtime.traffic.logits_bytes == 0
+    for seq in greedy[::3]:
+        assert seq.generated == served.alone(seq)
+
+    def mixed():
+        return [sequence(20, prompt(20, 7), 12, temperature=0.8, top_k=20, seed=5),
+                sequence(21, prompt(21, 9), 12, return_logprobs=True)] + [_greedy_sequence(22 + i, prompt(22 + i, 5), 12) for i in range(2)]
+
+    together = mixed()
+    results = Scheduler(batch, step_token_budget=10).drive(together)
+    assert runtime.traffic.logits_bytes > 0
+    assert all(event.logprob is not None for seq, event in results if seq is together[1])
+    for seq, alone in zip(together, mixed()):
+        Scheduler(SlotBatch(runtime, model.config, 1), step_token_budget=10).drive([alone])
+        assert seq.generated == alone.generated, seq.id
+    assert together[1].generated == served.alone(together[1])  # greedy with log-probabilities: its logits' argmax
+
+
+def test_a_slots_artifact_without_greedy_tokens_reads_every_steps_logits(tiny_artifact_without_greedy_tokens, tiny_model):
+    artifact = open_artifact(tiny_artifact_without_greedy_tokens)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
+    assert not runtime.greedy_tokens
+    seqs = [_greedy_sequence(i, prompt(600 + i, 3 + i), 8) for i in range(5)]
+    Scheduler(SlotBatch(runtime, tiny_model.config, 3), step_token_budget=8).drive(seqs)
+    assert runtime.traffic.logits_bytes > 0
+    for seq in seqs:
+        assert seq.generated == generate(tiny_model, [seq.prompt_ids], 8).tokens[0].tolist()
 
 
 def test_a_cancelled_sequence_frees_its_row_within_one_step(runtime, model):

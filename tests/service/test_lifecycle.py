@@ -280,15 +280,14 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
 
 
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
-    from kvserve.service import sequence as sequence_module
+    from kvserve.service.engine import make_batch
     from kvserve.service.gate import warm_up
+    from kvserve.service.sequence import Sequence
 
-    def failing_choose(*args):
+    def failing_advance(*args):
         raise RuntimeError("sampling broke during warm-up")
 
-    from kvserve.service.engine import make_batch
-
-    monkeypatch.setattr(sequence_module, "choose", failing_choose)
+    monkeypatch.setattr(Sequence, "advance", failing_advance)  # greedy warm-up rows take the graph's token: no choose
     batch = make_batch(server.app.runtime, server.app.artifact.config, 2)
     with pytest.raises(RuntimeError, match="sampling broke during warm-up"):
         warm_up(batch, server.app.artifact)
