@@ -29,5 +29,7 @@ step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots"
 step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-slots" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp16.txt"
 step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float32-slots" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp32.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots" --cuda-graph 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots-graph.txt"
+# Greedy steps reading back the graph's greedy_tokens against reading back the logits (an export without that output).
+step $PY bench/greedy_tokens.py --provider cuda --dtype float16 --artifact "$ART/gpt2-float16-slots" --baseline "$ART/gpt2-float16-logits" 2>&1 | tee "$RESULTS/bench-greedy-tokens-fp16.txt"
 step $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32-slots" --baseline "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-serving-cuda.txt"
 exit $status

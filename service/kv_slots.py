@@ -19,6 +19,10 @@ A batch with fixed_decode (the runtime captures CUDA graphs) runs each decode-on
 instead (decode_shape: rows and width rounded up to powers of two), every shape bound, and captured, at warm-up
 (prepare_decode_shapes); the rows beyond the batch's run scratch tokens. Steps with a chunk keep exact shapes.
 
+A step whose sampled rows are all greedy (Sequence.takes_greedy_token) asks the runtime for the graph's greedy
+tokens alone, so its logits never leave the device; one row that samples or reports log-probabilities makes the
+step read them (needs_logits).
+
 Joining takes the lowest free row; leaving frees a row, and on the CPU provider the last row moves into
 it (one row, in place) so rows 0..B-1 stay dense and a step computes no idle row. Under CUDA a free row
 stays a hole until the next join fills it, so nothing moves at all. No K/V crosses to the host either way.
