@@ -11,7 +11,9 @@ Each at the exact shapes the server runs by default and at the fixed shapes of `
 CUDA graphs on the CUDA provider). Batch 1: a 128-token prompt, 128 new tokens; batch 16: 16 sequences joined
 together, prompt 32, 64 new tokens each; ms per decode step over the steps where every row decodes, best round
 of each. Also the logits read back in that run (prefill steps included), and whether both produced the same tokens. Then the
-host's share (ONNX Runtime's run a no-op, as in cuda_graph_decode.py). Prints markdown tables and the machine.
+host's share (ONNX Runtime's run a no-op, as in cuda_graph_decode.py). Last, how the graph could spell the argmax:
+ONNX Runtime's ArgMax and TopK(k=1) alone, over 16 rows of gpt2 logits, against numpy's argmax on the host. Prints
+markdown tables and the machine.
 
     python bench/greedy_tokens.py [--artifact artifacts/gpt2] [--baseline artifacts/gpt2-logits] [--dtype float32]
                                   [--provider auto] [--rounds 3]
@@ -21,7 +23,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+import timeit
 from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cuda_graph_decode import CROWD, SOLO, decode_run, host_ms_per_step  # noqa: E402
@@ -42,6 +49,24 @@ def artifact_at(path: Path, greedy_tokens: bool, dtype: str, provider: str):
     if artifact.kv_cache != "slots" or artifact.attention != "standard" or artifact.greedy_tokens != greedy_tokens:
         raise SystemExit(f"{path}: need a standard slots artifact {'with' if greedy_tokens else 'without'} greedy_tokens")
     return artifact
+
+
+def one_operator_ms(op: str, logits: np.ndarray, provider: str) -> float:
+    """Best-of timing (ms) of a one-operator graph, op over logits (K, V) -> (K,) indices, IO in host memory."""
+    k = [helper.make_tensor("k", TensorProto.INT64, [1], [1])] if op == "TopK" else []
+    node = (helper.make_node("TopK", ["logits", "k"], ["values", "tokens"], axis=-1) if op == "TopK"
+            else helper.make_node("ArgMax", ["logits"], ["tokens"], axis=-1, keepdims=0))
+    outputs = [helper.make_tensor_value_info("tokens", TensorProto.INT64, None)]
+    if op == "TopK":
+        outputs.append(helper.make_tensor_value_info("values", TensorProto.FLOAT, None))
+    graph = helper.make_graph([node], op, [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [None, None])], outputs, k)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 10
+    session = ort.InferenceSession(model.SerializeToString(), providers=[provider])
+    tokens = session.run(["tokens"], {"logits": logits})[0].reshape(-1)
+    if not np.array_equal(tokens, logits.argmax(-1)):
+        raise SystemExit(f"{op} disagrees with numpy's argmax")
+    return min(timeit.repeat(lambda: session.run(["tokens"], {"logits": logits}), number=100, repeat=5)) / 100 * 1e3
 
 
 def main() -> None:
@@ -96,6 +121,15 @@ def main() -> None:
     for key, (runtime, batch) in variants.items():
         cells = [f"{host_ms_per_step(runtime, batch, rows):.3f}" for rows in (SOLO[0], CROWD[0])]
         print(f"| {key[0]} | {key[1]} | " + " | ".join(cells) + " |")
+    logits = np.random.default_rng(0).standard_normal((CROWD[0], config.vocab_size)).astype(np.float32)  # (16, V)
+    print(f"\nThe argmax alone over ({CROWD[0]}, {config.vocab_size}) float32 logits, best of 5 x 100 runs "
+          f"(ONNX Runtime on {runtime.provider}, inputs and outputs in host memory):\n")
+    print("| argmax as | ms |")
+    print("|---|---:|")
+    for op in ("ArgMax", "TopK"):
+        print(f"| ONNX Runtime {op}{' (k=1)' if op == 'TopK' else ''} | {one_operator_ms(op, logits, runtime.provider):.3f} |")
+    numpy_ms = min(timeit.repeat(lambda: logits.argmax(-1), number=100, repeat=5)) / 100 * 1e3
+    print(f"| numpy argmax | {numpy_ms:.3f} |")
     print(f"\nmachine: {describe(runtime.provider)}")
 
 

@@ -99,8 +99,8 @@ def test_verify_refuses_a_graph_that_is_not_its_manifests_contract_in_one_line(t
 
 
 def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_the_load_gate(tiny_artifact, tiny_model, tmp_path):
-    """greedy_tokens are what greedy requests get, so a graph that computes them wrongly (here: ArgMin for ArgMax)
-    fails verify, and the server's load-time gate, which replays the golden prompt through them too."""
+    """greedy_tokens are what greedy requests get, so a graph that computes them wrongly (here: the top-1 made the
+    bottom-1) fails verify, and the server's load-time gate, which replays the golden prompt through them too."""
     import shutil
 
     import onnx
@@ -109,20 +109,20 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
     from kvserve.service.gate import run_gate
     from kvserve.service.runtime import DecoderRuntime
 
-    bad = tmp_path / "argmin"
+    bad = tmp_path / "bottom-1"
     shutil.copytree(tiny_artifact, bad)
     graph = onnx.load(str(bad / "model.onnx"))
-    argmax = [node for node in graph.graph.node if node.op_type == "ArgMax"]
-    assert len(argmax) == 1
-    argmax[0].op_type = "ArgMin"
+    top1 = [node for node in graph.graph.node if node.op_type == "TopK"]
+    assert len(top1) == 1
+    next(a for a in top1[0].attribute if a.name == "largest").i = 0
     onnx.save(graph, str(bad / "model.onnx"))
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["files"]["model.onnx"] = sha256_file(bad / "model.onnx")
     (bad / "manifest.json").write_text(json.dumps(manifest))
     report = verify(bad, tiny_model, provider=PROVIDER)
-    argmin = report["greedy_tokens_argmax"]
-    assert not report["passed"] and argmin["mismatches"] == argmin["rows"] > 0
-    assert report["failures"] == [f"the graph's greedy_tokens differ from its logits' argmax at {argmin['rows']} of {argmin['rows']} rows"]
+    argmax = report["greedy_tokens_argmax"]
+    assert not report["passed"] and argmax["mismatches"] == argmax["rows"] > 0
+    assert report["failures"] == [f"the graph's greedy_tokens differ from its logits' argmax at {argmax['rows']} of {argmax['rows']} rows"]
     artifact = open_artifact(bad)
     gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache), artifact)
     assert not gate.passed and "greedy tokens identical (from greedy_tokens: DIFFER)" in gate.summary
