@@ -60,6 +60,35 @@ def decode_run(batch: SlotBatch, rows: int, prompt_len: int, new_tokens: int, vo
     return seconds, tokens, [s.generated for s in seqs]
 
 
+def warm_batch(artifact, provider: str, cuda_graph: bool, rows: int) -> tuple[DecoderRuntime, SlotBatch]:
+    """A runtime and a serving batch of rows over a standard slots artifact, at exact shapes or (cuda_graph) the fixed
+    shapes of `serve --cuda-graph`, every shape prepared, then warmed up: first runs pay allocation and kernel selection."""
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache="slots", cuda_graph=cuda_graph)
+    batch = SlotBatch(runtime, config, rows, fixed_decode=cuda_graph)
+    if cuda_graph:
+        batch.prepare_decode_shapes()
+    decode_run(batch, 2, 16, 8, config.vocab_size)
+    return runtime, batch
+
+
+def alternate(variants: dict, rounds: int, vocab_size: int) -> tuple[dict, dict]:
+    """Every variant's (runtime, batch) through SOLO then CROWD, taking turns within each round (drift hits every variant
+    alike). Returns {(variant, shape): (seconds, tokens, logits bytes read back)} of its best round, and
+    {(variant, shape): the tokens generated}."""
+    best = {(key, shape): (float("inf"), 1, 0) for key in variants for shape in (SOLO, CROWD)}
+    generated = {}
+    for _ in range(rounds):
+        for shape in (SOLO, CROWD):
+            for key, (runtime, batch) in variants.items():
+                before = runtime.traffic.logits_bytes
+                seconds, tokens, tokens_out = decode_run(batch, *shape, vocab_size)
+                if seconds < best[(key, shape)][0]:
+                    best[(key, shape)] = (seconds, tokens, runtime.traffic.logits_bytes - before)
+                generated[(key, shape)] = tokens_out
+    return best, generated
+
+
 def host_ms_per_step(runtime: DecoderRuntime, batch: SlotBatch, rows: int, steps: int = 200) -> float:
     """ms of host work per decode step of rows sequences, the session's runs replaced by a no-op (tokens are then
     meaningless; only the time counts). Best of three passes of steps (fewer where the context is shorter)."""
@@ -103,23 +132,9 @@ def main() -> None:
         raise SystemExit(f"{artifact_dir}: need a slots artifact with standard attention (kvserve export --kv-cache slots)")
     config = artifact.config
     rows_needed = max(SOLO[0], CROWD[0])
-    variants = {}
-    for name, cuda_graph in (("uncaptured", False), ("fixed shapes", True)):
-        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots", cuda_graph=cuda_graph)
-        batch = SlotBatch(runtime, config, rows_needed, fixed_decode=cuda_graph)
-        if cuda_graph:
-            batch.prepare_decode_shapes()
-        decode_run(batch, 2, 16, 8, config.vocab_size)  # warm-up: first runs pay allocation and kernel selection
-        variants[name] = (runtime, batch)
-    best = {(name, shape): (float("inf"), 1) for name in variants for shape in (SOLO, CROWD)}
-    generated = {}
-    for _ in range(args.rounds):
-        for shape in (SOLO, CROWD):
-            for name, (runtime, batch) in variants.items():  # alternating: drift hits both alike
-                seconds, tokens, tokens_out = decode_run(batch, *shape, config.vocab_size)
-                if seconds < best[(name, shape)][0]:
-                    best[(name, shape)] = (seconds, tokens)
-                generated[(name, shape)] = tokens_out
+    variants = {name: warm_batch(artifact, args.provider, cuda_graph, rows_needed)
+                for name, cuda_graph in (("uncaptured", False), ("fixed shapes", True))}
+    best, generated = alternate(variants, args.rounds, config.vocab_size)
     runtime = variants["fixed shapes"][0]
     captured = "captured as CUDA graphs" if runtime.captures_decode else f"not captured ({runtime.cuda_graph_note})"
     print(f"{artifact_dir} ({config.n_layer} layers, d_model {config.d_model}, {artifact.dtype}), {runtime.provider}, greedy, "
@@ -129,7 +144,7 @@ def main() -> None:
     for name in variants:
         cells = []
         for shape in (SOLO, CROWD):
-            seconds, tokens = best[(name, shape)]
+            seconds, tokens, _ = best[(name, shape)]
             steps = tokens / shape[0]
             cells.append(f"{seconds / steps * 1e3:.2f} | {tokens / seconds:.1f}")
         same = all(generated[(name, s)] == generated[("uncaptured", s)] for s in (SOLO, CROWD))

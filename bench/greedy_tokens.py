@@ -31,13 +31,11 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_graph_decode import CROWD, SOLO, decode_run, host_ms_per_step  # noqa: E402
+from cuda_graph_decode import CROWD, SOLO, alternate, host_ms_per_step, warm_batch  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.export.artifact import open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
-from kvserve.service.kv_slots import SlotBatch  # noqa: E402
-from kvserve.service.runtime import DecoderRuntime  # noqa: E402
 
 
 def artifact_at(path: Path, greedy_tokens: bool, dtype: str, provider: str):
@@ -84,26 +82,9 @@ def main() -> None:
     if artifacts["logits"].config != config or artifacts["logits"].dtype != artifacts["greedy tokens"].dtype:
         raise SystemExit(f"{args.baseline} and {args.artifact} hold different models or dtypes")
     rows_needed = max(SOLO[0], CROWD[0])
-    variants = {}
-    for read_back, artifact in artifacts.items():
-        for steps, cuda_graph in (("exact shapes", False), ("fixed shapes", True)):
-            runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots", cuda_graph=cuda_graph)
-            batch = SlotBatch(runtime, config, rows_needed, fixed_decode=cuda_graph)
-            if cuda_graph:
-                batch.prepare_decode_shapes()
-            decode_run(batch, 2, 16, 8, config.vocab_size)  # warm-up: first runs pay allocation and kernel selection
-            variants[(steps, read_back)] = (runtime, batch)
-    best = {(key, shape): (float("inf"), 1, 0) for key in variants for shape in (SOLO, CROWD)}
-    generated = {}
-    for _ in range(args.rounds):
-        for shape in (SOLO, CROWD):
-            for key, (runtime, batch) in variants.items():  # alternating: drift hits every variant alike
-                before = runtime.traffic.logits_bytes
-                seconds, tokens, tokens_out = decode_run(batch, *shape, config.vocab_size)
-                read = runtime.traffic.logits_bytes - before
-                if seconds < best[(key, shape)][0]:
-                    best[(key, shape)] = (seconds, tokens, read)
-                generated[(key, shape)] = tokens_out
+    variants = {(steps, read_back): warm_batch(artifact, args.provider, cuda_graph, rows_needed)
+                for read_back, artifact in artifacts.items() for steps, cuda_graph in (("exact shapes", False), ("fixed shapes", True))}
+    best, generated = alternate(variants, args.rounds, config.vocab_size)
     runtime = variants[("fixed shapes", "greedy tokens")][0]
     captured = "captured as CUDA graphs" if runtime.captures_decode else f"not captured ({runtime.cuda_graph_note})"
     print(f"{args.artifact} vs {args.baseline} ({config.n_layer} layers, d_model {config.d_model}, {artifacts['logits'].dtype}), "

@@ -233,7 +233,7 @@ class SlotBatch:
             seq.cached_tokens += 1
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
-        return advance_each(sampling, sampled.logits, None, sampled.greedy_tokens)
+        return advance_each(sampling, sampled.logits, greedy_tokens=sampled.greedy_tokens)
 
     def fail_all(self, error: BaseException) -> StepResults:
         """Every sequence holding a row fails with error; the batch is empty afterwards."""

@@ -568,7 +568,7 @@ class DecoderRuntime:
         for a 30-layer model). Logits not asked for stay where the step ran (ONNX Runtime allocates them there)."""
         tokens = None
         if self.greedy_tokens:
-            tokens = np.zeros(n_logits, np.int64)  # (K,)
+            tokens = np.zeros(n_logits, np.int64)  # (K,); zeros: a stubbed-out run (bench host timing) leaves valid ids
             binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, tokens.shape, tokens.ctypes.data)
         logits = None
         if with_logits or tokens is None:
