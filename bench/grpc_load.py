@@ -2,13 +2,20 @@
 concurrency 1, 4 and 16, against a `kvserve serve` process; plus the in-process engine alone at
 concurrency 1, to show what gRPC costs. Bounded: a fixed number of requests per level and a time cap.
 
+Each gRPC level also reports the server process's CPU time per streamed token (all its threads, from
+/proc): what the host spends per token besides the model, which bounds the tokens/s one server can stream
+however fast its steps run. With a model whose steps cost next to nothing (`--artifact` of the tiny preset)
+the tokens/s column is the serving stack's own ceiling.
+
     python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64] [--cuda-graph]
+                              [--requests-per-stream 2]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
 import subprocess
 import sys
@@ -48,7 +55,17 @@ async def one_request(stub, ids, new_tokens):
     return stamps[0] - start, list(np.diff(stamps)), len(stamps)
 
 
-async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests_per_stream=REQUESTS_PER_STREAM):
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds of process pid, all threads (Linux /proc); None where there is no /proc."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after "pid (name)": state is field 3, utime 14, stime 15
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests_per_stream=REQUESTS_PER_STREAM, server_pid=None):
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await one_request(stub, prompt_ids(0, prompt_len, vocab), 4)  # connection and warm-up
@@ -62,10 +79,14 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
                 gaps.extend(gap)
                 tokens += n
 
+        cpu_before = None if server_pid is None else process_cpu_seconds(server_pid)
         start = time.perf_counter()
         await asyncio.wait_for(asyncio.gather(*(stream(w) for w in range(concurrency))), LEVEL_TIME_CAP_S)
         elapsed = time.perf_counter() - start
-    return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}
+        cpu_after = None if cpu_before is None else process_cpu_seconds(server_pid)
+    server_cpu = None if cpu_after is None else cpu_after - cpu_before
+    return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed,
+            "tokens": tokens, "server_cpu_s": server_cpu}
 
 
 class InProcess:
@@ -118,16 +139,19 @@ class InProcess:
             gaps.extend(gap)
             tokens += n
         elapsed = time.perf_counter() - start
-        return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed}
+        return {"tokens_per_s": tokens / elapsed, "ttft": ttfts, "itl": gaps, "requests": len(ttfts), "elapsed": elapsed,
+                "tokens": tokens, "server_cpu_s": None}  # the engine shares this process with its client
 
 
 def merged(runs: list[dict]) -> dict:
     """Several runs of one configuration as one: tokens/s over their summed time, all latencies."""
     elapsed = sum(r["elapsed"] for r in runs)
-    tokens = sum(r["tokens_per_s"] * r["elapsed"] for r in runs)
+    tokens = sum(r["tokens"] for r in runs)
+    cpu = [r["server_cpu_s"] for r in runs]
     return {
-        "tokens_per_s": tokens / elapsed, "elapsed": elapsed, "requests": sum(r["requests"] for r in runs),
+        "tokens_per_s": tokens / elapsed, "elapsed": elapsed, "requests": sum(r["requests"] for r in runs), "tokens": tokens,
         "ttft": [x for r in runs for x in r["ttft"]], "itl": [x for r in runs for x in r["itl"]],
+        "server_cpu_s": None if None in cpu else sum(cpu),
     }
 
 
@@ -155,6 +179,8 @@ def main() -> None:
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--prompt-tokens", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM,
+                        help="requests each concurrent stream sends back to back (more: a longer, steadier level)")
     parser.add_argument("--cuda-graph", action="store_true", help="serve (and run the in-process engine) with --cuda-graph")
     args = parser.parse_args()
     from kvserve.export.artifact import open_artifact
@@ -166,26 +192,29 @@ def main() -> None:
     try:
         engine_runs, grpc_runs = [], []
         for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
-            engine_runs.append(asyncio.run(local.run(args.prompt_tokens, args.new_tokens, REQUESTS_PER_STREAM)))
-            grpc_runs.append(asyncio.run(run_level(target, 1, args.prompt_tokens, args.new_tokens, config.vocab_size)))
+            engine_runs.append(asyncio.run(local.run(args.prompt_tokens, args.new_tokens, args.requests_per_stream)))
+            grpc_runs.append(asyncio.run(run_level(target, 1, args.prompt_tokens, args.new_tokens, config.vocab_size,
+                                                   args.requests_per_stream, server_pid=process.pid)))
         engine_result = merged(engine_runs)
         results = {1: merged(grpc_runs)}
         for c in LEVELS[1:]:
-            results[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size))
+            results[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size,
+                                               args.requests_per_stream, server_pid=process.pid))
     finally:
         process.terminate()
         process.wait(60)
 
     print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
-          f"{args.new_tokens} new tokens, greedy, {REQUESTS_PER_STREAM} requests per stream "
+          f"{args.new_tokens} new tokens, greedy, {args.requests_per_stream} requests per stream "
           f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= 16"
           + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "") + "\n")
-    print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | server CPU µs/token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
     def row(name, c, r):
+        cpu = "n/a" if r["server_cpu_s"] is None else f"{r['server_cpu_s'] / r['tokens'] * 1e6:.0f}"
         print(f"| {name} | {c} | {r['requests']} | {r['tokens_per_s']:.1f} | {percentile(r['ttft'], 50):.1f} | "
-              f"{percentile(r['ttft'], 99):.1f} | {percentile(r['itl'], 50):.1f} | {percentile(r['itl'], 99):.1f} |")
+              f"{percentile(r['ttft'], 99):.1f} | {percentile(r['itl'], 50):.1f} | {percentile(r['itl'], 99):.1f} | {cpu} |")
 
     row("in-process engine", 1, engine_result)
     for c in LEVELS:
