@@ -72,6 +72,11 @@ def warm_batch(artifact, provider: str, cuda_graph: bool, rows: int) -> tuple[De
     return runtime, batch
 
 
+def capture_state(runtime: DecoderRuntime) -> str:
+    """What became of a cuda_graph runtime's fixed-shape steps, for a table's heading."""
+    return "captured as CUDA graphs" if runtime.captures_decode else f"not captured ({runtime.cuda_graph_note})"
+
+
 def alternate(variants: dict, rounds: int, vocab_size: int) -> tuple[dict, dict]:
     """Every variant's (runtime, batch) through SOLO then CROWD, taking turns within each round (drift hits every variant
     alike). Returns {(variant, shape): (seconds, tokens, logits bytes read back)} of its best round, and
@@ -136,7 +141,7 @@ def main() -> None:
                 for name, cuda_graph in (("uncaptured", False), ("fixed shapes", True))}
     best, generated = alternate(variants, args.rounds, config.vocab_size)
     runtime = variants["fixed shapes"][0]
-    captured = "captured as CUDA graphs" if runtime.captures_decode else f"not captured ({runtime.cuda_graph_note})"
+    captured = capture_state(runtime)
     print(f"{artifact_dir} ({config.n_layer} layers, d_model {config.d_model}, {artifact.dtype}), {runtime.provider}, greedy, "
           f"best of {args.rounds} rounds, alternating; fixed shapes: {captured}\n")
     print("| decode steps | batch 1 ms/step | batch 1 tokens/s | batch 16 ms/step | batch 16 tokens/s | same tokens as uncaptured |")

@@ -31,7 +31,7 @@ import onnxruntime as ort
 from onnx import TensorProto, helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_graph_decode import CROWD, SOLO, alternate, host_ms_per_step, warm_batch  # noqa: E402
+from cuda_graph_decode import CROWD, SOLO, alternate, capture_state, host_ms_per_step, warm_batch  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.export.artifact import open_artifact  # noqa: E402
@@ -86,7 +86,7 @@ def main() -> None:
                 for read_back, artifact in artifacts.items() for steps, cuda_graph in (("exact shapes", False), ("fixed shapes", True))}
     best, generated = alternate(variants, args.rounds, config.vocab_size)
     runtime = variants[("fixed shapes", "greedy tokens")][0]
-    captured = "captured as CUDA graphs" if runtime.captures_decode else f"not captured ({runtime.cuda_graph_note})"
+    captured = capture_state(runtime)
     print(f"{args.artifact} vs {args.baseline} ({config.n_layer} layers, d_model {config.d_model}, {artifacts['logits'].dtype}), "
           f"{runtime.provider}, greedy, best of {args.rounds} rounds, alternating; fixed shapes: {captured}\n")
     print("| decode steps | read back | batch 1 ms/step | batch 16 ms/step | batch 16 tokens/s | logits MB read back per run (batch 1 / 16) | same tokens as the first row |")

@@ -183,6 +183,8 @@ def main() -> None:
                         help="requests each concurrent stream sends back to back (more: a longer, steadier level)")
     parser.add_argument("--cuda-graph", action="store_true", help="serve (and run the in-process engine) with --cuda-graph")
     args = parser.parse_args()
+    if args.requests_per_stream < 1:
+        parser.error(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
     from kvserve.export.artifact import open_artifact
 
     config = open_artifact(args.artifact).config
