@@ -13,6 +13,13 @@ def describe(provider: str | None = None) -> str:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(next(line.split(":", 1)[1].split() for line in f if line.startswith("flags")))
+        cpu += f" (AVX-512 {'with' if 'avx512_vnni' in flags else 'without'} VNNI, {'AMX' if 'amx_int8' in flags else 'no AMX'})" \
+            if "avx512f" in flags else f" ({'AMX' if 'amx_int8' in flags else 'no AVX-512'})"
+    except (OSError, StopIteration):
+        pass
     memory = ""
     try:
         with open("/proc/meminfo") as f:

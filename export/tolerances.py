@@ -55,7 +55,13 @@ class Tolerance:
 
 
 TOLERANCES = {
-    "float32": Tolerance(logits_max_abs=1e-4, kv_max_abs=1e-4, top1_min=1.0, greedy_identical=True),
+    # float32 rounds differently on different CPUs (the kernels ONNX Runtime picks for AVX-512, VNNI or AMX), and its
+    # error grows with the numbers' size, so its bounds are relative too: 1e-4 of the largest |eager logit| of a check
+    # and of the largest |eager K/V| of each (layer, head). bench/parity_errors.py measures every float32 export of the
+    # test suite (bench/results/parity-errors.md): the worst on an AMD EPYC (AVX-512 VNNI, no AMX) is 9.0e-6 of the
+    # logits and 8.4e-6 of the K/V (an absolute 1.00e-04, which the old absolute 1e-4 bound refused), a margin of 11x.
+    # One weight entry moved by 1% of its tensor's largest |value| still fails (tests/export/test_parity.py).
+    "float32": Tolerance(logits_max_abs=1e-4, kv_max_abs=1e-4, top1_min=1.0, greedy_identical=True, kv_relative=True, logits_relative=True),
     # float16 keeps ~3 significant digits (norm statistics and softmax run in float32 in the graph), so its error
     # grows with the numbers' size: bounds relative to the largest eager logit and the largest K/V of each (layer,
     # head). Measured on the CPU provider: Qwen2-shaped test weights with logits up to 12 are off by up to 6.5e-2

@@ -1,0 +1,94 @@
+"""How far float32 artifacts are from the eager reference on this CPU: the numbers the float32 bounds are set from.
+
+Exports every float32 model the test suite exports (the tiny presets, the trained default model, and the
+Llama-family test configs in each attention the suite uses) with the float32 bounds opened wide, so every check
+runs to the end, and prints each check's errors both as absolute values and as fractions of their scale (the
+largest |eager logit| of the check; the largest |eager K/V| of each (layer, head)): the way the bounds in
+export/tolerances.py read them. Then the worst of each column and the bound's margin over it.
+
+    python bench/parity_errors.py [--only WORD ...] [--work DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT))
+from machine import describe  # noqa: E402
+
+from kvserve.export import tolerances  # noqa: E402
+from kvserve.export.pipeline import export_artifact  # noqa: E402
+from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
+from kvserve.model.config import preset  # noqa: E402
+from kvserve.model.decoders import build  # noqa: E402
+from tests.conftest import DEFAULT_CHECKPOINT, LLAMA_CONFIGS  # noqa: E402  (the suite's own models)
+
+
+def hf_llama(name: str, work: Path):
+    """LLAMA_CONFIGS[name] as the tests' make_hf_llama fixture builds it (same seed, same initializer range)."""
+    import transformers
+
+    model_type, config = LLAMA_CONFIGS[name]
+    torch.manual_seed(len(name))
+    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[model_type]
+    hf_config = getattr(transformers, f"{prefix}Config")(
+        **{"initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, **config}, attn_implementation="eager")
+    directory = work / f"hf-{len(name)}"
+    getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval().save_pretrained(directory)
+    return load_checkpoint(directory), {"kind": "checkpoint", "path": str(directory)}
+
+
+def cases(work: Path):
+    """(label, model, source, export keyword arguments) for every float32 export of the suite."""
+    yield "tiny", build(preset("tiny"), 0), {"kind": "preset", "name": "tiny", "seed": 0}, {}
+    yield "tiny", build(preset("tiny"), 0), {"kind": "preset", "name": "tiny", "seed": 0}, {"kv_cache": "concat"}
+    for attention in ("fused", "standard"):
+        yield "tiny-llama", build(preset("tiny-llama"), 0), {"kind": "preset", "name": "tiny-llama", "seed": 0}, {"attention": attention}
+    yield "kjv-gpt2", load_checkpoint(DEFAULT_CHECKPOINT), {"kind": "checkpoint", "path": str(DEFAULT_CHECKPOINT)}, {}
+    for name in LLAMA_CONFIGS:
+        model, source = hf_llama(name, work)
+        for extra in ({}, {"attention": "standard"}, {"kv_cache": "concat"}):
+            yield name, model, source, extra
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", default=[], help="run the cases whose label contains one of these words")
+    parser.add_argument("--work", type=Path, default=None)
+    args = parser.parse_args()
+    bound = tolerances.TOLERANCES["float32"]
+    tolerances.TOLERANCES["float32"] = dataclasses.replace(bound, logits_max_abs=1.0, kv_max_abs=1.0)  # report, never refuse
+    work = args.work or Path(tempfile.mkdtemp(prefix="parity-errors-"))
+    print(f"machine: {describe()}\n")
+    print("| model | layout, attention | check | max abs Δ logits | max abs logit | Δ / max | rel. Δ K/V |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    worst_logits = worst_ratio = worst_kv = 0.0
+    for index, (label, model, source, extra) in enumerate(cases(work)):
+        if args.only and not any(word in label for word in args.only):
+            continue
+        report = export_artifact(model, source, work / f"artifact-{index}", provider="cpu", **extra)
+        layout = f"{report['kv_cache']}, {report['attention']}"
+        for check in report["checks"]:
+            ratio = check["max_abs_logits"] / check["max_abs_eager_logit"]
+            kv = check["kv_max_abs"]
+            print(f"| {label} | {layout} | {check['name']} | {check['max_abs_logits']:.2e} | {check['max_abs_eager_logit']:.3g} | "
+                  f"{ratio:.2e} | {'n/a' if kv is None else f'{kv:.2e}'} |")
+            worst_logits, worst_ratio = max(worst_logits, check["max_abs_logits"]), max(worst_ratio, ratio)
+            worst_kv = max(worst_kv, kv or 0.0)
+    print(f"\nworst: max abs Δ logits {worst_logits:.2e}; Δ / max abs logit {worst_ratio:.2e}; relative Δ K/V {worst_kv:.2e}")
+    print(f"float32 bounds: logits {bound.logits_max_abs:g}{' of the max abs logit' if bound.logits_relative else ' absolute'} "
+          f"(margin x{bound.logits_max_abs / max(worst_ratio if bound.logits_relative else worst_logits, 1e-30):.1f}), "
+          f"K/V {bound.kv_max_abs:g}{' relative' if bound.kv_relative else ' absolute'}"
+          + (f" (margin x{bound.kv_max_abs / max(worst_kv, 1e-30):.1f})" if bound.kv_relative else ""))
+
+
+if __name__ == "__main__":
+    main()
