@@ -106,6 +106,23 @@ def _bounded(kind, low=None, high=None, what=""):
     return parse
 
 
+# gRPC target schemes taken as they are (gRPC parses the rest); anything else must read HOST:PORT.
+TARGET_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix:", "unix-abstract:")
+
+
+def _target(text: str) -> str:
+    """An argparse type for --target: HOST:PORT (an IPv6 host in brackets) or a gRPC URI; else one line, exit 2,
+    before any connection is tried (an unparseable target would otherwise fail later as UNAVAILABLE)."""
+    if text.startswith(TARGET_SCHEMES):
+        return text
+    host, colon, port = text.rpartition(":")
+    if not colon or not host or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r}: the port {port!r} is not a number in [1, 65535]")
+    return text
+
+
 ON_OFF = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
 
 
@@ -229,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")
     generate.add_argument("prompt")
-    generate.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
+    generate.add_argument("--target", type=_target, default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
     generate.add_argument("--max-new-tokens", type=_bounded(int, 0, 2**32 - 1), default=64, help="0 = as many as fit (default 64)")
     generate.add_argument("--temperature", type=_bounded(float, 0.0, 1e6), default=0.0, help="0 = greedy (default)")
     generate.add_argument("--seed", type=_bounded(int, 0, 2**64 - 1), default=0, help="0 = chosen by the server")
@@ -238,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.set_defaults(run=_generate)
 
     health = commands.add_parser("health", help="gRPC health check: prints the status, exit 0 only when SERVING")
-    health.add_argument("--target", default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
+    health.add_argument("--target", type=_target, default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
     health.add_argument("--wait", type=_bounded(float, 0.0, 1e6), default=0.0, help="poll up to this many seconds for SERVING (default 0)")
     _client_security_flags(health)
     health.set_defaults(run=_health)

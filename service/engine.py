@@ -116,15 +116,10 @@ class Engine:
 
     # requests
 
-    def _check_text(self, field_name: str, text: str) -> None:
+    def check_text(self, field_name: str, text: str) -> None:
         size = len(text.encode("utf-8", errors="replace"))
         if size > self.limits.max_text_bytes:
             raise InvalidArgument(field_name, f"{size} bytes of text; at most {self.limits.max_text_bytes}")
-
-    async def tokenize(self, text: str) -> list[int]:
-        """Text -> ids on a worker thread: a long text must not hold up the event loop every stream uses."""
-        self._check_text("text", text)
-        return await asyncio.to_thread(self.tokenizer.encode, text)
 
     def make_sequence(self, request: GenerationRequest) -> Sequence:
         """Validate a request against the model and limits; every refusal names its field."""
@@ -135,7 +130,7 @@ class Engine:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
         else:
-            self._check_text("prompt.text", request.prompt_text or "")
+            self.check_text("prompt.text", request.prompt_text or "")
             prompt = self.tokenizer.encode(request.prompt_text or "")
             field_name = "prompt.text"
         if not prompt:

@@ -15,6 +15,12 @@ MIN_SCALE, MAX_SCALE = 1e-6, 1e6
 # A request message's size at most, in bytes (gRPC's own default).
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 2**20
 
+# A call's metadata at most, counted as HTTP/2 counts a header list (name + value + 32 bytes an entry): larger is
+# refused with RESOURCE_EXHAUSTED naming the size. gRPC's own limit (8 KiB) refuses with an empty message (its
+# message lists the metadata, which no longer fits), so the transport's limit is raised far above ours.
+MAX_METADATA_BYTES = 16 * 1024
+TRANSPORT_METADATA_BYTES = 2**20
+
 
 @dataclass(frozen=True)
 class EngineLimits:

@@ -16,6 +16,8 @@ import grpc
 
 from kvserve.errors import UserError
 
+from .limits import MAX_METADATA_BYTES
+
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
@@ -86,6 +88,31 @@ def _refusing(handler, code: grpc.StatusCode, message: str):
     if handler.unary_stream is not None:
         return grpc.unary_stream_rpc_method_handler(refuse_stream, **kwargs)
     return grpc.unary_unary_rpc_method_handler(refuse_unary, **kwargs)
+
+
+def metadata_bytes(metadata) -> int:
+    """A call's metadata size as HTTP/2 (and gRPC's limit) counts it: name + value + 32 bytes an entry."""
+    return sum(len(key) + len(value) + 32 for key, value in metadata or ())
+
+
+class MetadataLimitInterceptor(grpc.aio.ServerInterceptor):
+    """RESOURCE_EXHAUSTED, with the size and the limit, for a call whose metadata exceeds limits.MAX_METADATA_BYTES;
+    first, so auth never parses an oversized header list."""
+
+    def __init__(self, metrics=None):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        size = metadata_bytes(details.invocation_metadata)
+        if handler is None or size <= MAX_METADATA_BYTES:
+            return handler
+        reason = (f"the call's metadata is {size} bytes in {len(details.invocation_metadata)} entries "
+                  f"(name + value + 32 an entry); at most {MAX_METADATA_BYTES}")
+        if self.metrics is not None:
+            self.metrics.on_request(details.method, "RESOURCE_EXHAUSTED")
+        log.info("%s refused: RESOURCE_EXHAUSTED: %s", details.method, reason)
+        return _refusing(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, reason)
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

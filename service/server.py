@@ -21,19 +21,22 @@ from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from .engine import Engine, InvalidArgument, QueueFull, Unavailable, make_batch
-from .limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, TRANSPORT_METADATA_BYTES, EngineLimits
 from .gate import GateResult, run_gate, warm_up
 from .metrics import Metrics
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import step_thread
-from .security import TokenAuthInterceptor, TokenFile, server_credentials
+from .security import MetadataLimitInterceptor, TokenAuthInterceptor, TokenFile, server_credentials
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .text import load_tokenizer
+from .tokenizing import TokenizeProcess
 
 log = logging.getLogger("kvserve.server")
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+# gRPC's own metadata limits, raised above limits.MAX_METADATA_BYTES so ours (with a message) is the one a client meets.
+TRANSPORT_METADATA = [("grpc.max_metadata_size", TRANSPORT_METADATA_BYTES), ("grpc.absolute_max_metadata_size", TRANSPORT_METADATA_BYTES)]
 FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
@@ -114,6 +117,15 @@ def _lenient(deserializer, method: str):
 DEADLINE_SLACK_S = 0.1
 
 
+def _passing_bytes(serializer):
+    """A response serializer that passes a response its handler already serialized (bytes) through as it is."""
+
+    def serialize(response):
+        return response if isinstance(response, bytes) else serializer(response)
+
+    return serialize
+
+
 def _ended_early(context: grpc.aio.ServicerContext) -> str:
     """The status of an RPC that ended without an answer: its deadline passed, or the client went away."""
     remaining = context.time_remaining()
@@ -158,7 +170,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(
                 unary, request_deserializer=_lenient(handler.request_deserializer, method),
-                response_serializer=handler.response_serializer,
+                response_serializer=_passing_bytes(handler.response_serializer),
             )
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
@@ -182,7 +194,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, request_deserializer=_lenient(handler.request_deserializer, method),
-                response_serializer=handler.response_serializer,
+                response_serializer=_passing_bytes(handler.response_serializer),
             )
         return handler
 
@@ -210,9 +222,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 yield _to_proto(event)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        engine = self.app.ready_engine()
-        ids = await engine.tokenize(request.text)
-        return pb.TokenizeResponse(ids=ids, pieces=[engine.tokenizer.decode([i]) for i in ids])
+        self.app.ready_engine().check_text("text", request.text)
+        return await self.app.tokenizing.respond(request.text)  # the serialized response: bytes pass through
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
         app = self.app
@@ -291,6 +302,7 @@ class App:
         self.runtime: DecoderRuntime | None = None
         self.engine: Engine | None = None
         self.steps = None  # the step thread (scheduler.step_thread), made in load(), closed after the engine
+        self.tokenizing: TokenizeProcess | None = None  # answers Tokenize calls (tokenizing.py), started in load()
         self.gate = GateResult(False, "not run yet")
         self.health: health.aio.HealthServicer | None = None  # both made in start(), on the serving loop
         self.server: grpc.aio.Server | None = None
@@ -332,8 +344,8 @@ class App:
         self.health = health.aio.HealthServicer()
         # No SO_REUSEPORT: a second server on a taken port must fail, not silently share its traffic.
         self.server = grpc.aio.server(
-            interceptors=[TokenAuthInterceptor(self.tokens, self.metrics), ErrorInterceptor(self.metrics)],
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.options.max_message_bytes)],
+            interceptors=[MetadataLimitInterceptor(self.metrics), TokenAuthInterceptor(self.tokens, self.metrics), ErrorInterceptor(self.metrics)],
+            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.options.max_message_bytes), *TRANSPORT_METADATA],
         )
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -351,7 +363,7 @@ class App:
             self.metrics.close()
             raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
         if self.options.health_port is not None:
-            self.health_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+            self.health_server = grpc.aio.server(interceptors=[MetadataLimitInterceptor()], options=[("grpc.so_reuseport", 0), *TRANSPORT_METADATA])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             health_address = f"{self.options.host}:{self.options.health_port}"
             try:
@@ -394,6 +406,7 @@ class App:
         log.info("execution provider: %s", self.runtime.provider)
         self.metrics.execution_provider.labels(provider=self.runtime.provider).set(1)
         tokenizer = load_tokenizer(self.artifact.tokenizer_path)
+        self.tokenizing = TokenizeProcess(self.artifact.tokenizer_path)
         # The gate, the warm-up (which captures the CUDA graphs) and every step run on the step thread: a graph
         # captured on another thread would not be replayed by the steps.
         steps = self.steps = step_thread()
@@ -452,6 +465,8 @@ class App:
             await self.health_server.stop(grace=None)
         if self.engine is not None:
             await self.engine.close()
+        if self.tokenizing is not None:
+            self.tokenizing.close()
         if self.steps is not None:
             self.steps.shutdown(wait=False)  # a load cancelled by a signal may still be running a gate or warm-up step
         self.metrics.close()

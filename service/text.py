@@ -16,6 +16,11 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def pieces(self, ids: list[int]) -> list[str]: ...
+
+
+_BYTE_PIECES = [bytes([i]).decode("utf-8", errors="replace") for i in range(256)]
+
 
 class ByteTokenizer:
     """One token per UTF-8 byte (ids 0-255); ids above 255 (end-of-sequence and the like) have no text."""
@@ -27,6 +32,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text, as decode([id]) gives it (a byte of a multi-byte character alone is U+FFFD)."""
+        return [_BYTE_PIECES[i] if i < 256 else "" for i in ids]
 
 
 class HFTokenizer:
@@ -46,6 +55,11 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text, in one call into the tokenizers library (which releases the GIL for a batch): a
+        Python call per id held the GIL for hundreds of milliseconds on a text at the size limit."""
+        return self._tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=True)
 
 
 def load_tokenizer(path: Path | None) -> Tokenizer:

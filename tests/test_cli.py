@@ -27,8 +27,13 @@ def one_line_error(result, *fragments):
         (["generate", "x", "--seed", "-1"], "--seed: -1 is outside"),
         (["generate", "x", "--timeout", "0"], "--timeout: 0 is outside"),
         (["health", "--wait", "-1"], "--wait: -1 is outside"),
+        (["generate", "x", "--target", "notahost:abc"], "--target: 'notahost:abc': the port 'abc' is not a number"),
+        (["health", "--target", "localhost"], "--target: 'localhost' is not HOST:PORT"),
+        (["health", "--target", "::1:5"], "--target: '::1:5' is not HOST:PORT"),
+        (["generate", "x", "--target", "host:70000"], "the port '70000' is not a number in [1, 65535]"),
     ],
-    ids=["negative max new tokens", "negative seed", "zero timeout", "negative wait"],
+    ids=["negative max new tokens", "negative seed", "zero timeout", "negative wait", "unparseable port", "no port",
+         "unbracketed ipv6", "port out of range"],
 )
 def test_client_flags_out_of_range(args, message):
     one_line_error(run_cli(*args), message)
