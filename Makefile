@@ -71,12 +71,10 @@ test: setup system-tools
 	$(BIN)/python -m pytest -q
 
 bench: setup
-	$(BIN)/python bench/decode_latency.py --artifact $(ARTIFACTS)/gpt2 --inplace-artifact $(ARTIFACTS)/gpt2-inplace
+	$(BIN)/python bench/decode_latency.py --artifact $(ARTIFACTS)/gpt2
 	$(BIN)/python bench/grpc_load.py --artifact $(ARTIFACTS)/gpt2
-	test -d $(ARTIFACTS)/gpt2-slots || $(BIN)/kvserve export --preset gpt2 --out $(ARTIFACTS)/gpt2-slots
-	$(BIN)/python bench/serving_latency.py --new $(ARTIFACTS)/gpt2-slots --baseline $(ARTIFACTS)/gpt2
-	$(BIN)/python bench/greedy_tokens.py --artifact $(ARTIFACTS)/gpt2-slots --baseline $(ARTIFACTS)/gpt2-logits
-	$(BIN)/python bench/int8_decode.py --artifact $(ARTIFACTS)/gpt2-slots
+	$(BIN)/python bench/serving_latency.py --new $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/int8_decode.py --artifact $(ARTIFACTS)/gpt2
 	$(BIN)/python bench/llama_decode.py --artifact $(ARTIFACTS)/llama-135m
 	$(BIN)/python bench/int8_quality.py --checkpoint $(MODEL)
 

@@ -64,7 +64,7 @@ def warm_batch(artifact, provider: str, cuda_graph: bool, rows: int) -> tuple[De
     """A runtime and a serving batch of rows over a standard slots artifact, at exact shapes or (cuda_graph) the fixed
     shapes of `serve --cuda-graph`, every shape prepared, then warmed up: first runs pay allocation and kernel selection."""
     config = artifact.config
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache="slots", cuda_graph=cuda_graph)
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, cuda_graph=cuda_graph)
     batch = SlotBatch(runtime, config, rows, fixed_decode=cuda_graph)
     if cuda_graph:
         batch.prepare_decode_shapes()

@@ -2,11 +2,10 @@
 
 Batch 1, greedy, a 128-token prompt, 128 new tokens, the same weights everywhere. Decode tokens/s counts
 the 127 tokens after the first (prefill excluded). Also the cost of one decode step at past 16 vs past
-1,000. The ONNX graph is timed in both KV cache layouts (concat and inplace, see export/io_contract.py).
+1,000. The ONNX graph runs as the server runs a lone stream (the slots layout, bench/decode_step.py).
 Prints markdown tables and the machine it ran on.
 
-    python bench/decode_latency.py [--artifact artifacts/gpt2] [--inplace-artifact artifacts/gpt2-inplace]
-                                   [--provider auto|cpu|cuda] [--repeats 3]
+    python bench/decode_latency.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import onnx_step  # noqa: E402
+from decode_step import one_row_pool, onnx_step, slots_generate  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.export.artifact import open_artifact  # noqa: E402
@@ -58,23 +57,6 @@ def decode_rates(repeats: int, runners: list) -> list[tuple[float, float]]:
     return rates
 
 
-def onnx_generate(runtime: DecoderRuntime, config, prompt: list[int], n: int) -> list[int]:
-    ids = np.array([prompt], dtype=np.int64)
-    mask = np.ones_like(ids)
-    pos = np.arange(len(prompt), dtype=np.int64)[None]
-    out = runtime.run(ids, mask, pos, runtime.empty_past(1, config.n_head, config.d_head))
-    tokens = []
-    for step in range(n):
-        token = int(out.logits[0, -1].argmax())
-        tokens.append(token)
-        if step == n - 1:
-            break
-        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
-        pos = pos[:, -1:] + 1
-        out = runtime.run(np.array([[token]]), mask, pos, out.present)
-    return tokens
-
-
 def eager_step(model, past_len: int):
     config = model.config
     shape = (1, config.n_head, past_len, config.d_head)
@@ -103,32 +85,29 @@ def interleaved_median_ms(short, long, repeats: int = 40) -> tuple[float, float]
     return statistics.median(times[short]) * 1e3, statistics.median(times[long]) * 1e3
 
 
-def open_gpt2(path: str, kv_cache: str, provider: str, model, source) -> DecoderRuntime:
-    """A runtime over the gpt2 preset (seed 0) exported with kv_cache at path; exported there first if missing."""
+def open_gpt2(path: str, provider: str, model, source) -> DecoderRuntime:
+    """A runtime over the gpt2 preset (seed 0) exported at path (the slots layout); exported there first if missing."""
     if not Path(path).exists():
-        print(f"exporting the gpt2 preset ({kv_cache} KV cache) to {path} ...", file=sys.stderr)
-        export_artifact(model, source, path, provider=provider, kv_cache=kv_cache)
+        print(f"exporting the gpt2 preset to {path} ...", file=sys.stderr)
+        export_artifact(model, source, path, provider=provider)
     artifact = open_artifact(path)
-    if artifact.manifest["source"] != source or artifact.kv_cache != kv_cache:
-        sys.exit(f"{path} is not the gpt2 preset (seed 0) with the {kv_cache} KV cache")
+    if artifact.manifest["source"] != source or artifact.kv_cache != "slots":
+        sys.exit(f"{path} is not the gpt2 preset (seed 0) with the slots KV cache")
     config = artifact.config
-    return DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=kv_cache)
+    return DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--artifact", default="artifacts/gpt2", help="concat KV cache; exported here first if missing")
-    parser.add_argument("--inplace-artifact", default="artifacts/gpt2-inplace", help="inplace KV cache; exported if missing")
+    parser.add_argument("--artifact", default="artifacts/gpt2", help="the gpt2 preset's artifact; exported here first if missing")
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
     model, source = load_source("gpt2", None, seed=0)
-    concat = open_gpt2(args.artifact, "concat", args.provider, model, source)
-    inplace = open_gpt2(args.inplace_artifact, "inplace", args.provider, model, source)
-    if concat.kv_dtype != inplace.kv_dtype:
-        sys.exit(f"{args.artifact} and {args.inplace_artifact} differ in dtype; compare like with like")
+    runtime = open_gpt2(args.artifact, args.provider, model, source)
     config = model.config
+    pool = one_row_pool(runtime, config)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
 
     from transformers import GPT2LMHeadModel
@@ -147,14 +126,12 @@ def main() -> None:
     eager = generate(model, [prompt], 16).tokens[0].tolist()
     with torch.no_grad():
         theirs = hf.generate(input_ids=hf_ids, attention_mask=torch.ones_like(hf_ids), max_new_tokens=16, do_sample=False, pad_token_id=0)
-    ours = [onnx_generate(runtime, config, prompt, 16) for runtime in (concat, inplace)]
-    assert ours[0] == ours[1] == eager == theirs[0, PROMPT_LEN:].tolist(), "the implementations disagree; not timing"
+    ours = slots_generate(runtime, pool, prompt, 16)
+    assert ours == eager == theirs[0, PROMPT_LEN:].tolist(), "the implementations disagree; not timing"
 
-    provider = concat.provider
-    names = ["transformers generate (torch, KV cache)", "kvserve eager model (torch, KV cache)",
-             f"kvserve ONNX, concat KV cache ({provider})", f"kvserve ONNX, inplace KV cache ({provider})"]
-    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: onnx_generate(concat, config, prompt, n),
-               lambda n: onnx_generate(inplace, config, prompt, n)]
+    provider = runtime.provider
+    names = ["transformers generate (torch, KV cache)", "kvserve eager model (torch, KV cache)", f"kvserve ONNX, slots ({provider})"]
+    runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: slots_generate(runtime, pool, prompt, n)]
     rows = [(name, *rate) for name, rate in zip(names, decode_rates(args.repeats, runners))]
     hf_rate = rows[0][1]
     print(f"## Decode, gpt2 preset (124M), batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
@@ -165,9 +142,8 @@ def main() -> None:
     print("\n## One decode step (B=1, T=1), median ms, by past length (the two lengths timed alternately)\n")
     print("| implementation | past 16 | past 1,000 | ratio |")
     print("|---|---:|---:|---:|")
-    for name, runtime in ((f"kvserve ONNX, concat KV cache ({provider})", concat), (f"kvserve ONNX, inplace KV cache ({provider})", inplace)):
-        short, long = interleaved_median_ms(onnx_step(runtime, config, 16), onnx_step(runtime, config, 1000))
-        print(f"| {name} | {short:.2f} | {long:.2f} | {long / short:.2f}x |")
+    short, long = interleaved_median_ms(onnx_step(runtime, config, 16), onnx_step(runtime, config, 1000))
+    print(f"| kvserve ONNX, slots ({provider}) | {short:.2f} | {long:.2f} | {long / short:.2f}x |")
     short, long = interleaved_median_ms(eager_step(model, 16), eager_step(model, 1000))
     print(f"| kvserve eager | {short:.2f} | {long:.2f} | {long / short:.2f}x |")
     print(f"\nmachine: {describe(provider)}; torch {torch.__version__} ({torch.get_num_threads()} threads)")

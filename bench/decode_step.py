@@ -1,19 +1,39 @@
-"""One ONNX decode step at a chosen past length, shared by the benchmarks that time or profile it. No torch."""
+"""One ONNX decode step, and a lone stream's greedy generation, through a slots graph as the server runs them; shared
+by the benchmarks that time or profile them. No torch."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from kvserve.service.runtime import DecoderRuntime
+from kvserve.service.kv_slots import pool_capacity
+from kvserve.service.runtime import DecoderRuntime, SlotPool
+
+
+def one_row_pool(runtime: DecoderRuntime, config) -> SlotPool:
+    return runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
 
 
 def onnx_step(runtime: DecoderRuntime, config, past_len: int):
-    """A callable running one decode step (B=1, T=1) over a past of past_len positions. Every call starts from
-    the same past; an inplace buffer is rewritten at the same column each time, which changes nothing timed."""
-    rng = np.random.default_rng(0)
-    shape = (1, config.n_head, past_len, config.d_head)  # (B, H, P, d_k)
-    past = runtime.to_device([rng.standard_normal(shape).astype(runtime.kv_dtype) for _ in range(2 * config.n_layer)])
-    mask = np.ones((1, past_len + 1), dtype=np.int64)
-    pos = np.array([[past_len]], dtype=np.int64)
-    ids = np.array([[42]], dtype=np.int64)
-    return lambda: runtime.run(ids, mask, pos, past)
+    """A callable running one decode step of one row at position past_len (reading past_len + 1 columns). Every call
+    writes the same column, which changes nothing timed."""
+    pool = one_row_pool(runtime, config)
+    position = np.array([past_len], np.int64)  # (B,)
+    mask = np.ones((1, past_len + 1), np.int64)  # (B, W)
+    token, no_chunk, logits_index = np.array([42], np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64)
+    return lambda: runtime.run_slots(pool, token, position, mask, no_chunk, 0, 0, logits_index)
+
+
+def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n: int) -> list[int]:
+    """Greedy through the slots graph as the server runs a lone stream: the prompt as one chunk of row 0, then
+    one decode step per token (row 0 reads its own columns), each token the graph's greedy_tokens."""
+    scratch = np.array([pool.capacity - 1])
+    tokens = runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), np.asarray(prompt, np.int64), 0, 0,
+                               np.array([1 + len(prompt) - 1]), with_logits=False).greedy_tokens.tolist()
+    length = len(prompt)
+    while len(tokens) < n:
+        position = np.array([length])
+        mask = np.ones((1, length + 1), np.int64)  # (1, W): every column up to and including the new token's
+        tokens += runtime.run_slots(pool, np.array(tokens[-1:], np.int64), position, mask, np.zeros(0, np.int64), 0, 0, np.array([0]),
+                                    with_logits=False).greedy_tokens.tolist()
+        length += 1
+    return tokens

@@ -13,23 +13,20 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 for dtype in float32 float16; do
   step $PY -m kvserve.cli export --preset tiny --dtype $dtype --out "$ART/tiny-$dtype" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-$dtype.txt"
   step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --out "$ART/gpt2-$dtype" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype.txt"
-  step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache inplace --out "$ART/gpt2-$dtype-inplace" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-inplace.txt"
-  step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache slots --out "$ART/gpt2-$dtype-slots" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-slots.txt"
+  step $PY -m kvserve.cli export --preset gpt2 --dtype $dtype --kv-cache concat --out "$ART/gpt2-$dtype-concat" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-gpt2-$dtype-concat.txt"
 done
 # Llama family: fused attention (GroupQueryAttention, float16 only on CUDA) and float32, which auto keeps standard there.
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float16 --out "$ART/tiny-llama-float16" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float16-fused.txt"
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float32 --out "$ART/tiny-llama-float32" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float32.txt"
-step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_inplace_cache.py tests/service/test_kv_slots.py tests/service/test_fixed_decode.py tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
-step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" --inplace-artifact "$ART/gpt2-float32-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
-step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" --inplace-artifact "$ART/gpt2-float16-inplace" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
+step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_kv_slots.py tests/service/test_fixed_decode.py tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
+step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
+step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-grpc-cuda.txt"
-step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots" 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots.txt"
+step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16.txt"
 # CUDA graphs (serve --cuda-graph): decode steps captured per (rows, width) shape against uncaptured, in-process, both dtypes;
 # then the 16-stream load over gRPC with them.
-step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-slots" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp16.txt"
-step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float32-slots" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp32.txt"
-step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-slots" --cuda-graph 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots-graph.txt"
-# Greedy steps reading back the graph's greedy_tokens against reading back the logits (an export without that output).
-step $PY bench/greedy_tokens.py --provider cuda --dtype float16 --artifact "$ART/gpt2-float16-slots" --baseline "$ART/gpt2-float16-logits" 2>&1 | tee "$RESULTS/bench-greedy-tokens-fp16.txt"
-step $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32-slots" --baseline "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-serving-cuda.txt"
+step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp16.txt"
+step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp32.txt"
+step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16" --cuda-graph 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots-graph.txt"
+step $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-serving-cuda.txt"
 exit $status

@@ -94,15 +94,15 @@ class InProcess:
 
     def __init__(self, artifact_dir, provider, cuda_graph: bool = False):
         from kvserve.export.artifact import open_artifact
-        from kvserve.service.engine import make_batch
+        from kvserve.service.kv_slots import SlotBatch
         from kvserve.service.runtime import DecoderRuntime
         from kvserve.service.scheduler import step_thread
 
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
-        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache,
+        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider,
                                       cuda_graph=cuda_graph)
-        self.batch = make_batch(self.runtime, self.config, 16)  # one batch for every run: its decode shapes captured once
+        self.batch = SlotBatch(self.runtime, self.config, 16)  # one batch for every run: its decode shapes captured once
         self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
         if self.batch.fixed_decode:
             self.steps.submit(self.batch.prepare_decode_shapes).result()

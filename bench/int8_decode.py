@@ -102,7 +102,7 @@ def main() -> None:
             save_graph(quantized, directory)
             print(f"quantized {scheme} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
             graphs[scheme] = directory / "model.onnx"
-        runtimes = {name: DecoderRuntime(path, config.n_layer, "float32", "cpu", kv_cache="slots", threads=args.threads)
+        runtimes = {name: DecoderRuntime(path, config.n_layer, "float32", "cpu", threads=args.threads)
                     for name, path in graphs.items()}
         prompt = (np.arange(PROMPT_LEN) * 7919 + 13) % config.vocab_size
         best = {(name, rows): float("inf") for name in graphs for rows in args.batch}

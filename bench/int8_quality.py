@@ -38,7 +38,7 @@ class SlotsPrefill:
     def __init__(self, directory: Path):
         artifact = open_artifact(directory)
         config = artifact.config
-        self.runtime = DecoderRuntime(artifact.model_path, config.n_layer, "float32", "cpu", kv_cache="slots")
+        self.runtime = DecoderRuntime(artifact.model_path, config.n_layer, "float32", "cpu")
         self.pool = self.runtime.new_pool(1, config.n_head, config.d_head, pool_capacity(config))
 
     def logits(self, window: np.ndarray) -> np.ndarray:

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_latency import PROMPT_LEN, NEW_TOKENS, decode_rates  # noqa: E402
+from decode_step import one_row_pool, slots_generate  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.export.artifact import open_artifact  # noqa: E402
@@ -38,24 +39,6 @@ from kvserve.service.kv_slots import pool_capacity  # noqa: E402
 from kvserve.service.runtime import DecoderRuntime  # noqa: E402
 
 PRESET = "llama-135m"
-
-
-def slots_generate(runtime: DecoderRuntime, pool, prompt: list[int], n: int) -> list[int]:
-    """Greedy through the slots graph as the server runs a lone stream: the prompt as one chunk of row 0, then
-    one decode step per token (row 0 reads its own columns)."""
-    scratch = np.array([pool.capacity - 1])
-    logits = runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), np.asarray(prompt, np.int64), 0, 0,
-                               np.array([1 + len(prompt) - 1])).logits
-    tokens, length = [], len(prompt)
-    for step in range(n):
-        tokens.append(int(logits[0].argmax()))
-        if step == n - 1:
-            break
-        position = np.array([length])
-        mask = np.ones((1, length + 1), np.int64)  # (1, W): every column up to and including the new token's
-        logits = runtime.run_slots(pool, np.array(tokens[-1:], np.int64), position, mask, np.zeros(0, np.int64), 0, 0, np.array([0])).logits
-        length += 1
-    return tokens
 
 
 def main() -> None:
@@ -76,8 +59,8 @@ def main() -> None:
         if artifact.manifest["source"] != source or artifact.kv_cache != "slots" or artifact.attention != attention:
             sys.exit(f"{path} is not the {PRESET} preset (seed 0) with the slots KV cache and {attention} attention")
         config = artifact.config
-        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider, kv_cache="slots")
-        graphs[attention] = (runtime, runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config)))
+        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, args.provider)
+        graphs[attention] = (runtime, one_row_pool(runtime, config))
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
 
     from transformers import LlamaForCausalLM

@@ -2,9 +2,9 @@
 
 One decode step (B=1, T=1) of an artifact, run `--steps` times at past 16 and at past 1,000 with profiling on;
 prints the kernel milliseconds per step of the operator types that cost the most, so a change in the cost
-of a long past can be pinned to the ops behind it (for the concat KV cache: Concat; for inplace: ScatterND).
+of a long past can be pinned to the ops behind it (the slots graph: its K/V write is a ScatterND into the pool).
 
-    python bench/step_profile.py --artifact artifacts/gpt2-inplace [--steps 20] [--top 8]
+    python bench/step_profile.py --artifact artifacts/gpt2 [--steps 20] [--top 8]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ PAST_LENGTHS = (16, 1000)
 def kernel_ms_per_op(artifact, past_len: int, steps: int) -> dict[str, float]:
     """{operator type: kernel ms per step} over `steps` decode steps at past_len, on the CPU provider."""
     config = artifact.config
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu", kv_cache=artifact.kv_cache)
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         options = ort.SessionOptions()
         options.enable_profiling = True

@@ -5,7 +5,7 @@
 #   KVSERVE_EXPORT_CHECKPOINT  a transformers checkpoint directory (GPT-2, Llama, Qwen2, Mistral) to export, or
 #   KVSERVE_EXPORT_PRESET      a preset (tiny, gpt2, tiny-llama, llama-135m) when no checkpoint is given (default gpt2)
 #   KVSERVE_EXPORT_DTYPE       float32 or float16 (default float32)
-#   KVSERVE_EXPORT_KV_CACHE    slots, concat or inplace (default slots; see README, "The graph's KV contract")
+#   KVSERVE_EXPORT_KV_CACHE    slots or concat (default slots, the one kvserve serves; docs/kv-contract.md)
 #   KVSERVE_EXPORT_QUANTIZE    int8 for 8-bit weights (README, "Int8"); empty for float weights (default)
 #   KVSERVE_VERIFY_PROVIDER    provider for the parity check (default auto)
 set -eu

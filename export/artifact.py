@@ -22,7 +22,7 @@ from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 from kvserve.model.hf_config import config_from_hf
 
-from .io_contract import ATTENTIONS, CONCAT, DTYPES, GREEDY_TOKENS, KV_CACHES, QUANTIZATIONS, STANDARD
+from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -31,7 +31,8 @@ MANIFEST_FILE = "manifest.json"
 GOLDEN_FILE = "golden.npz"
 PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
-FORMAT = "kvserve-artifact/1"
+# Format 2: the slots graph always outputs greedy_tokens, and the inplace layout is gone; kvserve reads format 2 alone.
+FORMAT = "kvserve-artifact/2"
 
 
 class ArtifactError(UserError, ValueError):
@@ -84,23 +85,18 @@ class Artifact:
 
     @property
     def architecture(self) -> str:
-        """The decoder family, "gpt2" or "llama" (DecoderConfig.architecture); artifacts from before the Llama family are GPT-2."""
-        return self.manifest.get("architecture", self.config.architecture)
+        """The decoder family, "gpt2" or "llama" (DecoderConfig.architecture)."""
+        return self.manifest["architecture"]
 
     @property
     def kv_cache(self) -> str:
-        """The graph's KV cache layout, io_contract.CONCAT or INPLACE."""
-        return self.manifest.get("kv_cache", CONCAT)
+        """The graph's KV cache layout, io_contract.SLOTS (what the server serves) or CONCAT (for other tools)."""
+        return self.manifest["kv_cache"]
 
     @property
     def attention(self) -> str:
-        """A slots graph's attention, io_contract.STANDARD or FUSED; artifacts from before fused attention are standard."""
-        return self.manifest.get("attention", STANDARD)
-
-    @property
-    def greedy_tokens(self) -> bool:
-        """Whether the graph outputs each sampled row's argmax (io_contract.GREEDY_TOKENS): slots artifacts from before it do not."""
-        return GREEDY_TOKENS in self.manifest.get("outputs", {})
+        """The graph's attention, io_contract.STANDARD or FUSED (slots graphs of the Llama family)."""
+        return self.manifest["attention"]
 
     @property
     def quantization(self) -> str | None:
@@ -147,7 +143,7 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{where}: not a JSON object")
     if manifest.get("format") != FORMAT:
-        raise ArtifactError(f"{where}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+        raise ArtifactError(f"{where}: format {manifest.get('format')!r}; this kvserve reads {FORMAT!r}: re-export with kvserve export")
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
         raise ArtifactError(f"{where}: 'files' must map each file name to its sha256, got {type(files).__name__}")
@@ -155,17 +151,15 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
         raise ArtifactError(f"{where}: 'files' lacks {MODEL_FILE}")
     if manifest.get("dtype") not in DTYPES:
         raise ArtifactError(f"{where}: dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}")
-    if manifest.get("kv_cache", CONCAT) not in KV_CACHES:
-        raise ArtifactError(
-            f"{directory / MANIFEST_FILE}: kv_cache {manifest['kv_cache']!r} is not one of {', '.join(KV_CACHES)}"
-        )
-    if manifest.get("attention", STANDARD) not in ATTENTIONS:
-        raise ArtifactError(f"{where}: attention {manifest['attention']!r} is not one of {', '.join(ATTENTIONS)}")
+    if manifest.get("kv_cache") not in KV_CACHES:
+        raise ArtifactError(f"{where}: kv_cache {manifest.get('kv_cache')!r} is not one of {', '.join(KV_CACHES)}")
+    if manifest.get("attention") not in ATTENTIONS:
+        raise ArtifactError(f"{where}: attention {manifest.get('attention')!r} is not one of {', '.join(ATTENTIONS)}")
     quantization = manifest.get("quantization")
     if quantization is not None and (not isinstance(quantization, dict) or quantization.get("scheme") not in QUANTIZATIONS):
         raise ArtifactError(f"{where}: quantization must be null or an object whose scheme is one of {', '.join(QUANTIZATIONS)}")
-    architecture = manifest.get("architecture", config.architecture)
-    if architecture != config.architecture or manifest.get("model_type", config.model_type) != config.model_type:
+    architecture = manifest.get("architecture")
+    if architecture != config.architecture or manifest.get("model_type") != config.model_type:
         raise ArtifactError(
             f"{where}: architecture {architecture!r} ({manifest.get('model_type')!r}) disagrees with config.json's "
             f"model_type {config.model_type!r}"

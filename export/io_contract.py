@@ -16,25 +16,11 @@ other tools can drive a kvserve artifact:
 One graph serves both phases: a prefill passes past_sequence_length = 0. num_heads in the K/V shapes is the
 model's K/V head count (num_key_value_heads): fewer than its query heads for a grouped-query model.
 
-That is the `concat` KV cache, the default: present is a new tensor, past plus this step. Its decode step
-copies the whole cache, which grows costly with a long past on a CPU. The `inplace` cache keeps the names
-and changes the cache to a preallocated buffer of cache_capacity columns that present shares with past
-(onnxruntime-genai calls this past_present_share_buffer; the write columns are HF's cache_position):
+That is the `concat` KV cache: present is a new tensor, past plus this step. kvserve exports it for tools
+that drive the graph Optimum-style and verifies it by parity; the server does not serve it (its decode step
+copies the whole cache).
 
-    input_ids                   (batch_size, sequence_length)                          int64
-    attention_mask              (batch_size, cache_capacity)                           int64, 0 = padding or unused
-    position_ids                (batch_size, sequence_length)                          int64
-    cache_position              (sequence_length,)                                     int64, columns written
-    past_key_values.{i}.key     (batch_size, num_heads, cache_capacity, head_dim)      model dtype
-    past_key_values.{i}.value   (batch_size, num_heads, cache_capacity, head_dim)      model dtype
- -> logits                      (batch_size, sequence_length, vocab_size)              float32
-    present.{i}.key             (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
-    present.{i}.value           (batch_size, num_heads, cache_capacity, head_dim)
-
-Each present.{i} is a ScatterND on past.{i}: bound (IO binding) to the same memory as past, ONNX Runtime
-writes only the cache_position columns. A query at column c attends to the columns <= c that the mask keeps.
-
-The `slots` cache is what the server runs best (and export's default): the cache is a pool of rows, one per
+The `slots` cache is what the server runs (and export's default): the cache is a pool of rows, one per
 sequence, each left-aligned (the token at position p lives in column p) with its own length, and one step
 runs one new token for every row plus a chunk of one row's prompt, in a single pass over the weights:
 
@@ -55,8 +41,7 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
 Only the tokens named by logits_index reach the LM head and the host: in serving, one per row that samples.
 greedy_tokens is each of those rows' argmax (the first on a tie, as numpy's), computed where the step runs: a
 step whose rows all choose greedily reads back K tokens instead of K x vocab_size logits (on a GPU, 128 bytes
-instead of 3.2 MB for 16 gpt2 rows). Slots artifacts exported before it existed lack it; the runtime then
-reads the logits (io_spec's greedy_tokens=False, and the manifest's outputs, say which an artifact is).
+instead of 3.2 MB for 16 gpt2 rows).
 
 A `slots` graph's attention is `standard` (the ops above) or `fused` (Llama family, head_dim a multiple of 16:
 ONNX Runtime's com.microsoft.GroupQueryAttention does rotation, cache write and attention, model/
@@ -93,7 +78,6 @@ BATCH = "batch_size"
 SEQUENCE = "sequence_length"
 PAST = "past_sequence_length"
 TOTAL = "past_sequence_length + sequence_length"
-CACHE_POSITION = "cache_position"
 CAPACITY = "cache_capacity"
 
 DECODE_WIDTH = "decode_width"
@@ -106,11 +90,11 @@ CHUNK_WIDTH = "chunk_width"
 CHUNK_SLOT = "chunk_slot"
 LOGITS_INDEX = "logits_index"
 
-CONCAT, INPLACE, SLOTS = "concat", "inplace", "slots"
+CONCAT, SLOTS = "concat", "slots"
 STANDARD, FUSED = "standard", "fused"
 ATTENTIONS = (STANDARD, FUSED)
-KV_CACHES = (SLOTS, CONCAT, INPLACE)
-DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: the layout the server serves best
+KV_CACHES = (SLOTS, CONCAT)
+DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: the layout the server serves
 
 # The KV cache axis order, (B, H, S, d_k): the sequence axis is 2.
 KV_SEQUENCE_AXIS = 2
@@ -144,20 +128,19 @@ def input_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD)
     if kv_cache == SLOTS:
         step = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, CHUNK_IDS, CHUNK_POSITION_IDS, CHUNK_ATTENTION_MASK, CHUNK_SLOT, LOGITS_INDEX]
     else:
-        step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS] + ([CACHE_POSITION] if kv_cache == INPLACE else [])
+        step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS]
     return step + [n for i in range(n_layer) for n in past_names(i)]
 
 
-def output_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD, greedy_tokens: bool = True) -> list[str]:
-    step = [LOGITS, GREEDY_TOKENS] if kv_cache == SLOTS and greedy_tokens else [LOGITS]
+def output_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD) -> list[str]:
+    step = [LOGITS, GREEDY_TOKENS] if kv_cache == SLOTS else [LOGITS]
     chunk = [n for i in range(n_layer) for n in chunk_present_names(i)] if attention == FUSED else []
     return step + [n for i in range(n_layer) for n in present_names(i)] + chunk
 
 
 def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT,
-            attention: str = STANDARD, greedy_tokens: bool = True) -> dict[str, dict]:
-    """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes.
-    greedy_tokens=False: a slots graph from before that output (the concat and inplace graphs never have it)."""
+            attention: str = STANDARD) -> dict[str, dict]:
+    """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     if kv_cache not in KV_CACHES:
@@ -165,26 +148,22 @@ def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: s
     if attention not in ATTENTIONS or (attention == FUSED and kv_cache != SLOTS):
         raise ValueError(f"unsupported attention {attention!r} for the {kv_cache} KV cache")
     if kv_cache == SLOTS:
-        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, dtype, attention, greedy_tokens)
-    past_axis, present_axis = (PAST, TOTAL) if kv_cache == CONCAT else (CAPACITY, CAPACITY)
+        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, dtype, attention)
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
-        ATTENTION_MASK: {"shape": [BATCH, present_axis], "dtype": "int64"},
+        ATTENTION_MASK: {"shape": [BATCH, TOTAL], "dtype": "int64"},
         POSITION_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
     }
-    if kv_cache == INPLACE:
-        inputs[CACHE_POSITION] = {"shape": [SEQUENCE], "dtype": "int64"}
     outputs = {LOGITS: {"shape": [BATCH, SEQUENCE, vocab_size], "dtype": "float32"}}
     for layer in range(n_layer):
         for name in past_names(layer):
-            inputs[name] = {"shape": [BATCH, n_kv_head, past_axis, d_head], "dtype": dtype}
+            inputs[name] = {"shape": [BATCH, n_kv_head, PAST, d_head], "dtype": dtype}
         for name in present_names(layer):
-            outputs[name] = {"shape": [BATCH, n_kv_head, present_axis, d_head], "dtype": dtype}
+            outputs[name] = {"shape": [BATCH, n_kv_head, TOTAL, d_head], "dtype": dtype}
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, attention: str,
-                greedy_tokens: bool) -> dict[str, dict]:
+def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, attention: str) -> dict[str, dict]:
     inputs = {
         INPUT_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
         POSITION_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
@@ -195,9 +174,7 @@ def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtyp
         CHUNK_SLOT: {"shape": [1], "dtype": "int64"},
         LOGITS_INDEX: {"shape": [NUM_LOGITS], "dtype": "int64"},
     }
-    outputs = {LOGITS: {"shape": [NUM_LOGITS, vocab_size], "dtype": "float32"}}
-    if greedy_tokens:
-        outputs[GREEDY_TOKENS] = {"shape": [NUM_LOGITS], "dtype": "int64"}
+    outputs = {LOGITS: {"shape": [NUM_LOGITS, vocab_size], "dtype": "float32"}, GREEDY_TOKENS: {"shape": [NUM_LOGITS], "dtype": "int64"}}
     kv = {"shape": [BATCH, n_kv_head, CAPACITY, d_head], "dtype": dtype}
     for layer in range(n_layer):
         inputs.update({name: dict(kv) for name in past_names(layer)})

@@ -40,26 +40,14 @@ class _FlatSignature(nn.Module):
         return logits, tuple(presents)
 
 
-class _InplaceSignature(_FlatSignature):
-    """(input_ids, attention_mask, position_ids, cache_position, past) -> (logits, present)."""
-
-    def forward(self, input_ids, attention_mask, position_ids, cache_position, past_key_values):
-        logits, presents = self.model(input_ids, attention_mask, position_ids, list(past_key_values), cache_position)
-        return logits, tuple(presents)
-
-
 class _SlotsSignature(_FlatSignature):
     """The `slots` step: (decode tokens, chunk, logits_index, row pool) -> (logits, greedy tokens, pool written in place)."""
 
-    def __init__(self, model: Decoder, greedy_tokens: bool = True):
-        super().__init__(model)
-        self.greedy_tokens = greedy_tokens
-
     def _step(self, logits: torch.Tensor) -> tuple:
-        """(K, V) logits -> the step's outputs before the K/V: the logits and, unless left out, each row's argmax (K,).
+        """(K, V) logits -> the step's outputs before the K/V: the logits and each row's argmax (K,).
         Spelled as a top-1 (ONNX TopK, the lower index first on a tie, as ArgMax and numpy): ONNX Runtime's CPU ArgMax
-        took 0.41 ms over 16 x 50,257 logits where TopK took 0.16-0.17 (bench/greedy_tokens.py, 2-core Xeon VM)."""
-        return (logits, logits.topk(1, dim=-1).indices.squeeze(-1)) if self.greedy_tokens else (logits,)
+        took 0.41 ms over 16 x 50,257 logits where TopK took 0.16-0.17 (bench/results/cpu-2core.md, 2-core Xeon VM)."""
+        return logits, logits.topk(1, dim=-1).indices.squeeze(-1)
 
     def forward(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
                 logits_index, past_key_values):
@@ -128,20 +116,17 @@ def _slots_example_inputs(model: Decoder, dtype: torch.dtype):
     return step + (kv,)
 
 
-def _example_inputs(model: Decoder, dtype: torch.dtype, kv_cache: str):
+def _concat_example_inputs(model: Decoder, dtype: torch.dtype):
     # Sizes of 2 and more keep every axis symbolic while tracing (0 and 1 would be specialised);
     # the graph still runs with a zero-length past, which the parity checks exercise.
     config = model.config
     batch, seq, past = 2, 3, 4
-    columns = past if kv_cache == io.CONCAT else past + seq + 1  # inplace: a buffer with room to spare
-    kv_shape = (batch, config.n_kv_head, columns, config.d_head)  # (B, H_kv, P or C, d_k)
+    kv_shape = (batch, config.n_kv_head, past, config.d_head)  # (B, H_kv, P, d_k)
     step = (
         torch.zeros(batch, seq, dtype=torch.int64),
-        torch.ones(batch, past + seq if kv_cache == io.CONCAT else columns, dtype=torch.int64),
+        torch.ones(batch, past + seq, dtype=torch.int64),  # (B, P + T)
         torch.zeros(batch, seq, dtype=torch.int64),
     )
-    if kv_cache == io.INPLACE:
-        step += (torch.arange(past, past + seq, dtype=torch.int64),)  # (T,)
     kv = tuple((torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in range(config.n_layer))
     return step + (kv,)
 
@@ -184,11 +169,9 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
     return problems
 
 
-def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention: str = io.STANDARD,
-                greedy_tokens: bool = True) -> tuple[onnx.ModelProto, dict]:
+def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention: str = io.STANDARD) -> tuple[onnx.ModelProto, dict]:
     """Trace model in dtype with the kv_cache layout and attention: the graph, checked against the contract, and the
-    manifest's facts about it (save_graph writes it). greedy_tokens=False leaves that output out of a slots graph, as
-    kvserve exported it before (for comparisons and for the runtime's tests of such artifacts)."""
+    manifest's facts about it (save_graph writes it)."""
     if attention == io.FUSED and (refusal := fused_attention_refusal(model, kv_cache)):
         raise ValueError(refusal)
     config = model.config
@@ -198,39 +181,36 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
     dynamic = Dim.DYNAMIC
     step_axes = {name: {0: dynamic, 1: dynamic} for name in ("input_ids", "attention_mask", "position_ids")}
     kv_axes = tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer))
-    example, translations = None, {}
+    translations = {}
     if attention == io.FUSED:
         declare_operators()
         translations = {torch.ops.kvserve.rows_and_chunk_attention.default: rows_and_chunk_placeholder}
-        signature, example = _FusedSlotsSignature(model, greedy_tokens), _fused_example_inputs(model, torch_dtype)
+        signature, example = _FusedSlotsSignature(model), _fused_example_inputs(model, torch_dtype)
         dynamic_shapes = {
             "input_ids": step_axes["input_ids"], "position_ids": step_axes["position_ids"], "chunk_ids": {1: dynamic},
             "chunk_position_ids": {1: dynamic}, "logits_index": {0: dynamic}, "past_key_values": kv_axes,
             "chunk_key_values": tuple(({2: dynamic}, {2: dynamic}) for _ in range(n_layer)),
         }
     elif kv_cache == io.CONCAT:
-        signature = _FlatSignature(model)
+        signature, example = _FlatSignature(model), _concat_example_inputs(model, torch_dtype)
         dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
-    elif kv_cache == io.SLOTS:
-        signature, example = _SlotsSignature(model, greedy_tokens), _slots_example_inputs(model, torch_dtype)
+    else:
+        signature, example = _SlotsSignature(model), _slots_example_inputs(model, torch_dtype)
         dynamic_shapes = {
             "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "attention_mask": {0: dynamic, 1: dynamic},
             "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_attention_mask": {1: dynamic}, "chunk_slot": None,
             "logits_index": {0: dynamic}, "past_key_values": kv_axes,
         }
-    else:
-        signature = _InplaceSignature(model)
-        dynamic_shapes = {**step_axes, "cache_position": {0: dynamic}, "past_key_values": kv_axes}
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's concern
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
         program = torch.onnx.export(
             signature,
-            example or _example_inputs(model, torch_dtype, kv_cache),
+            example,
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
             input_names=io.input_names(n_layer, kv_cache, attention),
-            output_names=io.output_names(n_layer, kv_cache, attention, greedy_tokens),
+            output_names=io.output_names(n_layer, kv_cache, attention),
             opset_version=OPSET,
             custom_translation_table=translations,
             verbose=False,
@@ -238,12 +218,12 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.CONCAT, attention
     model_proto = program.model_proto
     if attention == io.FUSED:
         expand_rows_and_chunk_attention(model_proto, dtype)
-    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, greedy_tokens)
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention)
     _name_axes(model_proto, spec)
-    if kv_cache in (io.INPLACE, io.SLOTS):
+    if kv_cache == io.SLOTS:
         problems = inplace_write_problems(model_proto.graph, n_layer, attention)
         if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
-            raise RuntimeError(f"the {kv_cache} KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
+            raise RuntimeError("the slots KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
     return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, "attention": attention, **spec}
 
 

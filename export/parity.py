@@ -29,7 +29,7 @@ from kvserve.service.kv_slots import pool_capacity
 from kvserve.service.runtime import DecoderRuntime
 
 from .artifact import ArtifactError, open_artifact
-from .io_contract import SLOTS
+from . import io_contract as io
 from .quality import eval_windows, greedy_tokens, text_quality
 from .tolerances import TOLERANCES, Tolerance, kl_divergence, logits_bound
 
@@ -101,36 +101,38 @@ def _kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real:
     return np.stack(per_layer)  # (L, H)
 
 
-class _PaddedDriver:
-    """Drives a concat or inplace graph the way Optimum-style tools do: a left-padded batch in one cache."""
+class _ConcatDriver:
+    """Drives a concat graph the way Optimum-style tools do: a left-padded batch, each step's present fed back as past."""
 
-    argmax_rows = argmax_mismatches = 0  # these graphs have no greedy_tokens output to check
+    argmax_rows = argmax_mismatches = 0  # a concat graph has no greedy_tokens output to check
 
     def __init__(self, runtime: DecoderRuntime, config):
         self.runtime, self.config = runtime, config
+        self.past_names = [name for layer in range(config.n_layer) for name in io.past_names(layer)]
+
+    def _run(self, ids, past) -> np.ndarray:
+        feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: self.mask.numpy(), io.POSITION_IDS: self.pos.numpy(), **dict(zip(self.past_names, past))}
+        logits, *self.past = self.runtime.session.run(None, feeds)
+        return logits  # (B, T, V)
 
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """Prompts from an empty cache; returns each row's logits at every prompt position, (L_r, V)."""
         ids, self.mask = left_pad(prompts)  # (B, T)
         self.pos = position_ids_from_mask(self.mask)
-        empty = self.runtime.empty_past(len(prompts), self.config.n_kv_head, self.config.d_head)
-        out = self.runtime.run(ids.numpy(), self.mask.numpy(), self.pos.numpy(), empty)
-        self.past = out.present
+        empty = np.zeros((len(prompts), self.config.n_kv_head, 0, self.config.d_head), self.runtime.kv_dtype)  # (B, H_kv, 0, d_k)
+        logits = self._run(ids.numpy(), [empty] * len(self.past_names))
         real = self.mask.numpy().astype(bool)
-        return [out.logits[row][real[row]] for row in range(len(prompts))]
+        return [logits[row][real[row]] for row in range(len(prompts))]
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         """One token per row (B,); returns the next-token logits (B, V)."""
         self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
         self.pos = self.pos[:, -1:] + 1  # (B, 1)
-        out = self.runtime.run(np.asarray(tokens, np.int64)[:, None], self.mask.numpy(), self.pos.numpy(), self.past)
-        self.past = out.present
-        return out.logits[:, -1]
+        return self._run(np.asarray(tokens, np.int64)[:, None], self.past)[:, -1]
 
     def kv(self) -> list[list[np.ndarray]]:
         real = self.mask.numpy().astype(bool)
-        cache = self.runtime.to_host(self.past)
-        return [[a[row][:, real[row]] for a in cache] for row in range(real.shape[0])]
+        return [[a[row][:, real[row]] for a in self.past] for row in range(real.shape[0])]
 
 
 class _SlotsDriver:
@@ -148,9 +150,8 @@ class _SlotsDriver:
         mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
         sampled = self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
                                          np.asarray(logits_index, np.int64))
-        if sampled.greedy_tokens is not None:
-            self.argmax_rows += len(sampled.greedy_tokens)
-            self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
+        self.argmax_rows += len(sampled.greedy_tokens)
+        self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
         return sampled.logits
 
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
@@ -180,16 +181,21 @@ class _SlotsDriver:
 
 def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: int, provider: str = "auto") -> np.ndarray:
     """The artifact's own greedy continuation of prompts, (B, steps): a slots artifact a row per prompt as the
-    server runs it, a concat or inplace one as one left-padded batch, Optimum-style."""
+    server runs it, a concat one as one left-padded batch, Optimum-style."""
     artifact = open_artifact(artifact_dir)
-    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache)
-    driver = _SlotsDriver(runtime, artifact.config, pool_capacity(artifact.config)) if artifact.kv_cache == SLOTS else _PaddedDriver(runtime, artifact.config)
-    return greedy_tokens(driver, prompts, steps)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, provider)
+    return greedy_tokens(_driver(runtime, artifact), prompts, steps)
+
+
+def _driver(runtime: DecoderRuntime, artifact):
+    if artifact.kv_cache == io.SLOTS:
+        return _SlotsDriver(runtime, artifact.config, pool_capacity(artifact.config))
+    return _ConcatDriver(runtime, artifact.config)
 
 
 @torch.no_grad()
 def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto", steps: int = 8) -> dict:
-    """Run every check; return the report (see print_report). Never raises on a parity failure."""
+    """Run every check; return the report (see format_report). Never raises on a parity failure."""
     artifact = open_artifact(artifact_dir)
     config = artifact.config
     if reference.config != config:
@@ -199,17 +205,13 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
         raise VerifyRefused(f"--steps must be in [1, {most_steps}] for this model (context {config.n_ctx}), got {steps}")
     reference = reference.float().eval()
     tolerance = TOLERANCES[artifact.precision]
-    # An inplace cache starts at 16 columns here, so the decode and greedy checks cross a buffer growth.
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, kv_cache=artifact.kv_cache, min_capacity=16)
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
     problems = contract_problems(runtime, artifact)
     if problems:  # e.g. an artifact from a kvserve whose graph for this layout differed: driving it would fail midway
         raise VerifyRefused(f"{artifact.directory}: the graph is not the contract its manifest declares ({'; '.join(problems[:2])}); re-export it")
     rng = np.random.default_rng(0)
     max_prompt = max(1, min(33, config.n_ctx - steps - 1))
-    if artifact.kv_cache == SLOTS:
-        driver = _SlotsDriver(runtime, config, pool_capacity(config))
-    else:
-        driver = _PaddedDriver(runtime, config)
+    driver = _driver(runtime, artifact)
     checks: list[dict] = []
     kv_max = np.zeros((config.n_layer, config.n_kv_head))
 

@@ -86,7 +86,7 @@ def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: 
         quantized, facts = quantize_model(graph, scheme)
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
-    if kv_cache in (io.INPLACE, io.SLOTS):
+    if kv_cache == io.SLOTS:
         problems = inplace_write_problems(quantized.graph, n_layer, attention)
         if problems:
             raise RuntimeError("quantization broke the in-place KV write: " + "; ".join(problems[:3]))
@@ -122,10 +122,8 @@ def export_artifact(
     kv_cache: str = io.DEFAULT_KV_CACHE,
     quantize: str | None = None,
     attention: str = AUTO,
-    greedy_tokens: bool = True,
 ) -> dict:
-    """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched.
-    greedy_tokens=False: a slots graph without that output, as kvserve wrote them before it (for comparisons)."""
+    """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
     out = Path(out).resolve()
     if kv_cache not in io.KV_CACHES:
         raise ExportError(f"unknown KV cache layout {kv_cache!r}; choose one of {', '.join(io.KV_CACHES)}")
@@ -140,7 +138,7 @@ def export_artifact(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = model.float().eval()
-        proto, graph = trace_graph(model, dtype, kv_cache, attention, greedy_tokens)
+        proto, graph = trace_graph(model, dtype, kv_cache, attention)
         if quantize is not None:
             proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention)
         graph["external_data"] = save_graph(proto, staging)

@@ -172,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--out", required=True, help="the artifact directory to write")
     export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     export.add_argument(
-        "--kv-cache", choices=("slots", "concat", "inplace"), default="slots",
-        help="KV cache layout: slots (default: what the server runs best; a row per sequence, chunked prefill), "
-        "concat (present = past + step; Optimum's I/O) or inplace (one buffer written in place)",
+        "--kv-cache", choices=("slots", "concat"), default="slots",
+        help="KV cache layout: slots (default, what kvserve serves: a row per sequence, chunked prefill) or concat "
+        "(present = past + step; Optimum's I/O, for tools that drive the graph themselves; kvserve serve refuses it)",
     )
     export.add_argument(
         "--attention", choices=("auto", "fused", "standard"), default="auto",

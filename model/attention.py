@@ -1,14 +1,12 @@
 """Causal attention over the per-layer KV cache, shared by every architecture (gpt2.py, llama.py).
 
 A model projects its own Q, K and V (and rotates them, for Llama); from there the cache and the attention
-are the same. The cache comes in one of three layouts, the same ones the export offers (export/io_contract.py):
+are the same. The cache comes in one of two layouts, the same ones the export offers (export/io_contract.py):
 
-  concat   past (B, H_kv, P, d_k) -> present (B, H_kv, P + T, d_k): the new K/V are appended; the mask is
-           (B, P + T). P = 0 is a prefill.
-  inplace  a fixed-capacity buffer (B, H_kv, C, d_k) -> the same buffer with this step's K/V written at the
-           columns `cache_position` (T,); the mask is (B, C). Exported, present can be the very memory past
-           was, so a decode step writes one column instead of copying the whole cache (gpt-fast's idea).
-  slots    the server's own: a pool of per-sequence rows (S, H_kv, C, d_k), each row left-aligned (a token at
+  concat   the eager reference's, and an export format for tools that drive the graph Optimum-style: past
+           (B, H_kv, P, d_k) -> present (B, H_kv, P + T, d_k), the new K/V appended; the mask is (B, P + T).
+           P = 0 is a prefill.
+  slots    the server's: a pool of per-sequence rows (S, H_kv, C, d_k), each row left-aligned (a token at
            position p lives in column p); one step runs one new token for every row plus one chunk of one
            row's prompt, so decode and chunked prefill share one pass over the weights (SlotStep).
 
@@ -35,11 +33,9 @@ def attention_allowed(attention_mask: torch.Tensor, query_columns: torch.Tensor)
     return causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, T, S)
 
 
-def query_columns(attention_mask: torch.Tensor, steps: int, cache_position: torch.Tensor | None) -> torch.Tensor:
-    """The cache column of each of this step's T queries: the last T (concat), or cache_position (inplace)."""
-    if cache_position is None:
-        return torch.arange(steps, device=attention_mask.device) + attention_mask.shape[1] - steps  # (T,)
-    return cache_position  # (T,)
+def query_columns(attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """The cache column of each of this step's T queries: the last T of the mask's."""
+    return torch.arange(steps, device=attention_mask.device) + attention_mask.shape[1] - steps  # (T,)
 
 
 def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
@@ -49,18 +45,6 @@ def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
     Runtime 0.3 s of a 1.3 s 1,000-token prefill on the development VM; one Add costs a fraction of that.
     """
     return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
-
-
-def write_columns(buffer: torch.Tensor, columns: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-    """buffer (B, H, C, d_k) with new (B, H, T, d_k) written at the sequence columns (T,).
-
-    Spelled as one index_put over (batch, head, column) so the export is a single ScatterND whose data
-    input is the past itself (index_copy along dim 2 exports with a transpose of the whole buffer on
-    each side, which would copy it twice). Eager torch copies the buffer; the exported graph need not.
-    """
-    batch = torch.arange(buffer.shape[0], device=buffer.device)[:, None, None]  # (B, 1, 1)
-    head = torch.arange(buffer.shape[1], device=buffer.device)[None, :, None]  # (1, H, 1)
-    return torch.ops.aten.index_put(buffer, [batch, head, columns[None, None, :]], new)  # (B, H, C, d_k)
 
 
 def scaled_dot_product_attention(q, k, v, bias):
@@ -114,16 +98,12 @@ def chunk_attention(q, k, v, bias):
     return (weights @ v).view(H, T, d_k).transpose(0, 1).reshape(T, H * d_k)  # (T, H * d_k)
 
 
-def cached_attention(q, k, v, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
-    """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat or inplace cache.
+def cached_attention(q, k, v, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+    """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat cache.
     Returns the attention output (B, H, T, d_k) and the layer's present (K, V)."""
     past_k, past_v = past
-    if cache_position is None:
-        k = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, d_k)
-        v = torch.cat([past_v, v], dim=2)  # (B, H_kv, P + T, d_k)
-    else:
-        k = write_columns(past_k, cache_position, k)  # (B, H_kv, C, d_k)
-        v = write_columns(past_v, cache_position, v)  # (B, H_kv, C, d_k)
+    k = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, d_k)
+    v = torch.cat([past_v, v], dim=2)  # (B, H_kv, P + T, d_k)
     return scaled_dot_product_attention(q, k, v, bias), (k, v)
 
 

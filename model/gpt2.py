@@ -4,8 +4,8 @@ References: Radford et al., "Language Models are Unsupervised Multitask Learners
 names follow the published GPT-2 checkpoints so loading is a key-by-key copy (see checkpoint.py).
 
 One forward serves prefill and decode. It takes the tokens of this step, an attention mask over the cache
-columns (0 marks padding), explicit position ids, and the per-layer cache of K and V in the concat or
-inplace layout; forward_slots runs the server's `slots` layout. The layouts, and the attention over them,
+columns (0 marks padding), explicit position ids, and the per-layer cache of K and V in the concat
+layout; forward_slots runs the server's `slots` layout. The layouts, and the attention over them,
 live in attention.py, shared with the Llama family (llama.py). Logits are computed only where asked
 (logits_index) in a slots step.
 
@@ -39,13 +39,13 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
         self.c_proj = nn.Linear(config.d_model, config.d_model)  # W_O: mixes the concatenated heads
 
-    def forward(self, x, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
+    def forward(self, x, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
         q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         k = k.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         v = v.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
-        y, present = cached_attention(q, k, v, bias, past, cache_position)  # (B, H, T, d_k)
+        y, present = cached_attention(q, k, v, bias, past)  # (B, H, T, d_k)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads concatenated
         return self.c_proj(y), present
 
@@ -79,8 +79,8 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
-        attn_out, present = self.attn(self.ln_1(x), bias, past, cache_position)
+    def forward(self, x, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+        attn_out, present = self.attn(self.ln_1(x), bias, past)
         x = x + attn_out
         x = x + self.mlp(self.ln_2(x))
         return x, present
@@ -122,8 +122,8 @@ class GPT2(nn.Module):
         return self
 
     def empty_cache(self, batch_size: int, capacity: int = 0) -> list[LayerKV]:
-        """Zeroed K/V for every layer: a zero-length past (concat), or an empty buffer of capacity columns
-        (inplace): what a prefill starts from."""
+        """Zeroed K/V for every layer: a zero-length past (concat: what a prefill starts from), or with capacity
+        columns a pool of batch_size rows (slots)."""
         param = self.transformer.wte.weight
         shape = (batch_size, self.config.n_head, capacity, self.config.d_head)  # (B, H, C, d_k)
         return [(param.new_zeros(shape), param.new_zeros(shape)) for _ in range(self.config.n_layer)]
@@ -133,15 +133,14 @@ class GPT2(nn.Module):
         input_ids: torch.Tensor,  # (B, T) int64
         attention_mask: torch.Tensor,  # (B, S) int64 over the cache columns, 0 = padding
         position_ids: torch.Tensor,  # (B, T) int64
-        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H, P, d_k); inplace: (B, H, C, d_k)
-        cache_position: torch.Tensor | None = None,  # (T,) int64: inplace layout's write columns
+        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H, P, d_k)
     ) -> tuple[torch.Tensor, list[LayerKV]]:
-        columns = query_columns(attention_mask, input_ids.shape[1], cache_position)  # (T,)
+        columns = query_columns(attention_mask, input_ids.shape[1])  # (T,)
         bias = attention_bias(attention_allowed(attention_mask, columns))  # (B, 1, T, S)
         x = self.transformer.wte(input_ids) + self.transformer.wpe(position_ids)  # (B, T, C)
         presents = []
         for block, past in zip(self.transformer.h, past_key_values):
-            x, present = block(x, bias, past, cache_position)
+            x, present = block(x, bias, past)
             presents.append(present)
         x = self.transformer.ln_f(x)
         # Tied LM head; logits leave in float32 whatever the model's dtype, so sampling is precise.

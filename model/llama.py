@@ -106,11 +106,11 @@ class GroupedQueryAttention(nn.Module):
         q, k = rotate(qk, cos, sin).split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
         return q, k, v
 
-    def forward(self, x, cos, sin, bias, past: LayerKV, cache_position: torch.Tensor | None) -> tuple[torch.Tensor, LayerKV]:
+    def forward(self, x, cos, sin, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         """x (B, T, C); cos, sin (B, T, 1, d_k)."""
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, H, T, d_k), 2 x (B, H_kv, T, d_k)
-        y, present = cached_attention(q, k, v, bias, past, cache_position)  # (B, H, T, d_k)
+        y, present = cached_attention(q, k, v, bias, past)  # (B, H, T, d_k)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.d_head)  # (B, T, H * d_k): heads concatenated
         return self.o_proj(y), present
 
@@ -166,8 +166,8 @@ class LlamaBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, config.layer_norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x, cos, sin, bias, past: LayerKV, cache_position) -> tuple[torch.Tensor, LayerKV]:
-        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, bias, past, cache_position)
+    def forward(self, x, cos, sin, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+        attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, bias, past)
         x = x + attn_out
         x = x + self.mlp(self.post_attention_layernorm(x))
         return x, present
@@ -231,17 +231,16 @@ class Llama(nn.Module):
         input_ids: torch.Tensor,  # (B, T) int64
         attention_mask: torch.Tensor,  # (B, S) int64 over the cache columns, 0 = padding
         position_ids: torch.Tensor,  # (B, T) int64
-        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H_kv, P, d_k); inplace: (B, H_kv, C, d_k)
-        cache_position: torch.Tensor | None = None,  # (T,) int64: inplace layout's write columns
+        past_key_values: list[LayerKV],  # per layer (K, V), each (B, H_kv, P, d_k)
     ) -> tuple[torch.Tensor, list[LayerKV]]:
-        columns = query_columns(attention_mask, input_ids.shape[1], cache_position)  # (T,)
+        columns = query_columns(attention_mask, input_ids.shape[1])  # (T,)
         bias = attention_bias(attention_allowed(attention_mask, columns))  # (B, 1, T, S)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.rotary(position_ids, x.dtype)  # (B, T, d_k)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, d_k): the same angles for every head
         presents = []
         for block, past in zip(self.model.layers, past_key_values):
-            x, present = block(x, cos, sin, bias, past, cache_position)
+            x, present = block(x, cos, sin, bias, past)
             presents.append(present)
         return self.logits(x), presents  # (B, T, V)
 

@@ -1,6 +1,6 @@
 """The engine: takes requests, checks them against the model and the limits, queues them, and streams each
 sequence's events back to its caller. What runs in each model step is the scheduler's (scheduler.py); the
-rows and their KV cache are the batch's (kv_slots.py for slots artifacts, padded_batch.py for the others);
+rows and their KV cache are the batch's (kv_slots.py);
 a request's own state and events are its Sequence's (sequence.py).
 """
 
@@ -11,12 +11,10 @@ import itertools
 import logging
 import secrets
 
-from kvserve.export.io_contract import SLOTS
 from kvserve.model.config import DecoderConfig
 
 from .kv_slots import SlotBatch
 from .limits import MAX_SCALE, MIN_SCALE, EngineLimits
-from .padded_batch import PaddedBatch
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -57,11 +55,6 @@ class SequenceFailed(EngineError):
 # --- the engine (runs on the event loop) --------------------------------------------------------------
 
 
-def make_batch(runtime: DecoderRuntime, config: DecoderConfig, max_rows: int):
-    """The batch the artifact's KV cache layout calls for."""
-    return SlotBatch(runtime, config, max_rows) if runtime.kv_cache == SLOTS else PaddedBatch(runtime, config, max_rows)
-
-
 class Engine:
     """Accepts requests, runs the scheduler loop, streams each sequence's events back to its caller."""
 
@@ -72,7 +65,7 @@ class Engine:
         if limits.max_batch_size < 1 or limits.max_queue < 0 or limits.step_token_budget < 0:
             raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and step_token_budget >= 0")
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
-        self.batch = batch if batch is not None else make_batch(runtime, config, limits.max_batch_size)
+        self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size)
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._ids = itertools.count(1)
         self._accepting = True

@@ -65,7 +65,7 @@ class StepPlan:
 
 def needs_logits(seqs: list[Sequence]) -> bool:
     """Whether a step sampling for seqs must read their logits back, or their greedy tokens will do."""
-    return not all(seq.takes_greedy_token for seq in seqs)
+    return any(seq.needs_logits for seq in seqs)
 
 
 def pool_capacity(config: DecoderConfig) -> int:
@@ -73,17 +73,16 @@ def pool_capacity(config: DecoderConfig) -> int:
     return config.n_ctx + 1
 
 
-def advance_each(seqs: list[Sequence], logits: np.ndarray | None, rows: list[int] | None = None,
-                 greedy_tokens: np.ndarray | None = None) -> StepResults:
-    """logits (K, V) (None: a step that returned greedy tokens alone) and greedy_tokens (K,) (None: the graph has none):
+def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens: np.ndarray,
+                 rows: list[int] | None = None) -> StepResults:
+    """logits (K, V) (None: a step that returned greedy tokens alone) and greedy_tokens (K,):
     seqs[i]'s are row rows[i] (default: row i), read in place, not copied. One sequence's failure is that sequence's
     alone."""
     results: StepResults = []
     for i, seq in enumerate(seqs):
         row = i if rows is None else rows[i]
         try:
-            token = None if greedy_tokens is None else greedy_tokens[row]
-            results.append((seq, seq.advance(None if logits is None else logits[row], token)))
+            results.append((seq, seq.advance(None if logits is None else logits[row], greedy_tokens[row])))
         except Exception as exc:  # a bug in one request's sampling or text must not stop the others
             log.exception("sequence %d failed", seq.id)
             seq.finished = True
@@ -93,8 +92,6 @@ def advance_each(seqs: list[Sequence], logits: np.ndarray | None, rows: list[int
 
 class SlotBatch:
     """The rows of the running batch in a SlotPool. Not thread-safe: one step thread calls it."""
-
-    chunked = True  # prompts may be prefilled a chunk at a time
 
     def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None):
         """fixed_decode: run decode-only steps at bucketed shapes (runtime.run_decode); default: when the runtime
@@ -192,7 +189,7 @@ class SlotBatch:
         sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode))  # B rows
         for seq in decode:
             seq.cached_tokens += 1
-        return advance_each(decode, sampled.logits, [seq.slot for seq in decode], sampled.greedy_tokens)
+        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode])
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
         if self.fixed_decode and chunk is None:
@@ -233,7 +230,7 @@ class SlotBatch:
             seq.cached_tokens += 1
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
-        return advance_each(sampling, sampled.logits, greedy_tokens=sampled.greedy_tokens)
+        return advance_each(sampling, sampled.logits, sampled.greedy_tokens)
 
     def fail_all(self, error: BaseException) -> StepResults:
         """Every sequence holding a row fails with error; the batch is empty afterwards."""

@@ -1,29 +1,21 @@
-"""The ONNX Runtime wrapper: the only module in kvserve that imports onnxruntime.
+"""The ONNX Runtime wrapper: the only module of the serving path that opens an ONNX Runtime session.
 
 It opens the artifact's graph on the best provider it can (CUDA, then CPU), says which one runs and why,
-and runs one step with IO binding: the K/V cache goes in and comes out as OrtValues that stay on the
-device (GPU memory under CUDA), so the decode loop never copies the cache through the host. Only what
-sampling reads comes back to host memory: a slots step returns each sampled row's greedy token, computed in
-the graph (io_contract.GREEDY_TOKENS), and its logits only when a row needs them (it samples, penalises
-repetition or reports log-probabilities): a step of greedy rows reads K tokens instead of K x V floats.
-
-The `slots` layout (the server's own) keeps the cache in a SlotPool: one allocation per layer's K and V,
-(rows, H, capacity, d_k), on the session's device. A step binds the pool's first rows by address as both
-past and present, so ONNX Runtime writes each new token's K/V into its row and copies nothing; the pool
-moves a row or changes capacity only when the batch asks (a sequence leaves, or needs more columns).
-
-For the concat and inplace layouts, callers see a DeviceCache whose first `length` columns hold the
-sequence, fed an attention mask over those columns. Under the inplace layout the cache is a buffer with
-spare columns: each step's present is bound to the past's own memory; when a step needs more columns than
-the buffer has, the buffer is replaced by one of the next power-of-two capacity (a copy once per doubling).
+and runs one slots step (export/io_contract.py) with IO binding. The K/V cache is a SlotPool: one allocation
+per layer's K and V, (rows, H_kv, capacity, d_k), on the session's device (GPU memory under CUDA). A step binds
+the pool's first rows by address as both past and present, so ONNX Runtime writes each new token's K/V into
+its row and the cache never passes through the host. Only what sampling reads comes back to host memory: each
+sampled row's greedy token, computed in the graph (io_contract.GREEDY_TOKENS), and its logits only when a row
+needs them (it samples, penalises repetition or reports log-probabilities): a step of greedy rows reads K tokens
+instead of K x V floats. The pool moves a row only when the batch asks (kv_slots.py: a sequence leaves on the CPU
+provider).
 
 Under CUDA graphs (cuda_graph=True: the session opened with enable_cuda_graph) a decode-only step of a standard
 slots graph goes through run_decode: at a fixed (rows, width) shape, its inputs written into device buffers bound
 once per shape, captured by ONNX Runtime at its first run under a graph id of its own and replayed after; every
 other run says gpu_graph_id -1 (never captured). A captured graph belongs to the thread that captured it: the
 server runs the gate, the warm-up (which captures) and every step on one thread. Where capture cannot run (CPU
-provider, other layouts, a graph ONNX Runtime refuses: a fused graph's If), cuda_graph_note says why and steps run
-as before.
+provider, a graph ONNX Runtime refuses: a fused graph's If), cuda_graph_note says why and steps run as before.
 
 A fused slots graph (io_contract: GroupQueryAttention, Llama family) binds the rows and the chunk's row
 separately, each as its own past and present; run_slots keeps its meaning for both graphs and arranges a
@@ -101,24 +93,15 @@ def cuda_available() -> bool:
     return _cuda_missing_reason() is None
 
 
-# The inplace layout's smallest buffer, in columns: below it, a buffer's size makes no measurable difference.
-MIN_CAPACITY = 64
-
-
 def power_of_two_at_least(n: int, minimum: int = 1) -> int:
-    """The smallest power of two >= n, and at least minimum: how buffers and fixed step shapes grow."""
+    """The smallest power of two >= n, and at least minimum: how fixed decode shapes are bucketed."""
     return max(minimum, 1 << max(n - 1, 0).bit_length())
-
-
-def inplace_capacity(columns: int, minimum: int = MIN_CAPACITY) -> int:
-    """The buffer capacity that holds columns: a power of two, at least minimum."""
-    return power_of_two_at_least(columns, minimum)
 
 
 @dataclass
 class KvTraffic:
-    """What the runtime moved. host_bytes: K/V through host memory (to_host / to_device / a row move staged through
-    the host); row_moves: rows of a SlotPool moved to another row; logits_bytes: slots steps' logits handed to the
+    """What the runtime moved. host_bytes: K/V through host memory (a row move staged through the host under CUDA, a
+    row read back for a check); row_moves: rows of a SlotPool moved to another row; logits_bytes: slots steps' logits handed to the
     host for sampling (a copy from the device under CUDA)."""
 
     host_bytes: int = 0
@@ -131,7 +114,7 @@ class Sampled:
     """What a slots step returns for the K tokens it samples from, in host memory."""
 
     logits: np.ndarray | None  # (K, V) float32; None when the step was asked for greedy tokens alone
-    greedy_tokens: np.ndarray | None  # (K,) int64: each row's argmax; None when the graph has no such output
+    greedy_tokens: np.ndarray  # (K,) int64: each row's argmax
 
 
 class SlotPool:
@@ -192,33 +175,11 @@ class FixedDecode:
     position_ids: object  # OrtValue (B, 1)
     attention_mask: object  # OrtValue (B, W)
     logits: object  # OrtValue (B, V) float32
-    greedy_tokens: object | None  # OrtValue (B,) int64, when the graph outputs it
+    greedy_tokens: object  # OrtValue (B,) int64
     run_options: object  # names the CUDA graph, when captured
     graph_id: int | None
     host_arrays: list  # on the CPU provider, the numpy memory behind the OrtValues: kept alive with them
     captured: bool = False
-
-
-@dataclass(frozen=True)
-class DeviceCache:
-    """The batch's K/V between steps: per layer K and V interleaved, OrtValues (B, H, capacity, d_k) on the
-    session's device, whose first `length` columns hold the sequence. concat: capacity == length.
-
-    A step consumes its past: under the inplace layout it writes into the past's memory, so only the
-    present it returns may be used afterwards."""
-
-    values: list
-    length: int
-
-    @property
-    def capacity(self) -> int:
-        return self.values[0].shape()[io.KV_SEQUENCE_AXIS] if self.values else 0
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    logits: np.ndarray  # (B, T, V) float32, in host memory
-    present: DeviceCache  # length P + T
 
 
 class DecoderRuntime:
@@ -231,17 +192,11 @@ class DecoderRuntime:
         dtype: str,
         provider: str = "auto",
         threads: int = 0,
-        kv_cache: str = io.CONCAT,
-        min_capacity: int = MIN_CAPACITY,  # inplace: the smallest buffer, in columns
         cuda_graph: bool = False,  # capture slots decode steps as CUDA graphs where ONNX Runtime can (run_decode)
     ):
         if provider not in PROVIDER_CHOICES:
             raise ProviderUnavailable(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
-        if kv_cache not in io.KV_CACHES:
-            raise ValueError(f"unknown KV cache layout {kv_cache!r}; choose one of {', '.join(io.KV_CACHES)}")
         self.n_layer = n_layer
-        self.kv_cache = kv_cache
-        self.min_capacity = min_capacity
         self.kv_dtype = NUMPY_DTYPES[dtype]
         self.fallback_reason: str | None = None
         providers = [CPU]
@@ -262,8 +217,6 @@ class DecoderRuntime:
         self.cuda_graph_note: str | None = None  # why CUDA graphs were asked for and are off
         if cuda_graph and providers[0] == CPU:
             self.cuda_graph_note = "CUDA graphs need the CUDA provider; decode steps run uncaptured"
-        elif cuda_graph and kv_cache != io.SLOTS:
-            self.cuda_graph_note = f"CUDA graphs capture slots decode steps; the {kv_cache} layout runs uncaptured"
         elif cuda_graph:
             graph_providers = [(CUDA, {**providers[0][1], "enable_cuda_graph": "1"}), CPU]
             try:
@@ -286,7 +239,6 @@ class DecoderRuntime:
                                       "--dtype float16, or --attention standard, to serve it on the GPU")
         outputs = {o.name: o for o in self.session.get_outputs()}
         self.vocab_size = outputs[io.LOGITS].shape[-1]
-        self.greedy_tokens = io.GREEDY_TOKENS in outputs  # slots steps can hand back tokens without their logits
         self._chunk_past_names = [n for i in range(n_layer) for n in io.chunk_past_names(i)]
         self._chunk_present_names = [n for i in range(n_layer) for n in io.chunk_present_names(i)]
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
@@ -315,73 +267,6 @@ class DecoderRuntime:
             return {a.name: {"shape": list(a.shape), "dtype": ORT_TYPES.get(a.type, a.type)} for a in args}
 
         return {"inputs": describe(self.session.get_inputs()), "outputs": describe(self.session.get_outputs())}
-
-    # --- the K/V cache as device values --------------------------------------------------------
-
-    def buffer_columns(self, length: int, room_for: int) -> int:
-        """The columns a cache of length columns, with room_for more ahead, is stored in."""
-        return inplace_capacity(length + room_for, self.min_capacity) if self.kv_cache == io.INPLACE else length
-
-    def to_device(self, arrays: list[np.ndarray], room_for: int = 1, length: int | None = None) -> DeviceCache:
-        """A cache of arrays, each (B, H, S, d_k) whose first length (default S) columns hold the sequence; inplace:
-        in a buffer with room for room_for more columns (arrays already buffer_columns wide are not copied)."""
-        length = arrays[0].shape[io.KV_SEQUENCE_AXIS] if length is None else length
-        columns = self.buffer_columns(length, room_for)
-        if arrays[0].shape[io.KV_SEQUENCE_AXIS] != columns:
-            arrays = [self._in_buffer(a[:, :, :length], columns) for a in arrays]
-        values = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a, dtype=self.kv_dtype), self.device, 0) for a in arrays]
-        self.traffic.host_bytes += sum(a.nbytes for a in arrays)
-        return DeviceCache(values, length)
-
-    def to_host(self, cache: DeviceCache) -> list[np.ndarray]:
-        """The cache's columns in use, each (B, H, length, d_k), in host memory. On the CPU provider these are
-        views of the cache itself: read them before the next step."""
-        arrays = [v.numpy()[:, :, : cache.length] for v in cache.values]
-        self.traffic.host_bytes += sum(a.nbytes for a in arrays)
-        return arrays
-
-    def empty_past(self, batch_size: int, n_kv_head: int, d_head: int, room_for: int = 0) -> DeviceCache:
-        """An empty cache for a prefill; inplace: a buffer with room_for columns, so the steps ahead never grow it."""
-        shape = (batch_size, n_kv_head, 0, d_head)  # (B, H_kv, 0, d_k): a prefill
-        return self.to_device([np.zeros(shape, self.kv_dtype) for _ in self._past_names], room_for=room_for)
-
-    def _in_buffer(self, array: np.ndarray, capacity: int) -> np.ndarray:
-        """(B, H, S, d_k) -> (B, H, capacity, d_k), zero beyond S."""
-        buffer = np.zeros(array.shape[:2] + (capacity,) + array.shape[3:], dtype=self.kv_dtype)  # (B, H, C, d_k)
-        buffer[:, :, : array.shape[io.KV_SEQUENCE_AXIS]] = array
-        return buffer
-
-    # --- one step ---------------------------------------------------------------------------------
-
-    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray, past: DeviceCache) -> StepOutput:
-        """input_ids, position_ids (B, T); attention_mask (B, P + T) over the past's P columns and this step's T."""
-        step_len, total = input_ids.shape[1], attention_mask.shape[1]
-        if total != past.length + step_len:
-            raise ValueError(f"attention_mask has {total} columns; the cache holds {past.length} and the step adds {step_len}")
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64))
-        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids, dtype=np.int64))
-        binding.bind_output(io.LOGITS, "cpu")
-        if self.kv_cache == io.INPLACE:
-            if total > past.capacity:
-                past = self.to_device(self.to_host(past), room_for=step_len + 1)  # this step and the next token
-            mask = np.zeros((attention_mask.shape[0], past.capacity), dtype=np.int64)  # (B, C): unused columns 0
-            mask[:, :total] = attention_mask
-            binding.bind_cpu_input(io.ATTENTION_MASK, mask)
-            binding.bind_cpu_input(io.CACHE_POSITION, np.arange(past.length, total, dtype=np.int64))  # (T,)
-            for past_name, present_name, value in zip(self._past_names, self._present_names, past.values):
-                binding.bind_ortvalue_input(past_name, value)
-                binding.bind_ortvalue_output(present_name, value)  # the same memory: written in place
-        else:
-            binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
-            for name, value in zip(self._past_names, past.values):
-                binding.bind_ortvalue_input(name, value)
-            for name in self._present_names:
-                binding.bind_output(name, self.device, 0)
-        self.session.run_with_iobinding(binding, self._uncaptured)
-        outputs = binding.get_outputs()
-        present = past.values if self.kv_cache == io.INPLACE else list(outputs[1:])
-        return StepOutput(logits=outputs[0].numpy(), present=DeviceCache(present, total))
 
     # --- the slots layout: one step over a SlotPool -------------------------------------------------
 
@@ -417,7 +302,7 @@ class DecoderRuntime:
         chunk_start: int,  # the chunk's first position
         chunk_slot: int,
         logits_index: np.ndarray,  # (K,) which of the B + T tokens get logits
-        with_logits: bool = True,  # False: greedy tokens alone will do (the logits are read anyway if the graph has none)
+        with_logits: bool = True,  # False: greedy tokens alone will do
     ) -> Sampled:
         """One slots step; returns its K sampled rows' greedy tokens and logits in host memory. The pool's rows 0..B-1
         are updated in place."""
@@ -442,8 +327,8 @@ class DecoderRuntime:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
-        of its own, captured at its first run and replayed after. Returns every row's greedy token (B,) and, with_logits
-        (or when the graph has no greedy tokens), its logits (B, V), in host memory: on the CPU provider the bound
+        of its own, captured at its first run and replayed after. Returns every row's greedy token (B,) and, with_logits,
+        its logits (B, V), in host memory: on the CPU provider the bound
         buffers themselves, which the next step at this shape overwrites (read them before then)."""
         rows, width = attention_mask.shape
         step = self._fixed_steps.get((pool, rows, width))
@@ -456,9 +341,9 @@ class DecoderRuntime:
             self._capture(step)
         else:
             self.session.run_with_iobinding(step.binding, step.run_options)
-        tokens = None if step.greedy_tokens is None else step.greedy_tokens.numpy()  # CUDA: a copy to the host; CPU: the buffer
+        tokens = step.greedy_tokens.numpy()  # CUDA: a copy to the host; CPU: the buffer
         logits = None
-        if with_logits or tokens is None:
+        if with_logits:
             logits = step.logits.numpy()
             self.traffic.logits_bytes += logits.nbytes
         return Sampled(logits, tokens)
@@ -500,13 +385,12 @@ class DecoderRuntime:
         tokens = np.zeros(rows, np.int64)  # (B,)
         values = {name: ort.OrtValue.ortvalue_from_numpy(array, self.device, 0) for name, array in host.items()}
         logits_value = ort.OrtValue.ortvalue_from_numpy(logits, self.device, 0)
-        tokens_value = ort.OrtValue.ortvalue_from_numpy(tokens, self.device, 0) if self.greedy_tokens else None
+        tokens_value = ort.OrtValue.ortvalue_from_numpy(tokens, self.device, 0)
         binding = self.session.io_binding()
         for name, value in values.items():
             binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output(io.LOGITS, logits_value)
-        if tokens_value is not None:
-            binding.bind_ortvalue_output(io.GREEDY_TOKENS, tokens_value)
+        binding.bind_ortvalue_output(io.GREEDY_TOKENS, tokens_value)
         shape = (rows,) + pool.shape[1:]  # (B, H_kv, C, d_k): rows 0..B-1
         for past_name, present_name, value in zip(self._past_names, self._present_names, pool.values):
             binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
@@ -566,12 +450,10 @@ class DecoderRuntime:
         """Run a slots step whose greedy tokens (K,) and, when asked for, logits (K, V) land in new host arrays bound up
         front: asking the binding for its outputs afterwards would wrap every bound K/V buffer too (121 objects a step
         for a 30-layer model). Logits not asked for stay where the step ran (ONNX Runtime allocates them there)."""
-        tokens = None
-        if self.greedy_tokens:
-            tokens = np.zeros(n_logits, np.int64)  # (K,); zeros: a stubbed-out run (bench host timing) leaves valid ids
-            binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, tokens.shape, tokens.ctypes.data)
+        tokens = np.zeros(n_logits, np.int64)  # (K,); zeros: a stubbed-out run (bench host timing) leaves valid ids
+        binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, tokens.shape, tokens.ctypes.data)
         logits = None
-        if with_logits or tokens is None:
+        if with_logits:
             logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V)
             binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
             self.traffic.logits_bytes += logits.nbytes

@@ -11,9 +11,6 @@ One step (kv_slots.StepPlan) is one model call over the batch:
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
     the batch idle while it waits for its turn.
 Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
-
-Artifacts in the concat and inplace layouts run on a PaddedBatch, which cannot chunk: there a step decodes
-every row and prefills every request that fits, whole, as kvserve always did.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ def step_thread() -> ThreadPoolExecutor:
 
 
 class Scheduler:
-    """Owns the waiting queue and the loop; the batch (kv_slots.SlotBatch or padded_batch.PaddedBatch) owns the rows."""
+    """Owns the waiting queue and the loop; the batch (kv_slots.SlotBatch) owns the rows."""
 
     def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None):
         self.batch = batch
@@ -68,9 +65,6 @@ class Scheduler:
 
     def plan(self) -> StepPlan:
         batch = self.batch
-        if not batch.chunked:
-            joining = [self.waiting.popleft() for _ in range(min(len(self.waiting), batch.free_rows()))]
-            return StepPlan(joining=joining, decode=list(batch.rows))
         rows = [s for s in batch.rows if not s.cancelled]
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]

@@ -90,22 +90,26 @@ class Sequence:
 
     @property
     def takes_greedy_token(self) -> bool:
-        """Whether the argmax of its logits is all this sequence reads from them (greedy, no repetition penalty, no
-        log-probability, no parity capture): then a step may hand it the greedy token alone (runtime.Sampled)."""
-        return (self.params.greedy and self.params.repetition_penalty == 1.0 and not self.return_logprobs
-                and self.captured_logits is None)
+        """Whether the argmax of its logits is the token this sequence takes (greedy, no repetition penalty, no
+        log-probability): then it takes the graph's greedy token (runtime.Sampled)."""
+        return self.params.greedy and self.params.repetition_penalty == 1.0 and not self.return_logprobs
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether a step must read this sequence's logits back: it samples from them, or records them (the gate)."""
+        return not self.takes_greedy_token or self.captured_logits is not None
 
     def advance(self, logits: np.ndarray | None, greedy_token: int | None = None) -> StepEvent:
         """Take the next token: greedy_token (the argmax of this sequence's logits, computed where the step ran) when
         the sequence takes it, else chosen from its logits (V,); apply stop rules; return the event."""
         now = time.monotonic_ns()
+        if self.needs_logits and logits is None:
+            raise ValueError(f"sequence {self.id} reads its logits, but the step returned only greedy tokens")
+        if self.captured_logits is not None:
+            self.captured_logits.append(logits.copy())
         if greedy_token is not None and self.takes_greedy_token:
             token, logprob = int(greedy_token), None
-        elif logits is None:
-            raise ValueError(f"sequence {self.id} samples from logits, but the step returned only greedy tokens")
         else:
-            if self.captured_logits is not None:
-                self.captured_logits.append(logits.copy())
             seen = None
             if self.params.repetition_penalty != 1.0:
                 seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)

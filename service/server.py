@@ -15,14 +15,16 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvserve.errors import JobFailed, UserError
-from kvserve.export.artifact import open_artifact
+from kvserve.export.artifact import Artifact, open_artifact
+from kvserve.export.io_contract import SLOTS
 from kvserve.model.config import DecoderConfig
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from .engine import Engine, InvalidArgument, QueueFull, Unavailable, make_batch
+from .engine import Engine, InvalidArgument, QueueFull, Unavailable
 from .limits import DEFAULT_MAX_MESSAGE_BYTES, TRANSPORT_METADATA_BYTES, EngineLimits
 from .gate import GateResult, run_gate, warm_up
+from .kv_slots import SlotBatch
 from .metrics import Metrics
 from .runtime import DecoderRuntime
 from .sampling import SamplingParams
@@ -83,6 +85,19 @@ class ServerOptions:
     # Capture decode steps as CUDA graphs (standard slots graphs on the CUDA provider); where they cannot run, the
     # server says why (log, GetModelInfo's provider_note) and serves uncaptured.
     cuda_graph: bool = False
+
+
+class NotServable(UserError):
+    """An artifact in a layout the server does not serve; the message says how to re-export it."""
+
+
+def open_servable(path: str) -> Artifact:
+    """The artifact at path, checked, if the server serves its layout (slots)."""
+    artifact = open_artifact(path)
+    if artifact.kv_cache != SLOTS:
+        raise NotServable(f"{path}: its {artifact.kv_cache} KV cache is an export for tools that drive the graph themselves; "
+                          f"kvserve serves the {SLOTS} layout: re-export with kvserve export (without --kv-cache {artifact.kv_cache})")
+    return artifact
 
 
 def served_config(config: DecoderConfig, max_context: int | None) -> DecoderConfig:
@@ -333,7 +348,7 @@ class App:
     async def start(self) -> int:
         """Check the artifact's files, bind metrics and gRPC (health NOT_SERVING); a bad artifact or a taken
         port is refused before anything listens."""
-        self.artifact = await asyncio.to_thread(open_artifact, self.options.artifact)
+        self.artifact = await asyncio.to_thread(open_servable, self.options.artifact)
         credentials = server_credentials(self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca)
         self.tokens = TokenFile(self.options.auth_tokens) if self.options.auth_tokens else None
         if self.options.metrics_port is not None:
@@ -393,10 +408,10 @@ class App:
         """Open the artifact and session, run the parity gate and a warm-up step; then serve."""
         options = self.options
         if self.artifact is None:
-            self.artifact = await asyncio.to_thread(open_artifact, options.artifact)
+            self.artifact = await asyncio.to_thread(open_servable, options.artifact)
         config = served_config(self.artifact.config, options.max_context)
         self.runtime = await asyncio.to_thread(
-            DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider, kv_cache=self.artifact.kv_cache,
+            DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider,
             cuda_graph=options.cuda_graph,
         )
         if self.runtime.fallback_reason:
@@ -444,7 +459,7 @@ class App:
         else:
             log.info("parity gate passed: %s", gate.summary)
         self.gate = gate
-        batch = await loop.run_in_executor(steps, make_batch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
+        batch = await loop.run_in_executor(steps, SlotBatch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
         await loop.run_in_executor(steps, warm_up, batch, self.artifact, options.step_token_budget)
         return batch
 

@@ -93,33 +93,12 @@ def tiny_float16_artifact(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_artifact_without_greedy_tokens(tmp_path_factory, tiny_model) -> Path:
-    """The tiny preset's slots artifact as kvserve exported it before the greedy_tokens output: the runtime reads
-    every step's logits from it."""
-    from kvserve.export.pipeline import export_artifact
-
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-no-greedy-tokens"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER, greedy_tokens=False)
-    return out
-
-
-@pytest.fixture(scope="session")
 def tiny_concat_artifact(tmp_path_factory, tiny_model) -> Path:
     """The tiny preset with the concat KV cache (`kvserve export --kv-cache concat`): Optimum-style I/O."""
     from kvserve.export.pipeline import export_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / "tiny-concat"
     export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER, kv_cache="concat")
-    return out
-
-
-@pytest.fixture(scope="session")
-def tiny_inplace_artifact(tmp_path_factory, tiny_model) -> Path:
-    """The tiny preset exported with the inplace KV cache (`kvserve export --kv-cache inplace`)."""
-    from kvserve.export.pipeline import export_artifact
-
-    out = tmp_path_factory.mktemp("artifacts") / "tiny-inplace"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER, kv_cache="inplace")
     return out
 
 

@@ -62,6 +62,8 @@ BROKEN_ARTIFACTS = {
     "bfloat16": (lambda m, d: m.update(dtype="bfloat16"), "dtype 'bfloat16' is not one of float32, float16"),
     "corrupt model.onnx": (_corrupt_model, "model.onnx: ONNX Runtime cannot load it"),
     "unknown attention": (lambda m, d: m.update(attention="flash"), "manifest.json: attention 'flash' is not one of standard, fused"),
+    "an older format": (lambda m, d: m.update(format="kvserve-artifact/1"),
+                        "manifest.json: format 'kvserve-artifact/1'; this kvserve reads 'kvserve-artifact/2': re-export with kvserve export"),
 }
 
 
@@ -79,6 +81,13 @@ def test_a_broken_artifact_is_refused_in_one_line(tiny_artifact, tmp_path, case,
     one_line_error(result, message)
     if case != "corrupt model.onnx":  # a manifest problem is found before anything listens; only loading finds this one
         assert "listening" not in result.stderr
+
+
+def test_serve_refuses_a_concat_artifact_in_one_line_saying_how_to_re_export(tiny_concat_artifact):
+    result = run_cli("serve", "--model", str(tiny_concat_artifact), "--port", "0", "--provider", "cpu")
+    one_line_error(result, f"{tiny_concat_artifact}: its concat KV cache is an export for tools that drive the graph themselves; "
+                   "kvserve serves the slots layout: re-export with kvserve export (without --kv-cache concat)")
+    assert "listening" not in result.stderr
 
 
 def test_metrics_port_equal_to_the_grpc_port_or_taken(tiny_artifact):

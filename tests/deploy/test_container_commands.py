@@ -20,7 +20,7 @@ def run(command, env, timeout=300):
 
 
 def test_export_job_then_serve_health_generate_and_stop(tmp_path, serve_processes):
-    services = compose_config("cpu", env={"KVSERVE_EXPORT_PRESET": "tiny", "KVSERVE_EXPORT_KV_CACHE": "inplace"})["services"]
+    services = compose_config("cpu", env={"KVSERVE_EXPORT_PRESET": "tiny", "KVSERVE_EXPORT_KV_CACHE": "slots"})["services"]
     artifact = tmp_path / "artifacts" / "model"
     (tmp_path / "artifacts").mkdir()
 
@@ -32,7 +32,7 @@ def test_export_job_then_serve_health_generate_and_stop(tmp_path, serve_processe
     first = run(["sh", "docker/export-job.sh"], export_env)
     assert first.returncode == 0, first.stderr
     assert "result: PASS" in first.stdout and (artifact / "manifest.json").exists()
-    assert json.loads((artifact / "manifest.json").read_text())["kv_cache"] == "inplace"
+    assert json.loads((artifact / "manifest.json").read_text())["kv_cache"] == "slots"
     again = run(["sh", "docker/export-job.sh"], export_env)  # a restart re-verifies instead of re-exporting
     assert again.returncode == 0 and "already holds" in again.stdout and "result: PASS" in again.stdout
 

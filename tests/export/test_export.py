@@ -10,10 +10,9 @@ import pytest
 from kvserve.export import io_contract as io
 from kvserve.export.artifact import open_artifact
 from kvserve.export.onnx_export import IR_VERSION, inplace_write_problems
-from kvserve.export.parity import format_report, verify
-from kvserve.export.pipeline import reference_for
+from kvserve.export.parity import format_report
 
-from ..conftest import PROVIDER, run_cli
+from ..conftest import run_cli
 
 
 def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_concat_artifact):
@@ -31,7 +30,7 @@ def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_concat_artifac
     assert json.loads((tiny_concat_artifact / "parity.json").read_text())["passed"] is True
 
 
-@pytest.mark.parametrize("layout", ["tiny_artifact", "tiny_concat_artifact", "tiny_inplace_artifact"])
+@pytest.mark.parametrize("layout", ["tiny_artifact", "tiny_concat_artifact"])
 def test_graph_has_contract_names_symbolic_axes_and_passes_the_full_checker(layout, request):
     artifact_dir = request.getfixturevalue(layout)
     onnx.checker.check_model(str(artifact_dir / "model.onnx"), full_check=True)
@@ -131,20 +130,6 @@ def test_export_failure_midway_leaves_nothing(tmp_path, tiny_model, monkeypatch)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_inplace_artifact_declares_its_layout_and_writes_each_present_into_its_past(tiny_inplace_artifact):
-    artifact = open_artifact(tiny_inplace_artifact)
-    config, manifest = artifact.config, artifact.manifest
-    assert artifact.kv_cache == manifest["kv_cache"] == io.INPLACE
-    assert list(manifest["inputs"]) == io.input_names(config.n_layer, io.INPLACE)
-    assert manifest["inputs"][io.CACHE_POSITION]["shape"] == [io.SEQUENCE]
-    assert manifest["inputs"][io.ATTENTION_MASK]["shape"] == [io.BATCH, io.CAPACITY]
-    kv_shape = [io.BATCH, config.n_head, io.CAPACITY, config.d_head]
-    assert manifest["inputs"]["past_key_values.1.value"]["shape"] == manifest["outputs"]["present.1.value"]["shape"] == kv_shape
-    graph = onnx.load(str(tiny_inplace_artifact / "model.onnx")).graph
-    assert inplace_write_problems(graph, config.n_layer) == []
-    assert json.loads((tiny_inplace_artifact / "parity.json").read_text())["kv_cache"] == io.INPLACE
-
-
 def test_inplace_write_check_refuses_a_graph_that_reads_the_past_elsewhere():
     from onnx import TensorProto, helper
 
@@ -170,17 +155,17 @@ def test_export_cli_takes_the_kv_cache_layout_and_refuses_an_unknown_one(tmp_pat
     assert not (tmp_path / "x").exists()
 
 
-def test_a_manifest_naming_an_unknown_kv_cache_layout_is_refused_in_one_line(tiny_inplace_artifact, tmp_path):
+def test_a_manifest_naming_an_unknown_kv_cache_layout_is_refused_in_one_line(tiny_concat_artifact, tmp_path):
     import shutil
 
     copy = tmp_path / "copy"
-    shutil.copytree(tiny_inplace_artifact, copy)
+    shutil.copytree(tiny_concat_artifact, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["kv_cache"] = "paged"
     (copy / "manifest.json").write_text(json.dumps(manifest))
     result = run_cli("verify", str(copy), "--provider", "cpu")
     assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert f"{copy / 'manifest.json'}: kv_cache 'paged' is not one of slots, concat, inplace" in result.stderr
+    assert f"{copy / 'manifest.json'}: kv_cache 'paged' is not one of slots, concat" in result.stderr
 
 
 def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact):
@@ -199,32 +184,9 @@ def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact):
 
 def test_a_slots_graph_outputs_each_sampled_rows_argmax_and_verify_holds_it_to_the_logits(tiny_artifact):
     artifact = open_artifact(tiny_artifact)
-    assert artifact.greedy_tokens
     assert list(artifact.manifest["outputs"])[:2] == [io.LOGITS, io.GREEDY_TOKENS]
     assert artifact.manifest["outputs"][io.GREEDY_TOKENS] == {"shape": [io.NUM_LOGITS], "dtype": "int64"}
     report = json.loads((tiny_artifact / "parity.json").read_text())
     argmax = report["greedy_tokens_argmax"]
     assert argmax["rows"] > 100 and argmax["mismatches"] == 0  # every row of every verify step, prefill chunks included
     assert f"greedy_tokens output vs its logits' argmax: {argmax['rows']} of {argmax['rows']} rows equal" in format_report(report)
-
-
-def test_a_slots_artifact_without_greedy_tokens_still_verifies(tiny_artifact_without_greedy_tokens):
-    """Slots artifacts exported before greedy_tokens keep working: the manifest says which outputs the graph has."""
-    artifact = open_artifact(tiny_artifact_without_greedy_tokens)
-    assert not artifact.greedy_tokens and io.GREEDY_TOKENS not in artifact.manifest["outputs"]
-    graph = onnx.load(str(tiny_artifact_without_greedy_tokens / "model.onnx")).graph
-    assert [o.name for o in graph.output] == io.output_names(artifact.config.n_layer, io.SLOTS, greedy_tokens=False)
-    report = verify(tiny_artifact_without_greedy_tokens, reference_for(tiny_artifact_without_greedy_tokens), provider=PROVIDER)
-    assert report["passed"] and report["greedy_tokens_argmax"] is None
-
-
-def test_every_artifact_file_is_readable_by_all_including_external_weights(tmp_path, tiny_model, monkeypatch):
-    import stat
-
-    from kvserve.export import onnx_export
-    from kvserve.export.pipeline import export_artifact
-
-    monkeypatch.setattr(onnx_export, "EXTERNAL_DATA_THRESHOLD", 0)  # the tiny model's weights go to model.onnx.data too
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "a", provider="cpu")
-    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "a").iterdir()}
-    assert "model.onnx.data" in modes and set(modes.values()) == {0o644}, modes

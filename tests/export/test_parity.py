@@ -99,13 +99,12 @@ def test_verify_cli_rejects_a_missing_artifact_and_cuda_without_a_gpu(tmp_path, 
         assert result.returncode == 2 and "CUDA requested but unavailable" in result.stderr
 
 
-def test_verify_passes_the_inplace_artifact_across_a_buffer_growth(tiny_inplace_artifact, tiny_model):
-    # verify starts inplace buffers at 16 columns: the 13-token decode prompt grows its buffer after 3 steps.
-    report = verify(tiny_inplace_artifact, tiny_model, provider=PROVIDER)
+def test_verify_drives_a_concat_artifact_optimum_style_and_passes_it(tiny_concat_artifact, tiny_model):
+    report = verify(tiny_concat_artifact, tiny_model, provider=PROVIDER)
     assert report["passed"], report["failures"]
-    assert report["kv_cache"] == "inplace" and report["greedy"]["identical"]
-    assert all(c["max_abs_logits"] <= 1e-4 for c in report["checks"])
-    assert "inplace KV cache" in format_report(report)
+    assert report["kv_cache"] == "concat" and report["greedy"]["identical"] and report["greedy_tokens_argmax"] is None
+    assert all(c["max_abs_logits"] <= 1e-4 * c["max_abs_eager_logit"] for c in report["checks"])
+    assert "concat KV cache" in format_report(report)
 
 
 def test_verify_refuses_a_graph_that_is_not_its_manifests_contract_in_one_line(tiny_llama_fused_artifact, tiny_llama_model, tmp_path):
@@ -131,7 +130,8 @@ def test_verify_refuses_a_graph_that_is_not_its_manifests_contract_in_one_line(t
 
 def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_the_load_gate(tiny_artifact, tiny_model, tmp_path):
     """greedy_tokens are what greedy requests get, so a graph that computes them wrongly (here: the top-1 made the
-    bottom-1) fails verify, and the server's load-time gate, which replays the golden prompt through them too."""
+    bottom-1) fails verify, and the server's load-time gate, which replays the golden prompt through them and holds
+    each to its own logits' argmax."""
     import shutil
 
     import onnx
@@ -155,5 +155,5 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
     assert not report["passed"] and argmax["mismatches"] == argmax["rows"] > 0
     assert report["failures"] == [f"the graph's greedy_tokens differ from its logits' argmax at {argmax['rows']} of {argmax['rows']} rows"]
     artifact = open_artifact(bad)
-    gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache), artifact)
-    assert not gate.passed and "greedy tokens identical (from greedy_tokens: DIFFER)" in gate.summary
+    gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER), artifact)
+    assert not gate.passed and "greedy tokens DIFFER (greedy_tokens NOT its logits argmax)" in gate.summary

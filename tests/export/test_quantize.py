@@ -78,7 +78,7 @@ def test_the_load_gate_replays_int8_within_tolerance_and_refuses_a_broken_one(tr
 
     def gate(directory):
         artifact = open_artifact(directory)
-        runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
+        runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
         return run_gate(runtime, artifact)
 
     good = gate(trained_int8_artifact)

@@ -44,27 +44,3 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent(tiny_model):
     c = generate(tiny_model, [[1, 2, 3]], 20, temperature=1.0, top_k=50, top_p=0.9, seed=8).tokens
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
-
-
-@torch.no_grad()
-def test_inplace_buffer_gives_what_the_concatenated_cache_gives(tiny_model):
-    # A padded batch prefilled into a 32-column buffer, then decoded by writing one column per step.
-    prompts = [[5, 6, 7], [10, 20, 30, 40, 50, 60, 70]]
-    steps, capacity = 12, 32
-    reference = generate(tiny_model, prompts, steps)
-    ids, prompt_mask = left_pad(prompts)  # (B, T)
-    width = ids.shape[1]
-    mask = torch.zeros(len(prompts), capacity, dtype=torch.int64)  # (B, C)
-    mask[:, :width] = prompt_mask
-    pos = position_ids_from_mask(prompt_mask)
-    logits, cache = tiny_model(ids, mask, pos, tiny_model.empty_cache(len(prompts), capacity), torch.arange(width))
-    for step in range(steps):
-        assert (logits[:, -1] - reference.step_logits[step]).abs().max() <= 1e-5
-        column = width + step
-        mask[:, column] = 1
-        pos = pos[:, -1:] + 1
-        token = reference.tokens[:, step : step + 1]  # (B, 1)
-        logits, cache = tiny_model(token, mask, pos, cache, torch.tensor([column]))
-    for k, v in cache:
-        assert k.shape == v.shape == (len(prompts), tiny_model.config.n_head, capacity, tiny_model.config.d_head)
-        assert not k[:, :, width + steps :].any() and not v[:, :, width + steps :].any()  # columns never written

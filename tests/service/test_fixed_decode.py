@@ -22,7 +22,7 @@ from .conftest import random_prompt as prompt
 
 def open_runtime(artifact_dir) -> DecoderRuntime:
     artifact = open_artifact(artifact_dir)
-    return DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache,
+    return DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER,
                           cuda_graph=PROVIDER == "cuda")
 
 
@@ -135,20 +135,18 @@ def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_artifact
     assert runtime.fixed_shapes(batch.pool) == []
 
 
-def test_only_a_standard_slots_graph_takes_fixed_shape_decode(tiny_llama_fused_artifact, tiny_llama_model, tiny_concat_artifact):
+def test_only_a_standard_slots_graph_takes_fixed_shape_decode(tiny_llama_fused_artifact, tiny_llama_model):
     fused = open_runtime(tiny_llama_fused_artifact)
     assert not fused.captures_decode
     with pytest.raises(ValueError, match="standard slots graph"):
         SlotBatch(fused, tiny_llama_model.config, 2, fixed_decode=True)
-    concat = open_runtime(tiny_concat_artifact)
-    assert not concat.captures_decode
 
 
-def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_artifact, tiny_concat_artifact):
+def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_artifact):
     artifact = open_artifact(tiny_artifact)
-    on_cpu = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu", kv_cache="slots", cuda_graph=True)
+    on_cpu = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu", cuda_graph=True)
     assert not on_cpu.captures_decode and "need the CUDA provider" in on_cpu.cuda_graph_note
-    plain = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu", kv_cache="slots")
+    plain = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
     assert plain.cuda_graph_note is None
 
 

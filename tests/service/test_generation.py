@@ -266,27 +266,20 @@ def test_one_failing_request_is_internal_while_the_others_finish(stub, server, m
     assert all(len(ids) == 30 and finish.reason == pb.FINISH_REASON_LENGTH for ids, _, finish in results)
 
 
-LAYOUT_SERVERS = {  # artifact fixture, serve options: few rows and a small budget force joins, leaves and chunks
-    "slots": ("tiny_artifact", dict(max_batch_size=3, step_token_budget=6)),
-    "concat": ("tiny_concat_artifact", dict(max_batch_size=3)),
-    "inplace": ("tiny_inplace_artifact", dict(max_batch_size=3)),
-}
-
-
-@pytest.fixture(scope="module", params=list(LAYOUT_SERVERS))
-def layout_stub(request):
+@pytest.fixture(scope="module")
+def small_batch_stub(tiny_artifact):
+    """A server of three rows and a small step budget: joins, leaves and chunks at every turn."""
     from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
     from .conftest import start_server
 
-    fixture, options = LAYOUT_SERVERS[request.param]
-    running = start_server(request.getfixturevalue(fixture), max_queue=64, **options)
+    running = start_server(tiny_artifact, max_queue=64, max_batch_size=3, step_token_budget=6)
     with grpc.insecure_channel(running.target) as channel:
         yield pb_grpc.GenerationServiceStub(channel)
     running.stop()
 
 
-def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks(layout_stub, tiny_model):
+def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks(small_batch_stub, tiny_model):
     # Seven streams through three rows: rows leave at different steps and waiting ones join; the 150-token
     # prompt is prefilled in chunks while others decode, then decodes far longer than the rest; one stream
     # is cancelled mid-way. Every token and its log-probability must be the eager model's for that prompt alone.
@@ -296,14 +289,14 @@ def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_a
     def run(k):
         request = greedy(prompts[k], steps[k], return_logprobs=True)
         if k == 4:  # cancelled after 6 tokens
-            stream, got = layout_stub.Generate(request, timeout=120), []
+            stream, got = small_batch_stub.Generate(request, timeout=120), []
             for response in stream:
                 got.append((response.token.id, response.token.logprob))
                 if len(got) == 6:
                     stream.cancel()
                     break
             return got
-        return [(r.token.id, r.token.logprob) for r in layout_stub.Generate(request, timeout=120)]
+        return [(r.token.id, r.token.logprob) for r in small_batch_stub.Generate(request, timeout=120)]
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(run, range(len(prompts))))

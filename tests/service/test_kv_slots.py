@@ -51,7 +51,7 @@ def served(request, tiny_llama_fused_artifacts) -> Served:
         model, artifact_dir = request.getfixturevalue("tiny_llama_model"), tiny_llama_fused_artifacts(request.param.split()[-1])
     artifact = open_artifact(artifact_dir)
     assert artifact.attention == request.param.split()[1]
-    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
     tolerance = TOLERANCES[artifact.precision]
     # float32: rounding only; float16: the parity tolerance, relative like it (tiny-llama's wide weights make K of 10 and more)
     kv_error = 1e-5 if artifact.dtype == "float32" else tolerance.kv_max_abs
@@ -162,17 +162,6 @@ def test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_log
     assert together[1].generated == served.alone(together[1])  # greedy with log-probabilities: its logits' argmax
 
 
-def test_a_slots_artifact_without_greedy_tokens_reads_every_steps_logits(tiny_artifact_without_greedy_tokens, tiny_model):
-    artifact = open_artifact(tiny_artifact_without_greedy_tokens)
-    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
-    assert not runtime.greedy_tokens
-    seqs = [_greedy_sequence(i, prompt(600 + i, 3 + i), 8) for i in range(5)]
-    Scheduler(SlotBatch(runtime, tiny_model.config, 3), step_token_budget=8).drive(seqs)
-    assert runtime.traffic.logits_bytes > 0
-    for seq in seqs:
-        assert seq.generated == generate(tiny_model, [seq.prompt_ids], 8).tokens[0].tolist()
-
-
 def test_a_cancelled_sequence_frees_its_row_within_one_step(runtime, model):
     batch = SlotBatch(runtime, model.config, 3)
     scheduler = Scheduler(batch, step_token_budget=8)
@@ -188,16 +177,13 @@ def test_a_cancelled_sequence_frees_its_row_within_one_step(runtime, model):
     assert sorted(s.slot for s in batch.rows) == [0, 1]  # the last row moved into the freed one
 
 
-@pytest.mark.parametrize("layout", ["tiny_artifact", "tiny_concat_artifact"])
-def test_a_failed_step_fails_every_sequence_in_it_exactly_once(layout, request, tiny_model, monkeypatch):
-    from kvserve.service.engine import make_batch
-
-    artifact = open_artifact(request.getfixturevalue(layout))
-    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, kv_cache=artifact.kv_cache)
-    batch = make_batch(runtime, artifact.config, 4)
+def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, tiny_model, monkeypatch):
+    artifact = open_artifact(tiny_artifact)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
+    batch = SlotBatch(runtime, artifact.config, 4)
     # the failure comes after the joining sequence has its row: the case that once reported it twice
-    inner = "_step" if artifact.kv_cache == "slots" else "_prefill"
-    real = getattr(batch, inner)
+    inner = "_step"
+    real = batch._step
 
     async def scenario():
         scheduler = Scheduler(batch, step_token_budget=32)

@@ -280,7 +280,7 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
 
 
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
-    from kvserve.service.engine import make_batch
+    from kvserve.service.kv_slots import SlotBatch
     from kvserve.service.gate import warm_up
     from kvserve.service.sequence import Sequence
 
@@ -288,7 +288,7 @@ def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeyp
         raise RuntimeError("sampling broke during warm-up")
 
     monkeypatch.setattr(Sequence, "advance", failing_advance)  # greedy warm-up rows take the graph's token: no choose
-    batch = make_batch(server.app.runtime, server.app.artifact.config, 2)
+    batch = SlotBatch(server.app.runtime, server.app.artifact.config, 2)
     with pytest.raises(RuntimeError, match="sampling broke during warm-up"):
         warm_up(batch, server.app.artifact)
 
