@@ -30,11 +30,11 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
-from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
 from kvserve.service.gate import _greedy_sequence  # noqa: E402
 from kvserve.service.kv_slots import SlotBatch  # noqa: E402
-from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 from kvserve.service.scheduler import Scheduler  # noqa: E402
 
 SOLO = (1, 128, 128)  # rows, prompt, new tokens

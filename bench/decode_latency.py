@@ -24,11 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import one_row_pool, onnx_step, slots_generate  # noqa: E402
 from machine import describe  # noqa: E402
 
-from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
 from kvserve.model.checkpoint import save_checkpoint  # noqa: E402
 from kvserve.model.generate import generate  # noqa: E402
-from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 128, 128
 

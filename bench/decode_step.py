@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvserve.service.kv_slots import pool_capacity
-from kvserve.service.runtime import DecoderRuntime, SlotPool
+from kvserve.runtime.pool import pool_capacity
+from kvserve.runtime.pool import SlotPool
+from kvserve.runtime.step import DecoderRuntime
 
 
 def one_row_pool(runtime: DecoderRuntime, config) -> SlotPool:

@@ -93,9 +93,9 @@ class InProcess:
     """The engine without gRPC, in this process: the same requests, one stream."""
 
     def __init__(self, artifact_dir, provider, cuda_graph: bool = False):
-        from kvserve.export.artifact import open_artifact
+        from kvserve.contract.artifact import open_artifact
         from kvserve.service.kv_slots import SlotBatch
-        from kvserve.service.runtime import DecoderRuntime
+        from kvserve.runtime.step import DecoderRuntime
         from kvserve.service.scheduler import step_thread
 
         artifact = open_artifact(artifact_dir)
@@ -109,7 +109,7 @@ class InProcess:
 
     async def run(self, prompt_len, new_tokens, requests):
         from kvserve.service.engine import Engine, EngineLimits
-        from kvserve.service.text import ByteTokenizer
+        from kvserve.contract.tokenizer import ByteTokenizer
 
         engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64), batch=self.batch,
                         step_thread=self.steps)
@@ -185,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
-    from kvserve.export.artifact import open_artifact
+    from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.artifact).config
     local = InProcess(args.artifact, args.provider, args.cuda_graph)

@@ -26,12 +26,12 @@ import onnx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
-from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.onnx_export import save_graph  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
 from kvserve.export.quantize import quantize_model  # noqa: E402
-from kvserve.service.kv_slots import pool_capacity  # noqa: E402
-from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+from kvserve.runtime.pool import pool_capacity  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 PROMPT_LEN, NEW_TOKENS = 128, 128
 SCHEMES = ("float32", "int8", "int8-dynamic")

@@ -22,14 +22,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
-from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact  # noqa: E402
-from kvserve.export.tolerances import kl_divergence, log_softmax  # noqa: E402
+from kvserve.contract.tolerances import kl_divergence, log_softmax  # noqa: E402
 from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
 from kvserve.model.corpus import load_corpus  # noqa: E402
 from kvserve.model.train import token_stream  # noqa: E402
-from kvserve.service.kv_slots import pool_capacity  # noqa: E402
-from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+from kvserve.runtime.pool import pool_capacity  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 
 class SlotsPrefill:

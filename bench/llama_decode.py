@@ -31,12 +31,12 @@ from decode_latency import PROMPT_LEN, NEW_TOKENS, decode_rates  # noqa: E402
 from decode_step import one_row_pool, slots_generate  # noqa: E402
 from machine import describe  # noqa: E402
 
-from kvserve.export.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
 from kvserve.model.checkpoint import save_checkpoint  # noqa: E402
 from kvserve.model.generate import generate  # noqa: E402
-from kvserve.service.kv_slots import pool_capacity  # noqa: E402
-from kvserve.service.runtime import DecoderRuntime  # noqa: E402
+from kvserve.runtime.pool import pool_capacity  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 PRESET = "llama-135m"
 

@@ -4,7 +4,7 @@ Exports every float32 model the test suite exports (the tiny presets, the traine
 Llama-family test configs in each attention the suite uses) with the float32 bounds opened wide, so every check
 runs to the end, and prints each check's errors both as absolute values and as fractions of their scale (the
 largest |eager logit| of the check; the largest |eager K/V| of each (layer, head)): the way the bounds in
-export/tolerances.py read them. Then the worst of each column and the bound's margin over it.
+contract/tolerances.py read them. Then the worst of each column and the bound's margin over it.
 
     python bench/parity_errors.py [--only WORD ...] [--work DIR]
 """
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT))
 from machine import describe  # noqa: E402
 
-from kvserve.export import tolerances  # noqa: E402
+from kvserve.contract import tolerances  # noqa: E402
 from kvserve.export.pipeline import export_artifact  # noqa: E402
 from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
 from kvserve.model.config import preset  # noqa: E402
@@ -75,13 +75,13 @@ def main() -> None:
         if args.only and not any(word in label for word in args.only):
             continue
         report = export_artifact(model, source, work / f"artifact-{index}", provider="cpu", **extra)
-        layout = f"{report['kv_cache']}, {report['attention']}"
-        for check in report["checks"]:
-            ratio = check["max_abs_logits"] / check["max_abs_eager_logit"]
-            kv = check["kv_max_abs"]
-            print(f"| {label} | {layout} | {check['name']} | {check['max_abs_logits']:.2e} | {check['max_abs_eager_logit']:.3g} | "
+        layout = f"{report.kv_cache}, {report.attention}"
+        for check in report.checks:
+            ratio = check.max_abs_logits / check.max_abs_eager_logit
+            kv = check.kv_max_abs
+            print(f"| {label} | {layout} | {check.name} | {check.max_abs_logits:.2e} | {check.max_abs_eager_logit:.3g} | "
                   f"{ratio:.2e} | {'n/a' if kv is None else f'{kv:.2e}'} |")
-            worst_logits, worst_ratio = max(worst_logits, check["max_abs_logits"]), max(worst_ratio, ratio)
+            worst_logits, worst_ratio = max(worst_logits, check.max_abs_logits), max(worst_ratio, ratio)
             worst_kv = max(worst_kv, kv or 0.0)
     print(f"\nworst: max abs Δ logits {worst_logits:.2e}; Δ / max abs logit {worst_ratio:.2e}; relative Δ K/V {worst_kv:.2e}")
     print(f"float32 bounds: logits {bound.logits_max_abs:g}{' of the max abs logit' if bound.logits_relative else ' absolute'} "

@@ -164,7 +164,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each scenario runs this many times per server, alternating")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
-    from kvserve.export.artifact import open_artifact
+    from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.new).config
     servers = [Server("new", args.new, args.provider, None, shlex.split(args.new_args))]

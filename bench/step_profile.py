@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
-from kvserve.export.artifact import open_artifact  # noqa: E402
-from kvserve.service.runtime import CPU, DecoderRuntime  # noqa: E402
+from kvserve.contract.artifact import open_artifact  # noqa: E402
+from kvserve.runtime.providers import CPU  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 PAST_LENGTHS = (16, 1000)
 

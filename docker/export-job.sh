@@ -6,7 +6,7 @@
 #   KVSERVE_EXPORT_PRESET      a preset (tiny, gpt2, tiny-llama, llama-135m) when no checkpoint is given (default gpt2)
 #   KVSERVE_EXPORT_DTYPE       float32 or float16 (default float32)
 #   KVSERVE_EXPORT_KV_CACHE    slots or concat (default slots, the one kvserve serves; docs/kv-contract.md)
-#   KVSERVE_EXPORT_QUANTIZE    int8 for 8-bit weights (README, "Int8"); empty for float weights (default)
+#   KVSERVE_EXPORT_QUANTIZE    int8 for 8-bit weights (docs/parity.md, "Int8"); empty for float weights (default)
 #   KVSERVE_VERIFY_PROVIDER    provider for the parity check (default auto)
 set -eu
 out=${KVSERVE_MODEL:-/artifacts/model}

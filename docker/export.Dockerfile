@@ -14,6 +14,8 @@ WORKDIR /src
 COPY constraints.txt pyproject.toml README.md ./
 COPY kvserve ./kvserve
 COPY model ./model
+COPY contract ./contract
+COPY runtime ./runtime
 COPY export ./export
 COPY service ./service
 # constraints.txt pins torch==2.13.0; PyTorch's CPU index serves it as the small CPU-only wheel (PyPI's is a

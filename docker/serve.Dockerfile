@@ -11,6 +11,8 @@ RUN pip install --no-cache-dir -c constraints.txt grpcio-tools
 COPY proto ./proto
 COPY kvserve ./kvserve
 COPY model ./model
+COPY contract ./contract
+COPY runtime ./runtime
 COPY export ./export
 COPY service ./service
 RUN python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvserve/v1/generation.proto \

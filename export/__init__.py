@@ -1,4 +1,4 @@
-"""ONNX export of the reference decoder, the artifact format, and the parity harness.
-
-Kept free of imports here: service/ reads io_contract and artifact without pulling in torch.
+"""ONNX export of the reference decoder (onnx_export.py, fused_graph.py, quantize.py), the export pipeline
+(pipeline.py) and the parity harness (parity.py, quality.py). Imports kvserve.contract and kvserve.runtime, never
+kvserve.service.
 """

@@ -18,7 +18,7 @@ import onnxscript
 from onnx import TensorProto, helper
 from onnx.defs import OpSchema
 
-from . import io_contract as io
+from kvserve.contract import io_contract as io
 
 MICROSOFT = "com.microsoft"
 PLACEHOLDER_DOMAIN, PLACEHOLDER = "kvserve", "RowsAndChunkAttention"

@@ -15,8 +15,8 @@ from torch.export import Dim
 from kvserve.model.decoders import Decoder
 from kvserve.model.fused_attention import supports_fused_attention
 
-from . import io_contract as io
-from .artifact import MODEL_DATA_FILE, MODEL_FILE
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import MODEL_DATA_FILE, MODEL_FILE
 from .fused_graph import declare_operators, expand_rows_and_chunk_attention, fused_write_problems, rows_and_chunk_placeholder
 
 OPSET = 18

@@ -14,24 +14,26 @@ heads: a grouped-query model's cache holds fewer heads than it has query heads).
 
 from __future__ import annotations
 
+import contextlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from kvserve.contract.tokenizer import load_tokenizer
 from kvserve.errors import UserError
+from kvserve.progress import stage
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.decoders import Decoder
-from kvserve.service.gate import contract_problems
-from kvserve.service.kv_slots import pool_capacity
-from kvserve.service.runtime import DecoderRuntime
+from kvserve.runtime.pool import pool_capacity
+from kvserve.runtime.step import DecoderRuntime
 
-from .artifact import ArtifactError, open_artifact
-from . import io_contract as io
+from kvserve.contract.artifact import ArtifactError, contract_problems, open_artifact
+from kvserve.contract import io_contract as io
 from .quality import eval_windows, greedy_tokens, text_quality
-from .tolerances import TOLERANCES, Tolerance, kl_divergence, logits_bound
+from kvserve.contract.tolerances import TOLERANCES, Tolerance, kl_divergence, logits_bound
 
 
 class VerifyRefused(UserError):
@@ -41,6 +43,71 @@ class VerifyRefused(UserError):
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
 DECODE_PROMPTS = (7, 13)
 GREEDY_PROMPTS = (5, 9)
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One logits (and K/V) comparison over real numbers from both sides."""
+
+    name: str
+    max_abs_logits: float
+    max_abs_eager_logit: float  # the scale of a relative logits bound
+    mean_abs_logits: float
+    top1_agreement: float
+    kl_mean: float  # mean KL(eager || onnx) per compared position
+    kv_max_abs: float | None  # worst (layer, head) K/V difference (relative where the tolerance is); None: no K/V compared
+    passed: bool
+
+
+@dataclass(frozen=True)
+class GreedyResult:
+    steps: int
+    identical: bool
+    onnx: list[list[int]]  # (B, steps)
+    eager: list[list[int]]
+
+
+@dataclass(frozen=True)
+class ArgmaxResult:
+    """A slots graph's greedy_tokens output against its own logits' argmax, every row of every step."""
+
+    rows: int
+    mismatches: int
+
+
+@dataclass(frozen=True)
+class LayerHead:
+    layer: int
+    head: int  # a K/V head (fewer than the query heads in a grouped-query model)
+    max_abs: float
+
+
+@dataclass
+class ParityReport:
+    """What verify found; written to the artifact as parity.json (to_json)."""
+
+    artifact: str
+    dtype: str
+    quantization: str | None
+    kv_cache: str
+    attention: str
+    provider: str
+    provider_note: str | None
+    tolerance: Tolerance
+    checks: list[CheckResult]
+    greedy: GreedyResult
+    text: dict | None  # quantized artifacts: held-out text (quality.text_quality) and whether it passed
+    greedy_tokens_argmax: ArgmaxResult | None  # None: a concat graph (no greedy_tokens)
+    kv_max_abs_per_layer_head: list[list[float]]  # (L, H_kv)
+    first_failing_layer_head: LayerHead | None
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "passed": self.passed}
 
 
 class _Check:
@@ -63,22 +130,13 @@ class _Check:
         self.kl_sum += float(kl_divergence(eager_logits, onnx_logits).sum())  # KL(eager || onnx)
         self.eager_max_abs = max(self.eager_max_abs, float(np.abs(eager_logits).max()))
 
-    def result(self, tolerance: Tolerance) -> dict:
+    def result(self, tolerance: Tolerance) -> "CheckResult":
         top1 = self.agree / self.positions
         kl_mean = self.kl_sum / self.positions
         passed = self.max_abs <= logits_bound(tolerance, np.array(self.eager_max_abs)) and top1 >= tolerance.top1_min
         passed = passed and (self.kv_max_abs is None or self.kv_max_abs <= tolerance.kv_max_abs)
         passed = passed and (tolerance.kl_mean_max is None or kl_mean <= tolerance.kl_mean_max)
-        return {
-            "name": self.name,
-            "max_abs_logits": self.max_abs,
-            "max_abs_eager_logit": self.eager_max_abs,
-            "mean_abs_logits": self.sum_abs / self.count,
-            "top1_agreement": top1,
-            "kl_mean": kl_mean,
-            "kv_max_abs": self.kv_max_abs,
-            "passed": passed,
-        }
+        return CheckResult(self.name, self.max_abs, self.eager_max_abs, self.sum_abs / self.count, top1, kl_mean, self.kv_max_abs, passed)
 
 
 def _kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray, relative: bool = False) -> np.ndarray:
@@ -193,8 +251,117 @@ def _driver(runtime: DecoderRuntime, artifact):
     return _ConcatDriver(runtime, artifact.config)
 
 
+class _Verification:
+    """One verify run: the artifact's driver and the eager reference fed the same prompts, check by check."""
+
+    def __init__(self, artifact, reference: Decoder, runtime: DecoderRuntime, steps: int):
+        self.artifact, self.reference, self.runtime, self.steps = artifact, reference, runtime, steps
+        self.config = artifact.config
+        self.tolerance = TOLERANCES[artifact.precision]
+        self.driver = _driver(runtime, artifact)
+        self.rng = np.random.default_rng(0)
+        self.max_prompt = max(1, min(33, self.config.n_ctx - steps - 1))
+        self.kv_max = np.zeros((self.config.n_layer, self.config.n_kv_head))  # (L, H_kv): worst over every check
+
+    def prompts_of(self, lengths) -> list[list[int]]:
+        return [self.rng.integers(0, self.config.vocab_size, min(n, self.max_prompt)).tolist() for n in lengths]
+
+    def eager_prefill(self, prompts):
+        ids, mask = left_pad(prompts)  # (B, T)
+        pos = position_ids_from_mask(mask)
+        logits, present = self.reference(ids, mask, pos, self.reference.empty_cache(len(prompts)))
+        return logits, present, mask, pos
+
+    def kv_check(self, check: _Check, eager_present, real: np.ndarray) -> CheckResult:
+        divergence = _kv_divergence(self.driver.kv(), eager_present, real, self.tolerance.kv_relative)  # (L, H_kv)
+        check.kv_max_abs = float(divergence.max())
+        self.kv_max = np.maximum(self.kv_max, divergence)
+        return check.result(self.tolerance)
+
+    def prefill(self) -> list[CheckResult]:
+        """Batches of several prompt lengths from an empty cache, every real position compared."""
+        results = []
+        for lengths in PREFILL_CASES:
+            check = _Check(f"prefill B={len(lengths)} T={','.join(str(min(n, self.max_prompt)) for n in lengths)}")
+            prompts = self.prompts_of(lengths)
+            eager_logits, eager_present, mask, _ = self.eager_prefill(prompts)
+            real = mask.numpy().astype(bool)
+            check.add_logits(np.concatenate(self.driver.prefill(prompts)), eager_logits.numpy()[real])
+            results.append(self.kv_check(check, eager_present, real))
+        return results
+
+    def decode_and_recompute(self) -> list[CheckResult]:
+        """Cached decode steps, both sides fed the eager model's greedy tokens; then the cached path's last logits
+        against one prefill over the whole sequence."""
+        check = _Check(f"decode {self.steps} steps B={len(DECODE_PROMPTS)}")
+        prompts = self.prompts_of(DECODE_PROMPTS)
+        eager_logits, eager_past, mask, pos = self.eager_prefill(prompts)
+        onnx_last = np.stack([row[-1] for row in self.driver.prefill(prompts)])  # (B, V)
+        sequences = [list(p) for p in prompts]
+        for _ in range(self.steps):
+            token = eager_logits[:, -1].argmax(-1)  # (B,)
+            for row, t in enumerate(token.tolist()):
+                sequences[row].append(t)
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+            pos = pos[:, -1:] + 1  # (B, 1)
+            eager_logits, eager_past = self.reference(token[:, None], mask, pos, eager_past)
+            onnx_last = self.driver.decode(token.numpy())
+            check.add_logits(onnx_last, eager_logits[:, -1].numpy())
+        decode = self.kv_check(check, eager_past, mask.numpy().astype(bool))
+        recompute = _Check("cached vs full recompute")
+        full = self.driver.prefill(sequences)  # prompt + every fed token: the inputs behind onnx_last
+        recompute.add_logits(onnx_last, np.stack([row[-1] for row in full]))
+        return [decode, recompute.result(self.tolerance)]
+
+    def greedy(self) -> GreedyResult:
+        """ONNX Runtime's own greedy loop against the eager reference's tokens."""
+        prompts = self.prompts_of(GREEDY_PROMPTS)
+        eager = generate(self.reference, prompts, self.steps).tokens.numpy()
+        onnx = greedy_tokens(self.driver, prompts, self.steps)  # (B, N)
+        return GreedyResult(self.steps, bool(np.array_equal(onnx, eager)), onnx.tolist(), eager.tolist())
+
+    def text(self) -> dict | None:
+        """Quantized artifacts: teacher-forced held-out text (quality.py), held to the precision's text bounds."""
+        bound = self.tolerance.text
+        if bound is None:
+            return None
+        windows = eval_windows(load_tokenizer(self.artifact.tokenizer_path).encode, self.config.vocab_size, self.config.n_ctx)
+        text = text_quality(self.driver, self.reference, windows)
+        text["passed"] = bool(
+            text["top1_agreement"] >= bound.top1_min and text["kl_mean"] <= bound.kl_mean_max
+            and text["perplexity_ratio"] <= bound.perplexity_ratio_max and np.mean(text["greedy_prefix"]) >= bound.greedy_prefix_min
+        )
+        return text
+
+    def argmax(self) -> ArgmaxResult | None:
+        """Every slots step the checks above ran: the graph's greedy_tokens against its logits' argmax."""
+        return ArgmaxResult(self.driver.argmax_rows, self.driver.argmax_mismatches) if self.driver.argmax_rows else None
+
+    def first_failing_layer_head(self) -> LayerHead | None:
+        over = np.argwhere(self.kv_max > self.tolerance.kv_max_abs)
+        if not len(over):
+            return None
+        layer, head = (int(x) for x in over[0])  # argwhere is row-major: lowest layer, then lowest head
+        return LayerHead(layer, head, float(self.kv_max[layer, head]))
+
+
+def _failures(report: ParityReport, precision: str) -> list[str]:
+    failures = [f"{c.name}: outside {precision} tolerance" for c in report.checks if not c.passed]
+    if report.text is not None and not report.text["passed"]:
+        failures.append(f"held-out text: outside {precision} tolerance")
+    if report.tolerance.greedy_identical and not report.greedy.identical:
+        failures.append("greedy tokens differ from the eager reference")
+    argmax = report.greedy_tokens_argmax
+    if argmax is not None and argmax.mismatches:
+        failures.append(f"the graph's greedy_tokens differ from its logits' argmax at {argmax.mismatches} of {argmax.rows} rows")
+    bad = report.first_failing_layer_head
+    if bad is not None:
+        failures.append(f"present K/V first breaks tolerance at layer {bad.layer}, head {bad.head}")
+    return failures
+
+
 @torch.no_grad()
-def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto", steps: int = 8) -> dict:
+def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto", steps: int = 8) -> ParityReport:
     """Run every check; return the report (see format_report). Never raises on a parity failure."""
     artifact = open_artifact(artifact_dir)
     config = artifact.config
@@ -203,184 +370,77 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     most_steps = config.n_ctx - max(DECODE_PROMPTS) - 1  # the decode check feeds its longest prompt this many tokens
     if not 1 <= steps <= most_steps:
         raise VerifyRefused(f"--steps must be in [1, {most_steps}] for this model (context {config.n_ctx}), got {steps}")
-    reference = reference.float().eval()
-    tolerance = TOLERANCES[artifact.precision]
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
-    problems = contract_problems(runtime, artifact)
+    problems = contract_problems(runtime.signature(), artifact)
     if problems:  # e.g. an artifact from a kvserve whose graph for this layout differed: driving it would fail midway
         raise VerifyRefused(f"{artifact.directory}: the graph is not the contract its manifest declares ({'; '.join(problems[:2])}); re-export it")
-    rng = np.random.default_rng(0)
-    max_prompt = max(1, min(33, config.n_ctx - steps - 1))
-    driver = _driver(runtime, artifact)
-    checks: list[dict] = []
-    kv_max = np.zeros((config.n_layer, config.n_kv_head))
-
-    def prompts_of(lengths) -> list[list[int]]:
-        return [rng.integers(0, config.vocab_size, min(n, max_prompt)).tolist() for n in lengths]
-
-    def eager_prefill(prompts):
-        ids, mask = left_pad(prompts)  # (B, T)
-        pos = position_ids_from_mask(mask)
-        logits, present = reference(ids, mask, pos, reference.empty_cache(len(prompts)))
-        return logits, present, mask, pos
-
-    # prefill: batches of several prompt lengths, every real position compared
-    for lengths in PREFILL_CASES:
-        check = _Check(f"prefill B={len(lengths)} T={','.join(str(min(n, max_prompt)) for n in lengths)}")
-        prompts = prompts_of(lengths)
-        eager_logits, eager_present, mask, _ = eager_prefill(prompts)
-        real = mask.numpy().astype(bool)
-        onnx_logits = driver.prefill(prompts)
-        check.add_logits(np.concatenate(onnx_logits), eager_logits.numpy()[real])
-        divergence = _kv_divergence(driver.kv(), eager_present, real, tolerance.kv_relative)
-        check.kv_max_abs = float(divergence.max())
-        kv_max = np.maximum(kv_max, divergence)
-        checks.append(check.result(tolerance))
-
-    # decode: cached steps, both sides fed the eager model's greedy tokens
-    check = _Check(f"decode {steps} steps B={len(DECODE_PROMPTS)}")
-    prompts = prompts_of(DECODE_PROMPTS)
-    eager_logits, eager_past, mask, pos = eager_prefill(prompts)
-    onnx_last = np.stack([row[-1] for row in driver.prefill(prompts)])  # (B, V)
-    sequences = [list(p) for p in prompts]
-    for _ in range(steps):
-        token = eager_logits[:, -1].argmax(-1)  # (B,)
-        for row, t in enumerate(token.tolist()):
-            sequences[row].append(t)
-        mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
-        pos = pos[:, -1:] + 1  # (B, 1)
-        eager_logits, eager_past = reference(token[:, None], mask, pos, eager_past)
-        onnx_last = driver.decode(token.numpy())
-        check.add_logits(onnx_last, eager_logits[:, -1].numpy())
-    divergence = _kv_divergence(driver.kv(), eager_past, mask.numpy().astype(bool), tolerance.kv_relative)
-    check.kv_max_abs = float(divergence.max())
-    kv_max = np.maximum(kv_max, divergence)
-    checks.append(check.result(tolerance))
-
-    # recompute: the cached path's last logits against one prefill over the whole sequence
-    check = _Check("cached vs full recompute")
-    full = driver.prefill(sequences)  # prompt + every fed token: the inputs behind onnx_last
-    check.add_logits(onnx_last, np.stack([row[-1] for row in full]))
-    checks.append(check.result(tolerance))
-
-    # greedy: ONNX Runtime's own loop against the eager reference's tokens
-    greedy_prompts = prompts_of(GREEDY_PROMPTS)
-    eager_tokens = generate(reference, greedy_prompts, steps).tokens.numpy()
-    onnx_tokens = greedy_tokens(driver, greedy_prompts, steps)  # (B, N)
-    greedy_identical = bool(np.array_equal(onnx_tokens, eager_tokens))
-
-    text = None
-    if tolerance.text is not None:
-        from kvserve.service.text import load_tokenizer
-
-        encode = load_tokenizer(artifact.tokenizer_path).encode
-        windows = eval_windows(encode, config.vocab_size, config.n_ctx)
-        text = text_quality(driver, reference, windows)
-        bound = tolerance.text
-        text["passed"] = bool(
-            text["top1_agreement"] >= bound.top1_min and text["kl_mean"] <= bound.kl_mean_max
-            and text["perplexity_ratio"] <= bound.perplexity_ratio_max and np.mean(text["greedy_prefix"]) >= bound.greedy_prefix_min
-        )
-
-    precision = artifact.precision
-    failures = [f"{c['name']}: outside {precision} tolerance" for c in checks if not c["passed"]]
-    if text is not None and not text["passed"]:
-        failures.append(f"held-out text: outside {precision} tolerance")
-    if tolerance.greedy_identical and not greedy_identical:
-        failures.append("greedy tokens differ from the eager reference")
-    argmax = None
-    if driver.argmax_rows:
-        argmax = {"rows": driver.argmax_rows, "mismatches": driver.argmax_mismatches}
-        if driver.argmax_mismatches:
-            failures.append(f"the graph's greedy_tokens differ from its logits' argmax at {driver.argmax_mismatches} of {driver.argmax_rows} rows")
-    first_bad = None
-    over = np.argwhere(kv_max > tolerance.kv_max_abs)
-    if len(over):
-        layer, head = (int(x) for x in over[0])  # argwhere is row-major: lowest layer, then lowest head
-        first_bad = {"layer": layer, "head": head, "max_abs": float(kv_max[layer, head])}
-        failures.append(f"present K/V first breaks tolerance at layer {layer}, head {head}")
-    return {
-        "artifact": str(artifact.directory),
-        "dtype": artifact.dtype,
-        "quantization": artifact.quantization,
-        "kv_cache": artifact.kv_cache,
-        "attention": artifact.attention,
-        "provider": runtime.provider,
-        "provider_note": runtime.fallback_reason,
-        "tolerance": asdict(tolerance),
-        "checks": checks,
-        "greedy": {"steps": steps, "identical": greedy_identical, "onnx": onnx_tokens.tolist(), "eager": eager_tokens.tolist()},
-        "text": text,
-        "greedy_tokens_argmax": argmax,
-        "kv_max_abs_per_layer_head": kv_max.tolist(),
-        "first_failing_layer_head": first_bad,
-        "failures": failures,
-        "passed": not failures,
-    }
+    run = _Verification(artifact, reference.float().eval(), runtime, steps)
+    with stage(f"parity: prefill and decode checks on {runtime.provider}"):
+        checks = run.prefill() + run.decode_and_recompute()
+    with stage("parity: greedy generation"):
+        greedy = run.greedy()
+    with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():
+        text = run.text()
+    report = ParityReport(
+        artifact=str(artifact.directory), dtype=artifact.dtype, quantization=artifact.quantization, kv_cache=artifact.kv_cache,
+        attention=artifact.attention, provider=runtime.provider, provider_note=runtime.fallback_reason, tolerance=run.tolerance,
+        checks=checks, greedy=greedy, text=text, greedy_tokens_argmax=run.argmax(),
+        kv_max_abs_per_layer_head=run.kv_max.tolist(), first_failing_layer_head=run.first_failing_layer_head(),
+    )
+    report.failures = _failures(report, artifact.precision)
+    return report
 
 
-def format_report(report: dict) -> str:
+def format_report(report: ParityReport) -> str:
     """A markdown table of the checks, then the greedy, K/V and provider lines."""
-    relative = report["tolerance"].get("logits_relative", False)
+    tol = report.tolerance
+    relative = tol.logits_relative
+    weights = f", {report.quantization} weights" if report.quantization else ""
     lines = [
-        f"parity: {report['artifact']} ({report['dtype']}{', ' + report['quantization'] + ' weights' if report.get('quantization') else ''}, "
-        f"{report.get('kv_cache', 'concat')} KV cache{', fused attention' if report.get('attention') == 'fused' else ''}) on {report['provider']}",
+        f"parity: {report.artifact} ({report.dtype}{weights}, {report.kv_cache} KV cache"
+        f"{', fused attention' if report.attention == 'fused' else ''}) on {report.provider}",
         "",
-        f"| check | max abs Δ logits{' (of max abs logit)' if relative else ''} | mean abs Δ logits | top-1 agree | mean KL | {'rel. ' if report['tolerance']['kv_relative'] else ''}max abs Δ K/V | ok |",
+        f"| check | max abs Δ logits{' (of max abs logit)' if relative else ''} | mean abs Δ logits | top-1 agree | mean KL | "
+        f"{'rel. ' if tol.kv_relative else ''}max abs Δ K/V | ok |",
         "|---|---:|---:|---:|---:|---:|:-:|",
     ]
-    for c in report["checks"]:
-        kv = "n/a" if c["kv_max_abs"] is None else f"{c['kv_max_abs']:.2e}"
-        scale = f" (of {c['max_abs_eager_logit']:.3g})" if relative else ""
-        lines.append(
-            f"| {c['name']} | {c['max_abs_logits']:.2e}{scale} | {c['mean_abs_logits']:.2e} | "
-            f"{c['top1_agreement']:.3f} | {c['kl_mean']:.1e} | {kv} | "
-            f"{'yes' if c['passed'] else 'NO'} |"
-        )
-    greedy = report["greedy"]
-    kv = np.array(report["kv_max_abs_per_layer_head"])
-    lines += [
-        "",
-        f"greedy {greedy['steps']} steps: tokens {'identical' if greedy['identical'] else 'DIFFER'}",
-    ]
-    argmax = report.get("greedy_tokens_argmax")
+    for c in report.checks:
+        kv = "n/a" if c.kv_max_abs is None else f"{c.kv_max_abs:.2e}"
+        scale = f" (of {c.max_abs_eager_logit:.3g})" if relative else ""
+        lines.append(f"| {c.name} | {c.max_abs_logits:.2e}{scale} | {c.mean_abs_logits:.2e} | {c.top1_agreement:.3f} | "
+                     f"{c.kl_mean:.1e} | {kv} | {'yes' if c.passed else 'NO'} |")
+    lines += ["", f"greedy {report.greedy.steps} steps: tokens {'identical' if report.greedy.identical else 'DIFFER'}"]
+    argmax = report.greedy_tokens_argmax
     if argmax is not None:
-        lines.append(f"greedy_tokens output vs its logits' argmax: {argmax['rows'] - argmax['mismatches']} of {argmax['rows']} rows equal")
-    lines += [
-        "present K/V max abs Δ per layer (worst head): "
-        + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)),
-    ]
-    text = report.get("text")
+        lines.append(f"greedy_tokens output vs its logits' argmax: {argmax.rows - argmax.mismatches} of {argmax.rows} rows equal")
+    kv = np.array(report.kv_max_abs_per_layer_head)  # (L, H_kv)
+    lines.append("present K/V max abs Δ per layer (worst head): "
+                 + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)))
+    text = report.text
     if text is not None:
         lines.append(
             f"held-out text, teacher-forced ({text['positions']} positions): top-1 agree {text['top1_agreement']:.3f}, "
             f"mean KL {text['kl_mean']:.2e}, perplexity {text['perplexity_onnx']:.3f} vs eager {text['perplexity_eager']:.3f} "
             f"(x{text['perplexity_ratio']:.4f}); greedy prefix matching eager: {text['greedy_prefix']} of {text['greedy_steps']}"
         )
-    bad = report["first_failing_layer_head"]
+    bad = report.first_failing_layer_head
+    lines.append("first (layer, head) over tolerance: "
+                 + (f"layer {bad.layer}, head {bad.head} (max abs Δ {bad.max_abs:.2e})" if bad else "none"))
     lines.append(
-        "first (layer, head) over tolerance: "
-        + (f"layer {bad['layer']}, head {bad['head']} (max abs Δ {bad['max_abs']:.2e})" if bad else "none")
+        f"tolerance ({report.quantization or report.dtype}): logits {tol.logits_max_abs:g}{' (relative)' if relative else ''}, "
+        f"K/V {tol.kv_max_abs:g}{' (relative)' if tol.kv_relative else ''}, top-1 >= {tol.top1_min:g}"
+        + (f", mean KL <= {tol.kl_mean_max:g}" if tol.kl_mean_max is not None else "")
+        + f", greedy identical {'required' if tol.greedy_identical else 'reported'}"
     )
-    tol = report["tolerance"]
-    lines.append(
-        f"tolerance ({report.get('quantization') or report['dtype']}): logits {tol['logits_max_abs']:g}{' (relative)' if tol.get('logits_relative') else ''}, "
-        f"K/V {tol['kv_max_abs']:g}{' (relative)' if tol['kv_relative'] else ''}, top-1 >= {tol['top1_min']:g}"
-        + (f", mean KL <= {tol['kl_mean_max']:g}" if tol["kl_mean_max"] is not None else "")
-        + f", greedy identical {'required' if tol['greedy_identical'] else 'reported'}"
-    )
-    if tol["text"] is not None:
-        t = tol["text"]
-        lines.append(
-            f"held-out text tolerance: top-1 >= {t['top1_min']:g}, mean KL <= {t['kl_mean_max']:g}, "
-            f"perplexity ratio <= {t['perplexity_ratio_max']:g}, mean greedy prefix >= {t['greedy_prefix_min']}"
-        )
-    if report["provider"] != "CUDAExecutionProvider":
-        note = report.get("provider_note")
-        lines.append(f"note: ran on the CPU provider, not CUDA{f' ({note})' if note else ''}")
-    lines.append(f"result: {'PASS' if report['passed'] else 'FAIL: ' + '; '.join(report['failures'])}")
+    if tol.text is not None:
+        t = tol.text
+        lines.append(f"held-out text tolerance: top-1 >= {t.top1_min:g}, mean KL <= {t.kl_mean_max:g}, "
+                     f"perplexity ratio <= {t.perplexity_ratio_max:g}, mean greedy prefix >= {t.greedy_prefix_min}")
+    if report.provider != "CUDAExecutionProvider":
+        lines.append(f"note: ran on the CPU provider, not CUDA{f' ({report.provider_note})' if report.provider_note else ''}")
+    lines.append(f"result: {'PASS' if report.passed else 'FAIL: ' + '; '.join(report.failures)}")
     return "\n".join(lines)
 
 
-def write_report(report: dict, path: Path) -> None:
-    path.write_text(json.dumps(report, indent=2) + "\n")
+def write_report(report: ParityReport, path: Path) -> None:
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")

@@ -18,16 +18,17 @@ import torch
 
 import kvserve
 from kvserve.errors import JobFailed, UserError
+from kvserve.progress import stage
 from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
 from kvserve.model.config import preset
 from kvserve.model.generate import generate
 from kvserve.model.decoders import Decoder, build
 from kvserve.model.hf_config import config_to_hf
 from kvserve.model.vocabulary import write_preset_tokenizer
-from kvserve.service.runtime import cuda_available
+from kvserve.runtime.providers import cuda_available
 
-from . import artifact as art
-from . import io_contract as io
+from kvserve.contract import artifact as art
+from kvserve.contract import io_contract as io
 from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
 from .quantize import SCHEMES, QuantizeError, quantize_model
 from .parity import format_report, verify, write_report
@@ -138,10 +139,13 @@ def export_artifact(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = model.float().eval()
-        proto, graph = trace_graph(model, dtype, kv_cache, attention)
+        with stage(f"trace the {kv_cache} graph ({dtype}, {attention} attention)"):
+            proto, graph = trace_graph(model, dtype, kv_cache, attention)
         if quantize is not None:
-            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention)
-        graph["external_data"] = save_graph(proto, staging)
+            with stage(f"quantize the weights ({quantize})"):
+                proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention)
+        with stage("check and save the graph"):
+            graph["external_data"] = save_graph(proto, staging)
         del proto  # its weights are on disk now; verify loads the graph from there
         (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
         if tokenizer_dir is not None:
@@ -150,7 +154,8 @@ def export_artifact(
                     shutil.copy2(Path(tokenizer_dir) / name, staging / name)
         elif source.get("kind") == "preset":
             write_preset_tokenizer(source["name"], staging)  # gpt2: GPT-2's BPE; tiny: none (bytes)
-        record_golden(model).save(staging / art.GOLDEN_FILE)
+        with stage("record the golden continuation"):
+            record_golden(model).save(staging / art.GOLDEN_FILE)
         files = sorted(p.name for p in staging.iterdir() if p.is_file())
         manifest = {
             "format": art.FORMAT,
@@ -177,12 +182,12 @@ def export_artifact(
         }
         (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
         report = verify(staging, model, provider=provider)
-        report["artifact"] = str(out)
+        report.artifact = str(out)
         write_report(report, staging / art.PARITY_FILE)
         staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it
         for path in staging.iterdir():
             path.chmod(0o644)  # onnx writes its external data file 0600; every file is as readable as the rest
-        if not report["passed"]:
+        if not report.passed:
             raise ParityFailed("parity failed, nothing written:\n" + format_report(report))
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

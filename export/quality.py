@@ -16,7 +16,7 @@ from kvserve.model.corpus import load_corpus
 from kvserve.model.generate import generate
 from kvserve.model.decoders import Decoder
 
-from .tolerances import kl_of_log_probs, log_softmax
+from kvserve.contract.tolerances import kl_of_log_probs, log_softmax
 
 WINDOWS = 4
 GREEDY_PROMPT_TOKENS = 16  # each window's opening the greedy comparison continues from

@@ -1,7 +1,7 @@
 """Weight quantization: a step of the export pipeline that rewrites an exported float32 graph's weight matrices
 to 8 bits, leaving its inputs, outputs and KV contract exactly as they were.
 
-Schemes (chosen by measurement, bench/int8_decode.py; README "Int8"):
+Schemes (chosen by measurement, bench/int8_decode.py; docs/parity.md, "Int8"):
   int8          com.microsoft.MatMulNBits, 8-bit symmetric blocks of BLOCK_SIZE input rows per output column,
                 each with its own float scale; accuracy level 4 lets the CPU kernel multiply in int8 (VNNI/AMX).
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
@@ -21,7 +21,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from .io_contract import QUANTIZATIONS
+from kvserve.contract.io_contract import QUANTIZATIONS
 
 SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
 BLOCK_SIZE = 32

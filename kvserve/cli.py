@@ -28,7 +28,7 @@ def _export(args) -> int:
 def _verify(args) -> int:
     from pathlib import Path
 
-    from kvserve.export.artifact import PARITY_FILE
+    from kvserve.contract.artifact import PARITY_FILE
     from kvserve.export.parity import format_report, verify, write_report
     from kvserve.export.pipeline import reference_for
 
@@ -37,26 +37,30 @@ def _verify(args) -> int:
     report_path = Path(args.report) if args.report else Path(args.artifact) / PARITY_FILE
     write_report(report, report_path)
     print(f"report written to {report_path}")
-    return 0 if report["passed"] else JobFailed.exit_code
+    return 0 if report.passed else JobFailed.exit_code
 
 
 def _serve(args) -> int:
     import asyncio
 
-    from kvserve.service.server import ServerOptions, serve
+    from kvserve.service.limits import EngineLimits
+    from kvserve.service.options import ServerOptions
+    from kvserve.service.server import serve
 
-    options = ServerOptions(
-        artifact=args.model, host=args.host, port=args.port, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
-        provider=args.provider, drain_seconds=args.drain_seconds, allow_parity_failure=args.allow_parity_failure,
-        metrics_port=args.metrics_port, step_token_budget=args.step_token_budget, tls_cert=args.tls_cert, tls_key=args.tls_key,
-        tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
+    limits = EngineLimits(
+        max_batch_size=args.max_batch_size, max_queue=args.max_queue, step_token_budget=args.step_token_budget,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
+    )
+    options = ServerOptions(
+        artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
+        allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         max_message_bytes=args.max_message_bytes, health_port=args.health_port, max_context=args.max_context,
         cuda_graph=args.cuda_graph,
     )
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port}
     ports_ok = all(p is None or 0 <= p < 65536 for p in ports.values())
-    if options.max_batch_size < 1 or options.max_queue < 0 or not ports_ok:
+    if limits.max_batch_size < 1 or limits.max_queue < 0 or not ports_ok:
         raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port, --metrics-port and --health-port in [0, 65535]")
     taken: dict[int, str] = {}
     for flag, port in ports.items():
@@ -64,8 +68,8 @@ def _serve(args) -> int:
             if port in taken:
                 raise UserError(f"{taken[port]} and {flag} are both {port}; give each endpoint a port of its own")
             taken[port] = flag
-    if options.step_token_budget < 0:
-        raise UserError(f"--step-token-budget must be >= 0 (0: no limit), got {options.step_token_budget}")
+    if limits.step_token_budget < 0:
+        raise UserError(f"--step-token-budget must be >= 0 (0: no limit), got {limits.step_token_budget}")
     return asyncio.run(serve(options))
 
 
@@ -186,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--quantize", choices=("int8",), default=None,
         help="8-bit weights (MatMulNBits, blocks of 32; float32 graph only), verified against the float32 eager "
-        "model within the int8 tolerances (README, \"Int8\")",
+        "model within the int8 tolerances (docs/parity.md, \"Int8\")",
     )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")

@@ -1,7 +1,7 @@
 """Causal attention over the per-layer KV cache, shared by every architecture (gpt2.py, llama.py).
 
 A model projects its own Q, K and V (and rotates them, for Llama); from there the cache and the attention
-are the same. The cache comes in one of two layouts, the same ones the export offers (export/io_contract.py):
+are the same. The cache comes in one of two layouts, the same ones the export offers (contract/io_contract.py):
 
   concat   the eager reference's, and an export format for tools that drive the graph Optimum-style: past
            (B, H_kv, P, d_k) -> present (B, H_kv, P + T, d_k), the new K/V appended; the mask is (B, P + T).
@@ -116,7 +116,7 @@ class SlotStep:
     Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.)"""
 
     def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV):
-        """The slots inputs (see GPT2.forward_slots, export/io_contract.py) and a layer's row pool."""
+        """The slots inputs (see GPT2.forward_slots, contract/io_contract.py) and a layer's row pool."""
         B, T = position_ids.shape[0], chunk_position_ids.shape[1]
         n_kv_head, capacity = pool[0].shape[1], pool[0].shape[2]
         device = position_ids.device

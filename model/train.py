@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvserve.errors import UserError
+from kvserve.progress import progress
 
 from .checkpoint import save_checkpoint
 from .config import DecoderConfig
@@ -142,7 +143,7 @@ def train(config: TrainConfig, out: Path) -> dict:
     started = time.perf_counter()
     running = 0.0
     model.train()
-    for step in range(config.steps):
+    for step in progress(range(config.steps), config.steps, "training steps"):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
         starts = torch.randint(0, len(train_ids) - config.n_ctx - 1, (config.batch_size,), generator=generator)

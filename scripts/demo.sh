@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on the built-in default model: export + verify, serve, stream one generation, stop.
-# Called by `make demo`; expects the virtual environment that `make setup` builds. The default model is the
+# Called by `make demo`, which builds the virtual environment and the stubs it uses. The default model is the
 # small GPT-2 trained on the King James Bible that the repository ships (checkpoints/kjv-gpt2, made by
 # model/train.py); MODEL=DIR exports another checkpoint, PRESET=NAME a preset with random weights (tiny, gpt2,
 # tiny-llama, llama-135m).

@@ -3,7 +3,7 @@
 Each mutation below breaks one feature on purpose. For each, this copies the working tree to a scratch
 directory, applies that mutation alone, and runs the tests meant to catch it there; a mutation the tests
 survive is a gap in the suite. The scratch copy is importable as `kvserve` through PYTHONPATH (its
-model/, export/ and service/ folders linked under kvserve/, as pyproject.toml maps them), so nothing in
+model/, contract/, runtime/, export/ and service/ folders linked under kvserve/, as pyproject.toml maps them), so nothing in
 this checkout changes.
 
     .venv/bin/python scripts/mutations.py [--only NAME ...] [--keep]
@@ -80,15 +80,15 @@ MUTATIONS = (
     ),
     Mutation(
         "the server's warm-up (which captures CUDA graphs) runs on a thread other than the steps'",
-        "service/server.py",
-        (("await loop.run_in_executor(steps, warm_up, batch, self.artifact, options.step_token_budget)",
-          "await asyncio.to_thread(warm_up, batch, self.artifact, options.step_token_budget)"),),
+        "service/loading.py",
+        (("await loop.run_in_executor(steps, warm_up, batch, artifact, budget)",
+          "await asyncio.to_thread(warm_up, batch, artifact, budget)"),),
         ("tests/service/test_fixed_decode.py::test_the_gate_the_warm_up_and_every_step_run_on_one_thread",),
     ),
     Mutation(
         "fixed-shape decode: decode rows read only up to the narrowest bucket",
         "service/kv_slots.py",
-        (("rows, columns = self.decode_shape(width)", "rows, columns = self.decode_shape(min(width, MIN_DECODE_WIDTH))"),),
+        (("rows, columns = self.decode_shape(width)", "rows, columns = self.decode_shape(min(width, 64))"),),
         ("tests/service/test_fixed_decode.py::test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks",),
     ),
     Mutation(
@@ -176,7 +176,7 @@ def scratch_copy() -> Path:
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, root / name)
     (root / "node_modules").symlink_to(REPO / "node_modules")
-    for package in ("model", "export", "service"):
+    for package in ("model", "contract", "runtime", "export", "service"):
         (root / "kvserve" / package).symlink_to(Path("..") / package)
     return root
 

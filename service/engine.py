@@ -11,15 +11,16 @@ import itertools
 import logging
 import secrets
 
+from kvserve.contract.tokenizer import Tokenizer
 from kvserve.model.config import DecoderConfig
 
 from .kv_slots import SlotBatch
 from .limits import MAX_SCALE, MIN_SCALE, EngineLimits
-from .runtime import DecoderRuntime
+from kvserve.runtime.step import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import GenerationRequest, Sequence
-from .text import IncrementalDecoder, StopSequences, Tokenizer
+from .text import IncrementalDecoder, StopSequences
 
 log = logging.getLogger(__name__)
 

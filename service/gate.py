@@ -8,17 +8,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvserve.export.artifact import Artifact
-from kvserve.export.io_contract import io_spec
-from kvserve.export.tolerances import TOLERANCES, kl_divergence, logits_bound
+from kvserve.contract.artifact import Artifact, contract_problems
+from kvserve.contract.tokenizer import ByteTokenizer
+from kvserve.contract.tolerances import TOLERANCES, kl_divergence, logits_bound
 
 from .kv_slots import SlotBatch
 from .limits import EngineLimits
-from .runtime import DecoderRuntime
+from kvserve.runtime.step import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .text import ByteTokenizer, IncrementalDecoder, StopSequences
+from .text import IncrementalDecoder, StopSequences
 
 
 @dataclass(frozen=True)
@@ -26,31 +26,6 @@ class GateResult:
     passed: bool
     summary: str
     overridden: bool = False
-
-
-def contract_problems(runtime: DecoderRuntime, artifact: Artifact) -> list[str]:
-    """Where the live session's inputs and outputs differ from the KV contract the artifact declares."""
-    config = artifact.config
-    expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention)
-    live = runtime.signature()
-    problems = []
-    for side in ("inputs", "outputs"):
-        if list(live[side]) != list(expected[side]):
-            problems.append(f"graph {side} are {list(live[side])[:4]}..., expected {list(expected[side])[:4]}...")
-            continue
-        for name, want in expected[side].items():
-            got = live[side][name]
-            if got["dtype"] != want["dtype"]:
-                problems.append(f"{name} has dtype {got['dtype']}, expected {want['dtype']}")
-            if len(got["shape"]) != len(want["shape"]):
-                problems.append(f"{name} has rank {len(got['shape'])}, expected {len(want['shape'])}")
-                continue
-            for axis, (g, w) in enumerate(zip(got["shape"], want["shape"])):
-                if isinstance(w, str) and isinstance(g, int):
-                    problems.append(f"{name} axis {axis} is fixed at {g}, expected symbolic {w!r}")
-                elif isinstance(w, int) and g != w:
-                    problems.append(f"{name} axis {axis} is {g}, expected {w}")
-    return problems
 
 
 def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, capture_logits: bool = False) -> Sequence:
@@ -115,7 +90,7 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
 
 
 def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
-    problems = contract_problems(runtime, artifact)
+    problems = contract_problems(runtime.signature(), artifact)
     if problems:
         return GateResult(False, "KV contract mismatch: " + "; ".join(problems[:3]))
     return replay_golden(runtime, artifact, step_token_budget)

@@ -1,16 +1,15 @@
-"""The running batch of a `slots` artifact and its KV slots: which sequence holds which cache row, each row's
-length, the mask a step reads, and every change of the pool (a row moved when a sequence leaves, a capacity
-change when the longest need changes). One step thread calls it; the scheduler says what each step runs.
+"""The running batch and its KV slots: which sequence holds which row of the pool, each row's length, the mask a
+step reads, and every change of the pool (a row moved into a freed one when a sequence leaves, on the CPU
+provider). One step thread calls it; the scheduler says what each step runs.
 
 Each sequence holds one row of the pool, left-aligned: its token at position p lives in column p, so a
 row's length is its own and no row pads another. A step runs, in one model call, one token for every row
-that decodes and one chunk of one row's prompt (export/io_contract.py, the slots layout). A row with
+that decodes and one chunk of one row's prompt (contract/io_contract.py, the slots layout). A row with
 nothing to decode this step (the one whose prompt the chunk belongs to, or a free row below the last
 used one) is fed a scratch token written at the pool's last column, which no real token ever occupies.
 
-The pool is allocated once, for max_rows rows of a whole context (n_ctx columns and the scratch one), and
-touched when the batch is made: memory first touched mid-stream costs page faults that stall a step (on
-the development VM a fresh 1.2 GB gpt2 pool took 1.6 s to fill), so no step ever allocates K/V.
+The pool (kvserve.runtime.pool) is allocated once, for max_rows rows of a whole context (n_ctx columns and the
+scratch one), and touched when the batch is made, so no step ever allocates K/V.
 Decode rows read only the columns up to the longest of them; a chunk reads its own row. So when no prompt
 chunk runs and one row is much longer than the rest (a long prompt now decoding), that row's token goes
 through the chunk instead, and the others read their own short widths, not the long one's.
@@ -19,13 +18,13 @@ A batch with fixed_decode (the runtime captures CUDA graphs) runs each decode-on
 instead (decode_shape: rows and width rounded up to powers of two), every shape bound, and captured, at warm-up
 (prepare_decode_shapes); the rows beyond the batch's run scratch tokens. Steps with a chunk keep exact shapes.
 
-A step whose sampled rows are all greedy (Sequence.takes_greedy_token) asks the runtime for the graph's greedy
-tokens alone, so its logits never leave the device; one row that samples or reports log-probabilities makes the
-step read them (needs_logits).
+A step whose sampled rows all take the graph's greedy token (Sequence.takes_greedy_token) asks the runtime for
+those tokens alone, so its logits never leave the device; one row that samples, reports log-probabilities or
+records its logits (the load gate's) makes the step read them (needs_logits).
 
 Joining takes the lowest free row; leaving frees a row, and on the CPU provider the last row moves into
 it (one row, in place) so rows 0..B-1 stay dense and a step computes no idle row. Under CUDA a free row
-stays a hole until the next join fills it, so nothing moves at all. No K/V crosses to the host either way.
+stays a hole until the next join fills it, so nothing moves at all: no K/V crosses to the host.
 """
 
 from __future__ import annotations
@@ -35,10 +34,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvserve.export.io_contract import STANDARD
+from kvserve.contract.io_contract import STANDARD
 from kvserve.model.config import DecoderConfig
+from kvserve.runtime.cuda_graphs import decode_shape, decode_shapes
+from kvserve.runtime.pool import SlotPool, pool_capacity
+from kvserve.runtime.step import DecoderRuntime
 
-from .runtime import DecoderRuntime, SlotPool, power_of_two_at_least
 from .sequence import Sequence, StepEvent
 
 log = logging.getLogger(__name__)
@@ -48,9 +49,6 @@ StepResults = list[tuple[Sequence, StepEvent | BaseException]]
 # A decoding row takes the chunk's place (when free) once it is this much longer than every other row:
 # reading its width in every row would cost more than the extra row the decode part then computes.
 SOLO_MIN_RATIO, SOLO_MIN_EXTRA = 2, 32
-# The narrowest width a fixed-shape decode step reads (fixed_decode): every width is one more shape to bind and
-# capture, and from 64 up a 1,024-token context has five.
-MIN_DECODE_WIDTH = 64
 
 
 @dataclass
@@ -66,11 +64,6 @@ class StepPlan:
 def needs_logits(seqs: list[Sequence]) -> bool:
     """Whether a step sampling for seqs must read their logits back, or their greedy tokens will do."""
     return any(seq.needs_logits for seq in seqs)
-
-
-def pool_capacity(config: DecoderConfig) -> int:
-    """Columns of a pool row: a whole context, then the scratch column."""
-    return config.n_ctx + 1
 
 
 def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens: np.ndarray,
@@ -144,22 +137,12 @@ class SlotBatch:
         return longest if far else None
 
     def decode_shape(self, width: int) -> tuple[int, int]:
-        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at: each the
-        next power of two (width at least MIN_DECODE_WIDTH), at most the pool's rows and the context. So a 16-row pool
-        of a 1,024-token context runs decode steps at 5 x 5 shapes, each bound (and captured) once."""
-        return self._rows_bucket(len(self.slots)), self._width_bucket(width)
-
-    def _rows_bucket(self, rows: int) -> int:
-        return min(power_of_two_at_least(rows), self.max_rows)
-
-    def _width_bucket(self, width: int) -> int:
-        return min(power_of_two_at_least(width, MIN_DECODE_WIDTH), self.config.n_ctx)
+        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at."""
+        return decode_shape(len(self.slots), width, self.max_rows, self.config.n_ctx)
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """Every shape decode_shape can return for this pool, smallest first."""
-        row_counts = sorted({self._rows_bucket(n) for n in range(1, self.max_rows + 1)})
-        widths = sorted({self._width_bucket(w) for w in range(1, self.config.n_ctx + 1)})
-        return [(rows, width) for rows in row_counts for width in widths]
+        return decode_shapes(self.max_rows, self.config.n_ctx)
 
     def close(self) -> None:
         """The batch is no longer used: the runtime forgets the decode steps bound to its pool (and their CUDA graphs)."""

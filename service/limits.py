@@ -1,7 +1,7 @@
 """What the server allows: the engine's limits and the bounds on sampling parameters, defined once.
 
 Plain Python (no onnxruntime, no torch), so the command line reads its defaults from here without loading
-the runtime. Every limit is a `kvserve serve` flag and a KVSERVE_* variable (README, "Limits").
+the runtime. Every limit is a `kvserve serve` flag and a KVSERVE_* variable (docs/serving.md, "The gRPC API").
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ class EngineLimits:
     max_queue: int = 64  # requests waiting for a row; 0: none wait
     # The most tokens one step runs while streams are decoding: every decoding row's token, then a prompt
     # chunk with the rest. Smaller keeps the running streams' gaps even; larger gets a new prompt its first
-    # token sooner (README, "Chunked prefill"). 0: no limit (a prompt is prefilled whole).
+    # token sooner (docs/benchmarks.md, "Chunked prefill"). 0: no limit (a prompt is prefilled whole).
     step_token_budget: int = 32
     max_stop_sequences: int = 16  # per request
     max_stop_length: int = 256  # characters of one stop sequence

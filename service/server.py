@@ -1,37 +1,32 @@
 """The gRPC edge: a thin servicer (protobuf <-> engine domain), one interceptor that maps errors to status
-codes and logs them, and the server's lifecycle (load, parity gate, warm-up, serve, drain, stop)."""
+codes and logs them, and the server's lifecycle: bind (TLS, tokens, reflection, health, metrics) with health
+NOT_SERVING, bring the model up (loading.py), serve, drain, stop."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import signal
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvserve.errors import JobFailed, UserError
-from kvserve.export.artifact import Artifact, open_artifact
-from kvserve.export.io_contract import SLOTS
-from kvserve.model.config import DecoderConfig
+from kvserve.errors import UserError
+from kvserve.runtime.step import DecoderRuntime
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from .engine import Engine, InvalidArgument, QueueFull, Unavailable
-from .limits import DEFAULT_MAX_MESSAGE_BYTES, TRANSPORT_METADATA_BYTES, EngineLimits
-from .gate import GateResult, run_gate, warm_up
-from .kv_slots import SlotBatch
+from .gate import GateResult
+from .limits import TRANSPORT_METADATA_BYTES
+from .loading import load_model, open_servable
 from .metrics import Metrics
-from .runtime import DecoderRuntime
+from .options import ServerOptions
 from .sampling import SamplingParams
-from .scheduler import step_thread
 from .security import MetadataLimitInterceptor, TokenAuthInterceptor, TokenFile, server_credentials
 from .sequence import FinishReason, GenerationRequest, StepEvent
-from .text import load_tokenizer
 from .tokenizing import TokenizeProcess
 
 log = logging.getLogger("kvserve.server")
@@ -49,64 +44,6 @@ STATUS_OF = {InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.
 
 class ListenFailed(UserError):
     """The gRPC port could not be bound."""
-
-
-class ParityGateFailed(JobFailed):
-    """The artifact failed the load-time gate and the override was not given."""
-
-
-@dataclass(frozen=True)
-class ServerOptions:
-    artifact: str
-    host: str = "127.0.0.1"
-    port: int = 50051
-    max_batch_size: int = EngineLimits.max_batch_size
-    max_queue: int = EngineLimits.max_queue
-    provider: str = "auto"
-    drain_seconds: float = 30.0
-    allow_parity_failure: bool = False
-    metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
-    step_token_budget: int = EngineLimits.step_token_budget  # tokens per step while streams decode; 0: no limit
-    max_stop_sequences: int = EngineLimits.max_stop_sequences
-    max_stop_length: int = EngineLimits.max_stop_length
-    max_text_bytes: int = EngineLimits.max_text_bytes
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
-    tls_key: str | None = None  # its PEM private key
-    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
-    auth_tokens: str | None = None  # a file of bearer tokens, one per line: every RPC but health needs one
-    reflection: bool = True  # server reflection (behind the tokens when they are on)
-    # A second, plaintext port that serves only the health service: for probes that cannot speak TLS
-    # (Kubernetes' native gRPC probes). None: off.
-    health_port: int | None = None
-    # Prompt + generated tokens one sequence may hold, at most the model's context; it sizes every row's KV cache.
-    # None: the model's whole context (a Llama 3.2's 131,072 columns a row would not fit in memory).
-    max_context: int | None = None
-    # Capture decode steps as CUDA graphs (standard slots graphs on the CUDA provider); where they cannot run, the
-    # server says why (log, GetModelInfo's provider_note) and serves uncaptured.
-    cuda_graph: bool = False
-
-
-class NotServable(UserError):
-    """An artifact in a layout the server does not serve; the message says how to re-export it."""
-
-
-def open_servable(path: str) -> Artifact:
-    """The artifact at path, checked, if the server serves its layout (slots)."""
-    artifact = open_artifact(path)
-    if artifact.kv_cache != SLOTS:
-        raise NotServable(f"{path}: its {artifact.kv_cache} KV cache is an export for tools that drive the graph themselves; "
-                          f"kvserve serves the {SLOTS} layout: re-export with kvserve export (without --kv-cache {artifact.kv_cache})")
-    return artifact
-
-
-def served_config(config: DecoderConfig, max_context: int | None) -> DecoderConfig:
-    """The model's config as the server runs it: its context cut to max_context tokens a sequence."""
-    if max_context is None:
-        return config
-    if not 2 <= max_context <= config.n_ctx:
-        raise UserError(f"--max-context must be in [2, {config.n_ctx}] (the model's context), got {max_context}")
-    return dataclasses.replace(config, n_ctx=max_context)
 
 
 class _Undecodable:
@@ -405,63 +342,28 @@ class App:
         return self.port
 
     async def load(self) -> None:
-        """Open the artifact and session, run the parity gate and a warm-up step; then serve."""
+        """Bring the model up (loading.py: session, parity gate, serving batch, warm-up); then serve."""
         options = self.options
         if self.artifact is None:
             self.artifact = await asyncio.to_thread(open_servable, options.artifact)
-        config = served_config(self.artifact.config, options.max_context)
-        self.runtime = await asyncio.to_thread(
-            DecoderRuntime, self.artifact.model_path, config.n_layer, self.artifact.dtype, options.provider,
-            cuda_graph=options.cuda_graph,
-        )
-        if self.runtime.fallback_reason:
-            log.warning("serving on the CPU provider: %s", self.runtime.fallback_reason)
-        if self.runtime.cuda_graph_note:
-            log.warning("%s", self.runtime.cuda_graph_note)
-        log.info("execution provider: %s", self.runtime.provider)
-        self.metrics.execution_provider.labels(provider=self.runtime.provider).set(1)
-        tokenizer = load_tokenizer(self.artifact.tokenizer_path)
+        loaded = await load_model(options, self.artifact, self._noted_provider)
+        self.runtime, self.gate, self.steps = loaded.runtime, loaded.gate, loaded.steps
         self.tokenizing = TokenizeProcess(self.artifact.tokenizer_path)
-        # The gate, the warm-up (which captures the CUDA graphs) and every step run on the step thread: a graph
-        # captured on another thread would not be replayed by the steps.
-        steps = self.steps = step_thread()
-        try:
-            batch = await self._prepare_batch(steps, config)
-        except BaseException:
-            steps.shutdown(wait=False)  # a failed load leaves no thread behind
-            raise
-        if self.runtime.captures_decode:
-            log.info("decode steps run as CUDA graphs: %d shapes captured", len(self.runtime.fixed_shapes(batch.pool)))
-        limits = EngineLimits(
-            options.max_batch_size, options.max_queue, options.step_token_budget,
-            options.max_stop_sequences, options.max_stop_length, options.max_text_bytes,
-        )
-        engine = Engine(self.runtime, config, tokenizer, limits, self.metrics, batch=batch, step_thread=steps)
+        engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        config = loaded.config
         log.info(
             "SERVING %s (%s %s, %d layers, %d K/V heads, batch <= %d, %d tokens a sequence)",
-            options.artifact, config.model_type, self.artifact.dtype, config.n_layer, config.n_kv_head, options.max_batch_size, config.n_ctx,
+            options.artifact, config.model_type, self.artifact.dtype, config.n_layer, config.n_kv_head, options.limits.max_batch_size, config.n_ctx,
         )
 
-    async def _prepare_batch(self, steps, config):
-        """Run the parity gate, then allocate the serving batch and warm it up, all on the steps' thread."""
-        options = self.options
-        loop = asyncio.get_running_loop()
-        gate = await loop.run_in_executor(steps, run_gate, self.runtime, self.artifact, options.step_token_budget)
-        if not gate.passed:
-            if not options.allow_parity_failure:
-                raise ParityGateFailed(f"parity gate failed, refusing to serve {options.artifact}: {gate.summary}")
-            log.error("!!! PARITY GATE FAILED, SERVING ANYWAY (--allow-parity-failure): %s", gate.summary)
-            gate = GateResult(False, gate.summary, overridden=True)
-        else:
-            log.info("parity gate passed: %s", gate.summary)
-        self.gate = gate
-        batch = await loop.run_in_executor(steps, SlotBatch, self.runtime, config, options.max_batch_size)  # all K/V memory, now
-        await loop.run_in_executor(steps, warm_up, batch, self.artifact, options.step_token_budget)
-        return batch
+    def _noted_provider(self, runtime: DecoderRuntime) -> None:
+        """Once the session is open, before the gate: which provider serves, in the log and the metrics."""
+        self.runtime = runtime
+        self.metrics.execution_provider.labels(provider=runtime.provider).set(1)
 
     async def shutdown(self) -> None:
         """NOT_SERVING first, refuse new requests, let in-flight streams finish within the grace period."""

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from kvserve.v1 import generation_pb2 as pb
 
-from .text import Tokenizer, load_tokenizer
+from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 
 _tokenizer: Tokenizer | None = None  # the worker's
 # The worker's scheduling priority below the server's: on a machine with few cores a flood of Tokenize calls then

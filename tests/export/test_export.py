@@ -7,12 +7,13 @@ import onnx
 import onnxruntime as ort
 import pytest
 
-from kvserve.export import io_contract as io
-from kvserve.export.artifact import open_artifact
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import open_artifact
 from kvserve.export.onnx_export import IR_VERSION, inplace_write_problems
-from kvserve.export.parity import format_report
+from kvserve.export.parity import format_report, verify
+from kvserve.export.pipeline import reference_for
 
-from ..conftest import run_cli
+from ..conftest import PROVIDER, run_cli
 
 
 def test_artifact_holds_every_file_and_a_consistent_manifest(tiny_concat_artifact):
@@ -63,10 +64,10 @@ def test_float16_export_passes_with_float16_tolerances(tmp_path, tiny_model):
     from kvserve.export.pipeline import export_artifact
 
     report = export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "fp16", dtype="float16", provider="cpu")
-    assert report["passed"] and report["dtype"] == "float16"
-    assert report["tolerance"]["logits_relative"] and report["tolerance"]["kv_relative"]  # float16's tolerance, not float32's
-    for check in report["checks"][:-1]:  # the last, cached vs recompute, compares the artifact with itself
-        assert 0 < check["max_abs_logits"] <= report["tolerance"]["logits_max_abs"] * check["max_abs_eager_logit"]
+    assert report.passed and report.dtype == "float16"
+    assert report.tolerance.logits_relative and report.tolerance.kv_relative  # float16's tolerance, not float32's
+    for check in report.checks[:-1]:  # the last, cached vs recompute, compares the artifact with itself
+        assert 0 < check.max_abs_logits <= report.tolerance.logits_max_abs * check.max_abs_eager_logit
     manifest = open_artifact(tmp_path / "fp16").manifest
     assert manifest["inputs"]["past_key_values.0.key"]["dtype"] == "float16"
     assert manifest["outputs"]["logits"]["dtype"] == "float32"
@@ -189,4 +190,5 @@ def test_a_slots_graph_outputs_each_sampled_rows_argmax_and_verify_holds_it_to_t
     report = json.loads((tiny_artifact / "parity.json").read_text())
     argmax = report["greedy_tokens_argmax"]
     assert argmax["rows"] > 100 and argmax["mismatches"] == 0  # every row of every verify step, prefill chunks included
-    assert f"greedy_tokens output vs its logits' argmax: {argmax['rows']} of {argmax['rows']} rows equal" in format_report(report)
+    again = verify(tiny_artifact, reference_for(tiny_artifact), provider=PROVIDER)  # verify is deterministic: the same rows
+    assert f"greedy_tokens output vs its logits' argmax: {argmax['rows']} of {argmax['rows']} rows equal" in format_report(again)

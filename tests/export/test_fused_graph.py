@@ -6,8 +6,8 @@ import copy
 import onnx
 from onnx import helper
 
-from kvserve.export import io_contract as io
-from kvserve.export.artifact import open_artifact
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import open_artifact
 from kvserve.export.fused_graph import fused_write_problems
 
 

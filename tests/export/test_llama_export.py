@@ -12,7 +12,7 @@ import onnx
 import pytest
 import torch
 
-from kvserve.export.artifact import ArtifactError, open_artifact
+from kvserve.contract.artifact import ArtifactError, open_artifact
 from kvserve.export.parity import artifact_greedy
 from tests.conftest import LLAMA_CONFIGS, PROVIDER
 from tests.hf_reference import hf_greedy
@@ -64,8 +64,8 @@ def test_verify_names_the_kv_head_a_broken_key_projection_breaks(llama_artifact,
     with torch.no_grad():
         reference.model.layers[1].self_attn.qkv_proj.weight[k_rows] = 0
     report = verify(artifact_dir, reference, provider=PROVIDER)
-    assert not report["passed"]
-    assert report["first_failing_layer_head"]["layer"] == 1 and report["first_failing_layer_head"]["head"] == 1
+    assert not report.passed
+    assert report.first_failing_layer_head.layer == 1 and report.first_failing_layer_head.head == 1
 
 
 def test_an_artifact_whose_manifest_disagrees_with_its_config_is_refused(llama_artifact, tmp_path):

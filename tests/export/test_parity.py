@@ -14,15 +14,15 @@ from ..conftest import PROVIDER, PROVIDER_NAMES, run_cli
 
 def test_verify_passes_the_exported_artifact_with_float32_tolerances(tiny_artifact, tiny_model):
     report = verify(tiny_artifact, tiny_model, provider=PROVIDER)
-    assert report["passed"], report["failures"]
-    assert report["provider"] == PROVIDER_NAMES[PROVIDER]
-    assert report["greedy"]["identical"] and report["greedy"]["onnx"] == report["greedy"]["eager"]
-    for check in report["checks"]:
-        assert check["max_abs_logits"] <= 1e-4 * check["max_abs_eager_logit"] and check["top1_agreement"] == 1.0
-    assert {c["name"].split()[0] for c in report["checks"]} == {"prefill", "decode", "cached"}
-    kv = report["kv_max_abs_per_layer_head"]
+    assert report.passed, report.failures
+    assert report.provider == PROVIDER_NAMES[PROVIDER]
+    assert report.greedy.identical and report.greedy.onnx == report.greedy.eager
+    for check in report.checks:
+        assert check.max_abs_logits <= 1e-4 * check.max_abs_eager_logit and check.top1_agreement == 1.0
+    assert {c.name.split()[0] for c in report.checks} == {"prefill", "decode", "cached"}
+    kv = report.kv_max_abs_per_layer_head
     assert len(kv) == tiny_model.config.n_layer and len(kv[0]) == tiny_model.config.n_head
-    assert report["first_failing_layer_head"] is None
+    assert report.first_failing_layer_head is None
     assert ("ran on the CPU provider" in format_report(report)) == (PROVIDER == "cpu")
 
 
@@ -35,9 +35,9 @@ def test_verify_names_the_first_layer_and_head_that_diverges(tiny_artifact, tiny
         key_rows = slice(d + 2 * dk, d + 3 * dk)  # c_attn output rows: [Q | K | V], head 2 of K
         altered.transformer.h[1].attn.c_attn.bias[key_rows] += 0.5
     report = verify(tiny_artifact, altered, provider="cpu")
-    assert not report["passed"]
-    assert report["first_failing_layer_head"]["layer"] == 1
-    assert report["first_failing_layer_head"]["head"] == 2
+    assert not report.passed
+    assert report.first_failing_layer_head.layer == 1
+    assert report.first_failing_layer_head.head == 2
     assert "layer 1, head 2" in format_report(report)
 
 
@@ -50,13 +50,13 @@ def test_one_weight_entry_off_by_a_hundredth_of_its_tensors_scale_fails_float32_
         tensor = altered.transformer.get_parameter(weight)
         tensor.view(-1)[7] += 0.01 * float(tensor.abs().max())
     report = verify(tiny_artifact, altered, provider="cpu")
-    assert not report["passed"]
-    assert any("outside float32 tolerance" in failure for failure in report["failures"]), report["failures"]
+    assert not report.passed
+    assert any("outside float32 tolerance" in failure for failure in report.failures), report.failures
 
 
 def test_a_decode_mask_reading_one_column_past_each_row_fails_float32_parity(tiny_artifact, tiny_model, monkeypatch):
     """Every row of every decode step also attends to the first column it has not written (zeros): a mask off by one."""
-    from kvserve.service.runtime import DecoderRuntime
+    from kvserve.runtime.step import DecoderRuntime
 
     run_slots = DecoderRuntime.run_slots
 
@@ -66,8 +66,8 @@ def test_a_decode_mask_reading_one_column_past_each_row_fails_float32_parity(tin
 
     monkeypatch.setattr(DecoderRuntime, "run_slots", off_by_one)
     report = verify(tiny_artifact, tiny_model, provider="cpu")
-    assert not report["passed"]
-    assert any(failure.startswith("decode") for failure in report["failures"]), report["failures"]
+    assert not report.passed
+    assert any(failure.startswith("decode") for failure in report.failures), report.failures
 
 
 def test_verify_cli_writes_json_and_sets_the_exit_code(tiny_artifact, tmp_path):
@@ -92,7 +92,7 @@ def test_verify_cli_fails_against_other_weights(tiny_artifact, tmp_path):
 def test_verify_cli_rejects_a_missing_artifact_and_cuda_without_a_gpu(tmp_path, tiny_artifact):
     result = run_cli("verify", str(tmp_path / "nothing"))
     assert result.returncode == 2 and "artifact directory not found" in result.stderr
-    from kvserve.service.runtime import _cuda_missing_reason
+    from kvserve.runtime.providers import _cuda_missing_reason
 
     if _cuda_missing_reason() is not None:  # on a GPU host this request is valid and tested by bench/gpu_check
         result = run_cli("verify", str(tiny_artifact), "--provider", "cuda", "--report", str(tmp_path / "r.json"))
@@ -101,9 +101,9 @@ def test_verify_cli_rejects_a_missing_artifact_and_cuda_without_a_gpu(tmp_path, 
 
 def test_verify_drives_a_concat_artifact_optimum_style_and_passes_it(tiny_concat_artifact, tiny_model):
     report = verify(tiny_concat_artifact, tiny_model, provider=PROVIDER)
-    assert report["passed"], report["failures"]
-    assert report["kv_cache"] == "concat" and report["greedy"]["identical"] and report["greedy_tokens_argmax"] is None
-    assert all(c["max_abs_logits"] <= 1e-4 * c["max_abs_eager_logit"] for c in report["checks"])
+    assert report.passed, report.failures
+    assert report.kv_cache == "concat" and report.greedy.identical and report.greedy_tokens_argmax is None
+    assert all(c.max_abs_logits <= 1e-4 * c.max_abs_eager_logit for c in report.checks)
     assert "concat KV cache" in format_report(report)
 
 
@@ -112,7 +112,7 @@ def test_verify_refuses_a_graph_that_is_not_its_manifests_contract_in_one_line(t
     named before anything runs, not a traceback from midway through the checks."""
     import shutil
 
-    from kvserve.export.artifact import sha256_file
+    from kvserve.contract.artifact import sha256_file
     from kvserve.export.pipeline import export_artifact
 
     standard = tmp_path / "standard"
@@ -136,9 +136,9 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
 
     import onnx
 
-    from kvserve.export.artifact import open_artifact, sha256_file
+    from kvserve.contract.artifact import open_artifact, sha256_file
     from kvserve.service.gate import run_gate
-    from kvserve.service.runtime import DecoderRuntime
+    from kvserve.runtime.step import DecoderRuntime
 
     bad = tmp_path / "bottom-1"
     shutil.copytree(tiny_artifact, bad)
@@ -151,9 +151,9 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
     manifest["files"]["model.onnx"] = sha256_file(bad / "model.onnx")
     (bad / "manifest.json").write_text(json.dumps(manifest))
     report = verify(bad, tiny_model, provider=PROVIDER)
-    argmax = report["greedy_tokens_argmax"]
-    assert not report["passed"] and argmax["mismatches"] == argmax["rows"] > 0
-    assert report["failures"] == [f"the graph's greedy_tokens differ from its logits' argmax at {argmax['rows']} of {argmax['rows']} rows"]
+    argmax = report.greedy_tokens_argmax
+    assert not report.passed and argmax.mismatches == argmax.rows > 0
+    assert report.failures == [f"the graph's greedy_tokens differ from its logits' argmax at {argmax.rows} of {argmax.rows} rows"]
     artifact = open_artifact(bad)
     gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER), artifact)
     assert not gate.passed and "greedy tokens DIFFER (greedy_tokens NOT its logits argmax)" in gate.summary

@@ -11,9 +11,9 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from kvserve.export.artifact import open_artifact, sha256_file
+from kvserve.contract.artifact import open_artifact, sha256_file
 from kvserve.export.parity import verify
-from kvserve.export.tolerances import TOLERANCES
+from kvserve.contract.tolerances import TOLERANCES
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER, run_cli
 from ..test_cli import one_line_error
@@ -65,16 +65,16 @@ def zero_scales(artifact_dir, destination, node_index: int):
 def test_a_zeroed_scale_fails_verify_naming_the_layer_and_head(trained_int8_artifact, trained_model, tmp_path):
     broken = zero_scales(trained_int8_artifact, tmp_path / "broken", node_index=4)  # layer 1's QKV projection
     report = verify(broken, trained_model, provider=PROVIDER)
-    assert not report["passed"]
-    assert report["first_failing_layer_head"]["layer"] == 1 and report["first_failing_layer_head"]["head"] == 0
-    assert any("layer 1, head 0" in f for f in report["failures"])
+    assert not report.passed
+    assert report.first_failing_layer_head.layer == 1 and report.first_failing_layer_head.head == 0
+    assert any("layer 1, head 0" in f for f in report.failures)
     result = run_cli("verify", str(broken), "--checkpoint", str(DEFAULT_CHECKPOINT), "--provider", "cpu")
     assert result.returncode == 1 and "layer 1, head 0" in result.stdout + result.stderr
 
 
 def test_the_load_gate_replays_int8_within_tolerance_and_refuses_a_broken_one(trained_int8_artifact, tmp_path):
     from kvserve.service.gate import run_gate
-    from kvserve.service.runtime import DecoderRuntime
+    from kvserve.runtime.step import DecoderRuntime
 
     def gate(directory):
         artifact = open_artifact(directory)
@@ -137,7 +137,7 @@ def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf
     _, checkpoint = make_hf_llama(model_type, **(config | {"initializer_range": 0.02}))
     model = load_checkpoint(checkpoint)
     report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, tmp_path / "int8", provider=PROVIDER, quantize="int8")
-    assert report["passed"] and report["quantization"] == "int8"
+    assert report.passed and report.quantization == "int8"
     graph = onnx.load(str(tmp_path / "int8" / "model.onnx"))
     weights = {i.name for i in graph.graph.initializer}
     assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 4 * model.config.n_layer + 1
@@ -155,7 +155,7 @@ def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(m
     _, checkpoint = make_hf_llama(model_type, **(config | {"initializer_range": 0.02}))
     model = load_checkpoint(checkpoint)
     report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, tmp_path / "int8", provider=PROVIDER, quantize="int8")
-    assert report["passed"] and report["quantization"] == "int8"
+    assert report.passed and report.quantization == "int8"
     nodes = onnx.load(str(tmp_path / "int8" / "model.onnx")).graph.node
     assert sum(n.op_type == "MatMulNBits" for n in nodes) == 4 * model.config.n_layer + 1
     assert sum(n.op_type == "If" for n in nodes) == model.config.n_layer  # each layer's attention (export/fused_graph.py)

@@ -12,7 +12,7 @@ from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.corpus import load_corpus
 from kvserve.model.decoders import build
 from kvserve.model.train import TrainConfig, perplexity, token_stream, train
-from kvserve.service.text import HFTokenizer
+from kvserve.contract.tokenizer import HFTokenizer
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER
 
@@ -61,7 +61,7 @@ def test_the_trained_checkpoint_exports_and_verifies_at_float32_tolerances(train
 
     source = {"kind": "checkpoint", "path": str(DEFAULT_CHECKPOINT)}
     report = export_artifact(trained_model, source, tmp_path / "kjv", provider=PROVIDER, tokenizer_dir=DEFAULT_CHECKPOINT)
-    assert report["passed"] and report["dtype"] == "float32" and report["tolerance"]["logits_max_abs"] == 1e-4
+    assert report.passed and report.dtype == "float32" and report.tolerance.logits_max_abs == 1e-4
     assert (tmp_path / "kjv" / "tokenizer.json").exists()
 
 

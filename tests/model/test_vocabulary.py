@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.model.vocabulary import VocabularyMissing, gpt2_tokenizer, write_preset_tokenizer
-from kvserve.service.text import HFTokenizer
+from kvserve.contract.tokenizer import HFTokenizer
 
 
 @pytest.fixture(scope="module")

@@ -36,11 +36,18 @@ class ServerThread:
 
 
 def start_server(artifact, load: bool = True, **overrides) -> ServerThread:
-    from kvserve.service.server import ServerOptions
+    """A server for artifact on a free port; overrides are ServerOptions' fields and EngineLimits' (max_batch_size=...)."""
+    import dataclasses
+
+    from kvserve.service.limits import EngineLimits
+    from kvserve.service.options import ServerOptions
 
     from ..conftest import PROVIDER
 
-    return ServerThread(ServerOptions(artifact=str(artifact), port=0, provider=PROVIDER, **overrides), load=load)
+    limit_names = {f.name for f in dataclasses.fields(EngineLimits)}
+    limits = EngineLimits(**{k: v for k, v in overrides.items() if k in limit_names})
+    rest = {k: v for k, v in overrides.items() if k not in limit_names}
+    return ServerThread(ServerOptions(artifact=str(artifact), port=0, provider=PROVIDER, limits=limits, **rest), load=load)
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +99,7 @@ def live(stub):
 
 def slow_down(monkeypatch, app, seconds=0.01):
     """Make each model step of this server take a little longer, so tests can act mid-generation."""
-    for name in ("run", "run_slots", "run_decode"):  # the padded layouts' step, the slots layout's, a fixed-shape decode
+    for name in ("run_slots", "run_decode"):  # a slots step, a fixed-shape decode step
         real = getattr(app.runtime, name)
 
         def slowed(*args, real=real):
@@ -143,7 +150,8 @@ def sequence(seq_id: int, prompt: list[int], max_new_tokens: int, return_logprob
     """A server-internal sequence (no client, no stop rules) with the sampling parameters given (default: greedy)."""
     from kvserve.service.sampling import SamplingParams
     from kvserve.service.sequence import Sequence
-    from kvserve.service.text import ByteTokenizer, IncrementalDecoder, StopSequences
+    from kvserve.contract.tokenizer import ByteTokenizer
+    from kvserve.service.text import IncrementalDecoder, StopSequences
 
     return Sequence(id=seq_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, params=SamplingParams(**sampling), stop_ids=frozenset(),
                     return_logprobs=return_logprobs, decoder=IncrementalDecoder(ByteTokenizer()), stops=StopSequences(()))

@@ -8,11 +8,12 @@ steps (bench/gpu_check.sh runs them)."""
 import numpy as np
 import pytest
 
-from kvserve.export.artifact import open_artifact
+from kvserve.contract.artifact import open_artifact
 from kvserve.model.generate import generate
 from kvserve.service.gate import _greedy_sequence, warm_up
-from kvserve.service.kv_slots import MIN_DECODE_WIDTH, SlotBatch
-from kvserve.service.runtime import DecoderRuntime
+from kvserve.runtime.cuda_graphs import MIN_DECODE_WIDTH
+from kvserve.service.kv_slots import SlotBatch
+from kvserve.runtime.step import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER

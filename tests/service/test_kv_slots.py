@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve.export.artifact import open_artifact
+from kvserve.contract.artifact import open_artifact
 from kvserve.export.parity import artifact_greedy
-from kvserve.export.tolerances import TOLERANCES
+from kvserve.contract.tolerances import TOLERANCES
 from kvserve.model.generate import generate
 from kvserve.service.gate import _greedy_sequence
 from kvserve.service.kv_slots import SlotBatch
-from kvserve.service.runtime import DecoderRuntime
+from kvserve.runtime.step import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import FUSED_DTYPES, PROVIDER
@@ -37,7 +37,7 @@ class Served:
 
     def alone(self, seq) -> list[int]:
         """The tokens seq must generate, batched or not: float16 greedy is not held to eager's (a near-tie may flip:
-        export/tolerances.py), so there the reference is the same artifact generating the prompt on its own."""
+        contract/tolerances.py), so there the reference is the same artifact generating the prompt on its own."""
         if self.greedy_is_eager:
             return generate(self.model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
         return artifact_greedy(self.artifact_dir, [seq.prompt_ids], seq.max_new_tokens, PROVIDER)[0].tolist()

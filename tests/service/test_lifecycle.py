@@ -172,7 +172,7 @@ def test_sigterm_with_a_drain_too_short_ends_the_stream_with_unavailable_and_exi
 
 def tampered_copy(artifact, destination):
     """The artifact with a golden record the graph does not reproduce, as a broken export would have."""
-    from kvserve.export.artifact import GoldenRecord, sha256_file
+    from kvserve.contract.artifact import GoldenRecord, sha256_file
 
     shutil.copytree(artifact, destination)
     golden = GoldenRecord.load(destination / "golden.npz")
@@ -204,9 +204,8 @@ def test_the_override_serves_a_failing_artifact_and_says_so(tiny_artifact, tmp_p
 
 
 def test_the_contract_check_names_a_mismatched_axis(tiny_artifact, tmp_path):
-    from kvserve.export.artifact import open_artifact
-    from kvserve.service.gate import contract_problems
-    from kvserve.service.runtime import DecoderRuntime
+    from kvserve.contract.artifact import contract_problems, open_artifact
+    from kvserve.runtime.step import DecoderRuntime
 
     copy = tmp_path / "copy"
     shutil.copytree(tiny_artifact, copy)
@@ -215,7 +214,7 @@ def test_the_contract_check_names_a_mismatched_axis(tiny_artifact, tmp_path):
     (copy / "config.json").write_text(json.dumps(config))
     artifact = open_artifact(copy, check_files=False)
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
-    problems = contract_problems(runtime, artifact)
+    problems = contract_problems(runtime.signature(), artifact)
     assert "past_key_values.0.key axis 1 is 4, expected 8" in problems
 
 
@@ -230,7 +229,8 @@ def test_reflection_lists_the_services(server):
 def test_serving_never_imports_torch(tiny_artifact):
     code = (
         "import asyncio, sys\n"
-        "from kvserve.service.server import App, ServerOptions\n"
+        "from kvserve.service.options import ServerOptions\n"
+        "from kvserve.service.server import App\n"
         "async def main():\n"
         f"    app = App(ServerOptions(artifact={str(tiny_artifact)!r}, port=0, provider='cpu'))\n"
         "    await app.start(); await app.load(); await app.shutdown()\n"
@@ -240,7 +240,7 @@ def test_serving_never_imports_torch(tiny_artifact):
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert result.stdout.strip().endswith("no torch"), result.stderr
-    for source in (REPO / "service").glob("*.py"):
+    for source in [*(REPO / "service").glob("*.py"), *(REPO / "runtime").glob("*.py"), *(REPO / "contract").glob("*.py")]:
         assert not re.search(r"^\s*(import|from)\s+torch", source.read_text(), re.M), source
 
 

@@ -60,7 +60,7 @@ def test_eight_concurrent_streams_through_fused_attention_generate_what_transfor
     assert info.attention == "fused"
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], PROMPTS))
-    # float16 (under CUDA) is not held to eager's greedy tokens (export/tolerances.py): there the reference is the
+    # float16 (under CUDA) is not held to eager's greedy tokens (contract/tolerances.py): there the reference is the
     # artifact's own rows, stepped together without joins, leaves or chunks
     expected = hf_greedy(hf, PROMPTS, STEPS) if info.dtype == "float32" else artifact_greedy(artifact, PROMPTS, STEPS, PROVIDER)
     np.testing.assert_array_equal(np.array(together), expected)

@@ -1,4 +1,4 @@
-"""The Prometheus endpoint: scraped over HTTP after real traffic, every metric the README lists."""
+"""The Prometheus endpoint: scraped over HTTP after real traffic, every metric docs/deployment.md lists."""
 
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor

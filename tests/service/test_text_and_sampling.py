@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 
 from kvserve.service.sampling import SamplingParams, choose, log_probability
-from kvserve.service.text import ByteTokenizer, IncrementalDecoder, StopSequences
+from kvserve.contract.tokenizer import ByteTokenizer
+from kvserve.service.text import IncrementalDecoder, StopSequences
 
 
 def test_deltas_hold_back_split_characters_and_are_always_valid_utf8():

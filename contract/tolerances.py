@@ -72,7 +72,7 @@ TOLERANCES = {
     "float16": Tolerance(
         logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-3,
     ),
-    # 8-bit weights in blocks of 32 with float scales (export/quantize.py). Measured (README, "Int8"): the
+    # 8-bit weights in blocks of 32 with float scales (export/quantize.py). Measured (docs/parity.md, "Int8"): the
     # trained default model stays within a tenth of these bounds (mean KL 2e-4, relative K/V 1.5e-2, text top-1
     # 0.99, perplexity x1.002, all 32 greedy tokens), the gpt2 preset within half; a zeroed scale exceeds them
     # many times over. Top-1 on the random prompts is reported, not held: there the reference's two best

@@ -22,7 +22,7 @@ from kvserve.errors import UserError
 from kvserve.model.config import DecoderConfig
 from kvserve.model.hf_config import config_from_hf
 
-from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS
+from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, io_spec
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -172,3 +172,29 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
             if sha256_file(path) != expected:
                 raise ArtifactError(f"{path}: checksum mismatch (the file changed after export)")
     return Artifact(directory=directory, config=config, manifest=manifest)
+
+
+def contract_problems(signature: dict[str, dict], artifact: Artifact) -> list[str]:
+    """Where a live session's inputs and outputs (signature: {"inputs"|"outputs": {name: {"shape", "dtype"}}}) differ
+    from the KV contract the artifact declares."""
+    config = artifact.config
+    expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention)
+    live = signature
+    problems = []
+    for side in ("inputs", "outputs"):
+        if list(live[side]) != list(expected[side]):
+            problems.append(f"graph {side} are {list(live[side])[:4]}..., expected {list(expected[side])[:4]}...")
+            continue
+        for name, want in expected[side].items():
+            got = live[side][name]
+            if got["dtype"] != want["dtype"]:
+                problems.append(f"{name} has dtype {got['dtype']}, expected {want['dtype']}")
+            if len(got["shape"]) != len(want["shape"]):
+                problems.append(f"{name} has rank {len(got['shape'])}, expected {len(want['shape'])}")
+                continue
+            for axis, (g, w) in enumerate(zip(got["shape"], want["shape"])):
+                if isinstance(w, str) and isinstance(g, int):
+                    problems.append(f"{name} axis {axis} is fixed at {g}, expected symbolic {w!r}")
+                elif isinstance(w, int) and g != w:
+                    problems.append(f"{name} axis {axis} is {g}, expected {w}")
+    return problems

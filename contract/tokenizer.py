@@ -1,0 +1,63 @@
+"""The artifact's tokenizer: tokenizer.json when the artifact ships one, else one token per UTF-8 byte (the tiny
+presets). Read by the server (text in and out) and by export's held-out text check."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+class Tokenizer(Protocol):
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def pieces(self, ids: list[int]) -> list[str]: ...
+
+
+_BYTE_PIECES = [bytes([i]).decode("utf-8", errors="replace") for i in range(256)]
+
+
+class ByteTokenizer:
+    """One token per UTF-8 byte (ids 0-255); ids above 255 (end-of-sequence and the like) have no text."""
+
+    name = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text, as decode([id]) gives it (a byte of a multi-byte character alone is U+FFFD)."""
+        return [_BYTE_PIECES[i] if i < 256 else "" for i in ids]
+
+
+class HFTokenizer:
+    """A `tokenizers` tokenizer.json shipped in the artifact."""
+
+    name = "tokenizer.json"
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tokenizer = _Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        # With the tokenizer's own special tokens, as transformers encodes by default: a Llama-family tokenizer.json
+        # puts its BOS first (its post-processor), which the model was trained to see; GPT-2's adds nothing.
+        return self._tokenizer.encode(text, add_special_tokens=True).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text
+
+    def pieces(self, ids: list[int]) -> list[str]:
+        """Each id's own text, in one call into the tokenizers library (which releases the GIL for a batch): a
+        Python call per id held the GIL for hundreds of milliseconds on a text at the size limit."""
+        return self._tokenizer.decode_batch([[i] for i in ids], skip_special_tokens=True)
+
+
+def load_tokenizer(path: Path | None) -> Tokenizer:
+    return HFTokenizer(path) if path is not None else ByteTokenizer()

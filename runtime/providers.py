@@ -1,0 +1,119 @@
+"""Which execution provider runs a graph, and why: CUDA when asked for or available, else the CPU, with the reason
+in one sentence (a CPU host gets that, not ONNX Runtime's error log about a library it failed to load). A session
+for CUDA graphs is opened with capture enabled where ONNX Runtime allows it; where it does not, why is noted and
+decode steps run uncaptured (cuda_graphs.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import io as io_text
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnxruntime as ort
+
+from kvserve.errors import UserError
+
+CUDA = "CUDAExecutionProvider"
+CPU = "CPUExecutionProvider"
+PROVIDER_CHOICES = ("auto", "cuda", "cpu")
+# What the CUDA provider of onnxruntime-gpu 1.31 loads; missing ones make it fall back to CPU.
+CUDA_LIBRARIES = ("libcudart.so.13", "libcublas.so.13", "libcudnn.so.9")
+
+
+class ProviderUnavailable(UserError):
+    """The execution provider asked for cannot run here; the message says why."""
+
+
+class ModelUnloadable(UserError):
+    """ONNX Runtime refused the graph file (corrupt, truncated, or not ONNX); the message names the file."""
+
+
+def _cuda_missing_reason() -> str | None:
+    """Why the CUDA provider cannot start here, or None when it may. Checked up front so a CPU host gets
+    one clear sentence instead of onnxruntime's error log about a library it failed to load."""
+    if CUDA not in ort.get_available_providers():
+        return f"this onnxruntime build ({ort.__version__}) has no CUDA provider"
+    try:  # CUDA/cuDNN from pip wheels (nvidia-*) when present; it prints what it misses, we say it once
+        with contextlib.redirect_stdout(io_text.StringIO()), contextlib.redirect_stderr(io_text.StringIO()):
+            ort.preload_dlls()
+    except Exception:  # older builds have no preload_dlls; the system's libraries may still do
+        pass
+    for library in CUDA_LIBRARIES:
+        try:
+            ctypes.CDLL(library)
+        except OSError:
+            return f"{library} not found (the CUDA provider needs CUDA 13 and cuDNN 9)"
+    return None
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def cuda_available() -> bool:
+    """Whether the CUDA provider can start here (what provider "auto" then picks)."""
+    return _cuda_missing_reason() is None
+
+
+@dataclass
+class OpenedSession:
+    session: ort.InferenceSession
+    provider: str  # the provider that runs the graph
+    fallback_reason: str | None  # why CUDA was not used where "auto" would have used it
+    captures_decode: bool  # the session captures CUDA graphs (enable_cuda_graph on the CUDA provider)
+    cuda_graph_note: str | None  # why CUDA graphs were asked for and are off
+
+    @property
+    def device(self) -> str:
+        return "cuda" if self.provider == CUDA else "cpu"
+
+
+def open_session(model_path: str | Path, dtype: str, provider: str = "auto", threads: int = 0, cuda_graph: bool = False) -> OpenedSession:
+    """A session over the graph at model_path on the best provider provider allows; cuda_graph: with capture enabled."""
+    if provider not in PROVIDER_CHOICES:
+        raise ProviderUnavailable(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
+    fallback_reason = None
+    providers = [CPU]
+    if provider in ("auto", "cuda"):
+        reason = _cuda_missing_reason()
+        if reason is None:
+            # cuBLAS would run float32 matmuls as TF32 (10-bit mantissa): ~1e-3 off the reference.
+            # A float32 artifact promises float32, so TF32 stays off for it.
+            providers = [(CUDA, {"use_tf32": "0" if dtype == "float32" else "1"}), CPU]
+        elif provider == "cuda":
+            raise ProviderUnavailable(f"CUDA requested but unavailable: {reason}")
+        else:
+            fallback_reason = reason
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
+    session, captures_decode, cuda_graph_note = None, False, None
+    if cuda_graph and providers[0] == CPU:
+        cuda_graph_note = "CUDA graphs need the CUDA provider; decode steps run uncaptured"
+    elif cuda_graph:
+        graph_providers = [(CUDA, {**providers[0][1], "enable_cuda_graph": "1"}), CPU]
+        try:
+            session = ort.InferenceSession(str(model_path), options, providers=graph_providers)
+            captures_decode = session.get_providers()[0] == CUDA
+        except Exception as exc:  # control flow, compute nodes left on the CPU; a file it cannot load fails again below
+            cuda_graph_note = f"CUDA graphs off: ONNX Runtime will not capture this graph ({first_line(exc)})"
+    if not captures_decode:
+        session = _open(model_path, options, providers)
+    running = session.get_providers()[0]
+    if len(providers) > 1 and running != CUDA:
+        if provider == "cuda":
+            raise ProviderUnavailable("CUDA requested but the session could not start on it")
+        fallback_reason = "the CUDA provider failed to start"
+    return OpenedSession(session, running, fallback_reason, captures_decode, cuda_graph_note)
+
+
+def _open(model_path, options, providers):
+    try:
+        return ort.InferenceSession(str(model_path), options, providers=providers)
+    except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
+            ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.NoSuchFile) as exc:
+        raise ModelUnloadable(f"{model_path}: ONNX Runtime cannot load it ({first_line(exc)})") from None

@@ -1,0 +1,168 @@
+"""One slots step (contract/io_contract.py) over a SlotPool, for standard and fused graphs: what the server's
+batch (service/kv_slots.py) and export's parity driver run.
+
+A step binds the pool's rows 0..B-1 by address as both past and present, so ONNX Runtime writes each new token's
+K/V into its row and the cache never passes through the host. Only what sampling reads comes back to host memory:
+each sampled row's greedy token, computed in the graph (io_contract.GREEDY_TOKENS), and its logits only when a row
+needs them (it samples, penalises repetition, reports log-probabilities, or is the gate's): a step of greedy rows
+reads K tokens instead of K x V floats.
+
+A fused graph (GroupQueryAttention, Llama family) binds the rows and the chunk's row separately, each as its own
+past and present; run_slots keeps its meaning for both graphs and arranges a fused step itself (_run_fused). On
+CUDA the fused kernel is float16 only: a float32 fused graph is refused there with the fix named.
+
+Decode-only steps at fixed shapes (CUDA graphs) are cuda_graphs.py's; the session and its provider providers.py's.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from kvserve.contract import io_contract as io
+
+from .cuda_graphs import GRAPH_ID, FixedDecode, FixedShapeSteps
+from .pool import KvTraffic, Sampled, SlotPool
+from .providers import ProviderUnavailable, open_session
+
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+
+
+class DecoderRuntime(FixedShapeSteps):
+    """One ONNX Runtime session over an exported decoder graph, and the slots step over it."""
+
+    def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0,
+                 cuda_graph: bool = False):
+        """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode)."""
+        opened = open_session(model_path, dtype, provider, threads, cuda_graph)
+        self.session, self.provider, self.device = opened.session, opened.provider, opened.device
+        self.fallback_reason, self.captures_decode, self.cuda_graph_note = opened.fallback_reason, opened.captures_decode, opened.cuda_graph_note
+        self.n_layer = n_layer
+        self.kv_dtype = NUMPY_DTYPES[dtype]
+        inputs = {i.name for i in self.session.get_inputs()}
+        self.attention = io.FUSED if io.chunk_past_names(0)[0] in inputs else io.STANDARD  # the graph says which it is
+        if self.attention == io.FUSED and self.device == "cuda" and dtype == "float32":
+            raise ProviderUnavailable("ONNX Runtime runs GroupQueryAttention on CUDA in float16 only: export this model with "
+                                      "--dtype float16, or --attention standard, to serve it on the GPU")
+        outputs = {o.name: o for o in self.session.get_outputs()}
+        self.vocab_size = outputs[io.LOGITS].shape[-1]
+        self._chunk_past_names = [n for i in range(n_layer) for n in io.chunk_past_names(i)]
+        self._chunk_present_names = [n for i in range(n_layer) for n in io.chunk_present_names(i)]
+        self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
+        self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
+        self.traffic = KvTraffic()
+        self._pool_binding: tuple | None = None  # (key, binding): the K/V bound once, reused step after step
+        self._fixed_steps: dict[tuple, FixedDecode] = {}  # (pool, rows, width) -> its buffers (run_decode)
+        self._graph_ids = itertools.count(1)  # never reused: a captured graph holds its buffers' addresses
+        self._uncaptured = ort.RunOptions()
+        self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
+
+    def signature(self) -> dict[str, dict]:
+        """{"inputs"|"outputs": {name: {"shape": [...], "dtype": ...}}} as the live session reports it."""
+
+        def describe(args):
+            return {a.name: {"shape": list(a.shape), "dtype": ORT_TYPES.get(a.type, a.type)} for a in args}
+
+        return {"inputs": describe(self.session.get_inputs()), "outputs": describe(self.session.get_outputs())}
+
+    def new_pool(self, rows: int, n_kv_head: int, d_head: int, capacity: int) -> SlotPool:
+        return SlotPool(self, rows, n_kv_head, d_head, capacity)
+
+    def _bound_pool(self, pool: SlotPool, rows: int, first_row: int = 0, chunk_row: int | None = None):
+        """An IO binding with the pool's rows first_row .. first_row + rows - 1 bound as past and present (and, for a fused
+        graph, row chunk_row as the chunk's past and present); made once per (pool, rows, first_row, chunk_row)."""
+        key = (pool, rows, first_row, chunk_row)
+        if self._pool_binding is not None and self._pool_binding[0] == key:
+            return self._pool_binding[1]
+        binding = self.session.io_binding()
+        names = [(self._past_names, self._present_names, first_row, rows)]
+        if chunk_row is not None:
+            names.append((self._chunk_past_names, self._chunk_present_names, chunk_row, 1))
+        for past_names, present_names, row, count in names:
+            shape = (count,) + pool.shape[1:]  # (B, H, C, d_k): consecutive rows from row on
+            for past_name, present_name, value in zip(past_names, present_names, pool.values):
+                address = value.data_ptr() + row * pool.row_bytes
+                binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, address)
+                binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, address)
+        self._pool_binding = (key, binding)
+        return binding
+
+    def run_slots(
+        self,
+        pool: SlotPool,
+        input_ids: np.ndarray,  # (B,) a token per row 0..B-1
+        position_ids: np.ndarray,  # (B,) its position = write column
+        attention_mask: np.ndarray,  # (B, W) the columns each row reads
+        chunk_ids: np.ndarray,  # (T,) a prompt chunk of row chunk_slot (may be empty)
+        chunk_start: int,  # the chunk's first position
+        chunk_slot: int,
+        logits_index: np.ndarray,  # (K,) which of the B + T tokens get logits
+        with_logits: bool = True,  # False: greedy tokens alone will do
+    ) -> Sampled:
+        """One slots step; returns its K sampled rows' greedy tokens and logits in host memory. The pool's rows 0..B-1
+        are updated in place."""
+        if self.attention == io.FUSED:
+            return self._run_fused(pool, input_ids, position_ids, chunk_ids, chunk_start, chunk_slot, logits_index, with_logits)
+        rows = input_ids.shape[0]
+        binding = self._bound_pool(pool, rows)
+        chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, -1)  # (1, T)
+        binding.bind_cpu_input(io.INPUT_IDS, np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
+        binding.bind_cpu_input(io.POSITION_IDS, np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
+        binding.bind_cpu_input(io.ATTENTION_MASK, np.ascontiguousarray(attention_mask, dtype=np.int64))
+        binding.bind_cpu_input(io.CHUNK_IDS, chunk)
+        chunk_end = chunk_start + chunk.shape[1]
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, np.arange(chunk_start, chunk_end, dtype=np.int64)[None])
+        binding.bind_cpu_input(io.CHUNK_ATTENTION_MASK, np.ones((1, max(chunk_end, 1)), dtype=np.int64))  # its row's columns so far
+        binding.bind_cpu_input(io.CHUNK_SLOT, np.array([chunk_slot], dtype=np.int64))
+        binding.bind_cpu_input(io.LOGITS_INDEX, np.ascontiguousarray(logits_index, dtype=np.int64))
+        return self._run_sampled(binding, len(logits_index), with_logits)
+
+    def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index,
+                   with_logits: bool) -> Sampled:
+        """run_slots for a fused graph, whose operator needs a row and a token at least (io_contract): the rows are rows
+        0 .. the last that decodes (a token each; one below it with nothing to decode runs its scratch token) and the
+        chunk, if any, goes beside them; a chunk with no row decoding is the step's one row instead, the chunk inputs
+        left empty (their row bound to its own, passed through). The rows sampled come back in run_slots' order."""
+        rows, n_chunk = len(input_ids), len(chunk_ids)
+        logits_index = np.asarray(logits_index, np.int64)
+        decoding = logits_index < rows  # the rest are the chunk's
+        chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, n_chunk)  # (1, T)
+        chunk_positions = np.arange(chunk_start, chunk_start + n_chunk, dtype=np.int64)[None]  # (1, T)
+        if decoding.any():
+            count = int(logits_index[decoding].max()) + 1
+            binding = self._bound_pool(pool, count, 0, chunk_slot if n_chunk else 0)  # no chunk: row 0, passed through
+            tokens = np.ascontiguousarray(input_ids[:count], dtype=np.int64).reshape(count, 1)  # (B, 1)
+            positions = np.ascontiguousarray(position_ids[:count], dtype=np.int64).reshape(count, 1)  # (B, 1)
+            graph_index = np.where(decoding, logits_index, logits_index - rows + count)  # the chunk follows the B rows
+        elif n_chunk:
+            binding = self._bound_pool(pool, 1, chunk_slot, chunk_slot)
+            tokens, positions, graph_index = chunk, chunk_positions, logits_index - rows
+            chunk = chunk_positions = np.zeros((1, 0), np.int64)
+        else:
+            raise ValueError("a step must decode a row or run a chunk")
+        binding.bind_cpu_input(io.INPUT_IDS, tokens)
+        binding.bind_cpu_input(io.POSITION_IDS, positions)
+        binding.bind_cpu_input(io.CHUNK_IDS, chunk)
+        binding.bind_cpu_input(io.CHUNK_POSITION_IDS, chunk_positions)
+        binding.bind_cpu_input(io.LOGITS_INDEX, graph_index)
+        return self._run_sampled(binding, len(logits_index), with_logits)
+
+    def _run_sampled(self, binding, n_logits: int, with_logits: bool) -> Sampled:
+        """Run a slots step whose greedy tokens (K,) and, when asked for, logits (K, V) land in new host arrays bound up
+        front: asking the binding for its outputs afterwards would wrap every bound K/V buffer too (121 objects a step
+        for a 30-layer model). Logits not asked for stay where the step ran (ONNX Runtime allocates them there)."""
+        tokens = np.zeros(n_logits, np.int64)  # (K,); zeros: a stubbed-out run (bench host timing) leaves valid ids
+        binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, tokens.shape, tokens.ctypes.data)
+        logits = None
+        if with_logits:
+            logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V)
+            binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            self.traffic.logits_bytes += logits.nbytes
+        else:
+            binding.bind_output(io.LOGITS, self.device, 0)
+        self.session.run_with_iobinding(binding, self._uncaptured)
+        return Sampled(logits, tokens)

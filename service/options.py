@@ -1,0 +1,36 @@
+"""How `kvserve serve` is configured: one dataclass for the server (transport, security, model loading), which
+carries the engine's limits (limits.EngineLimits) whole. The command line and KVSERVE_* variables fill it
+(kvserve/cli.py); tests build it directly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    artifact: str
+    host: str = "127.0.0.1"
+    port: int = 50051
+    provider: str = "auto"
+    drain_seconds: float = 30.0
+    allow_parity_failure: bool = False
+    metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
+    limits: EngineLimits = EngineLimits()  # what requests may ask and how the batch runs (limits.py)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
+    tls_key: str | None = None  # its PEM private key
+    tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)
+    auth_tokens: str | None = None  # a file of bearer tokens, one per line: every RPC but health needs one
+    reflection: bool = True  # server reflection (behind the tokens when they are on)
+    # A second, plaintext port that serves only the health service: for probes that cannot speak TLS
+    # (Kubernetes' native gRPC probes). None: off.
+    health_port: int | None = None
+    # Prompt + generated tokens one sequence may hold, at most the model's context; it sizes every row's KV cache.
+    # None: the model's whole context (a Llama 3.2's 131,072 columns a row would not fit in memory).
+    max_context: int | None = None
+    # Capture decode steps as CUDA graphs (standard slots graphs on the CUDA provider); where they cannot run, the
+    # server says why (log, GetModelInfo's provider_note) and serves uncaptured.
+    cuda_graph: bool = False
