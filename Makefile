@@ -64,7 +64,8 @@ lint-proto: tools
 proto: $(BIN)/.installed
 	$(BIN)/python -m grpc_tools.protoc -I proto --python_out=. --pyi_out=. --grpc_python_out=. proto/kvserve/v1/generation.proto
 
-demo: setup
+# The demo needs the environment and the stubs only; the test tools (buf, kubectl, checkov) are make test's.
+demo: $(BIN)/.installed proto
 	BIN=$(BIN) MODEL=$(MODEL) ARTIFACTS=$(ARTIFACTS) PORT=$(PORT) bash scripts/demo.sh
 
 test: setup system-tools
