@@ -96,9 +96,6 @@ ATTENTIONS = (STANDARD, FUSED)
 KV_CACHES = (SLOTS, CONCAT)
 DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: the layout the server serves
 
-# The KV cache axis order, (B, H, S, d_k): the sequence axis is 2.
-KV_SEQUENCE_AXIS = 2
-
 DTYPES = ("float32", "float16")
 # Weight quantizations an artifact may carry (manifest "quantization"): the graph's I/O is unchanged, its
 # weight matrices are 8-bit. export/quantize.py makes them; tolerances.py says how close they must stay.

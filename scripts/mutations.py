@@ -47,8 +47,8 @@ MUTATIONS = (
     Mutation(
         "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
         "service/kv_slots.py",
-        (("return advance_each(decode, sampled.logits, [seq.slot for seq in decode], sampled.greedy_tokens)",
-          "return advance_each(decode, sampled.logits, None, sampled.greedy_tokens)"),),
+        (("return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode])",
+          "return advance_each(decode, sampled.logits, sampled.greedy_tokens, None)"),),
         ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",
          "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
     ),
@@ -68,7 +68,7 @@ MUTATIONS = (
     Mutation(
         "a step of greedy rows reads the logits back anyway",
         "service/kv_slots.py",
-        (("    return not all(seq.takes_greedy_token for seq in seqs)", "    return True"),),
+        (("    return any(seq.needs_logits for seq in seqs)", "    return True"),),
         ("tests/service/test_kv_slots.py::test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits",
          "tests/service/test_fixed_decode.py::test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks"),
     ),
@@ -155,6 +155,24 @@ MUTATIONS = (
         "service/kv_slots.py",
         (("self.pool.move_row(len(self.slots), hole, last.cached_tokens)", "self.pool.move_row(len(self.slots), hole, last.cached_tokens - 1)"),),
         (LAYOUTS,),
+    ),
+    Mutation(
+        "float32 parity bounds absolute again (1e-4 of nothing but itself)",
+        "contract/tolerances.py",
+        (("greedy_identical=True, kv_relative=True, logits_relative=True),", "greedy_identical=True),"),),
+        ("tests/export/test_parity.py::test_float32_bounds_scale_with_the_logits_and_the_kv_they_judge",),
+    ),
+    Mutation(
+        "serve takes a concat artifact",
+        "service/loading.py",
+        (("    if artifact.kv_cache != SLOTS:", "    if False:"),),
+        ("tests/test_cli.py::test_serve_refuses_a_concat_artifact_in_one_line_saying_how_to_re_export",),
+    ),
+    Mutation(
+        "call metadata over the documented limit let through",
+        "service/security.py",
+        (("        if handler is None or size <= MAX_METADATA_BYTES:", "        if True:"),),
+        ("tests/service/test_security.py::test_oversized_metadata_is_refused_with_its_size_and_the_limit_and_large_allowed_metadata_passes",),
     ),
     Mutation(
         "chunked prefill ignores the step token budget",

@@ -157,3 +157,20 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
     artifact = open_artifact(bad)
     gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER), artifact)
     assert not gate.passed and "greedy tokens DIFFER (greedy_tokens NOT its logits argmax)" in gate.summary
+
+
+def test_float32_bounds_scale_with_the_logits_and_the_kv_they_judge():
+    """The same rounding, relative to the numbers' size, passes whatever their scale: logits of 100 off by 5e-3 (a
+    relative 5e-5) pass where an absolute 1e-4 refused them; the same 5e-3 on logits of 1 fails. K/V alike."""
+    from kvserve.contract.tolerances import TOLERANCES
+    from kvserve.export.parity import _Check
+
+    rng = np.random.default_rng(0)
+    for scale, passes in ((100.0, True), (1.0, False)):
+        eager = rng.standard_normal((4, 50)) * scale / 3
+        eager[0, 0] = scale  # the largest |logit| is scale
+        check = _Check("scaled")
+        check.add_logits(eager + 5e-3, eager)
+        check.kv_max_abs = 5e-5  # the K/V divergence is already relative to each (layer, head)'s largest |K/V|
+        assert check.result(TOLERANCES["float32"]).passed is passes, scale
+    assert TOLERANCES["float32"].kv_relative  # so verify hands it relative K/V divergences (_kv_divergence)
