@@ -175,6 +175,12 @@ MUTATIONS = (
         ("tests/service/test_security.py::test_oversized_metadata_is_refused_with_its_size_and_the_limit_and_large_allowed_metadata_passes",),
     ),
     Mutation(
+        "the Tokenize worker outlives a server that is killed",
+        "service/tokenizing.py",
+        (("    while os.getppid() == server:", "    while True:"),),
+        ("tests/service/test_lifecycle.py::test_the_tokenize_worker_ends_with_a_server_that_is_killed",),
+    ),
+    Mutation(
         "chunked prefill ignores the step token budget",
         "service/scheduler.py",
         (("                tokens = allowance\n", "                tokens = remaining\n"),),

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import os
+import threading
+import time
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
@@ -25,12 +27,24 @@ _tokenizer: Tokenizer | None = None  # the worker's
 # The worker's scheduling priority below the server's: on a machine with few cores a flood of Tokenize calls then
 # takes the CPU the model steps leave, not the steps' own (ONNX Runtime's threads stall when one loses its core).
 WORKER_NICENESS = 10
+PARENT_CHECK_SECONDS = 1.0
 
 
-def _load(path: str | None) -> None:
+def _load(path: str | None, server: int) -> None:
+    """The worker's start: lower priority, the tokenizer, and a watch on the server (its pid, passed in: a server
+    killed while this worker still imports would make the worker's own parent, read here, already someone else)."""
     global _tokenizer
+    threading.Thread(target=_exit_with, args=(server,), daemon=True, name="kvserve-parent-watch").start()
     os.nice(WORKER_NICENESS)
     _tokenizer = load_tokenizer(Path(path) if path else None)
+
+
+def _exit_with(server: int) -> None:
+    """End this worker once the server that spawned it is gone. A spawned worker holds both ends of its call queue,
+    so a server that dies without its exit hooks (SIGKILL, out of memory) would leave it waiting forever."""
+    while os.getppid() == server:
+        time.sleep(PARENT_CHECK_SECONDS)
+    os._exit(0)
 
 
 def _respond(text: str) -> bytes:
@@ -47,7 +61,8 @@ class TokenizeProcess:
         self._pool = self._start()
 
     def _start(self) -> ProcessPoolExecutor:
-        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load, initargs=(self._path,))
+        pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
+                                   initargs=(self._path, os.getpid()))
         pool.submit(_respond, "")  # spawn and load now, not on the first call
         return pool
 

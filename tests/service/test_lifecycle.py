@@ -334,3 +334,39 @@ def test_a_failed_model_step_fails_every_stream_in_it_and_the_server_goes_on(stu
     assert wait_for(lambda: live(stub).active_sequences == 0)
     ids = [r.token.id for r in stub.Generate(long_request(10), timeout=30)]
     assert ids == generate(tiny_model, [[1, 2, 3]], 10).tokens[0].tolist()
+
+
+def test_the_tokenize_worker_ends_with_a_server_that_is_killed(tiny_artifact):
+    """A server killed outright (no exit hooks run) must not leave its Tokenize worker process behind."""
+    from pathlib import Path
+
+    process, _, log = start_process(tiny_artifact)
+    try:
+        assert "SERVING" in log, log
+        children = lambda: [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()  # noqa: E731
+                            and _parent_of(p) == process.pid]
+        workers = wait_for(children, timeout=10) and children()
+        assert workers, "the server spawned no Tokenize worker"
+    finally:
+        process.kill()
+        process.wait(10)
+    assert wait_for(lambda: not any(_running(Path(f"/proc/{pid}")) for pid in workers), timeout=10), workers
+
+
+def _stat_fields(proc_dir) -> list[str]:
+    """/proc/PID/stat after the command name: state, parent pid, ...; [] when the process is gone."""
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
+def _parent_of(proc_dir) -> int | None:
+    fields = _stat_fields(proc_dir)
+    return int(fields[1]) if fields else None
+
+
+def _running(proc_dir) -> bool:
+    """Alive, not a zombie waiting for whoever reaps orphans here."""
+    fields = _stat_fields(proc_dir)
+    return bool(fields) and fields[0] != "Z"
