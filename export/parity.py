@@ -22,18 +22,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import ArtifactError, contract_problems, open_artifact
 from kvserve.contract.tokenizer import load_tokenizer
+from kvserve.contract.tolerances import TOLERANCES, Tolerance, kl_divergence, logits_bound
 from kvserve.errors import UserError
-from kvserve.progress import stage
-from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.decoders import Decoder
+from kvserve.model.generate import generate, left_pad, position_ids_from_mask
+from kvserve.progress import stage
 from kvserve.runtime.pool import pool_capacity
 from kvserve.runtime.step import DecoderRuntime
 
-from kvserve.contract.artifact import ArtifactError, contract_problems, open_artifact
-from kvserve.contract import io_contract as io
 from .quality import eval_windows, greedy_tokens, text_quality
-from kvserve.contract.tolerances import TOLERANCES, Tolerance, kl_divergence, logits_bound
 
 
 class VerifyRefused(UserError):

@@ -13,10 +13,10 @@ import secrets
 
 from kvserve.contract.tokenizer import Tokenizer
 from kvserve.model.config import DecoderConfig
+from kvserve.runtime.step import DecoderRuntime
 
 from .kv_slots import SlotBatch
 from .limits import MAX_SCALE, MIN_SCALE, EngineLimits
-from kvserve.runtime.step import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import GenerationRequest, Sequence

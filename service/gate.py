@@ -11,10 +11,10 @@ import numpy as np
 from kvserve.contract.artifact import Artifact, contract_problems
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.contract.tolerances import TOLERANCES, kl_divergence, logits_bound
+from kvserve.runtime.step import DecoderRuntime
 
 from .kv_slots import SlotBatch
 from .limits import EngineLimits
-from kvserve.runtime.step import DecoderRuntime
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence

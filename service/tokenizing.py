@@ -72,6 +72,7 @@ class TokenizeProcess:
         try:
             return await loop.run_in_executor(self._pool, _respond, text)
         except BrokenProcessPool:  # the worker died (killed, out of memory): a new one takes this call and the next
+            self._pool.shutdown(wait=False)
             self._pool = self._start()
             return await loop.run_in_executor(self._pool, _respond, text)
 

@@ -213,3 +213,16 @@ def test_a_flood_of_tokenize_calls_at_the_text_limit_does_not_stall_a_running_st
     assert median <= 3 * alone, f"the median stream took {median * 1e3:.0f} ms beside the flood, {alone * 1e3:.0f} ms alone"
     # On 2 cores gRPC's own threads moving the flood's ~40 MB still cost the worst stream up to ~4x (measured 2.9-3.8x).
     assert beside[-1] <= 6 * alone, f"a stream took {beside[-1] * 1e3:.0f} ms beside the flood, {alone * 1e3:.0f} ms alone"
+
+
+def test_a_tokenize_worker_that_dies_is_replaced_and_the_call_still_answered(server, stub):
+    import os
+    import signal
+
+    pool = server.app.tokenizing._pool
+    assert stub.Tokenize(pb.TokenizeRequest(text="before"), timeout=30).ids  # the worker is up
+    for pid in list(pool._processes):
+        os.kill(pid, signal.SIGKILL)
+    response = stub.Tokenize(pb.TokenizeRequest(text="after"), timeout=60)
+    assert "".join(response.pieces) == "after"
+    assert server.app.tokenizing._pool is not pool
