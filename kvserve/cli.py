@@ -50,6 +50,7 @@ def _serve(args) -> int:
     limits = EngineLimits(
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, step_token_budget=args.step_token_budget,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
+        prompt_cache=args.prompt_cache,
     )
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
@@ -128,6 +129,13 @@ def _target(text: str) -> str:
 
 
 ON_OFF = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+
+
+def _on_off(value: str) -> bool:
+    parsed = ON_OFF.get(value.strip().lower())
+    if parsed is None:
+        raise argparse.ArgumentTypeError(f"{value!r} is not on or off")
+    return parsed
 
 
 def _env(name: str, default, kind=str):
@@ -215,6 +223,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cuda-graph", action="store_true", default=_env("CUDA_GRAPH", False, bool),
                        help="capture decode steps as CUDA graphs, one per (rows, width) shape, at load (standard slots "
                        "graphs on the CUDA provider; elsewhere the server says why not and runs uncaptured) [KVSERVE_CUDA_GRAPH]")
+    serve.add_argument("--prompt-cache", type=_on_off, metavar="on|off", default=_env("PROMPT_CACHE", True, bool),
+                       help="keep finished sequences' K/V: a prompt that begins like an earlier one prefills only the rest "
+                       "[KVSERVE_PROMPT_CACHE] (default on)")
     serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")

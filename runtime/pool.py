@@ -3,12 +3,16 @@
 One allocation per layer's K and V, (rows, H_kv, capacity, d_k), on the session's device, made and touched once:
 memory first touched mid-stream costs page faults that stall a step (a fresh 1.2 GB gpt2 pool took 1.6 s to fill
 on the development VM). A step binds the pool's first rows by address as both past and present (step.py), so
-ONNX Runtime writes each new token's K/V into its row. The pool copies a row only when asked (move_row: a sequence
-changes row), on the device where it lives; under CUDA that copy is staged through the host and counted.
+ONNX Runtime writes each new token's K/V into its row. The pool copies K/V between rows only when asked (a sequence
+changes row, or takes a prompt prefix another row holds), on the device where it lives, never through the host.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -19,6 +23,36 @@ from kvserve.model.config import DecoderConfig
 
 if TYPE_CHECKING:
     from .step import DecoderRuntime
+
+log = logging.getLogger(__name__)
+
+CUDA_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
+
+
+@functools.cache
+def device_copy_2d() -> Callable[[int, int, int, int, int], None] | None:
+    """cudaMemcpy2D(destination, pitch, source, pitch, width, height), device to device, from the CUDA runtime that ONNX
+    Runtime's CUDA provider has loaded (found by its soname); None where none can be loaded. Synchronous: it is done
+    before the next step is launched, and a step has finished before the copy starts (a step returns its outputs)."""
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            memcpy_2d = ctypes.CDLL(name).cudaMemcpy2D
+            break
+        except (OSError, AttributeError):
+            continue
+    else:
+        log.warning("no CUDA runtime library (libcudart) to copy K/V between rows on the GPU: prompts are not copied "
+                    "from rows in use")
+        return None
+    memcpy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
+    memcpy_2d.restype = ctypes.c_int
+
+    def copy(destination: int, source: int, pitch: int, width: int, height: int) -> None:
+        error = memcpy_2d(destination, pitch, source, pitch, width, height, CUDA_MEMCPY_DEVICE_TO_DEVICE)
+        if error:
+            raise RuntimeError(f"cudaMemcpy2D between K/V rows failed: CUDA error {error}")
+
+    return copy
 
 
 @dataclass(frozen=True)
@@ -36,12 +70,14 @@ def pool_capacity(config: DecoderConfig) -> int:
 
 @dataclass
 class KvTraffic:
-    """What the runtime moved. host_bytes: K/V through host memory (a row move staged through the host under CUDA, a
-    row read back for a check); row_moves: rows of a SlotPool moved to another row; logits_bytes: slots steps' logits handed to the
-    host for sampling (a copy from the device under CUDA)."""
+    """What the runtime moved. host_bytes: K/V through host memory (a row read back for a check; the serving path moves
+    none); device_copies and device_copy_bytes: K/V copied between rows of a SlotPool where it lives (a sequence changing
+    row, a prompt prefix taken from another row); logits_bytes: slots steps' logits handed to the host for sampling (a
+    copy from the device under CUDA)."""
 
     host_bytes: int = 0
-    row_moves: int = 0
+    device_copies: int = 0
+    device_copy_bytes: int = 0
     logits_bytes: int = 0
 
 
@@ -64,30 +100,62 @@ class SlotPool:
             self.arrays = None
             zeros = np.zeros(self.shape, runtime.kv_dtype)  # rows read padding columns: they must hold numbers
             self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * runtime.n_layer)]
+        self._spare: np.ndarray | None = None  # exchange_rows' staging row, made on first use
 
-    def _host_views(self) -> list[np.ndarray]:
-        """The pool as numpy arrays: the memory itself on CPU; a copy from the GPU otherwise (counted)."""
+    def pitched_copies(self, source: int, destination: int, columns: int) -> list[tuple[int, int, int, int, int]]:
+        """The first `columns` columns of row source onto row destination as 2-D copies, one per layer's K and V:
+        (destination address, source address, pitch, width, height) in bytes, as cudaMemcpy2D takes them: a row is
+        H blocks of capacity x d_k values (one a head), of which each copy takes the first columns x d_k."""
+        _, heads, capacity, d_head = self.shape
+        itemsize = np.dtype(self.runtime.kv_dtype).itemsize
+        pitch, width = capacity * d_head * itemsize, columns * d_head * itemsize
+        return [(value.data_ptr() + destination * self.row_bytes, value.data_ptr() + source * self.row_bytes, pitch, width, heads)
+                for value in self.values]
+
+    @property
+    def copies_rows(self) -> bool:
+        """Whether copy_columns can run here (always on the CPU provider; under CUDA with the CUDA runtime found)."""
+        return self.arrays is not None or device_copy_2d() is not None
+
+    def copy_columns(self, source: int, destination: int, columns: int) -> None:
+        """Row destination's first `columns` columns become row source's (a sequence changes row, or a new one takes a
+        prefix another row holds), on the device where the pool lives: never through the host (device_copies)."""
+        if columns <= 0 or source == destination:
+            return
         if self.arrays is not None:
-            return self.arrays
-        self.runtime.traffic.host_bytes += sum(v.numpy().nbytes for v in self.values)
-        return [v.numpy() for v in self.values]
+            for array in self.arrays:
+                array[destination, :, :columns] = array[source, :, :columns]  # (H, columns, d_k)
+        else:
+            copy_2d = device_copy_2d()
+            if copy_2d is None:
+                raise RuntimeError("no CUDA runtime to copy K/V between rows (copies_rows is False)")
+            for copy in self.pitched_copies(source, destination, columns):
+                copy_2d(*copy)
+        traffic = self.runtime.traffic
+        traffic.device_copies += 1
+        traffic.device_copy_bytes += columns * self.row_bytes // self.capacity * len(self.values)
 
-    def _write_back(self, arrays: list[np.ndarray]) -> None:
+    def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
+        """Rows a and b trade contents: b takes a's first a_columns columns and a takes b's first b_columns (on the CPU
+        provider, where rows are moved to keep the computed ones dense; through a spare row of the same memory)."""
+        if a == b:
+            return
         if self.arrays is None:
-            for value, array in zip(self.values, arrays):
-                value.update_inplace(np.ascontiguousarray(array))
-            self.runtime.traffic.host_bytes += sum(a.nbytes for a in arrays)
-
-    def move_row(self, source: int, destination: int, columns: int) -> None:
-        """Copy the first `columns` columns of row source into row destination (a sequence changes slot)."""
-        arrays = self._host_views()
-        for array in arrays:
-            array[destination, :, :columns] = array[source, :, :columns]
-        self._write_back(arrays)
-        self.runtime.traffic.row_moves += 1
+            raise RuntimeError("rows are exchanged on the CPU provider only (under CUDA a freed row stays where it is)")
+        if self._spare is None:
+            self._spare = np.empty(self.shape[1:], self.runtime.kv_dtype)  # (H, C, d_k): one row of one layer's K or V
+        spare = self._spare
+        for array in self.arrays:
+            spare[:, :a_columns] = array[a, :, :a_columns]
+            array[a, :, :b_columns] = array[b, :, :b_columns]
+            array[b, :, :a_columns] = spare[:, :a_columns]
+        traffic = self.runtime.traffic
+        traffic.device_copies += 1
+        traffic.device_copy_bytes += (2 * a_columns + b_columns) * self.row_bytes // self.capacity * len(self.values)
 
     def row_to_host(self, row: int, columns: int) -> list[np.ndarray]:
         """One row's first columns, per layer K then V, each (H, columns, d_k): for parity checks and tests."""
         if self.arrays is not None:
             return [a[row, :, :columns].copy() for a in self.arrays]
+        self.runtime.traffic.host_bytes += sum(v.tensor_size_in_bytes() for v in self.values)  # the whole pool comes back
         return [v.numpy()[row, :, :columns] for v in self.values]

@@ -153,8 +153,57 @@ MUTATIONS = (
     Mutation(
         "slots: a row moved into a freed one loses its last column",
         "service/kv_slots.py",
-        (("self.pool.move_row(len(self.slots), hole, last.cached_tokens)", "self.pool.move_row(len(self.slots), hole, last.cached_tokens - 1)"),),
+        (("self.pool.copy_columns(source, hole, last.cached_tokens)", "self.pool.copy_columns(source, hole, last.cached_tokens - 1)"),),
         (LAYOUTS,),
+    ),
+    Mutation(
+        "prompt cache: a row moved into a freed one with cached K/V loses its last column",
+        "service/kv_slots.py",
+        (("self.pool.exchange_rows(source, hole, last.cached_tokens, held)", "self.pool.exchange_rows(source, hole, last.cached_tokens - 1, held)"),),
+        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+    ),
+    Mutation(
+        "prompt cache: a finished row claims its last generated token's K/V, never written",
+        "service/kv_slots.py",
+        (("self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])", "self.prefixes.put(row, seq.prompt_ids + seq.generated)"),),
+        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+    ),
+    Mutation(
+        "prompt cache: the last prompt token reused too (nothing left to give the first new token's logits)",
+        "service/kv_slots.py",
+        (("        reusable = len(prompt) - 1\n", "        reusable = len(prompt)\n"),),
+        (f"{PC}::test_the_server_reports_reused_prompt_tokens_in_finish_details_model_info_and_metrics",),
+    ),
+    Mutation(
+        "prompt cache: a prefix from a row in use taken beyond what it has written",
+        "service/kv_slots.py",
+        (("usable = min(shared, reusable, holder.cached_tokens)", "usable = min(shared, reusable)"),),
+        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+    ),
+    Mutation(
+        "prompt cache: a cached row taken on CPU is moved into place without its prefix",
+        "service/kv_slots.py",
+        (("pool.exchange_rows(source, row, reused, len(self.prefixes.tokens(row)) if row in self.cached else 0)",
+          "pool.exchange_rows(source, row, 0, len(self.prefixes.tokens(row)) if row in self.cached else 0)"),),
+        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+    ),
+    Mutation(
+        "prompt cache: eviction takes the most recently used row",
+        "service/kv_slots.py",
+        (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),
+        (f"{PC}::test_the_longest_match_is_chosen_and_the_least_recently_used_row_is_evicted",),
+    ),
+    Mutation(
+        "prompt cache: the index trusts its keys (a collision makes a wrong match)",
+        "service/prompt_cache.py",
+        (("return shared_length(self._tokens.get(row, [])[:length], prompt[:length])", "return length"),),
+        (f"{PC}::test_a_key_collision_shortens_a_match_and_never_makes_a_wrong_one",),
+    ),
+    Mutation(
+        "prompt cache: --prompt-cache off still reuses",
+        "service/kv_slots.py",
+        (("self.prefixes = PrefixIndex() if prompt_cache else None", "self.prefixes = PrefixIndex()"),),
+        (f"{PC}::test_with_the_cache_off_nothing_is_kept_or_reused",),
     ),
     Mutation(
         "float32 parity bounds absolute again (1e-4 of nothing but itself)",

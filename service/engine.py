@@ -66,7 +66,7 @@ class Engine:
         if limits.max_batch_size < 1 or limits.max_queue < 0 or limits.step_token_budget < 0:
             raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and step_token_budget >= 0")
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
-        self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size)
+        self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._ids = itertools.count(1)
         self._accepting = True
@@ -209,6 +209,7 @@ class Engine:
         row_bytes = self.batch.row_bytes()
         return {
             "active": len(rows),
+            "cached": self.batch.cached_rows(),
             "queued": len(self.scheduler.waiting),
             "kv_bytes": row_bytes * len(rows),
             "sequences": [(s.id, s.total_tokens, row_bytes) for s in rows],

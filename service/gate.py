@@ -99,7 +99,8 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> None:
     """Fill the serving batch to its largest size through the serving path (prefills, then decodes at every
     batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
-    fixed-shape decode steps then binds (and captures) every shape it may run."""
+    fixed-shape decode steps then binds (and captures) every shape it may run. The prompt cache forgets the warm-up's
+    rows: no request should find their made-up tokens."""
     config = batch.config  # as served: its context may be cut (serve --max-context)
     batch_size = batch.max_rows
     prompt_len = max(1, min(8, config.n_ctx // 2))
@@ -109,5 +110,6 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
+    batch.forget_cached()
     if batch.fixed_decode:
         batch.prepare_decode_shapes()

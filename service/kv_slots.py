@@ -22,14 +22,19 @@ A step whose sampled rows all take the graph's greedy token (Sequence.takes_gree
 those tokens alone, so its logits never leave the device; one row that samples, reports log-probabilities or
 records its logits (the load gate's) makes the step read them (needs_logits).
 
-Joining takes the lowest free row; leaving frees a row, and on the CPU provider the last row moves into
-it (one row, in place) so rows 0..B-1 stay dense and a step computes no idle row. Under CUDA a free row
-stays a hole until the next join fills it, so nothing moves at all: no K/V crosses to the host.
+A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, prompt_cache.py); a joining one takes
+the free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty
+row, else the least recently used cached one, and prefills only the rest. On the CPU provider rows 0..B-1 stay
+dense, so a step computes no idle row: a leave moves the last row into the hole (and the hole's cached K/V to the
+last row's place), a join moves the row it takes to the end of the rows in use; only used columns move, within the
+pool's memory. Under CUDA a free row stays where it is (a hole the steps run a scratch token in) and only a prefix
+copied from a row in use moves, on the device: no K/V crosses to the host.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +45,7 @@ from kvserve.runtime.cuda_graphs import decode_shape, decode_shapes
 from kvserve.runtime.pool import SlotPool, pool_capacity
 from kvserve.runtime.step import DecoderRuntime
 
+from .prompt_cache import PrefixIndex
 from .sequence import Sequence, StepEvent
 
 log = logging.getLogger(__name__)
@@ -49,6 +55,12 @@ StepResults = list[tuple[Sequence, StepEvent | BaseException]]
 # A decoding row takes the chunk's place (when free) once it is this much longer than every other row:
 # reading its width in every row would cost more than the extra row the decode part then computes.
 SOLO_MIN_RATIO, SOLO_MIN_EXTRA = 2, 32
+
+# A new request takes a prompt prefix from a row in use (a device copy) rather than from the best free row only when
+# the row in use holds at least this many more of its tokens. bench/prompt_cache.py measures the copy against the
+# prefill it saves (docs/serving.md, "Prompt cache"); on both providers a copy costs far less than computing one
+# token, so the line sits at one index block (prompt_cache.BLOCK_TOKENS), the shortest prefix the index finds.
+PREFIX_COPY_MIN_TOKENS = {"cpu": 16, "cuda": 16}
 
 
 @dataclass
@@ -86,9 +98,10 @@ def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens:
 class SlotBatch:
     """The rows of the running batch in a SlotPool. Not thread-safe: one step thread calls it."""
 
-    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None):
+    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None,
+                 prompt_cache: bool = True):
         """fixed_decode: run decode-only steps at bucketed shapes (runtime.run_decode); default: when the runtime
-        captures them as CUDA graphs."""
+        captures them as CUDA graphs. prompt_cache: finished rows keep their K/V for later prompts that begin alike."""
         self.runtime, self.config, self.max_rows = runtime, config, max_rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
         self.pool: SlotPool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
@@ -96,6 +109,9 @@ class SlotBatch:
         self.fixed_decode = runtime.captures_decode if fixed_decode is None else fixed_decode
         if self.fixed_decode and runtime.attention != STANDARD:
             raise ValueError("fixed-shape decode steps need a standard slots graph (a fused graph's If cannot be captured)")
+        self.prefixes = PrefixIndex() if prompt_cache else None  # every row's tokens, in use or cached
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free rows holding K/V, least recently used first
+        self.copies_from_busy = prompt_cache and self.pool.copies_rows
         self._cell_bytes = 2 * config.n_layer * config.n_kv_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
 
     # --- what the engine and the scheduler read -----------------------------------------------------
@@ -216,38 +232,147 @@ class SlotBatch:
         return advance_each(sampling, sampled.logits, sampled.greedy_tokens)
 
     def fail_all(self, error: BaseException) -> StepResults:
-        """Every sequence holding a row fails with error; the batch is empty afterwards."""
+        """Every sequence holding a row fails with error; the batch is empty afterwards, and, the pool's contents being
+        unknown after a failed step, so is the prompt cache."""
         failed = [(s, error) for s in self.rows]
         for seq in self.rows:
             seq.slot = None
         self.slots = []
+        self.cached.clear()
+        if self.prefixes is not None:
+            self.prefixes.clear()
         return failed
 
     # --- joins and leaves ---------------------------------------------------------------------------------
 
+    def cached_rows(self) -> int:
+        """Free rows that hold a finished sequence's K/V for the prompt cache."""
+        return len(self.cached)
+
+    def forget_cached(self) -> None:
+        """Free rows forget what they hold (the warm-up's rows, say): nothing is matched against them any more."""
+        for row in self.cached:
+            self.prefixes.remove(row)
+        self.cached.clear()
+
+    def _best_matches(self, prompt: list[int]) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
+        """((free row, tokens), (row in use, tokens)): the rows holding the longest start of prompt, the last prompt
+        token left out (it is always computed: its logits give the first new token)."""
+        if self.prefixes is None:
+            return (None, 0), (None, 0)
+        reusable = len(prompt) - 1
+        free, busy = (None, 0), (None, 0)
+        for row, shared in self.prefixes.matches(prompt).items():
+            holder = self.slots[row] if row < len(self.slots) else None
+            if holder is None:
+                usable = min(shared, reusable, len(self.prefixes.tokens(row)))
+                if usable > free[1]:
+                    free = (row, usable)
+            elif self.copies_from_busy:
+                usable = min(shared, reusable, holder.cached_tokens)  # a row in use holds its K/V up to there
+                if usable > busy[1]:
+                    busy = (row, usable)
+        confirmed = []
+        for row, length in (free, busy):
+            length = self.prefixes.confirm(row, prompt, length) if row is not None else 0
+            confirmed.append((row, length) if length else (None, 0))
+        return confirmed[0], confirmed[1]
+
+    def _prefix_source(self, prompt: list[int]) -> tuple[int | None, int, bool]:
+        """(the row to take the start of prompt from, how many tokens, whether that row is in use): a row in use only
+        when it holds at least PREFIX_COPY_MIN_TOKENS more than the best free row (its columns are copied)."""
+        (free, free_len), (busy, busy_len) = self._best_matches(prompt)
+        if busy is not None and busy_len >= free_len + PREFIX_COPY_MIN_TOKENS[self.runtime.device]:
+            return busy, busy_len, True
+        return free, free_len, False
+
+    def reusable_prompt_tokens(self, seq: Sequence) -> int:
+        """How many of seq's prompt tokens it would find in the cache if it joined now (the scheduler sizes its first
+        chunk by what is left)."""
+        return self._prefix_source(seq.prompt_ids)[1]
+
+    def _victim(self) -> int:
+        """The free row a new sequence overwrites: the lowest that holds nothing, else the least recently used."""
+        active = {row for row, s in enumerate(self.slots) if s is not None}
+        empty = next((row for row in range(self.max_rows) if row not in active and row not in self.cached), None)
+        return empty if empty is not None else next(iter(self.cached))
+
     def _join(self, seq: Sequence) -> None:
-        free = next((row for row, s in enumerate(self.slots) if s is None), None)
-        if free is None:
-            free = len(self.slots)
+        """seq takes a row: the free row holding the longest start of its prompt, or a free row into which the rows in
+        use give a longer one (copied on the device), else the victim; it then prefills only the rest. On CPU the row
+        it computes in is the one after the last (rows stay dense): the row chosen moves there, and what that row held
+        moves to the victim's place."""
+        source, reused, take_busy = self._prefix_source(seq.prompt_ids)
+        busy = source if take_busy else None
+        pool = self.pool
+        if self.compact:
+            row = len(self.slots)
+            if not take_busy and source is not None:
+                if source != row:  # row's own cached K/V (if any) goes where the chosen one was
+                    pool.exchange_rows(source, row, reused, len(self.prefixes.tokens(row)) if row in self.cached else 0)
+                    self._swap_cached(source, row)
+            elif row in self.cached:
+                victim = self._victim()
+                if victim != row:
+                    pool.copy_columns(row, victim, len(self.prefixes.tokens(row)))
+                    self._drop_cached(victim)
+                    self._swap_cached(row, victim)
+        else:
+            row = source if not take_busy and source is not None else self._victim()
+        if take_busy:
+            pool.copy_columns(busy, row, reused)
+        self._drop_cached(row)
+        if self.prefixes is not None:
+            self.prefixes.put(row, seq.prompt_ids)  # its K/V up to seq.cached_tokens, as the prefill writes them
+        while len(self.slots) <= row:
             self.slots.append(None)
-        self.slots[free] = seq
-        seq.slot = free
-        seq.cached_tokens = 0
+        self.slots[row] = seq
+        seq.slot = row
+        seq.cached_tokens = seq.reused_prompt_tokens = reused
+
+    def _drop_cached(self, row: int) -> None:
+        """Row no longer holds a cached sequence (it is taken, or overwritten)."""
+        if self.cached.pop(row, False) is not False:
+            self.prefixes.remove(row)
+
+    def _swap_cached(self, a: int, b: int) -> None:
+        """Rows a and b traded contents: their index entries and their places in the least-recently-used order follow."""
+        if self.prefixes is None:
+            return
+        self.prefixes.swap(a, b)
+        self.cached = OrderedDict((b if row == a else a if row == b else row, None) for row in self.cached)
 
     def release(self, leaving: list[Sequence]) -> None:
-        """Free the rows of sequences that left; on CPU keep rows dense."""
+        """Free the rows of sequences that left, each keeping what it wrote for the prompt cache; on CPU keep the rows
+        in use dense."""
         if not leaving:
             return
         for seq in leaving:
-            if seq.slot is not None:
-                self.slots[seq.slot] = None
-                seq.slot = None
+            if seq.slot is None:
+                continue
+            row = seq.slot
+            self.slots[row] = None
+            seq.slot = None
+            if self.prefixes is not None:
+                if seq.cached_tokens:
+                    self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])  # exactly what it wrote
+                    self.cached[row] = None
+                    self.cached.move_to_end(row)
+                else:
+                    self.prefixes.remove(row)
         while True:
             while self.slots and self.slots[-1] is None:
                 self.slots.pop()
             hole = next((row for row, s in enumerate(self.slots) if s is None), None)
             if hole is None or not self.compact:
                 break
-            last = self.slots.pop()  # the last row moves into the hole: one row, on the device
-            self.pool.move_row(len(self.slots), hole, last.cached_tokens)
+            last = self.slots.pop()  # the last row moves into the hole, and the hole's cached K/V (if any) to its place
+            source = len(self.slots)
+            held = len(self.prefixes.tokens(hole)) if self.prefixes is not None and hole in self.cached else 0
+            if held:
+                self.pool.exchange_rows(source, hole, last.cached_tokens, held)
+            else:
+                self.pool.copy_columns(source, hole, last.cached_tokens)
+                self._drop_cached(hole)
+            self._swap_cached(source, hole)
             self.slots[hole], last.slot = last, hole

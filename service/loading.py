@@ -87,7 +87,8 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
             gate = GateResult(False, gate.summary, overridden=True)
         else:
             log.info("parity gate passed: %s", gate.summary)
-        batch = await loop.run_in_executor(steps, SlotBatch, runtime, config, options.limits.max_batch_size)  # all K/V memory, now
+        batch = await loop.run_in_executor(steps, lambda: SlotBatch(runtime, config, options.limits.max_batch_size,
+                                                                      prompt_cache=options.limits.prompt_cache))  # all K/V memory, now
         await loop.run_in_executor(steps, warm_up, batch, artifact, budget)
     except BaseException:
         steps.shutdown(wait=False)  # a failed load leaves no thread behind

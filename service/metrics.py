@@ -26,6 +26,12 @@ class Metrics:
         self.queue_depth = Gauge("kvserve_queue_depth", "Requests waiting for a batch slot", registry=self.registry)
         self.kv_slots_in_use = Gauge("kvserve_kv_slots_in_use", "Batch rows holding a sequence's KV cache", registry=self.registry)
         self.kv_cache_bytes = Gauge("kvserve_kv_cache_bytes", "Bytes of KV cache held", registry=self.registry)
+        self.prompt_tokens = Counter(
+            "kvserve_prompt_tokens", "Prompt tokens of admitted requests, by whether their K/V came from the prompt cache or was computed",
+            ["source"], registry=self.registry,
+        )
+        self.cached_rows = Gauge("kvserve_prompt_cache_rows", "Free batch rows holding a finished sequence's K/V for the prompt cache",
+                                 registry=self.registry)
         self.execution_provider = Gauge(
             "kvserve_execution_provider", "1 for the ONNX Runtime execution provider in use", ["provider"], registry=self.registry
         )
@@ -50,13 +56,20 @@ class Metrics:
         else:
             self.inter_token_latency.observe((now_ns - previous_ns) / 1e9)
 
-    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int) -> None:
-        """stepped: sequences that got a token this step; running: rows left in the batch after it."""
+    def on_prompt(self, reused: int, computed: int) -> None:
+        """A request took its row: reused prompt tokens came from the prompt cache, computed ones are prefilled."""
+        self.prompt_tokens.labels(source="reused").inc(reused)
+        self.prompt_tokens.labels(source="computed").inc(computed)
+
+    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int, cached_rows: int = 0) -> None:
+        """stepped: sequences that got a token this step; running: rows left in the batch after it; cached_rows: free rows
+        holding K/V for the prompt cache."""
         if stepped:
             self.batch_size.observe(stepped)
         self.queue_depth.set(queued)
         self.kv_slots_in_use.set(running)
         self.kv_cache_bytes.set(kv_bytes)
+        self.cached_rows.set(cached_rows)
 
     # interceptor hook
 

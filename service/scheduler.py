@@ -9,7 +9,9 @@ One step (kv_slots.StepPlan) is one model call over the batch:
     leave a tail of at most a quarter of the budget takes the tail too (a step of its own would cost the
     running streams a whole step's gap for a few tokens);
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
-    the batch idle while it waits for its turn.
+    the batch idle while it waits for its turn; its prompt starts past what the prompt cache holds of it
+    (kv_slots.SlotBatch.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
+    for it and then take it instead of each computing it again.
 Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
 """
 
@@ -75,7 +77,8 @@ class Scheduler:
         if not prefilling:
             return StepPlan(decode=decode)
         chunk = prefilling[0]
-        remaining = len(chunk.prompt_ids) - chunk.cached_tokens
+        done = self.batch.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens  # a joiner starts past its cached prefix
+        remaining = len(chunk.prompt_ids) - done
         tokens = remaining
         if decode and self.step_token_budget:
             allowance = max(self.step_token_budget - len(decode), 1)
@@ -112,6 +115,10 @@ class Scheduler:
         except Exception as exc:  # the model step itself failed: every sequence in it fails once, none hangs
             results = self._fail_step(plan, exc)
         now = time.monotonic_ns()
+        if self.metrics is not None:
+            for seq in plan.joining:
+                if seq.slot is not None:
+                    self.metrics.on_prompt(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
         for seq, event in results:
             if not seq.cancelled:
                 seq.events.put_nowait(event)
@@ -119,7 +126,7 @@ class Scheduler:
                     self.metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
                     seq.last_sent_ns = now
         if self.metrics is not None:
-            self.metrics.on_step(len(results), len(self.batch.rows), len(self.waiting), self.batch.kv_bytes())
+            self.metrics.on_step(len(results), len(self.batch.rows), len(self.waiting), self.batch.kv_bytes(), self.batch.cached_rows())
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> StepResults:
         results = self.batch.fail_all(exc)

@@ -41,6 +41,7 @@ class Finish:
     time_to_first_token_ns: int
     total_ns: int
     stop_sequence: str = ""
+    cached_prompt_tokens: int = 0  # prompt tokens whose K/V were reused from the prompt cache, not computed
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Sequence:
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # tokens whose K/V are in the batch cache
+    reused_prompt_tokens: int = 0  # of those, the prompt tokens found in the cache when it joined (prompt_cache.py)
     slot: int | None = None  # slots layout: the cache row this sequence holds
     first_token_ns: int = 0
     cancelled: bool = False  # set from the event loop when the client goes away
@@ -141,5 +143,6 @@ class Sequence:
                 time_to_first_token_ns=self.first_token_ns - self.arrival_ns,
                 total_ns=now - self.arrival_ns,
                 stop_sequence=stop or "",
+                cached_prompt_tokens=self.reused_prompt_tokens,
             )
         return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish)

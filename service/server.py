@@ -200,7 +200,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 max_message_bytes=app.options.max_message_bytes,
             ),
             live=pb.LiveCounts(
-                active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"],
+                active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"], cached_rows=stats["cached"],
                 kv_cache_bytes=stats["kv_bytes"],
                 sequences=[pb.SequenceKv(sequence_id=i, tokens=t, kv_cache_bytes=b) for i, t, b in stats["sequences"]],
             ),
@@ -240,6 +240,7 @@ def _to_proto(event: StepEvent) -> pb.GenerateResponse:
             pb.FinishDetails(
                 reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
                 time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
+                cached_prompt_tokens=finish.cached_prompt_tokens,
             )
         )
     return response
