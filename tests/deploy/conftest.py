@@ -16,7 +16,7 @@ import yaml
 
 from ..conftest import PROVIDER, REPO
 
-PROFILES = ([], ["gpu"], ["cpu"], ["metrics"], ["gpu", "metrics"], ["cpu", "metrics"])
+PROFILES = ([], ["gpu"], ["cpu"], ["metrics"], ["gpu", "metrics"], ["cpu", "metrics"], ["cpu", "dashboards"])
 
 
 def need(tool: str) -> str:

@@ -48,7 +48,7 @@ def test_every_server_variable_is_a_serve_flag():
 
 def test_metrics_and_load_balancer_are_wired():
     services = compose_config("metrics")["services"]
-    assert services["prometheus"]["profiles"] == ["metrics"]
+    assert services["prometheus"]["profiles"] == ["metrics", "dashboards"]
     assert "nginx" in services["lb"]["image"] and any("nginx.conf" in v for v in services["lb"]["volumes"])
     prometheus = (REPO / "deploy" / "prometheus.yml").read_text()
     assert "names: [server]" in prometheus and "port: 9400" in prometheus
