@@ -144,6 +144,8 @@ class SlotPool:
             raise RuntimeError("rows are exchanged on the CPU provider only (under CUDA a freed row stays where it is)")
         if self._spare is None:
             self._spare = np.empty(self.shape[1:], self.runtime.kv_dtype)  # (H, C, d_k): one row of one layer's K or V
+        if b_columns < a_columns:  # the shorter side goes through the spare row: it is copied twice
+            a, b, a_columns, b_columns = b, a, b_columns, a_columns
         spare = self._spare
         for array in self.arrays:
             spare[:, :a_columns] = array[a, :, :a_columns]

@@ -26,6 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 GEN = "tests/service/test_generation.py"
+PC = "tests/service/test_prompt_cache.py"
 LAYOUTS = f"{GEN}::test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks"
 
 
