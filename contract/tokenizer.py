@@ -9,7 +9,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     name: str
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -24,8 +24,8 @@ class ByteTokenizer:
 
     name = "bytes"
 
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))  # no special tokens to add
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
@@ -45,10 +45,11 @@ class HFTokenizer:
 
         self._tokenizer = _Tokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # With the tokenizer's own special tokens, as transformers encodes by default: a Llama-family tokenizer.json
-        # puts its BOS first (its post-processor), which the model was trained to see; GPT-2's adds nothing.
-        return self._tokenizer.encode(text, add_special_tokens=True).ids
+        # puts its BOS first (its post-processor), which the model was trained to see; GPT-2's adds nothing. A rendered
+        # chat template writes its own (contract/chat.py), so it is encoded without them.
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text

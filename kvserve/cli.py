@@ -50,7 +50,7 @@ def _serve(args) -> int:
     limits = EngineLimits(
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, step_token_budget=args.step_token_budget,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
-        prompt_cache=args.prompt_cache,
+        max_chat_messages=args.max_chat_messages, prompt_cache=args.prompt_cache,
     )
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
@@ -83,8 +83,10 @@ def _client_security(args):
 def _generate(args) -> int:
     from kvserve.service.client import stream_generation
 
+    if args.system is not None and not args.chat:
+        raise UserError("--system is the conversation's system message: it goes with --chat")
     stream_generation(args.target, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.timeout,
-                      security=_client_security(args))
+                      security=_client_security(args), chat=args.chat, system=args.system)
     return 0
 
 
@@ -241,6 +243,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"characters of one stop sequence [KVSERVE_MAX_STOP_LENGTH] (default {limits.max_stop_length})")
     serve.add_argument("--max-text-bytes", type=positive, default=_env("MAX_TEXT_BYTES", limits.max_text_bytes, int),
                        help=f"bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default {limits.max_text_bytes})")
+    serve.add_argument("--max-chat-messages", type=positive, default=_env("MAX_CHAT_MESSAGES", limits.max_chat_messages, int),
+                       help=f"messages in one conversation [KVSERVE_MAX_CHAT_MESSAGES] (default {limits.max_chat_messages})")
     serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES, int),
                        help=f"bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default {DEFAULT_MAX_MESSAGE_BYTES})")
     serve.add_argument("--max-context", type=positive, default=_env("MAX_CONTEXT", None, int),
@@ -265,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--max-new-tokens", type=_bounded(int, 0, 2**32 - 1), default=64, help="0 = as many as fit (default 64)")
     generate.add_argument("--temperature", type=_bounded(float, 0.0, 1e6), default=0.0, help="0 = greedy (default)")
     generate.add_argument("--seed", type=_bounded(int, 0, 2**64 - 1), default=0, help="0 = chosen by the server")
+    generate.add_argument("--chat", action="store_true",
+                          help="send the prompt as a user's message in a conversation, rendered by the model's chat template")
+    generate.add_argument("--system", help="with --chat: a system message before it")
     generate.add_argument("--timeout", type=_bounded(float, 0.001, 1e6), default=120.0, help="deadline in seconds (default 120)")
     _client_security_flags(generate)
     generate.set_defaults(run=_generate)

@@ -173,8 +173,20 @@ def train(config: TrainConfig, out: Path) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     save_checkpoint(model, out)
     tokenizer.save(str(out / "tokenizer.json"))
+    (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
+
+
+# The model learned plain text, not conversations; so that a chat client can still talk to it (serve renders a
+# conversation with the artifact's template, contract/chat.py), a turn becomes a line "Role: content" after the system
+# message, and the reply follows "Assistant:".
+CHAT_TEMPLATE = """{#- kvserve's default model (the trained KJV GPT-2) learned plain text, not conversations: a system message stands
+    first as it is, each other turn is a line 'Role: content', and the assistant's turn is opened for the reply. -#}
+{% for message in messages %}
+{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}{% else %}{{ message['role'] | capitalize + ': ' + message['content'] + '\\n' }}{% endif %}
+{% endfor %}
+{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"""
 
 
 def main(argv: list[str] | None = None) -> None:

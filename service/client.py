@@ -69,12 +69,16 @@ class RequestFailed(UserError):
 
 def stream_generation(
     target: str, prompt: str, max_new_tokens: int, temperature: float, seed: int, timeout: float, out=sys.stdout,
-    security: ClientSecurity = ClientSecurity(),
+    security: ClientSecurity = ClientSecurity(), chat: bool = False, system: str | None = None,
 ) -> dict:
-    """Print the text as it streams, then one summary line; return the summary."""
-    request = pb.GenerateRequest(
-        text=prompt, max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature, seed=seed)
-    )
+    """Print the text as it streams, then one summary line; return the summary. chat: the prompt is a user's message
+    (after a system message, if given), and the reply the assistant's."""
+    request = pb.GenerateRequest(max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature, seed=seed))
+    if chat:
+        turns = ([pb.ChatMessage(role="system", content=system)] if system else []) + [pb.ChatMessage(role="user", content=prompt)]
+        request.messages.messages.extend(turns)
+    else:
+        request.text = prompt
     start = time.perf_counter()
     first = None
     tokens = 0

@@ -11,6 +11,7 @@ import itertools
 import logging
 import secrets
 
+from kvserve.contract.chat import ChatMessage, ChatTemplate, TemplateError
 from kvserve.contract.tokenizer import Tokenizer
 from kvserve.model.config import DecoderConfig
 from kvserve.runtime.step import DecoderRuntime
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 # Prompt tokens the text decoder reads before the first new one: enough for a character split across byte
 # tokens and for a leading space that depends on what precedes it.
 PROMPT_CONTEXT_TOKENS = 6
+
+MAX_ROLE_LENGTH = 64  # characters of a chat message's role
 
 # --- errors the servicer maps to status codes (see server.ErrorInterceptor) ---------------------------
 
@@ -61,11 +64,12 @@ class Engine:
 
     def __init__(
         self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None, batch=None,
-        step_thread=None,
+        step_thread=None, chat_template: ChatTemplate | None = None,
     ):
         if limits.max_batch_size < 1 or limits.max_queue < 0 or limits.step_token_budget < 0:
             raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and step_token_budget >= 0")
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
+        self.chat_template = chat_template  # None: the model has none, and conversations are refused
         self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._ids = itertools.count(1)
@@ -118,11 +122,14 @@ class Engine:
     def make_sequence(self, request: GenerationRequest) -> Sequence:
         """Validate a request against the model and limits; every refusal names its field."""
         config = self.config
-        if request.prompt_ids is not None and request.prompt_text is not None:
-            raise InvalidArgument("prompt", "give text or token_ids, not both")
+        if sum(p is not None for p in (request.prompt_ids, request.prompt_text, request.prompt_messages)) > 1:
+            raise InvalidArgument("prompt", "give one of text, token_ids or messages")
         if request.prompt_ids is not None:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
+        elif request.prompt_messages is not None:
+            prompt = self.render_conversation(list(request.prompt_messages))
+            field_name = "prompt.messages"
         else:
             self.check_text("prompt.text", request.prompt_text or "")
             prompt = self.tokenizer.encode(request.prompt_text or "")
@@ -175,6 +182,28 @@ class Engine:
             decoder=IncrementalDecoder(self.tokenizer, context=prompt[-PROMPT_CONTEXT_TOKENS:]),
             stops=StopSequences(request.stop_sequences),
         )
+
+    def render_conversation(self, messages: list[ChatMessage]) -> list[int]:
+        """A conversation's prompt tokens: rendered by the model's chat template, the assistant's turn opened."""
+        field_name = "prompt.messages"
+        if self.chat_template is None:
+            raise InvalidArgument(field_name, "this model has no chat template (its artifact has no chat_template.jinja and no "
+                                  "chat_template in tokenizer_config.json): send text or token_ids")
+        if not messages:
+            raise InvalidArgument(field_name, "the conversation has no messages")
+        if len(messages) > self.limits.max_chat_messages:
+            raise InvalidArgument(field_name, f"{len(messages)} messages; at most {self.limits.max_chat_messages}")
+        for index, message in enumerate(messages):
+            if not message.role or len(message.role) > MAX_ROLE_LENGTH:
+                raise InvalidArgument(f"{field_name}[{index}].role", f"must be 1 to {MAX_ROLE_LENGTH} characters, got {len(message.role)}")
+        size = sum(len(m.content.encode("utf-8", errors="replace")) for m in messages)
+        if size > self.limits.max_text_bytes:
+            raise InvalidArgument(field_name, f"{size} bytes of content; at most {self.limits.max_text_bytes}")
+        try:
+            text = self.chat_template.render(messages)
+        except TemplateError as exc:
+            raise InvalidArgument(field_name, str(exc)) from None
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
 
     async def generate(self, request: GenerationRequest):
         """Stream StepEvents for one request; the last carries the finish. Closing the stream early (client

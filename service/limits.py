@@ -32,7 +32,8 @@ class EngineLimits:
     step_token_budget: int = 32
     max_stop_sequences: int = 16  # per request
     max_stop_length: int = 256  # characters of one stop sequence
-    max_text_bytes: int = 256 * 1024  # UTF-8 bytes of a prompt's or a Tokenize request's text
+    max_text_bytes: int = 256 * 1024  # UTF-8 bytes of a prompt's or a Tokenize request's text (a conversation's contents together)
+    max_chat_messages: int = 256  # messages in one conversation
     # Finished sequences' rows keep their K/V, and a prompt that begins like one of them prefills only the rest
     # (service/prompt_cache.py); off: every prompt is prefilled from its first token.
     prompt_cache: bool = True

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from kvserve.contract.artifact import Artifact, open_artifact
 from kvserve.contract.io_contract import SLOTS
+from kvserve.contract.chat import ChatTemplate, load_chat_template
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 from kvserve.errors import JobFailed, UserError
 from kvserve.model.config import DecoderConfig
@@ -61,6 +62,7 @@ class LoadedModel:
     batch: SlotBatch  # warmed up, empty
     tokenizer: Tokenizer
     steps: ThreadPoolExecutor  # the one thread every step runs on
+    chat_template: ChatTemplate | None  # the artifact's, if it has one
 
 
 async def load_model(options: ServerOptions, artifact: Artifact, on_session=lambda runtime: None) -> LoadedModel:
@@ -95,4 +97,4 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
         raise
     if runtime.captures_decode:
         log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.pool)))
-    return LoadedModel(config, runtime, gate, batch, load_tokenizer(artifact.tokenizer_path), steps)
+    return LoadedModel(config, runtime, gate, batch, load_tokenizer(artifact.tokenizer_path), steps, load_chat_template(artifact.directory))

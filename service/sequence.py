@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvserve.contract.chat import ChatMessage
+
 from .sampling import SamplingParams, choose, log_probability
 from .text import IncrementalDecoder, StopSequences
 
@@ -19,6 +21,7 @@ from .text import IncrementalDecoder, StopSequences
 class GenerationRequest:
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
+    prompt_messages: tuple[ChatMessage, ...] | None = None  # a conversation, rendered by the model's chat template
     max_new_tokens: int = 0  # 0: as many as fit in the context
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvserve.contract.chat import ChatMessage
 from kvserve.errors import UserError
 from kvserve.runtime.step import DecoderRuntime
 from kvserve.v1 import generation_pb2 as pb
@@ -197,7 +198,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 max_batch_size=engine.limits.max_batch_size, max_queue=engine.limits.max_queue, max_total_tokens=engine.config.n_ctx,
                 step_token_budget=engine.limits.step_token_budget, max_stop_sequences=engine.limits.max_stop_sequences,
                 max_stop_length=engine.limits.max_stop_length, max_text_bytes=engine.limits.max_text_bytes,
-                max_message_bytes=app.options.max_message_bytes,
+                max_message_bytes=app.options.max_message_bytes, max_chat_messages=engine.limits.max_chat_messages,
             ),
             live=pb.LiveCounts(
                 active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"], cached_rows=stats["cached"],
@@ -208,6 +209,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tokenizer=engine.tokenizer.name,
             kv_cache=app.artifact.kv_cache,
             attention=app.artifact.attention,
+            chat=engine.chat_template is not None,
         )
 
 
@@ -217,6 +219,7 @@ def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
     return GenerationRequest(
         prompt_text=request.text if prompt == "text" else None,
         prompt_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
+        prompt_messages=tuple(ChatMessage(m.role, m.content) for m in request.messages.messages) if prompt == "messages" else None,
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(
             temperature=sampling.temperature,
@@ -350,7 +353,8 @@ class App:
         loaded = await load_model(options, self.artifact, self._noted_provider)
         self.runtime, self.gate, self.steps = loaded.runtime, loaded.gate, loaded.steps
         self.tokenizing = TokenizeProcess(self.artifact.tokenizer_path)
-        engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps)
+        engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps,
+                        chat_template=loaded.chat_template)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -30,7 +30,7 @@ def held_out_stream(tokens: int = 8192) -> torch.Tensor:
 
 def test_the_checkpoint_is_small_complete_and_says_how_it_was_made():
     names = {p.name for p in DEFAULT_CHECKPOINT.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.json", "training.json"} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.json", "training.json", "chat_template.jinja"} <= names
     assert sum(p.stat().st_size for p in DEFAULT_CHECKPOINT.iterdir()) <= 25 * 2**20
     record = json.loads((DEFAULT_CHECKPOINT / "training.json").read_text())
     assert "bible-kjv-text" in record["data"]["package"] and "public domain" in record["data"]["licence"]
@@ -63,6 +63,7 @@ def test_the_trained_checkpoint_exports_and_verifies_at_float32_tolerances(train
     report = export_artifact(trained_model, source, tmp_path / "kjv", provider=PROVIDER, tokenizer_dir=DEFAULT_CHECKPOINT)
     assert report.passed and report.dtype == "float32" and report.tolerance.logits_max_abs == 1e-4
     assert (tmp_path / "kjv" / "tokenizer.json").exists()
+    assert (tmp_path / "kjv" / "chat_template.jinja").read_text() == (DEFAULT_CHECKPOINT / "chat_template.jinja").read_text()
 
 
 def test_training_is_reproducible_from_its_seed(tmp_path):
@@ -73,6 +74,7 @@ def test_training_is_reproducible_from_its_seed(tmp_path):
     a, b = load_checkpoint(tmp_path / "a"), load_checkpoint(tmp_path / "b")
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    assert (tmp_path / "a" / "chat_template.jinja").read_text() == (DEFAULT_CHECKPOINT / "chat_template.jinja").read_text()
 
 
 def test_bad_training_arguments_get_one_line_and_write_nothing(tmp_path):

@@ -1,0 +1,89 @@
+"""The artifact's chat template: how a conversation becomes the prompt the model was trained to see. No torch.
+
+A checkpoint's tokenizer files carry it (transformers writes `chat_template.jinja`; older checkpoints keep it in
+tokenizer_config.json under "chat_template", a string or a list of named templates), and export copies them into
+the artifact. It is rendered as transformers' `apply_chat_template` renders it: Jinja in an immutable sandbox (a
+template can read the conversation it is given and nothing else), blocks trimmed, loop controls, a `tojson` filter
+that keeps non-ASCII text, `raise_exception` for the template's own checks, and the tokenizer's special tokens
+(bos_token, eos_token, ...) as variables; the text is then tokenized without adding special tokens (the template
+writes them).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+class TemplateError(ValueError):
+    """A conversation the template refuses (its raise_exception), or a template that fails to render it."""
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    source: str  # the Jinja text
+    special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ...: their text
+
+    def __post_init__(self):
+        object.__setattr__(self, "_compiled", _compile(self.source))
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
+        """The prompt text for messages, ending with the assistant's turn opened when add_generation_prompt."""
+        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        try:
+            return self._compiled.render(messages=conversation, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+        except TemplateError:
+            raise
+        except Exception as exc:  # the sandbox refusing an attribute, a type error in the template's logic, ...
+            raise TemplateError(f"the model's chat template failed on this conversation: {type(exc).__name__}: {exc}") from exc
+
+
+def _compile(source: str):
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(f"the model's chat template refused the conversation: {message}")
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    environment.filters["tojson"] = tojson
+    environment.globals["raise_exception"] = raise_exception
+    environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
+    return environment.from_string(source)
+
+
+def _token_text(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: its text, or {"content": text, ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_chat_template(directory: str | Path) -> ChatTemplate | None:
+    """The chat template in an artifact (or checkpoint) directory, with its special tokens; None when it has none."""
+    directory = Path(directory)
+    config_path = directory / TOKENIZER_CONFIG_FILE
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+    template_path = directory / CHAT_TEMPLATE_FILE
+    source = template_path.read_text(encoding="utf-8") if template_path.exists() else config.get("chat_template")
+    if isinstance(source, list):  # named templates: the one named "default" is the chat template
+        source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
+    if not isinstance(source, str) or not source.strip():
+        return None
+    special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
+    return ChatTemplate(source, special)

@@ -1,0 +1,127 @@
+"""contract/chat.py renders a conversation to the tokens transformers' apply_chat_template gives, on Llama-3- and
+Qwen2-style templates with their special tokens, refuses what a template refuses, and finds a template where
+checkpoints keep it."""
+
+import json
+
+import pytest
+
+from kvserve.contract.chat import ChatMessage, TemplateError, load_chat_template
+from kvserve.contract.tokenizer import HFTokenizer
+
+# Written in the style of the Llama 3 and Qwen2 templates: special tokens, header markers, a default system message,
+# trim and loop variables, tojson on non-ASCII text.
+LLAMA3_STYLE = (
+    "{{- bos_token }}{% for message in messages %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+    " + message['content'] | trim + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+QWEN2_STYLE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+ALTERNATING = (
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{{ message['role'] + ': ' + message['content'] | tojson + eos_token }}{% endfor %}"
+)
+SPECIAL = {
+    "llama3": (LLAMA3_STYLE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>"),
+    "qwen2": (QWEN2_STYLE, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>"),
+    "alternating": (ALTERNATING, ["</s>"], None, "</s>"),
+}
+CONVERSATION = [
+    ChatMessage("system", "Answer briefly."),
+    ChatMessage("user", "  Who was Moses?  "),
+    ChatMessage("assistant", "A prophet — «the lawgiver»."),
+    ChatMessage("user", "And Aaron? 日本"),
+]
+
+
+def tokenizer_directory(tmp_path, gpt2_vocabulary, style: str, as_file: bool):
+    """GPT-2's BPE with the style's special tokens added, its template in chat_template.jinja (as_file) or in
+    tokenizer_config.json (as older checkpoints keep it)."""
+    from tokenizers import Tokenizer
+
+    template, special, bos, eos = SPECIAL[style]
+    directory = tmp_path / f"{style}-{as_file}"
+    directory.mkdir()
+    tokenizer = Tokenizer.from_file(str(gpt2_vocabulary))
+    tokenizer.add_special_tokens(special)
+    tokenizer.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
+    if bos:
+        config["bos_token"] = bos
+    if as_file:
+        (directory / "chat_template.jinja").write_text(template)
+    else:
+        config["chat_template"] = template
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def gpt2_vocabulary(tmp_path_factory):
+    from kvserve.model.vocabulary import write_preset_tokenizer
+
+    directory = tmp_path_factory.mktemp("gpt2-vocabulary")
+    write_preset_tokenizer("gpt2", directory)
+    return directory / "tokenizer.json"
+
+
+@pytest.mark.parametrize("as_file", [True, False], ids=["chat_template.jinja", "tokenizer_config.json"])
+@pytest.mark.parametrize("style", ["llama3", "qwen2"])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_rendered_tokens_equal_transformers_apply_chat_template(tmp_path, gpt2_vocabulary, style, as_file, add_generation_prompt):
+    import transformers
+
+    directory = tokenizer_directory(tmp_path, gpt2_vocabulary, style, as_file)
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    conversation = [{"role": m.role, "content": m.content} for m in CONVERSATION]
+    want = reference.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False)
+    template = load_chat_template(directory)
+    got = HFTokenizer(directory / "tokenizer.json").encode(template.render(CONVERSATION, add_generation_prompt), add_special_tokens=False)
+    assert got == list(want)
+    assert template.special_tokens["eos_token"] == SPECIAL[style][3]
+
+
+def test_a_conversation_the_template_refuses_is_refused_with_its_own_words(tmp_path, gpt2_vocabulary):
+    import transformers
+
+    directory = tokenizer_directory(tmp_path, gpt2_vocabulary, "alternating", True)
+    template = load_chat_template(directory)
+    fine = [ChatMessage("user", "«hi»"), ChatMessage("assistant", "hello")]
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    assert template.render(fine, False) == reference.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in fine], tokenize=False)
+    with pytest.raises(TemplateError, match="roles must alternate"):
+        template.render([ChatMessage("user", "a"), ChatMessage("user", "b")])
+
+
+def test_the_sandbox_keeps_a_template_from_reaching_python(tmp_path):
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__[1].__subclasses__() }}")
+    with pytest.raises(TemplateError, match="failed on this conversation"):
+        load_chat_template(tmp_path).render([ChatMessage("user", "x")])
+    (tmp_path / "chat_template.jinja").write_text("{{ messages.append(1) }}")
+    with pytest.raises(TemplateError):
+        load_chat_template(tmp_path).render([ChatMessage("user", "x")])
+
+
+def test_no_template_is_none_and_named_templates_give_the_default(tmp_path):
+    assert load_chat_template(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": [
+        {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "{{ messages[0]['content'] }}"}]}))
+    assert load_chat_template(tmp_path).render([ChatMessage("user", "x")]) == "x"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({  # special tokens as older configs write them
+        "chat_template": "{{ bos_token }}{{ eos_token }}", "bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>"}))
+    assert load_chat_template(tmp_path).render([ChatMessage("user", "x")]) == "<s></s>"
+
+
+def test_the_default_models_template_is_documented_plain_text():
+    from ..conftest import DEFAULT_CHECKPOINT
+
+    template = load_chat_template(DEFAULT_CHECKPOINT)
+    text = template.render([ChatMessage("system", "Be brief."), ChatMessage("user", "Who was Moses?")])
+    assert text == "Be brief.\n\nUser: Who was Moses?\nAssistant:"
