@@ -155,7 +155,7 @@ MUTATIONS = (
         "slots: a row moved into a freed one loses its last column",
         "service/kv_slots.py",
         (("self.pool.copy_columns(source, hole, last.cached_tokens)", "self.pool.copy_columns(source, hole, last.cached_tokens - 1)"),),
-        (LAYOUTS,),
+        ("tests/service/test_kv_slots.py::test_fifty_joins_and_leaves_move_no_kv_through_the_host",),
     ),
     Mutation(
         "prompt cache: a row moved into a freed one with cached K/V loses its last column",
@@ -179,7 +179,7 @@ MUTATIONS = (
         "prompt cache: a prefix from a row in use taken beyond what it has written",
         "service/kv_slots.py",
         (("usable = min(shared, reusable, holder.cached_tokens)", "usable = min(shared, reusable)"),),
-        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+        (f"{PC}::test_a_prefix_taken_from_a_row_still_prefilling_stops_at_what_that_row_has_written",),
     ),
     Mutation(
         "prompt cache: a cached row taken on CPU is moved into place without its prefix",
@@ -199,6 +199,24 @@ MUTATIONS = (
         "service/prompt_cache.py",
         (("return shared_length(self._tokens.get(row, [])[:length], prompt[:length])", "return length"),),
         (f"{PC}::test_a_key_collision_shortens_a_match_and_never_makes_a_wrong_one",),
+    ),
+    Mutation(
+        "chat: blocks not trimmed as transformers trims them",
+        "contract/chat.py",
+        (("ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,", "ImmutableSandboxedEnvironment(trim_blocks=False, lstrip_blocks=True,"),),
+        ("tests/contract/test_chat.py::test_the_default_models_template_is_documented_plain_text",),
+    ),
+    Mutation(
+        "chat: templates rendered outside the sandbox",
+        "contract/chat.py",
+        (("    environment = ImmutableSandboxedEnvironment(", "    from jinja2 import Environment as ImmutableSandboxedEnvironment\n    environment = ImmutableSandboxedEnvironment("),),
+        ("tests/contract/test_chat.py::test_the_sandbox_keeps_a_template_from_reaching_python",),
+    ),
+    Mutation(
+        "chat: a rendered conversation tokenized with the tokenizer's special tokens added again",
+        "contract/tokenizer.py",
+        (("return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids", "return self._tokenizer.encode(text, add_special_tokens=True).ids"),),
+        ("tests/contract/test_chat.py::test_rendered_tokens_equal_transformers_apply_chat_template",),
     ),
     Mutation(
         "prompt cache: --prompt-cache off still reuses",

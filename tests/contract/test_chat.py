@@ -41,7 +41,7 @@ CONVERSATION = [
 
 
 def tokenizer_directory(tmp_path, gpt2_vocabulary, style: str, as_file: bool):
-    """GPT-2's BPE with the style's special tokens added, its template in chat_template.jinja (as_file) or in
+    """GPT-2's BPE with the style's special tokens added (and BOS put first by its post-processor), its template in chat_template.jinja (as_file) or in
     tokenizer_config.json (as older checkpoints keep it)."""
     from tokenizers import Tokenizer
 
@@ -50,6 +50,10 @@ def tokenizer_directory(tmp_path, gpt2_vocabulary, style: str, as_file: bool):
     directory.mkdir()
     tokenizer = Tokenizer.from_file(str(gpt2_vocabulary))
     tokenizer.add_special_tokens(special)
+    if bos:  # as Llama's tokenizer.json does: plain text is encoded with BOS first (its post-processor)
+        from tokenizers.processors import TemplateProcessing
+
+        tokenizer.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tokenizer.token_to_id(bos))])
     tokenizer.save(str(directory / "tokenizer.json"))
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos}
     if bos:

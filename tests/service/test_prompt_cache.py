@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvserve.contract.artifact import open_artifact
 from kvserve.contract.tolerances import TOLERANCES
 from kvserve.runtime.step import DecoderRuntime
-from kvserve.service.kv_slots import SlotBatch
+from kvserve.service.kv_slots import SlotBatch, StepPlan
 from kvserve.service.prompt_cache import BLOCK_TOKENS, PrefixIndex
 from kvserve.service.scheduler import Scheduler
 from kvserve.v1 import generation_pb2 as pb
@@ -144,6 +144,21 @@ def test_a_request_cancelled_mid_prefill_leaves_exactly_the_tokens_it_wrote(runt
     retry = sequence(3, list(long.prompt_ids), 2)
     scheduler.drive([retry])
     assert retry.reused_prompt_tokens == written
+
+
+def test_a_prefix_taken_from_a_row_still_prefilling_stops_at_what_that_row_has_written(runtime_and_config):
+    """The scheduler admits a request only when no prompt is mid-prefill; the batch holds this on its own too."""
+    runtime, config = runtime_and_config
+    batch = SlotBatch(runtime, config, 2)
+    prompt = random_prompt(70, 60)
+    first, second = sequence(1, prompt, 4), sequence(2, prompt + [5], 4)
+    batch.run(StepPlan(joining=[first], chunk=first, chunk_tokens=20))
+    batch.run(StepPlan(joining=[second], chunk=first, chunk_tokens=20))  # joins while the first has written 20
+    assert second.reused_prompt_tokens == 20 and first.cached_tokens == 40
+    Scheduler(batch, step_token_budget=0).drive([])
+    alone = [sequence(3 + i, seq.prompt_ids, 4) for i, seq in enumerate((first, second))]
+    Scheduler(SlotBatch(runtime, config, 1, prompt_cache=False), step_token_budget=0).drive(alone)
+    assert [first.generated, second.generated] == [seq.generated for seq in alone]
 
 
 def test_the_longest_match_is_chosen_and_the_least_recently_used_row_is_evicted(runtime_and_config):
