@@ -7,6 +7,7 @@ largest |eager logit| of the check; the largest |eager K/V| of each (layer, head
 contract/tolerances.py read them. Then the worst of each column and the bound's margin over it.
 
     python bench/parity_errors.py [--only WORD ...] [--work DIR]
+    python bench/parity_errors.py --kv-scales   # the size the relative K/V bound is taken of, per model
 """
 
 from __future__ import annotations
@@ -59,11 +60,34 @@ def cases(work: Path):
             yield name, model, source, extra
 
 
+def kv_scales(work: Path) -> None:
+    """Per model: the smallest and largest per-(layer, head) max |K/V| of the eager model on the golden prompt (17
+    tokens), so the relative K/V bound's absolute size is known: an error the old absolute 1e-4 let through passes a
+    relative 1e-4 wherever that scale is at least 1."""
+    from kvserve.contract.artifact import golden_prompt
+
+    print("| model | smallest per-(layer, head) max abs K/V | largest |\n|---|---:|---:|")
+    seen = set()
+    for label, model, _, _ in cases(work):
+        if label in seen:
+            continue
+        seen.add(label)
+        ids = torch.tensor([golden_prompt(model.config.vocab_size, 17)])
+        with torch.no_grad():
+            _, present = model(ids, torch.ones_like(ids), torch.arange(ids.shape[1])[None], model.empty_cache(1))
+        scales = [t[0, h].abs().max().item() for k, v in present for t in (k, v) for h in range(t.shape[1])]
+        print(f"| {label} | {min(scales):.3g} | {max(scales):.3g} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", default=[], help="run the cases whose label contains one of these words")
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--kv-scales", action="store_true", help="print each model's per-(layer, head) K/V scale instead")
     args = parser.parse_args()
+    if args.kv_scales:
+        kv_scales(args.work or Path(tempfile.mkdtemp(prefix="parity-errors-")))
+        return
     bound = tolerances.TOLERANCES["float32"]
     tolerances.TOLERANCES["float32"] = dataclasses.replace(bound, logits_max_abs=1.0, kv_max_abs=1.0)  # report, never refuse
     work = args.work or Path(tempfile.mkdtemp(prefix="parity-errors-"))
