@@ -57,12 +57,12 @@ def _serve(args) -> int:
         allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         max_message_bytes=args.max_message_bytes, health_port=args.health_port, max_context=args.max_context,
-        cuda_graph=args.cuda_graph,
+        cuda_graph=args.cuda_graph, http_port=args.http_port,
     )
-    ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port}
+    ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port, "--http-port": options.http_port}
     ports_ok = all(p is None or 0 <= p < 65536 for p in ports.values())
     if limits.max_batch_size < 1 or limits.max_queue < 0 or not ports_ok:
-        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port, --metrics-port and --health-port in [0, 65535]")
+        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port, --metrics-port, --health-port and --http-port in [0, 65535]")
     taken: dict[int, str] = {}
     for flag, port in ports.items():
         if port:  # 0 picks a free port, so zeros never collide
@@ -259,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--health-port", type=int, default=_env("HEALTH_PORT", None, int),
                        help="also serve the health service alone, plaintext, on HOST:PORT: for probes that cannot speak TLS "
                        "(Kubernetes' gRPC probes) [KVSERVE_HEALTH_PORT] (default off)")
+    serve.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None, int),
+                       help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on "
+                       "HOST:PORT, with the same tokens, TLS and limits [KVSERVE_HTTP_PORT] (default off)")
     serve.add_argument("--no-reflection", action="store_true", default=_env("NO_REFLECTION", False, bool),
                        help="do not serve gRPC reflection [KVSERVE_NO_REFLECTION]")
     serve.set_defaults(run=_serve)

@@ -219,6 +219,18 @@ MUTATIONS = (
         ("tests/contract/test_chat.py::test_rendered_tokens_equal_transformers_apply_chat_template",),
     ),
     Mutation(
+        "http: an option not implemented yet is silently ignored",
+        "service/http_api.py",
+        (("            raise ApiError(400, f\"{name} is not supported by kvserve yet\", name, \"unsupported_parameter\")", "            pass"),),
+        ("tests/service/test_http_api.py::test_each_bad_or_unsupported_option_is_a_400_naming_it",),
+    ),
+    Mutation(
+        "http: a client that goes away before its whole answer keeps its row",
+        "service/http_api.py",
+        (("            await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)", "            await asyncio.wait({runner})"),),
+        ("tests/service/test_http_api.py::test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row",),
+    ),
+    Mutation(
         "prompt cache: --prompt-cache off still reuses",
         "service/kv_slots.py",
         (("self.prefixes = PrefixIndex() if prompt_cache else None", "self.prefixes = PrefixIndex()"),),

@@ -34,3 +34,5 @@ class ServerOptions:
     # Capture decode steps as CUDA graphs (standard slots graphs on the CUDA provider); where they cannot run, the
     # server says why (log, GetModelInfo's provider_note) and serves uncaptured.
     cuda_graph: bool = False
+    # The OpenAI-compatible HTTP API (http_api.py) on host:http_port, beside gRPC; None: off, 0: any free port.
+    http_port: int | None = None

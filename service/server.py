@@ -21,6 +21,7 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from .engine import Engine, InvalidArgument, QueueFull, Unavailable
 from .gate import GateResult
+from .http_api import HttpApi
 from .limits import TRANSPORT_METADATA_BYTES
 from .loading import load_model, open_servable
 from .metrics import Metrics
@@ -268,6 +269,8 @@ class App:
         self.metrics = Metrics()
         self.metrics_port: int | None = None
         self.tokens: TokenFile | None = None
+        self.http: HttpApi | None = None  # the OpenAI-compatible API, when options.http_port is set
+        self.http_port: int | None = None
         self._draining = False
 
     def reload_tokens(self) -> None:
@@ -318,6 +321,14 @@ class App:
         if self.port == 0:
             self.metrics.close()
             raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
+        http_socket = None
+        if self.options.http_port is not None:
+            self.http = HttpApi(self)
+            try:
+                http_socket = self.http.bind(self.options.host, self.options.http_port)
+            except OSError as exc:
+                self.metrics.close()
+                raise ListenFailed(f"cannot serve HTTP on {self.options.host}:{self.options.http_port} ({exc.strerror or exc})") from None
         if self.options.health_port is not None:
             self.health_server = grpc.aio.server(interceptors=[MetadataLimitInterceptor()], options=[("grpc.so_reuseport", 0), *TRANSPORT_METADATA])
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
@@ -334,6 +345,8 @@ class App:
         await self.server.start()
         if self.health_server is not None:
             await self.health_server.start()
+        if self.http is not None:
+            self.http_port = await self.http.start(http_socket)
         log.info(
             "listening on %s:%d (%s%s; NOT_SERVING until the model is loaded and checked)", self.options.host, self.port,
             "mutual TLS" if self.options.tls_client_ca else ("TLS" if credentials is not None else "plaintext"),
@@ -343,6 +356,8 @@ class App:
             log.info("metrics on http://%s:%d/metrics", self.options.host, self.metrics_port)
         if self.health_port is not None:
             log.info("health only, plaintext, on %s:%d", self.options.host, self.health_port)
+        if self.http_port is not None:
+            log.info("OpenAI-compatible HTTP API on %s://%s:%d/v1", "https" if credentials is not None else "http", self.options.host, self.http_port)
         return self.port
 
     async def load(self) -> None:
@@ -385,6 +400,8 @@ class App:
         await self.server.stop(grace=1.0)
         if self.health_server is not None:
             await self.health_server.stop(grace=None)
+        if self.http is not None:
+            await self.http.stop()
         if self.engine is not None:
             await self.engine.close()
         if self.tokenizing is not None:

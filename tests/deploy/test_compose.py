@@ -25,7 +25,7 @@ def test_servers_wait_for_a_successful_export_and_mount_it_read_only():
         server = services[name]
         assert server["depends_on"] == {"export": {"condition": "service_completed_successfully"}}
         assert "artifacts:/artifacts:ro" in server["volumes"]
-        assert {"50051", "9400"} <= {str(p) for p in server["expose"]}
+        assert {"50051", "8000", "9400"} <= {str(p) for p in server["expose"]}
         assert server["healthcheck"]["test"][:3] == ["CMD", "kvserve", "health"]
     assert "artifacts:/artifacts:rw" in services["export"]["volumes"]
     (device,) = services["server"]["deploy"]["resources"]["reservations"]["devices"]

@@ -125,10 +125,21 @@ def test_the_probes_are_native_grpc_on_the_plaintext_health_port(rendered):
     _, objects, _ = rendered
     _, container, env = server_container(objects)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
-    assert ports == {"grpc": int(env["KVSERVE_PORT"]), "health": int(env["KVSERVE_HEALTH_PORT"]), "metrics": int(env["KVSERVE_METRICS_PORT"])}
+    assert ports == {"grpc": int(env["KVSERVE_PORT"]), "health": int(env["KVSERVE_HEALTH_PORT"]), "metrics": int(env["KVSERVE_METRICS_PORT"]),
+                     "http": int(env["KVSERVE_HTTP_PORT"])}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         assert container[probe]["grpc"]["port"] == ports["health"], probe
     assert container["readinessProbe"]["grpc"]["service"] == "kvserve.v1.GenerationService"
+
+
+def test_the_http_api_is_served_and_open_to_the_grpc_clients_alone(rendered):
+    _, objects, _ = rendered
+    service = next(o for o in objects if o["kind"] == "Service" and o["metadata"]["name"] == "kvserve-server")
+    assert {"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP", "appProtocol": "http"} in service["spec"]["ports"]
+    policy = next(o for o in objects if o["kind"] == "NetworkPolicy" and any(
+        {"port": "grpc", "protocol": "TCP"} in rule.get("ports", []) for rule in o["spec"].get("ingress", [])))
+    (clients,) = [rule for rule in policy["spec"]["ingress"] if {"port": "grpc", "protocol": "TCP"} in rule["ports"]]
+    assert {"port": "http", "protocol": "TCP"} in clients["ports"]  # the same clients, and only they
 
 
 def test_tls_and_tokens_come_from_secrets_mounted_as_files(rendered):

@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP API against a real server, through the official `openai` client (and raw HTTP where the
+client hides what is tested): chat and completions, streamed and whole, usage, log-probabilities, stop, seeds, the
+same tokens as gRPC, refusals with the right status naming the parameter, tokens, and a disconnect freeing its row."""
+
+import shutil
+
+import grpc
+import httpx2 as httpx  # openai 3 brings it (the httpx API under another name)
+import openai
+import pytest
+
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from ..conftest import DEFAULT_CHECKPOINT
+from .conftest import collect, live, slow_down, start_server, wait_for
+
+
+@pytest.fixture(scope="module")
+def chat_artifact(tiny_artifact, tmp_path_factory):
+    """The tiny artifact (one token per byte) with the default model's chat template beside it."""
+    directory = tmp_path_factory.mktemp("http") / "tiny-chat"
+    shutil.copytree(tiny_artifact, directory)
+    shutil.copy2(DEFAULT_CHECKPOINT / "chat_template.jinja", directory / "chat_template.jinja")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def running(chat_artifact):
+    server = start_server(chat_artifact, http_port=0, max_batch_size=2, max_queue=0, max_message_bytes=4096)
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def client(running):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{running.app.http_port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stub(running):
+    with grpc.insecure_channel(running.target) as channel:
+        yield pb_grpc.GenerationServiceStub(channel)
+
+
+MODEL = "tiny-chat"
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who was Moses?"}]
+
+
+def grpc_chat(stub, max_new_tokens: int, **fields):
+    conversation = pb.Conversation(messages=[pb.ChatMessage(**m) for m in MESSAGES])
+    return collect(stub, pb.GenerateRequest(messages=conversation, max_new_tokens=max_new_tokens, **fields))
+
+
+def test_models_and_health(client, running):
+    assert [m.id for m in client.models.list()] == [MODEL]
+    assert httpx.get(f"http://127.0.0.1:{running.app.http_port}/health").json() == {"status": "serving"}
+
+
+def test_chat_whole_and_streamed_equal_grpc_with_usage(client, stub):
+    ids, text, finish = grpc_chat(stub, 12)
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.content == text and whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == {pb.FINISH_REASON_LENGTH: "length"}.get(finish.reason, "stop")
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (finish.prompt_tokens, len(ids))
+    assert whole.usage.total_tokens == finish.prompt_tokens + len(ids)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True,
+                                                  stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [whole.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == len(ids) and not chunks[-1].choices
+
+
+def test_completions_text_and_token_ids_whole_and_streamed(client, stub):
+    ids, text, finish = collect(stub, pb.GenerateRequest(text="In the beginning", max_new_tokens=10))
+    whole = client.completions.create(model=MODEL, prompt="In the beginning", max_tokens=10, temperature=0)
+    assert whole.choices[0].text == text and whole.usage.completion_tokens == len(ids)
+    streamed = client.completions.create(model=MODEL, prompt="In the beginning", max_tokens=10, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == text
+    by_ids = client.completions.create(model=MODEL, prompt=list(b"In the beginning"), max_tokens=10, temperature=0)
+    assert by_ids.choices[0].text == text
+
+
+def test_log_probabilities_equal_grpcs(client, stub):
+    ids, _, _ = grpc_chat(stub, 6, return_logprobs=True)
+    wanted = [r.token.logprob for r in stub.Generate(pb.GenerateRequest(
+        messages=pb.Conversation(messages=[pb.ChatMessage(**m) for m in MESSAGES]), max_new_tokens=6, return_logprobs=True))]
+    got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True)
+    assert [entry.logprob for entry in got.choices[0].logprobs.content] == pytest.approx(wanted, abs=1e-6)
+    completion = client.completions.create(model=MODEL, prompt="Moses", max_tokens=4, temperature=0, logprobs=1)
+    assert len(completion.choices[0].logprobs.token_logprobs) == 4
+
+
+def test_a_seed_repeats_its_tokens_and_stop_ends_the_text(client):
+    def sampled(seed):
+        return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=seed).choices[0].message.content
+
+    assert sampled(5) == sampled(5)
+    assert len({sampled(seed) for seed in (1, 2, 3, 4)}) > 1
+    greedy = client.completions.create(model=MODEL, prompt="And", max_tokens=12, temperature=0).choices[0].text
+    stop = greedy[3:5]
+    stopped = client.completions.create(model=MODEL, prompt="And", max_tokens=12, temperature=0, stop=[stop])
+    assert stopped.choices[0].text == greedy[: greedy.index(stop)] and stopped.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("options, param", [
+    ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 2}, "n"),
+    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
+    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"),
+    ({"max_tokens": 10**6}, "max_tokens"), ({"messages": [{"role": "", "content": "x"}]}, "messages"),
+])
+def test_each_bad_or_unsupported_option_is_a_400_naming_it(client, options, param):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, **{"messages": MESSAGES, **options})
+    assert error.value.status_code == 400 and error.value.body["param"] == param, error.value.body
+
+
+def test_another_model_is_404_and_a_model_without_a_template_refuses_chat(client, tiny_artifact):
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
+    plain = start_server(tiny_artifact, http_port=0)
+    try:
+        other = openai.OpenAI(base_url=f"http://127.0.0.1:{plain.app.http_port}/v1", api_key="x", max_retries=0)
+        with pytest.raises(openai.BadRequestError, match="no chat template"):
+            other.chat.completions.create(model="tiny", messages=MESSAGES)
+    finally:
+        plain.stop()
+
+
+def test_a_body_over_the_message_limit_is_413(running):
+    response = httpx.post(f"http://127.0.0.1:{running.app.http_port}/v1/completions", json={"model": MODEL, "prompt": "x" * 5000})
+    assert response.status_code == 413 and "at most 4096" in response.json()["error"]["message"]
+
+
+def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row(client, running, stub, monkeypatch):
+    slow_down(monkeypatch, running.app, 0.05)  # 200 tokens take 10 s: the streams are surely mid-generation
+    url = f"http://127.0.0.1:{running.app.http_port}/v1/completions"
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as one, httpx.Client(timeout=60) as two:
+        with one.stream("POST", url, json=body) as first, two.stream("POST", url, json=body) as second:
+            next(first.iter_lines()), next(second.iter_lines())  # both rows busy
+            assert live(stub).active_sequences == 2
+            with pytest.raises(openai.RateLimitError):  # max_queue 0: nobody waits
+                client.completions.create(model=MODEL, prompt="y", max_tokens=2)
+        # both streams closed mid-generation
+    assert wait_for(lambda: live(stub).active_sequences == 0, timeout=5)  # well before the 10 s they would have run
+    with pytest.raises(httpx.ReadTimeout):  # a whole (not streamed) answer the client stops waiting for
+        httpx.post(url, json={**body, "stream": False}, timeout=1.0)
+    assert wait_for(lambda: live(stub).active_sequences == 0, timeout=5)
+
+
+def test_tokens_are_required_when_the_server_has_them(chat_artifact, tmp_path):
+    (tmp_path / "tokens").write_text("s3cret\n")
+    server = start_server(chat_artifact, http_port=0, auth_tokens=str(tmp_path / "tokens"))
+    try:
+        base = f"http://127.0.0.1:{server.app.http_port}"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
+        assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
+        assert [m.id for m in openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0).models.list()] == [MODEL]
+        assert httpx.get(base + "/health").status_code == 200  # probes need no token
+    finally:
+        server.stop()
