@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 PROMPT_CONTEXT_TOKENS = 6
 
 MAX_ROLE_LENGTH = 64  # characters of a chat message's role
+MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
+MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 300  # a logit bias's size and how many tokens one request may bias (OpenAI's bounds)
+MAX_TOP_LOGPROBS = 20  # alternatives reported with each token
 
 # --- errors the servicer maps to status codes (see server.ErrorInterceptor) ---------------------------
 
@@ -158,6 +161,22 @@ class Engine:
             raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {params.top_p}")
         if not MIN_SCALE <= params.repetition_penalty <= MAX_SCALE:
             raise InvalidArgument("sampling.repetition_penalty", f"must be in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {params.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -MAX_PENALTY <= getattr(params, name) <= MAX_PENALTY:
+                raise InvalidArgument(f"sampling.{name}", f"must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {getattr(params, name)}")
+        if not 0 <= params.min_p <= 1:
+            raise InvalidArgument("sampling.min_p", f"must be in [0, 1], got {params.min_p}")
+        if len(params.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidArgument("sampling.logit_bias", f"{len(params.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for token, bias in params.logit_bias:
+            if not 0 <= token < config.vocab_size:
+                raise InvalidArgument("sampling.logit_bias", f"token id {token} is outside the vocabulary [0, {config.vocab_size})")
+            if not -MAX_BIAS <= bias <= MAX_BIAS:
+                raise InvalidArgument("sampling.logit_bias", f"the bias of token {token} must be in [-{MAX_BIAS:g}, {MAX_BIAS:g}], got {bias}")
+        if not 0 <= request.top_logprobs <= MAX_TOP_LOGPROBS:
+            raise InvalidArgument("top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}], got {request.top_logprobs}")
+        if request.top_logprobs and not request.return_logprobs:
+            raise InvalidArgument("top_logprobs", "alternatives come with the log-probabilities: set return_logprobs too")
         limits = self.limits
         if len(request.stop_sequences) > limits.max_stop_sequences:
             raise InvalidArgument("stop_sequences", f"{len(request.stop_sequences)} stop sequences; at most {limits.max_stop_sequences}")
@@ -179,6 +198,7 @@ class Engine:
             params=params,
             stop_ids=frozenset(stop_ids),
             return_logprobs=request.return_logprobs,
+            top_logprobs=request.top_logprobs,
             decoder=IncrementalDecoder(self.tokenizer, context=prompt[-PROMPT_CONTEXT_TOKENS:]),
             stops=StopSequences(request.stop_sequences),
         )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import secrets
@@ -51,10 +52,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 MAX_SEED = 2**63 - 1
 # Parameters the API defines that kvserve does not implement yet: refused by name with 400 when set to anything but
 # their no-op value, never silently ignored.
-NOT_YET = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": None, "top_logprobs": 0, "min_p": 0, "best_of": 1,
-           "echo": False, "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "functions": None}
-COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user"}
-ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens"} | set(NOT_YET)}
+NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "functions": None}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
+          "presence_penalty", "frequency_penalty", "logit_bias", "min_p"}
+MAX_N = 8  # completions of one prompt a request (each takes a row; the prompt is computed once, the rest copied)
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: alternatives a token, as OpenAI bounds it
+ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(NOT_YET)}
 
 
 class ApiError(Exception):
@@ -89,6 +92,7 @@ class Parsed:
     stream: bool
     include_usage: bool
     logprobs: bool
+    n: int  # completions of the prompt, each its own sequence (seeds seed, seed + 1, ... when a seed is given)
 
 
 def _number(body: dict, name: str, default, low: float, high: float, kind=float):
@@ -117,8 +121,10 @@ def parse(body, kind: str, model_name: str) -> Parsed:
         raise ApiError(400, "model is required: the name GET /v1/models lists", "model")
     if model != model_name:
         raise ApiError(404, f"the model {model!r} does not exist here; this server serves {model_name!r}", "model", "model_not_found")
-    if _number(body, "n", 1, 1, 1, int) != 1:  # bounds say it: only 1
-        raise ApiError(400, "n must be 1", "n")
+    n = _number(body, "n", 1, 1, MAX_N, int)
+    if kind == "chat":
+        if "top_logprobs" in body and body["top_logprobs"] is not None and body.get("logprobs") is not True:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
     max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                          16 if kind == "completions" else 0, 1 if "max_tokens" in body or "max_completion_tokens" in body else 0, 2**31 - 1, int)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
@@ -126,7 +132,17 @@ def parse(body, kind: str, model_name: str) -> Parsed:
         raise ApiError(400, "top_p must be in (0, 1], got 0", "top_p")
     seed = body.get("seed")  # any int; the engine's 0 means "choose one", so a given seed maps to 1 .. 2^63 - 1
     seed = 0 if seed is None else _number(body, "seed", 0, -(2**63), 2**64 - 1, int) % MAX_SEED + 1
-    sampling = SamplingParams(temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p, seed=seed)
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise ApiError(400, "logit_bias must map token ids (as strings) to numbers", "logit_bias")
+    logit_bias = tuple(sorted((int(k), _number(bias, k, 0.0, -100.0, 100.0)) for k in bias)) if len(bias) <= 300 else None
+    if logit_bias is None:
+        raise ApiError(400, f"logit_bias has {len(bias)} entries; at most 300", "logit_bias")
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, 2.0), top_p=top_p, seed=seed, logit_bias=logit_bias,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -2.0, 2.0), frequency_penalty=_number(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+    )
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -141,12 +157,12 @@ def parse(body, kind: str, model_name: str) -> Parsed:
     if kind == "chat":
         if logprobs not in (None, True, False):
             raise ApiError(400, "logprobs must be true or false", "logprobs")
+        top = _number(body, "top_logprobs", 0, 0, 20, int)
         logprobs = bool(logprobs)
-    else:
-        if logprobs not in (None, 0, 1) or isinstance(logprobs, bool):
-            raise ApiError(400, "logprobs must be 0 or 1 (the sampled token's log-probability; alternatives are not supported yet)", "logprobs")
-        logprobs = logprobs == 1
-    common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs)
+    else:  # an int: the sampled token's log-probability and this many alternatives
+        top = 0 if logprobs is None else _number(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS, int)
+        logprobs = logprobs is not None
+    common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top)
     if kind == "chat":
         request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))), **common)
     else:
@@ -159,7 +175,7 @@ def parse(body, kind: str, model_name: str) -> Parsed:
             request = GenerationRequest(prompt_ids=tuple(prompt), **common)
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
-    return Parsed(request, stream, bool(options.get("include_usage")), logprobs)
+    return Parsed(request, stream, bool(options.get("include_usage")), logprobs, n)
 
 
 def _messages(messages) -> list[ChatMessage]:
@@ -202,6 +218,9 @@ class HttpApi:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # Accepted connections inherit it: without it a token's event waits for the client's delayed ACK of the
+        # headers (Nagle's algorithm), 40 ms on Linux (bench/http_load.py measured +43.7 ms to first token).
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((host, port))
         sock.listen(128)
         sock.setblocking(False)
@@ -281,87 +300,101 @@ class HttpApi:
             raise ApiError(400, f"the request body is not JSON: {exc}") from None
 
     async def _generate(self, request: Request, kind: str, method: str) -> Response:
+        streams = []
         try:
             self._authorized(request)
             engine = self.app.ready_engine()
             parsed = parse(await self._body(request), kind, self.model_name)
-            events = engine.generate(parsed.request)
-            first = await _unless_disconnected(request, anext(events))  # refusals (bad prompt, full queue) come first
+            seed = parsed.request.sampling.seed
+            for index in range(parsed.n):  # seed 0 leaves each to the engine's own choice
+                sampling = dataclasses.replace(parsed.request.sampling, seed=seed and (seed - 1 + index) % MAX_SEED + 1)
+                streams.append(engine.generate(dataclasses.replace(parsed.request, sampling=sampling)))
+            # refusals (bad prompt, full queue) come before any response starts
+            firsts = await _unless_disconnected(request, _all(anext(stream) for stream in streams))
         except ApiError as error:
+            await _close(streams)
             return self._refusal(method, error)
         except EngineError as exc:
+            await _close(streams)
             return self._refusal(method, _engine_error(exc))
-        except StopAsyncIteration:  # the engine ended the stream without a token: not expected
+        except StopAsyncIteration:  # the engine ended a stream without a token: not expected
+            await _close(streams)
             return self._refusal(method, ApiError(500, "the generation ended without a token", code="internal_error"))
-        except ClientGone:  # before its first token (waiting for a row, or prefilling): the sequence is cancelled
-            await events.aclose()
+        except ClientGone:  # before its first token (waiting for a row, or prefilling): the sequences are cancelled
+            await _close(streams)
             self.app.metrics.on_request(method, "CANCELLED")
             return Response(status_code=499)
         ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         if parsed.stream:
-            return StreamingResponse(self._stream(events, first, parsed, kind, method, ids), media_type="text/event-stream",
+            return StreamingResponse(self._stream(streams, firsts, parsed, kind, method, ids), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, events, first, parsed, kind, method, ids)
+        return await self._whole(request, streams, firsts, parsed, kind, method, ids)
 
-    def _piece(self, token_id: int) -> str:
-        return self.app.engine.tokenizer.pieces([token_id])[0]
-
-    def _logprob_entry(self, kind: str, event) -> dict:
-        piece = self._piece(event.token_id)
+    def _logprobs(self, kind: str, events: list) -> dict:
+        """The choice's logprobs object for events (a whole answer's, or one streamed token's)."""
+        pieces = self.app.engine.tokenizer.pieces
+        tokens = pieces([e.token_id for e in events])
+        alternatives = [[(piece, lp) for piece, (_, lp) in zip(pieces([t for t, _ in e.top_logprobs]), e.top_logprobs)]
+                        if e.top_logprobs else [] for e in events]
         if kind == "chat":
-            return {"token": piece, "logprob": event.logprob, "bytes": list(piece.encode("utf-8")), "top_logprobs": []}
-        return {"token": piece, "logprob": event.logprob}
+            return {"content": [
+                {"token": token, "logprob": e.logprob, "bytes": list(token.encode("utf-8")),
+                 "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in top]}
+                for token, e, top in zip(tokens, events, alternatives)]}
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in events], "top_logprobs": [dict(top) for top in alternatives],
+                "text_offset": None}
 
     @staticmethod
-    def _usage(finish) -> dict:
-        return {"prompt_tokens": finish.prompt_tokens, "completion_tokens": finish.generated_tokens,
-                "total_tokens": finish.prompt_tokens + finish.generated_tokens,
-                "prompt_tokens_details": {"cached_tokens": finish.cached_prompt_tokens}}
+    def _usage(finishes: list) -> dict:
+        prompt = finishes[0].prompt_tokens  # one prompt, counted once
+        completion = sum(f.generated_tokens for f in finishes)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)}}
 
-    async def _whole(self, request: Request, events, first, parsed: Parsed, kind: str, method: str, ids: str) -> Response:
-        """Every token, then one body; a client that goes away first cancels the sequence."""
-        collected = [first]
+    async def _whole(self, request: Request, streams: list, firsts: list, parsed: Parsed, kind: str, method: str, ids: str) -> Response:
+        """Every token of every completion, then one body; a client that goes away first cancels the sequences."""
+        collected = [[first] for first in firsts]
 
-        async def rest():
-            async for event in events:
-                collected.append(event)
+        async def rest(stream, events):
+            async for event in stream:
+                events.append(event)
 
-        if first.finish is None:
-            runner = asyncio.ensure_future(rest())
-            watcher = asyncio.ensure_future(_disconnected(request))
-            try:
-                await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                watcher.cancel()
-            if not runner.done():  # the client left: the sequence is cancelled, its row freed at the next step
-                runner.cancel()
-                await events.aclose()
-                self.app.metrics.on_request(method, "CANCELLED")
-                return Response(status_code=499)
-            try:
-                runner.result()
-            except EngineError as exc:
-                return self._refusal(method, _engine_error(exc))
-        finish = collected[-1].finish
-        text = "".join(event.text for event in collected)
-        logprobs = None
-        if parsed.logprobs:
-            entries = [self._logprob_entry(kind, e) for e in collected]
-            logprobs = {"content": entries} if kind == "chat" else {
-                "tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries], "top_logprobs": None, "text_offset": None}
-        choice = {"index": 0, "logprobs": logprobs, "finish_reason": FINISH_REASONS[finish.reason]}
-        if kind == "chat":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
+        try:
+            await _unless_disconnected(request, _all(rest(s, c) for s, c in zip(streams, collected) if c[-1].finish is None))
+        except ClientGone:  # the sequences are cancelled: their rows are freed at the next step
+            await _close(streams)
+            self.app.metrics.on_request(method, "CANCELLED")
+            return Response(status_code=499)
+        except EngineError as exc:
+            await _close(streams)
+            return self._refusal(method, _engine_error(exc))
+        choices = []
+        for index, events in enumerate(collected):
+            text = "".join(event.text for event in events)
+            choice = {"index": index, "logprobs": self._logprobs(kind, events) if parsed.logprobs else None,
+                      "finish_reason": FINISH_REASONS[events[-1].finish.reason]}
+            choice.update({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})
+            choices.append(choice)
         self.app.metrics.on_request(method, "OK")
         return JSONResponse({"id": ids, "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": [choice], "usage": self._usage(finish)})
+                             "model": self.model_name, "choices": choices, "usage": self._usage([e[-1].finish for e in collected])})
 
-    async def _stream(self, events, first, parsed: Parsed, kind: str, method: str, ids: str):
-        """Server-sent events: a chunk a token, the last with the finish reason, usage if asked, then [DONE]. Cancelled
-        (the client went away) at an await: the finally closes the engine's stream, which cancels the sequence."""
+    async def _stream(self, streams: list, firsts: list, parsed: Parsed, kind: str, method: str, ids: str):
+        """Server-sent events: a chunk a token (of whichever completion made it), each completion's last with its finish
+        reason, usage if asked, then [DONE]. Closed early (the client went away), every sequence is cancelled."""
         created, obj = int(time.time()), "chat.completion.chunk" if kind == "chat" else "text_completion"
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream, first) -> None:
+            try:
+                event = first
+                while True:
+                    merged.put_nowait((index, event))
+                    if event.finish is not None:
+                        return
+                    event = await anext(stream)
+            except EngineError as exc:
+                merged.put_nowait((index, exc))
 
         def chunk(choices, usage=None) -> str:
             body = {"id": ids, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -369,37 +402,56 @@ class HttpApi:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        code = "OK"
+        code, pumps = "OK", [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
         try:
             if kind == "chat":
-                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            event = first
-            while True:
-                logprobs = None
-                if parsed.logprobs:
-                    entry = self._logprob_entry(kind, event)
-                    logprobs = {"content": [entry]} if kind == "chat" else {"tokens": [entry["token"]], "token_logprobs": [entry["logprob"]],
-                                                                             "top_logprobs": None, "text_offset": None}
+                yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                             for i in range(len(streams))])
+            finishes = {}
+            while len(finishes) < len(streams):
+                index, event = await merged.get()
+                if isinstance(event, EngineError):  # the response has started: the error goes in the stream
+                    error = _engine_error(event)
+                    code = STATUS_CODES[error.status]
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    return
                 reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
-                choice = {"index": 0, "logprobs": logprobs, "finish_reason": reason}
+                choice = {"index": index, "logprobs": self._logprobs(kind, [event]) if parsed.logprobs else None, "finish_reason": reason}
                 choice.update({"delta": {"content": event.text}} if kind == "chat" else {"text": event.text})
                 yield chunk([choice])
                 if event.finish is not None:
-                    if parsed.include_usage:
-                        yield chunk([], self._usage(event.finish))
-                    break
-                event = await anext(events)
+                    finishes[index] = event.finish
+            if parsed.include_usage:
+                yield chunk([], self._usage([finishes[i] for i in range(len(streams))]))
             yield "data: [DONE]\n\n"
-        except EngineError as exc:  # the response has started: the error goes in the stream
-            error = _engine_error(exc)
-            code = STATUS_CODES[error.status]
-            yield f"data: {json.dumps(error.body())}\n\n"
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
         finally:
-            await events.aclose()
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)  # each out of its stream before the streams close
+            await _close(streams)
             self.app.metrics.on_request(method, code)
+
+
+async def _all(awaitables):
+    """Every result, in order; when one fails (or this is cancelled) the others are cancelled and waited for first, so
+    no engine stream is left running when its caller closes it."""
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def _close(streams: list) -> None:
+    """Close engine streams: each sequence still running is cancelled (its row freed at the next step)."""
+    for stream in streams:
+        await stream.aclose()
 
 
 class ClientGone(Exception):

@@ -15,10 +15,19 @@ class SamplingParams:
     top_p: float = 1.0  # 1: off
     repetition_penalty: float = 1.0  # 1: off
     seed: int = 0
+    presence_penalty: float = 0.0  # subtracted once from the logit of every token generated so far; 0: off
+    frequency_penalty: float = 0.0  # subtracted from a token's logit once for each time it was generated so far; 0: off
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the likeliest (after temperature); 0: off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit): before everything else
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the logits are changed before the argmax (then greedy is not the graph's argmax)."""
+        return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
 
 def log_probability(logits: np.ndarray, token: int) -> float:
@@ -27,8 +36,28 @@ def log_probability(logits: np.ndarray, token: int) -> float:
     return float(shifted[token] - np.log(np.exp(shifted).sum()))
 
 
-def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None) -> int:
-    """logits: (V,) float32 for one sequence; seen: the token ids so far (for the repetition penalty)."""
+def top_log_probabilities(logits: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """The k likeliest tokens of log softmax(logits) as (id, log-probability), likeliest first (ties: lower id)."""
+    shifted = logits.astype(np.float64) - float(logits.max())
+    log_probs = shifted - np.log(np.exp(shifted).sum())
+    top = np.argpartition(-log_probs, k - 1)[:k] if k < log_probs.size else np.arange(log_probs.size)
+    top = sorted(top.tolist(), key=lambda i: (-log_probs[i], i))
+    return [(int(i), float(log_probs[i])) for i in top]
+
+
+def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None,
+           generated: list[int] | None = None) -> int:
+    """logits: (V,) float32 for one sequence; seen: the token ids so far, prompt included (for the repetition
+    penalty); generated: the tokens generated so far (for the presence and frequency penalties, as OpenAI defines
+    them: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty)."""
+    if params.logit_bias:
+        logits = logits.astype(np.float64)  # a copy
+        ids, biases = zip(*params.logit_bias)
+        np.add.at(logits, np.asarray(ids), np.asarray(biases))
+    if (params.presence_penalty or params.frequency_penalty) and generated:
+        logits = logits.astype(np.float64)
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        logits[ids] -= counts * params.frequency_penalty + params.presence_penalty
     if params.repetition_penalty != 1.0 and seen is not None and len(seen):
         logits = logits.astype(np.float64)  # a copy, wide enough that the penalty never overflows
         ids = np.unique(seen)
@@ -42,6 +71,9 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         scaled = np.where(scaled < kth, -np.inf, scaled)
     probs = np.exp(scaled - scaled.max())
     probs /= probs.sum()
+    if params.min_p > 0.0:
+        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
+        probs /= probs.sum()
     if params.top_p < 1.0:
         order = np.argsort(-probs, kind="stable")
         cumulative = np.cumsum(probs[order])

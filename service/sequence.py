@@ -13,7 +13,7 @@ import numpy as np
 
 from kvserve.contract.chat import ChatMessage
 
-from .sampling import SamplingParams, choose, log_probability
+from .sampling import SamplingParams, choose, log_probability, top_log_probabilities
 from .text import IncrementalDecoder, StopSequences
 
 
@@ -27,6 +27,7 @@ class GenerationRequest:
     stop_sequences: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     return_logprobs: bool = False
+    top_logprobs: int = 0  # with return_logprobs: this many likeliest alternatives each token
     ignore_eos: bool = False
 
 
@@ -55,6 +56,7 @@ class StepEvent:
     text: str
     logprob: float | None
     finish: Finish | None
+    top_logprobs: list[tuple[int, float]] | None = None  # (id, log-probability) of the likeliest tokens, when asked
 
 
 @dataclass(eq=False)
@@ -69,6 +71,7 @@ class Sequence:
     return_logprobs: bool
     decoder: IncrementalDecoder
     stops: StopSequences
+    top_logprobs: int = 0  # the likeliest alternatives reported with each token's log-probability
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     generated: list[int] = field(default_factory=list)
     cached_tokens: int = 0  # tokens whose K/V are in the batch cache
@@ -97,7 +100,7 @@ class Sequence:
     def takes_greedy_token(self) -> bool:
         """Whether the argmax of its logits is the token this sequence takes (greedy, no repetition penalty, no
         log-probability): then it takes the graph's greedy token (runtime.Sampled)."""
-        return self.params.greedy and self.params.repetition_penalty == 1.0 and not self.return_logprobs
+        return self.params.greedy and not self.params.changes_logits and not self.return_logprobs
 
     @property
     def needs_logits(self) -> bool:
@@ -118,8 +121,9 @@ class Sequence:
             seen = None
             if self.params.repetition_penalty != 1.0:
                 seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
-            token = choose(logits, self.params, self.rng, seen)
+            token = choose(logits, self.params, self.rng, seen, self.generated)
             logprob = log_probability(logits, token) if self.return_logprobs else None
+        top = top_log_probabilities(logits, self.top_logprobs) if self.top_logprobs else None
         self.generated.append(token)
         if len(self.generated) == 1:
             self.first_token_ns = now
@@ -148,4 +152,4 @@ class Sequence:
                 stop_sequence=stop or "",
                 cached_prompt_tokens=self.reused_prompt_tokens,
             )
-        return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish)
+        return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top)

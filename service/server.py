@@ -173,7 +173,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         engine = self.app.ready_engine()
         async with contextlib.aclosing(engine.generate(_to_domain(request))) as events:
             async for event in events:
-                yield _to_proto(event)
+                yield _to_proto(event, engine.tokenizer)
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         self.app.ready_engine().check_text("text", request.text)
@@ -228,16 +228,25 @@ def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
             top_p=sampling.top_p or 1.0,
             repetition_penalty=sampling.repetition_penalty or 1.0,
             seed=sampling.seed,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            min_p=sampling.min_p,
+            logit_bias=tuple(sorted(sampling.logit_bias.items())),
         ),
         stop_sequences=tuple(request.stop_sequences),
         stop_token_ids=tuple(request.stop_token_ids),
         return_logprobs=request.return_logprobs,
+        top_logprobs=request.top_logprobs,
         ignore_eos=request.ignore_eos,
     )
 
 
-def _to_proto(event: StepEvent) -> pb.GenerateResponse:
+def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
     response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob))
+    if event.top_logprobs:
+        pieces = tokenizer.pieces([token for token, _ in event.top_logprobs])
+        response.token.top_logprobs.extend(
+            pb.TopLogprob(id=token, text=piece, logprob=logprob) for (token, logprob), piece in zip(event.top_logprobs, pieces))
     finish = event.finish
     if finish is not None:
         response.finish.CopyFrom(

@@ -91,6 +91,33 @@ def test_log_probabilities_equal_grpcs(client, stub):
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
 
 
+def test_n_completions_of_one_prompt_each_with_its_own_seed(client, stub):
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=2)
+    assert [c.index for c in whole.choices] == [0, 1]
+    texts = [c.message.content for c in whole.choices]
+    assert texts[0] != texts[1]  # two seeds, two samples (the batch has 2 rows: n=3 would be 429 here)
+    assert whole.usage.completion_tokens == 16 and whole.usage.prompt_tokens == grpc_chat(stub, 1)[2].prompt_tokens
+    again = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=2)
+    assert [c.message.content for c in again.choices] == texts
+    streamed = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=1.0, seed=11, n=2, stream=True))
+    assert ["".join(c.choices[0].delta.content or "" for c in streamed if c.choices and c.choices[0].index == i) for i in range(3 - 1)] == texts
+    assert sorted(c.choices[0].index for c in streamed if c.choices and c.choices[0].finish_reason) == [0, 1]
+
+
+def test_penalties_bias_and_alternatives_equal_grpcs(client, stub):
+    options = dict(presence_penalty=0.7, frequency_penalty=0.4, logit_bias={"101": 5.0})
+    ids, text, _ = collect(stub, pb.GenerateRequest(text="In the beginning", max_new_tokens=10, sampling=pb.SamplingParams(
+        presence_penalty=0.7, frequency_penalty=0.4, logit_bias={101: 5.0})))
+    assert client.completions.create(model=MODEL, prompt="In the beginning", max_tokens=10, temperature=0, **options).choices[0].text == text
+    wanted = [list(r.token.top_logprobs) for r in stub.Generate(pb.GenerateRequest(
+        messages=pb.Conversation(messages=[pb.ChatMessage(**m) for m in MESSAGES]), max_new_tokens=4, return_logprobs=True, top_logprobs=3))]
+    got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
+    for entry, alternatives in zip(got.choices[0].logprobs.content, wanted):
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(a.text, pytest.approx(a.logprob, abs=1e-6)) for a in alternatives]
+    completion = client.completions.create(model=MODEL, prompt="Moses", max_tokens=3, temperature=0, logprobs=2)
+    assert all(len(top) <= 2 for top in completion.choices[0].logprobs.top_logprobs)
+
+
 def test_a_seed_repeats_its_tokens_and_stop_ends_the_text(client):
     def sampled(seed):
         return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=16, temperature=1.0, seed=seed).choices[0].message.content
@@ -104,9 +131,11 @@ def test_a_seed_repeats_its_tokens_and_stop_ends_the_text(client):
 
 
 @pytest.mark.parametrize("options, param", [
-    ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"), ({"frequency_penalty": -1}, "frequency_penalty"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"), ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"),
+    ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 9}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"logit_bias": {"5": 101}}, "5"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"extra_body": {"min_p": 2}}, "min_p"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"), ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"max_tokens": 10**6}, "max_tokens"), ({"messages": [{"role": "", "content": "x"}]}, "messages"),
 ])
 def test_each_bad_or_unsupported_option_is_a_400_naming_it(client, options, param):

@@ -1,0 +1,101 @@
+"""The OpenAI sampling options in the engine, each held to its definition applied to the eager model's logits step by
+step (as the repetition penalty's test does): logit bias, presence and frequency penalties, the top alternatives'
+log-probabilities; min_p's distribution; and their limits refused naming the field."""
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kvserve.service.sampling import SamplingParams, choose
+from kvserve.v1 import generation_pb2 as pb
+
+from .conftest import collect
+
+PROMPT, STEPS = [40, 41, 42], 12
+
+
+def eager_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        batch = torch.tensor([ids])
+        return model(batch, torch.ones_like(batch), torch.arange(len(ids))[None], model.empty_cache(1))[0][0, -1].double()
+
+
+def eager_greedy(model, change) -> list[int]:
+    """Greedy tokens when change(logits, generated) rewrites each step's logits first."""
+    tokens = list(PROMPT)
+    for _ in range(STEPS):
+        logits = change(eager_logits(model, tokens), tokens[len(PROMPT):])
+        tokens.append(int(logits.argmax()))
+    return tokens[len(PROMPT):]
+
+
+def served(stub, **sampling) -> list[int]:
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, ignore_eos=True, sampling=pb.SamplingParams(**sampling))
+    return collect(stub, request)[0]
+
+
+def test_logit_bias_is_added_before_the_argmax(stub, tiny_model):
+    plain = eager_greedy(tiny_model, lambda logits, _: logits)
+    bias = {plain[0]: -100.0, 7: 3.5, 200: 8.0}
+
+    def biased(logits, _):
+        for token, value in bias.items():
+            logits[token] += value
+        return logits
+
+    expected = eager_greedy(tiny_model, biased)
+    assert expected != plain
+    assert served(stub, logit_bias=bias) == expected
+
+
+@pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 1.2), (0.8, 0.6), (-1.0, 0.0)])
+def test_presence_and_frequency_penalties_follow_openais_definition(stub, tiny_model, presence, frequency):
+    def penalized(logits, generated):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        for token, count in zip(ids.tolist(), counts.tolist()):
+            logits[token] -= count * frequency + presence
+        return logits
+
+    assert served(stub, presence_penalty=presence, frequency_penalty=frequency) == eager_greedy(tiny_model, penalized)
+
+
+def test_top_alternatives_are_the_models_likeliest_tokens_with_their_log_probabilities(stub, tiny_model):
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, ignore_eos=True, return_logprobs=True, top_logprobs=5)
+    responses = list(stub.Generate(request, timeout=60))
+    tokens = list(PROMPT)
+    for response in responses:
+        log_probs = torch.log_softmax(eager_logits(tiny_model, tokens), -1)
+        top = torch.topk(log_probs, 5)
+        assert [t.id for t in response.token.top_logprobs] == top.indices.tolist()
+        assert [t.logprob for t in response.token.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert response.token.top_logprobs[0].id == response.token.id and response.token.logprob == pytest.approx(top.values[0].item(), abs=1e-4)
+        assert [t.text for t in response.token.top_logprobs] == [bytes([i]).decode("utf-8", "replace") if i < 256 else "" for i in top.indices.tolist()]
+        tokens.append(response.token.id)
+
+
+def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_best():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(temperature=1.0, min_p=0.4)  # keeps p >= 0.2: tokens 0 and 1, renormalized 0.625 / 0.375
+    draws = [choose(logits, params, np.random.default_rng(s), None) for s in range(4000)]
+    assert np.bincount(draws, minlength=4) / 4000 == pytest.approx([0.625, 0.375, 0, 0], abs=0.03)
+
+
+def test_min_p_of_one_at_the_server_is_greedy(stub, tiny_model):
+    assert served(stub, temperature=1.0, min_p=1.0, seed=3) == eager_greedy(tiny_model, lambda logits, _: logits)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(sampling=pb.SamplingParams(presence_penalty=2.5)), "sampling.presence_penalty: must be in [-2, 2], got 2.5"),
+    (dict(sampling=pb.SamplingParams(frequency_penalty=-3)), "sampling.frequency_penalty: must be in [-2, 2], got -3.0"),
+    (dict(sampling=pb.SamplingParams(min_p=1.5)), "sampling.min_p: must be in [0, 1], got 1.5"),
+    (dict(sampling=pb.SamplingParams(logit_bias={100000: 1.0})), "sampling.logit_bias: token id 100000 is outside the vocabulary"),
+    (dict(sampling=pb.SamplingParams(logit_bias={5: 101.0})), "sampling.logit_bias: the bias of token 5 must be in [-100, 100], got 101.0"),
+    (dict(sampling=pb.SamplingParams(logit_bias={i: 1.0 for i in range(301)})), "sampling.logit_bias: 301 entries; at most 300"),
+    (dict(return_logprobs=True, top_logprobs=21), "top_logprobs: must be in [0, 20], got 21"),
+    (dict(top_logprobs=3), "top_logprobs: alternatives come with the log-probabilities: set return_logprobs too"),
+])
+def test_out_of_range_options_are_refused_naming_the_field(stub, fields, message):
+    with pytest.raises(grpc.RpcError) as error:
+        collect(stub, pb.GenerateRequest(text="a", max_new_tokens=2, **fields))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith(message)
