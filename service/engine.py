@@ -7,6 +7,7 @@ a request's own state and events are its Sequence's (sequence.py).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import secrets
@@ -18,7 +19,7 @@ from kvserve.runtime.step import DecoderRuntime
 
 from .kv_slots import SlotBatch
 from .limits import MAX_SCALE, MIN_SCALE, EngineLimits
-from .sampling import SamplingParams
+from .sampling import SamplingParams, nth_seed
 from .scheduler import Scheduler
 from .sequence import GenerationRequest, Sequence
 from .text import IncrementalDecoder, StopSequences
@@ -33,6 +34,7 @@ MAX_ROLE_LENGTH = 64  # characters of a chat message's role
 MAX_PENALTY = 2.0  # presence and frequency penalties, as OpenAI bounds them
 MAX_BIAS, MAX_LOGIT_BIAS = 100.0, 300  # a logit bias's size and how many tokens one request may bias (OpenAI's bounds)
 MAX_TOP_LOGPROBS = 20  # alternatives reported with each token
+MAX_N = 8  # completions of one prompt a request: each a sequence with its own row (the prompt computed once, then copied)
 
 # --- errors the servicer maps to status codes (see server.ErrorInterceptor) ---------------------------
 
@@ -252,6 +254,42 @@ class Engine:
             if not seq.finished:
                 seq.cancelled = True
                 self.scheduler.withdraw(seq)
+
+    async def generate_n(self, request: GenerationRequest, n: int):
+        """n completions of request, each its own sequence (seeds seed, seed + 1, ...): yields (index, StepEvent) as the
+        steps make them. A refusal of any of them (a full queue, say) ends the stream with its error, the others
+        cancelled; so does closing the stream early."""
+        if not 1 <= n <= MAX_N:
+            raise InvalidArgument("n", f"must be in [1, {MAX_N}], got {n}")
+        streams = [self.generate(dataclasses.replace(request, sampling=nth_seed(request.sampling, i))) for i in range(n)]
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream) -> None:
+            try:
+                async for event in stream:
+                    merged.put_nowait((index, event))
+            except EngineError as exc:
+                merged.put_nowait((index, exc))
+            finally:
+                merged.put_nowait((index, None))
+
+        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        try:
+            done = 0
+            while done < n:
+                index, event = await merged.get()
+                if event is None:
+                    done += 1
+                    continue
+                if isinstance(event, EngineError):
+                    raise event
+                yield index, event
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
 
     def stats(self) -> dict:
         rows = list(self.batch.rows)

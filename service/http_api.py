@@ -37,8 +37,9 @@ from starlette.routing import Route
 
 from kvserve.contract.chat import ChatMessage
 
+from .engine import MAX_N as ENGINE_MAX_N
 from .engine import EngineError, InvalidArgument, QueueFull, Unavailable
-from .sampling import SamplingParams
+from .sampling import MAX_SEED, SamplingParams, nth_seed
 from .sequence import FinishReason, GenerationRequest
 
 log = logging.getLogger("kvserve.http")
@@ -49,13 +50,12 @@ STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404:
                 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
                429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-MAX_SEED = 2**63 - 1
 # Parameters the API defines that kvserve does not implement yet: refused by name with 400 when set to anything but
 # their no-op value, never silently ignored.
 NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "functions": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
           "presence_penalty", "frequency_penalty", "logit_bias", "min_p"}
-MAX_N = 8  # completions of one prompt a request (each takes a row; the prompt is computed once, the rest copied)
+MAX_N = ENGINE_MAX_N
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: alternatives a token, as OpenAI bounds it
 ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(NOT_YET)}
 
@@ -305,10 +305,8 @@ class HttpApi:
             self._authorized(request)
             engine = self.app.ready_engine()
             parsed = parse(await self._body(request), kind, self.model_name)
-            seed = parsed.request.sampling.seed
             for index in range(parsed.n):  # seed 0 leaves each to the engine's own choice
-                sampling = dataclasses.replace(parsed.request.sampling, seed=seed and (seed - 1 + index) % MAX_SEED + 1)
-                streams.append(engine.generate(dataclasses.replace(parsed.request, sampling=sampling)))
+                streams.append(engine.generate(dataclasses.replace(parsed.request, sampling=nth_seed(parsed.request.sampling, index))))
             # refusals (bad prompt, full queue) come before any response starts
             firsts = await _unless_disconnected(request, _all(anext(stream) for stream in streams))
         except ApiError as error:

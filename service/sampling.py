@@ -3,6 +3,7 @@ seeded from its request, so its tokens do not depend on what else shares the bat
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +29,17 @@ class SamplingParams:
     def changes_logits(self) -> bool:
         """Whether the logits are changed before the argmax (then greedy is not the graph's argmax)."""
         return self.repetition_penalty != 1.0 or bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
+
+
+MAX_SEED = 2**63 - 1
+
+
+def nth_seed(params: SamplingParams, index: int) -> SamplingParams:
+    """The sampling of the index-th of several completions of one prompt: seed, seed + 1, ... (wrapping within
+    [1, MAX_SEED]); a seed of 0 stays 0, so each completion gets a seed of its own choosing."""
+    if not params.seed:
+        return params
+    return dataclasses.replace(params, seed=(params.seed - 1 + index) % MAX_SEED + 1)
 
 
 def log_probability(logits: np.ndarray, token: int) -> float:

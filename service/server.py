@@ -171,9 +171,16 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.app.ready_engine()
-        async with contextlib.aclosing(engine.generate(_to_domain(request))) as events:
-            async for event in events:
-                yield _to_proto(event, engine.tokenizer)
+        if request.n <= 1:
+            async with contextlib.aclosing(engine.generate(_to_domain(request))) as events:
+                async for event in events:
+                    yield _to_proto(event, engine.tokenizer)
+            return
+        async with contextlib.aclosing(engine.generate_n(_to_domain(request), request.n)) as events:
+            async for index, event in events:
+                response = _to_proto(event, engine.tokenizer)
+                response.index = index
+                yield response
 
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         self.app.ready_engine().check_text("text", request.text)

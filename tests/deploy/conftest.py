@@ -77,6 +77,7 @@ def local_environment(environment: dict, artifact) -> dict:
         "KVSERVE_HOST": "127.0.0.1",
         "KVSERVE_PORT": str(free_port()),
         "KVSERVE_METRICS_PORT": str(free_port()),
+        "KVSERVE_HTTP_PORT": str(free_port()),
         "KVSERVE_PROVIDER": PROVIDER,
     }
 

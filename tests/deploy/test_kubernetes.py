@@ -139,7 +139,8 @@ def test_the_http_api_is_served_and_open_to_the_grpc_clients_alone(rendered):
     policy = next(o for o in objects if o["kind"] == "NetworkPolicy" and any(
         {"port": "grpc", "protocol": "TCP"} in rule.get("ports", []) for rule in o["spec"].get("ingress", [])))
     (clients,) = [rule for rule in policy["spec"]["ingress"] if {"port": "grpc", "protocol": "TCP"} in rule["ports"]]
-    assert {"port": "http", "protocol": "TCP"} in clients["ports"]  # the same clients, and only they
+    (http,) = [rule for rule in policy["spec"]["ingress"] if {"port": "http", "protocol": "TCP"} in rule["ports"]]
+    assert http is not clients and http["ports"] == [{"port": "http", "protocol": "TCP"}] and http["from"] == clients["from"]
 
 
 def test_tls_and_tokens_come_from_secrets_mounted_as_files(rendered):

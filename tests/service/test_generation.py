@@ -250,10 +250,10 @@ def test_one_failing_request_is_internal_while_the_others_finish(stub, server, m
 
     real_choose = sequence_module.choose
 
-    def choose_or_fail(logits, params, rng, seen):
+    def choose_or_fail(logits, params, rng, *history):
         if params.seed == 666:
             raise RuntimeError("injected failure in this request's sampling")
-        return real_choose(logits, params, rng, seen)
+        return real_choose(logits, params, rng, *history)
 
     monkeypatch.setattr(sequence_module, "choose", choose_or_fail)
     with ThreadPoolExecutor(5) as pool:

@@ -165,8 +165,10 @@ def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row(client, runn
     slow_down(monkeypatch, running.app, 0.05)  # 200 tokens take 10 s: the streams are surely mid-generation
     url = f"http://127.0.0.1:{running.app.http_port}/v1/completions"
     body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "temperature": 0, "stream": True}
+    assert wait_for(lambda: live(stub).active_sequences == 0)  # the earlier tests' rows are free (max_queue is 0)
     with httpx.Client(timeout=60) as one, httpx.Client(timeout=60) as two:
         with one.stream("POST", url, json=body) as first, two.stream("POST", url, json=body) as second:
+            assert (first.status_code, second.status_code) == (200, 200)
             next(first.iter_lines()), next(second.iter_lines())  # both rows busy
             assert live(stub).active_sequences == 2
             with pytest.raises(openai.RateLimitError):  # max_queue 0: nobody waits
@@ -188,5 +190,35 @@ def test_tokens_are_required_when_the_server_has_them(chat_artifact, tmp_path):
         assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
         assert [m.id for m in openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0).models.list()] == [MODEL]
         assert httpx.get(base + "/health").status_code == 200  # probes need no token
+    finally:
+        server.stop()
+
+
+def test_the_http_port_serves_the_grpc_ports_tls_certificate(chat_artifact, pki):
+    server = start_server(chat_artifact, http_port=0, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
+    try:
+        base = f"https://127.0.0.1:{server.app.http_port}"
+        import ssl
+
+        trusted = ssl.create_default_context(cafile=str(pki / "ca.pem"))
+        client = openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0, http_client=httpx.Client(verify=trusted))
+        assert client.completions.create(model=MODEL, prompt="a", max_tokens=2, temperature=0).usage.completion_tokens == 2
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the CA
+            httpx.get(base + "/health")
+        with pytest.raises(httpx.HTTPError):  # plaintext on the TLS port
+            httpx.get(f"http://127.0.0.1:{server.app.http_port}/health", timeout=5)
+    finally:
+        server.stop()
+
+
+def test_while_loading_the_api_answers_503_and_health_says_not_serving(chat_artifact):
+    server = start_server(chat_artifact, load=False, http_port=0)
+    try:
+        base = f"http://127.0.0.1:{server.app.http_port}"
+        health = httpx.get(base + "/health")
+        assert health.status_code == 503 and health.json()["status"] == "not serving"
+        with pytest.raises(openai.InternalServerError) as error:
+            openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0).completions.create(model=MODEL, prompt="a")
+        assert error.value.status_code == 503 and "still loading" in error.value.body["message"]
     finally:
         server.stop()

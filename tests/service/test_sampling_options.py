@@ -99,3 +99,22 @@ def test_out_of_range_options_are_refused_naming_the_field(stub, fields, message
     with pytest.raises(grpc.RpcError) as error:
         collect(stub, pb.GenerateRequest(text="a", max_new_tokens=2, **fields))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith(message)
+
+
+def test_n_completions_over_grpc_are_each_the_seeded_request_alone(stub):
+    sampling = pb.SamplingParams(temperature=1.0, seed=41)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=6, ignore_eos=True, sampling=sampling, n=2)
+    by_index = {0: [], 1: []}
+    finishes = {}
+    for response in stub.Generate(request, timeout=60):
+        by_index[response.index].append(response.token.id)
+        if response.HasField("finish"):
+            finishes[response.index] = response.finish
+    for index in (0, 1):
+        alone = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=6, ignore_eos=True,
+                                   sampling=pb.SamplingParams(temperature=1.0, seed=41 + index))
+        assert by_index[index] == collect(stub, alone)[0] and finishes[index].generated_tokens == 6
+    assert by_index[0] != by_index[1]
+    with pytest.raises(grpc.RpcError) as error:
+        collect(stub, pb.GenerateRequest(text="a", max_new_tokens=2, n=9))
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details() == "n: must be in [1, 8], got 9"
