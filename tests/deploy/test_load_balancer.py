@@ -38,8 +38,10 @@ def served(replica) -> float:
 def test_streams_spread_over_replicas_and_survive_one_stopping(tiny_artifact, tmp_path, serve_processes):
     nginx = need("nginx")
     environment = compose_config("cpu")["services"]["server-cpu"]["environment"]
-    replicas = [ServeProcess(local_environment(environment, tiny_artifact)) for _ in range(2)]
-    serve_processes.extend(replicas)
+    replicas = []
+    for _ in range(2):  # each handed to the fixture as soon as it runs: a second that fails to start leaks no first
+        replicas.append(ServeProcess(local_environment(environment, tiny_artifact)))
+        serve_processes.append(replicas[-1])
     listen = free_port()
     (tmp_path / "nginx.conf").write_text(render_nginx_conf([r.port for r in replicas], listen))
     proxy = subprocess.Popen(
