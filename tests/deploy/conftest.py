@@ -45,6 +45,7 @@ class ServeProcess:
     def __init__(self, environment: dict, command=("kvserve", "serve")):
         self.port = int(environment["KVSERVE_PORT"])
         self.metrics_port = int(environment["KVSERVE_METRICS_PORT"])
+        self.http_port = int(environment["KVSERVE_HTTP_PORT"]) if environment.get("KVSERVE_HTTP_PORT") else None
         bin_dir = os.path.dirname(sys.executable)
         env = {**os.environ, **environment, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
         self.process = subprocess.Popen(list(command), env=env, cwd=REPO, stderr=subprocess.PIPE, text=True)

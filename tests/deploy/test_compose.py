@@ -88,7 +88,9 @@ def test_the_tls_override_mounts_secrets_and_keeps_a_working_health_check(pki, t
 
     # nginx with deploy/nginx-tls.conf in front of it: TLS from the client, TLS again to the replica
     listen = free_port()
-    conf = render_nginx_conf([replica.port], listen, source="nginx-tls.conf").replace("/run/secrets/kvserve_tls_cert", str(secrets / "server.pem"))
+    api_listen = free_port()
+    conf = render_nginx_conf([replica.port], listen, source="nginx-tls.conf", api_ports=[replica.http_port], api_listen=api_listen)
+    conf = conf.replace("/run/secrets/kvserve_tls_cert", str(secrets / "server.pem"))
     conf = conf.replace("/run/secrets/kvserve_tls_key", str(secrets / "server.key")).replace("/run/secrets/kvserve_tls_ca", str(secrets / "ca.pem"))
     (tmp_path / "nginx.conf").write_text(conf)
     proxy = subprocess.Popen([need("nginx"), "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"), "-e", "stderr", "-g",
@@ -104,6 +106,15 @@ def test_the_tls_override_mounts_secrets_and_keeps_a_working_health_check(pki, t
             stub = pb_grpc.GenerationServiceStub(channel)
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=6, ignore_eos=True)
             assert len(list(stub.Generate(request, timeout=30, metadata=call_metadata(security)))) == 6
+        # the HTTP API through the same TLS balancer, dialling the replica over TLS too, the token required
+        import ssl
+
+        import httpx2 as httpx
+
+        trusted = ssl.create_default_context(cafile=str(secrets / "ca.pem"))
+        url = f"https://localhost:{api_listen}/v1/models"
+        assert httpx.get(url, verify=trusted).status_code == 401
+        assert httpx.get(url, verify=trusted, headers={"Authorization": "Bearer compose-token"}).json()["data"][0]["object"] == "model"
     finally:
         proxy.terminate()
         proxy.wait(10)
