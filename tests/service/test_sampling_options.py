@@ -118,3 +118,12 @@ def test_n_completions_over_grpc_are_each_the_seeded_request_alone(stub):
     with pytest.raises(grpc.RpcError) as error:
         collect(stub, pb.GenerateRequest(text="a", max_new_tokens=2, n=9))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details() == "n: must be in [1, 8], got 9"
+
+
+def test_n_completions_compute_their_prompt_once(stub):
+    prompt = np.random.default_rng(2024).integers(1, 256, 40).tolist()  # a prompt no other test sends
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=3, ignore_eos=True, n=3,
+                                 sampling=pb.SamplingParams(temperature=1.0, seed=9))
+    finishes = {r.index: r.finish for r in stub.Generate(request, timeout=60) if r.HasField("finish")}
+    # the first computes it; the others copy its K/V (all but the last prompt token, always computed)
+    assert sorted(f.cached_prompt_tokens for f in finishes.values()) == [0, 39, 39]
