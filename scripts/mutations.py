@@ -227,7 +227,7 @@ MUTATIONS = (
     Mutation(
         "http: a client that goes away before its whole answer keeps its row",
         "service/http_api.py",
-        (("            await asyncio.wait({runner, watcher}, return_when=asyncio.FIRST_COMPLETED)", "            await asyncio.wait({runner})"),),
+        (("        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)", "        await asyncio.wait({work})"),),
         ("tests/service/test_http_api.py::test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row",),
     ),
     Mutation(

@@ -257,8 +257,9 @@ class Engine:
 
     async def generate_n(self, request: GenerationRequest, n: int):
         """n completions of request, each its own sequence (seeds seed, seed + 1, ...): yields (index, StepEvent) as the
-        steps make them. A refusal of any of them (a full queue, say) ends the stream with its error, the others
-        cancelled; so does closing the stream early."""
+        steps make them, each completion ending with its finish. Every completion has its first token before the first
+        event is yielded, so a refusal of any (a bad request, a full queue) comes before anything was sent; a failure
+        later ends the stream with its error. Closing the stream cancels every sequence still running."""
         if not 1 <= n <= MAX_N:
             raise InvalidArgument("n", f"must be in [1, {MAX_N}], got {n}")
         streams = [self.generate(dataclasses.replace(request, sampling=nth_seed(request.sampling, i))) for i in range(n)]
@@ -273,21 +274,26 @@ class Engine:
             finally:
                 merged.put_nowait((index, None))
 
-        pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        firsts = [asyncio.ensure_future(anext(stream)) for stream in streams]
+        pumps = []
         try:
-            done = 0
-            while done < n:
+            await asyncio.gather(*firsts)  # every one admitted, or the whole call refused
+            pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if firsts[i].result().finish is None]
+            for index, first in enumerate(firsts):
+                yield index, first.result()
+            running = len(pumps)
+            while running:
                 index, event = await merged.get()
                 if event is None:
-                    done += 1
-                    continue
-                if isinstance(event, EngineError):
+                    running -= 1
+                elif isinstance(event, EngineError):
                     raise event
-                yield index, event
+                else:
+                    yield index, event
         finally:
-            for task in pumps:
+            for task in firsts + pumps:
                 task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
+            await asyncio.gather(*firsts, *pumps, return_exceptions=True)  # each out of its stream before it closes
             for stream in streams:
                 await stream.aclose()
 

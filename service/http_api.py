@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import secrets
@@ -39,7 +38,7 @@ from kvserve.contract.chat import ChatMessage
 
 from .engine import MAX_N as ENGINE_MAX_N
 from .engine import EngineError, InvalidArgument, QueueFull, Unavailable
-from .sampling import MAX_SEED, SamplingParams, nth_seed
+from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest
 
 log = logging.getLogger("kvserve.http")
@@ -300,33 +299,28 @@ class HttpApi:
             raise ApiError(400, f"the request body is not JSON: {exc}") from None
 
     async def _generate(self, request: Request, kind: str, method: str) -> Response:
-        streams = []
+        events = None
         try:
             self._authorized(request)
             engine = self.app.ready_engine()
             parsed = parse(await self._body(request), kind, self.model_name)
-            for index in range(parsed.n):  # seed 0 leaves each to the engine's own choice
-                streams.append(engine.generate(dataclasses.replace(parsed.request, sampling=nth_seed(parsed.request.sampling, index))))
-            # refusals (bad prompt, full queue) come before any response starts
-            firsts = await _unless_disconnected(request, _all(anext(stream) for stream in streams))
+            events = engine.generate_n(parsed.request, parsed.n)
+            # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
+            first = await _unless_disconnected(request, anext(events))
         except ApiError as error:
-            await _close(streams)
             return self._refusal(method, error)
         except EngineError as exc:
-            await _close(streams)
             return self._refusal(method, _engine_error(exc))
-        except StopAsyncIteration:  # the engine ended a stream without a token: not expected
-            await _close(streams)
+        except StopAsyncIteration:  # the engine ended the stream without a token: not expected
             return self._refusal(method, ApiError(500, "the generation ended without a token", code="internal_error"))
         except ClientGone:  # before its first token (waiting for a row, or prefilling): the sequences are cancelled
-            await _close(streams)
             self.app.metrics.on_request(method, "CANCELLED")
             return Response(status_code=499)
         ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"
         if parsed.stream:
-            return StreamingResponse(self._stream(streams, firsts, parsed, kind, method, ids), media_type="text/event-stream",
+            return StreamingResponse(self._stream(events, first, parsed, kind, method, ids), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._whole(request, streams, firsts, parsed, kind, method, ids)
+        return await self._whole(request, events, first, parsed, kind, method, ids)
 
     def _logprobs(self, kind: str, events: list) -> dict:
         """The choice's logprobs object for events (a whole answer's, or one streamed token's)."""
@@ -349,50 +343,39 @@ class HttpApi:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)}}
 
-    async def _whole(self, request: Request, streams: list, firsts: list, parsed: Parsed, kind: str, method: str, ids: str) -> Response:
+    async def _whole(self, request: Request, events, first, parsed: Parsed, kind: str, method: str, ids: str) -> Response:
         """Every token of every completion, then one body; a client that goes away first cancels the sequences."""
-        collected = [[first] for first in firsts]
+        collected: list[list] = [[] for _ in range(parsed.n)]
+        collected[first[0]].append(first[1])
 
-        async def rest(stream, events):
-            async for event in stream:
-                events.append(event)
+        async def rest():
+            async for index, event in events:
+                collected[index].append(event)
 
         try:
-            await _unless_disconnected(request, _all(rest(s, c) for s, c in zip(streams, collected) if c[-1].finish is None))
+            await _unless_disconnected(request, rest())
         except ClientGone:  # the sequences are cancelled: their rows are freed at the next step
-            await _close(streams)
             self.app.metrics.on_request(method, "CANCELLED")
             return Response(status_code=499)
         except EngineError as exc:
-            await _close(streams)
             return self._refusal(method, _engine_error(exc))
+        finally:
+            await events.aclose()
         choices = []
-        for index, events in enumerate(collected):
-            text = "".join(event.text for event in events)
-            choice = {"index": index, "logprobs": self._logprobs(kind, events) if parsed.logprobs else None,
-                      "finish_reason": FINISH_REASONS[events[-1].finish.reason]}
+        for index, completion in enumerate(collected):
+            text = "".join(event.text for event in completion)
+            choice = {"index": index, "logprobs": self._logprobs(kind, completion) if parsed.logprobs else None,
+                      "finish_reason": FINISH_REASONS[completion[-1].finish.reason]}
             choice.update({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})
             choices.append(choice)
         self.app.metrics.on_request(method, "OK")
         return JSONResponse({"id": ids, "object": "chat.completion" if kind == "chat" else "text_completion", "created": int(time.time()),
-                             "model": self.model_name, "choices": choices, "usage": self._usage([e[-1].finish for e in collected])})
+                             "model": self.model_name, "choices": choices, "usage": self._usage([c[-1].finish for c in collected])})
 
-    async def _stream(self, streams: list, firsts: list, parsed: Parsed, kind: str, method: str, ids: str):
+    async def _stream(self, events, first, parsed: Parsed, kind: str, method: str, ids: str):
         """Server-sent events: a chunk a token (of whichever completion made it), each completion's last with its finish
         reason, usage if asked, then [DONE]. Closed early (the client went away), every sequence is cancelled."""
         created, obj = int(time.time()), "chat.completion.chunk" if kind == "chat" else "text_completion"
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream, first) -> None:
-            try:
-                event = first
-                while True:
-                    merged.put_nowait((index, event))
-                    if event.finish is not None:
-                        return
-                    event = await anext(stream)
-            except EngineError as exc:
-                merged.put_nowait((index, exc))
 
         def chunk(choices, usage=None) -> str:
             body = {"id": ids, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -400,19 +383,17 @@ class HttpApi:
                 body["usage"] = usage
             return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        code, pumps = "OK", [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
+        async def everything():
+            yield first
+            async for item in events:
+                yield item
+
+        code, finishes = "OK", {}
         try:
             if kind == "chat":
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                             for i in range(len(streams))])
-            finishes = {}
-            while len(finishes) < len(streams):
-                index, event = await merged.get()
-                if isinstance(event, EngineError):  # the response has started: the error goes in the stream
-                    error = _engine_error(event)
-                    code = STATUS_CODES[error.status]
-                    yield f"data: {json.dumps(error.body())}\n\n"
-                    return
+                             for i in range(parsed.n)])
+            async for index, event in everything():
                 reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
                 choice = {"index": index, "logprobs": self._logprobs(kind, [event]) if parsed.logprobs else None, "finish_reason": reason}
                 choice.update({"delta": {"content": event.text}} if kind == "chat" else {"text": event.text})
@@ -420,36 +401,18 @@ class HttpApi:
                 if event.finish is not None:
                     finishes[index] = event.finish
             if parsed.include_usage:
-                yield chunk([], self._usage([finishes[i] for i in range(len(streams))]))
+                yield chunk([], self._usage([finishes[i] for i in range(parsed.n)]))
             yield "data: [DONE]\n\n"
+        except EngineError as exc:  # the response has started: the error goes in the stream
+            error = _engine_error(exc)
+            code = STATUS_CODES[error.status]
+            yield f"data: {json.dumps(error.body())}\n\n"
         except asyncio.CancelledError:
             code = "CANCELLED"
             raise
         finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)  # each out of its stream before the streams close
-            await _close(streams)
+            await events.aclose()
             self.app.metrics.on_request(method, code)
-
-
-async def _all(awaitables):
-    """Every result, in order; when one fails (or this is cancelled) the others are cancelled and waited for first, so
-    no engine stream is left running when its caller closes it."""
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
-async def _close(streams: list) -> None:
-    """Close engine streams: each sequence still running is cancelled (its row freed at the next step)."""
-    for stream in streams:
-        await stream.aclose()
 
 
 class ClientGone(Exception):
