@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import secrets
 import socket
 import ssl
@@ -36,12 +35,10 @@ from starlette.routing import Route
 
 from kvserve.contract.chat import ChatMessage
 
-from .engine import MAX_N as ENGINE_MAX_N
-from .engine import EngineError, InvalidArgument, QueueFull, Unavailable
+from .engine import MAX_N, EngineError, InvalidArgument, QueueFull, Unavailable
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest
 
-log = logging.getLogger("kvserve.http")
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop"}
 # The status each refusal gets, and the gRPC code name the request metric counts it under (one label set for both APIs).
@@ -54,7 +51,6 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "functions": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
           "presence_penalty", "frequency_penalty", "logit_bias", "min_p"}
-MAX_N = ENGINE_MAX_N
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: alternatives a token, as OpenAI bounds it
 ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(NOT_YET)}
 

@@ -164,12 +164,14 @@ def test_a_body_over_the_message_limit_is_413(running):
 def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row(client, running, stub, monkeypatch):
     slow_down(monkeypatch, running.app, 0.05)  # 200 tokens take 10 s: the streams are surely mid-generation
     url = f"http://127.0.0.1:{running.app.http_port}/v1/completions"
-    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "temperature": 0, "stream": True}
+    eos = {str(token): -100 for token in running.app.artifact.config.eos_token_ids}  # 200 tokens, never an early end
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 200, "temperature": 0, "stream": True, "logit_bias": eos}
     assert wait_for(lambda: live(stub).active_sequences == 0)  # the earlier tests' rows are free (max_queue is 0)
     with httpx.Client(timeout=60) as one, httpx.Client(timeout=60) as two:
         with one.stream("POST", url, json=body) as first, two.stream("POST", url, json=body) as second:
             assert (first.status_code, second.status_code) == (200, 200)
-            next(first.iter_lines()), next(second.iter_lines())  # both rows busy
+            readers = [first.iter_lines(), second.iter_lines()]  # kept: a dropped reader closes its response
+            next(readers[0]), next(readers[1])  # both rows busy
             assert live(stub).active_sequences == 2
             with pytest.raises(openai.RateLimitError):  # max_queue 0: nobody waits
                 client.completions.create(model=MODEL, prompt="y", max_tokens=2)
