@@ -56,7 +56,7 @@ MUTATIONS = (
     Mutation(
         "a sequence that samples takes the graph's greedy token",
         "service/sequence.py",
-        (("return self.params.greedy and self.params.repetition_penalty == 1.0", "return self.params.repetition_penalty == 1.0"),),
+        (("return self.params.greedy and not self.params.changes_logits", "return not self.params.changes_logits"),),
         ("tests/service/test_kv_slots.py::test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits",
          "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
     ),
