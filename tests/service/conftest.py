@@ -123,6 +123,33 @@ def slowed_server(artifact, monkeypatch, seconds: float = 0.01, **options):
         running.stop()
 
 
+def scrape(port: int) -> dict:
+    """A server's /metrics: {(sample name, frozenset(labels)): value}."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {
+        (sample.name, frozenset(sample.labels.items())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_artifact(tiny_artifact, tmp_path_factory):
+    """The tiny artifact (one token per byte) with the default model's chat template beside it, named tiny-chat."""
+    import shutil
+
+    from ..conftest import DEFAULT_CHECKPOINT
+
+    directory = tmp_path_factory.mktemp("chat") / "tiny-chat"
+    shutil.copytree(tiny_artifact, directory)
+    shutil.copy2(DEFAULT_CHECKPOINT / "chat_template.jinja", directory / "chat_template.jinja")
+    return directory
+
+
 def random_prompt(seed: int, length: int) -> list[int]:
     import numpy as np
 

@@ -1,8 +1,6 @@
 """Conversations over gRPC: rendered by the artifact's chat template into the same tokens a client could send
 itself; refused, with the field and the reason, by a model without a template and past the limits."""
 
-import shutil
-
 import grpc
 import pytest
 
@@ -15,12 +13,8 @@ from .conftest import collect, start_server
 
 
 @pytest.fixture(scope="module")
-def chat_server(tiny_artifact, tmp_path_factory):
-    """The tiny artifact (one token per byte) with the default model's chat template beside it."""
-    directory = tmp_path_factory.mktemp("chat") / "tiny-chat"
-    shutil.copytree(tiny_artifact, directory)
-    shutil.copy2(DEFAULT_CHECKPOINT / "chat_template.jinja", directory / "chat_template.jinja")
-    running = start_server(directory, max_batch_size=2, max_chat_messages=4, max_text_bytes=64)
+def chat_server(tiny_chat_artifact):
+    running = start_server(tiny_chat_artifact, max_batch_size=2, max_chat_messages=4, max_text_bytes=64)
     with grpc.insecure_channel(running.target) as channel:
         yield pb_grpc.GenerationServiceStub(channel)
     running.stop()

@@ -2,8 +2,6 @@
 client hides what is tested): chat and completions, streamed and whole, usage, log-probabilities, stop, seeds, the
 same tokens as gRPC, refusals with the right status naming the parameter, tokens, and a disconnect freeing its row."""
 
-import shutil
-
 import grpc
 import httpx2 as httpx  # openai 3 brings it (the httpx API under another name)
 import openai
@@ -12,17 +10,12 @@ import pytest
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from ..conftest import DEFAULT_CHECKPOINT
 from .conftest import collect, live, slow_down, start_server, wait_for
 
 
 @pytest.fixture(scope="module")
-def chat_artifact(tiny_artifact, tmp_path_factory):
-    """The tiny artifact (one token per byte) with the default model's chat template beside it."""
-    directory = tmp_path_factory.mktemp("http") / "tiny-chat"
-    shutil.copytree(tiny_artifact, directory)
-    shutil.copy2(DEFAULT_CHECKPOINT / "chat_template.jinja", directory / "chat_template.jinja")
-    return directory
+def chat_artifact(tiny_chat_artifact):
+    return tiny_chat_artifact
 
 
 @pytest.fixture(scope="module")

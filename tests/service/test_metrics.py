@@ -1,26 +1,14 @@
 """The Prometheus endpoint: scraped over HTTP after real traffic, every metric docs/deployment.md lists."""
 
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.v1 import generation_pb2 as pb
 
 from ..conftest import PROVIDER, PROVIDER_NAMES
-from .conftest import collect, live, long_request, slowed_server, wait_for
-
-
-def scrape(port: int) -> dict:
-    """{(sample name, frozenset(labels)): value}"""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
+from .conftest import collect, live, long_request, scrape, slowed_server, wait_for
 
 
 def test_metrics_count_requests_tokens_latencies_batches_and_the_provider(tiny_artifact, monkeypatch):

@@ -3,11 +3,9 @@ from a row in use) and prefills only the rest, with the same numbers as with the
 FinishDetails, GetModelInfo and the metrics, and switched off by --prompt-cache off."""
 
 import ctypes
-import urllib.request
 
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.contract.artifact import open_artifact
 from kvserve.contract.tolerances import TOLERANCES
@@ -18,7 +16,7 @@ from kvserve.service.scheduler import Scheduler
 from kvserve.v1 import generation_pb2 as pb
 
 from ..conftest import PROVIDER
-from .conftest import collect, live, random_prompt, sequence, start_server
+from .conftest import collect, live, random_prompt, scrape, sequence, start_server
 
 # --- the index ---------------------------------------------------------------------------------------------
 
@@ -193,13 +191,12 @@ def test_with_the_cache_off_nothing_is_kept_or_reused(runtime_and_config):
     assert batch.cached_rows() == 0 and all(seq.reused_prompt_tokens == 0 for seq in seqs)
 
 
-def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns(runtime_and_config):
+def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns(tiny_artifact):
     """SlotPool.pitched_copies is what cudaMemcpy2D runs under CUDA; here each copy runs as the same 2-D memory copy on
     the host pool (a memmove per head), and must equal the columns copied by numpy."""
-    runtime, config = runtime_and_config
-    if runtime.device != "cpu":
-        pytest.skip("the host pool's memory is read directly only on the CPU provider")
-    batch = SlotBatch(runtime, config, 3)
+    artifact = open_artifact(tiny_artifact)  # on the CPU provider whatever the tests' provider: a pool in host memory
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
+    batch = SlotBatch(runtime, artifact.config, 3)
     pool = batch.pool
     rng = np.random.default_rng(1)
     for array in pool.arrays:
@@ -215,11 +212,6 @@ def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns(runtime_a
 
 
 # --- through the server --------------------------------------------------------------------------------------
-
-
-def scrape(port: int) -> dict:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {(s.name, frozenset(s.labels.items())): s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
 @pytest.mark.parametrize("prompt_cache", [True, False], ids=["--prompt-cache on", "--prompt-cache off"])
