@@ -79,7 +79,9 @@ def test_log_probabilities_equal_grpcs(client, stub):
     wanted = [r.token.logprob for r in stub.Generate(pb.GenerateRequest(
         messages=pb.Conversation(messages=[pb.ChatMessage(**m) for m in MESSAGES]), max_new_tokens=6, return_logprobs=True))]
     got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True)
-    assert [entry.logprob for entry in got.choices[0].logprobs.content] == pytest.approx(wanted, abs=1e-6)
+    # the later request may take the earlier one's prompt from the prompt cache and compute only its last token: the
+    # same numbers within float32 rounding (the parity bound), not necessarily to the bit on every CPU
+    assert [entry.logprob for entry in got.choices[0].logprobs.content] == pytest.approx(wanted, abs=1e-4)
     completion = client.completions.create(model=MODEL, prompt="Moses", max_tokens=4, temperature=0, logprobs=1)
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
 
@@ -106,7 +108,7 @@ def test_penalties_bias_and_alternatives_equal_grpcs(client, stub):
         messages=pb.Conversation(messages=[pb.ChatMessage(**m) for m in MESSAGES]), max_new_tokens=4, return_logprobs=True, top_logprobs=3))]
     got = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3)
     for entry, alternatives in zip(got.choices[0].logprobs.content, wanted):
-        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(a.text, pytest.approx(a.logprob, abs=1e-6)) for a in alternatives]
+        assert [(t.token, t.logprob) for t in entry.top_logprobs] == [(a.text, pytest.approx(a.logprob, abs=1e-4)) for a in alternatives]
     completion = client.completions.create(model=MODEL, prompt="Moses", max_tokens=3, temperature=0, logprobs=2)
     assert all(len(top) <= 2 for top in completion.choices[0].logprobs.top_logprobs)
 
