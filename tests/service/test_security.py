@@ -184,7 +184,7 @@ print(results.count(size), flush=True)
 def test_a_flood_of_tokenize_calls_at_the_text_limit_does_not_stall_a_running_stream(server):
     """32 concurrent Tokenize calls of max_text_bytes each, from another client process (their per-id pieces once ran
     on the event loop and held a stream from 34 ms to 8.7 s): the streams run while they last take at most 3x as
-    long as alone (the median of them), none more than 6x."""
+    long as alone (the median of them), none more than 12x."""
     import time
 
     limit = server.app.engine.limits.max_text_bytes
@@ -211,8 +211,9 @@ def test_a_flood_of_tokenize_calls_at_the_text_limit_does_not_stall_a_running_st
     beside.sort()
     median = beside[len(beside) // 2]
     assert median <= 3 * alone, f"the median stream took {median * 1e3:.0f} ms beside the flood, {alone * 1e3:.0f} ms alone"
-    # On 2 cores gRPC's own threads moving the flood's ~40 MB still cost the worst stream up to ~4x (measured 2.9-3.8x).
-    assert beside[-1] <= 6 * alone, f"a stream took {beside[-1] * 1e3:.0f} ms beside the flood, {alone * 1e3:.0f} ms alone"
+    # On 2 cores gRPC's own threads moving the flood's ~40 MB still cost the worst stream several times its time alone
+    # (measured 2.9-3.8x, once 6.7x in CI); pieces computed in the server process again held one stream 24.5x.
+    assert beside[-1] <= 12 * alone, f"a stream took {beside[-1] * 1e3:.0f} ms beside the flood, {alone * 1e3:.0f} ms alone"
 
 
 def test_a_tokenize_worker_that_dies_is_replaced_and_the_call_still_answered(server, stub):
