@@ -54,6 +54,10 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text
 
+    def to_json(self) -> str:
+        """The tokenizer.json text (structured output builds its grammar tokenizer from it)."""
+        return self._tokenizer.to_str()
+
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's own text, in one call into the tokenizers library (which releases the GIL for a batch): a
         Python call per id held the GIL for hundreds of milliseconds on a text at the size limit."""

@@ -50,7 +50,7 @@ def _serve(args) -> int:
     limits = EngineLimits(
         max_batch_size=args.max_batch_size, max_queue=args.max_queue, step_token_budget=args.step_token_budget,
         max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
-        max_chat_messages=args.max_chat_messages, prompt_cache=args.prompt_cache,
+        max_chat_messages=args.max_chat_messages, prompt_cache=args.prompt_cache, max_response_format_bytes=args.max_response_format_bytes,
     )
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
@@ -85,8 +85,10 @@ def _generate(args) -> int:
 
     if args.system is not None and not args.chat:
         raise UserError("--system is the conversation's system message: it goes with --chat")
+    response_format = next(((kind, value) for kind, value in (("json_schema", args.json_schema), ("json_object", args.json),
+                                                               ("regex", args.regex), ("lark_grammar", args.grammar)) if value), None)
     stream_generation(args.target, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.timeout,
-                      security=_client_security(args), chat=args.chat, system=args.system)
+                      security=_client_security(args), chat=args.chat, system=args.system, response_format=response_format)
     return 0
 
 
@@ -245,6 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help=f"bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default {limits.max_text_bytes})")
     serve.add_argument("--max-chat-messages", type=positive, default=_env("MAX_CHAT_MESSAGES", limits.max_chat_messages, int),
                        help=f"messages in one conversation [KVSERVE_MAX_CHAT_MESSAGES] (default {limits.max_chat_messages})")
+    serve.add_argument("--max-response-format-bytes", type=positive,
+                       default=_env("MAX_RESPONSE_FORMAT_BYTES", limits.max_response_format_bytes, int),
+                       help=f"bytes of a response_format's schema, pattern or grammar [KVSERVE_MAX_RESPONSE_FORMAT_BYTES] "
+                       f"(default {limits.max_response_format_bytes})")
     serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES, int),
                        help=f"bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default {DEFAULT_MAX_MESSAGE_BYTES})")
     serve.add_argument("--max-context", type=positive, default=_env("MAX_CONTEXT", None, int),
@@ -275,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--chat", action="store_true",
                           help="send the prompt as a user's message in a conversation, rendered by the model's chat template")
     generate.add_argument("--system", help="with --chat: a system message before it")
+    structure = generate.add_mutually_exclusive_group()
+    structure.add_argument("--json-schema", metavar="FILE", help="constrain the output to this JSON schema (a .json file)")
+    structure.add_argument("--json", action="store_true", help="constrain the output to a JSON object")
+    structure.add_argument("--regex", metavar="PATTERN", help="constrain the output to this regular expression")
+    structure.add_argument("--grammar", metavar="FILE", help="constrain the output to this Lark grammar (llguidance's syntax)")
     generate.add_argument("--timeout", type=_bounded(float, 0.001, 1e6), default=120.0, help="deadline in seconds (default 120)")
     _client_security_flags(generate)
     generate.set_defaults(run=_generate)

@@ -38,7 +38,27 @@ class Mutation:
     tests: tuple[str, ...]  # pytest node ids expected to fail
 
 
+SO = "tests/service/test_structured.py"
+
 MUTATIONS = (
+    Mutation(
+        "a constrained row samples from its unmasked logits",
+        "service/sequence.py",
+        (("        return np.where(allowed, logits, -np.inf)", "        return logits"),),
+        (f"{SO}::test_sampling_under_a_mask_follows_the_masked_distribution", f"{SO}::test_every_output_validates_against_its_schema_greedy_and_sampled[tiny-enums]"),
+    ),
+    Mutation(
+        "a complete structure does not end its sequence",
+        "service/sequence.py",
+        (("(token in self.stop_ids or (self.constraint is not None and self.constraint.finished))", "(token in self.stop_ids)"),),
+        (f"{SO}::test_ignore_eos_keeps_an_open_pattern_going_and_a_closed_one_still_ends",),
+    ),
+    Mutation(
+        "sequences of one format share its compiled state",
+        "service/structured.py",
+        (("        return Constraint(compiled.deep_copy())", "        return Constraint(compiled)"),),
+        (f"{SO}::test_compiled_formats_are_cached_and_each_sequence_gets_its_own_state",),
+    ),
     Mutation(
         "slots: decode rows also read the column after their own",
         "service/kv_slots.py",
@@ -48,8 +68,8 @@ MUTATIONS = (
     Mutation(
         "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
         "service/kv_slots.py",
-        (("return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode])",
-          "return advance_each(decode, sampled.logits, sampled.greedy_tokens, None)"),),
+        (("return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)",
+          "return advance_each(decode, sampled.logits, sampled.greedy_tokens, None, masks)"),),
         ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",
          "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
     ),

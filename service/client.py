@@ -70,10 +70,24 @@ class RequestFailed(UserError):
 def stream_generation(
     target: str, prompt: str, max_new_tokens: int, temperature: float, seed: int, timeout: float, out=sys.stdout,
     security: ClientSecurity = ClientSecurity(), chat: bool = False, system: str | None = None,
+    response_format: tuple[str, str | bool] | None = None,
 ) -> dict:
     """Print the text as it streams, then one summary line; return the summary. chat: the prompt is a user's message
-    (after a system message, if given), and the reply the assistant's."""
+    (after a system message, if given), and the reply the assistant's. response_format: (kind, value) with kind a
+    ResponseFormat field: json_schema and lark_grammar name a file, regex is the pattern, json_object any value."""
     request = pb.GenerateRequest(max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature, seed=seed))
+    if response_format is not None:
+        kind, value = response_format
+        if kind == "json_object":
+            request.response_format.json_object.SetInParent()
+        elif kind == "regex":
+            request.response_format.regex = value
+        else:
+            flag = "--json-schema" if kind == "json_schema" else "--grammar"
+            try:
+                setattr(request.response_format, kind, _read(value, flag).decode("utf-8"))
+            except UnicodeDecodeError:
+                raise UserError(f"{flag} {value}: not UTF-8 text") from None
     if chat:
         turns = ([pb.ChatMessage(role="system", content=system)] if system else []) + [pb.ChatMessage(role="user", content=prompt)]
         request.messages.messages.extend(turns)

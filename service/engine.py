@@ -22,6 +22,7 @@ from .limits import MAX_SCALE, MIN_SCALE, EngineLimits
 from .sampling import SamplingParams, nth_seed
 from .scheduler import Scheduler
 from .sequence import GenerationRequest, Sequence
+from .structured import FormatCompiler, FormatError
 from .text import IncrementalDecoder, StopSequences
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Engine:
             raise ValueError("max_batch_size must be >= 1, max_queue >= 0 and step_token_budget >= 0")
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
+        self.formats = FormatCompiler(tokenizer, config.vocab_size, config.eos_token_ids, limits.max_response_format_bytes)
         self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._ids = itertools.count(1)
@@ -191,6 +193,12 @@ class Engine:
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids.update(config.eos_token_ids)
+        constraint = None
+        if request.response_format is not None:
+            try:
+                constraint = self.formats.compile(request.response_format)
+            except FormatError as exc:
+                raise InvalidArgument(exc.field, exc.message) from None
         if params.seed == 0:
             params = SamplingParams(**{**params.__dict__, "seed": secrets.randbits(63)})
         return Sequence(
@@ -203,6 +211,8 @@ class Engine:
             top_logprobs=request.top_logprobs,
             decoder=IncrementalDecoder(self.tokenizer, context=prompt[-PROMPT_CONTEXT_TOKENS:]),
             stops=StopSequences(request.stop_sequences),
+            constraint=constraint,
+            blocked_ids=tuple(config.eos_token_ids) if constraint is not None and request.ignore_eos else (),
         )
 
     def render_conversation(self, messages: list[ChatMessage]) -> list[int]:
@@ -245,6 +255,8 @@ class Engine:
                 event = await seq.events.get()
                 if isinstance(event, EngineError):  # ended by the server (see stop_streams): its own status
                     raise event
+                if isinstance(event, FormatError):  # the request's format failed during generation
+                    raise InvalidArgument(event.field, event.message)
                 if isinstance(event, BaseException):
                     raise SequenceFailed(f"generation failed: {type(event).__name__}: {event}") from event
                 yield event

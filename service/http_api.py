@@ -38,6 +38,7 @@ from kvserve.contract.chat import ChatMessage
 from .engine import MAX_N, EngineError, InvalidArgument, QueueFull, Unavailable
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest
+from .structured import FormatKind, ResponseFormat
 
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop"}
@@ -48,9 +49,9 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                429: "rate_limit_error", 500: "server_error", 503: "server_error"}
 # Parameters the API defines that kvserve does not implement yet: refused by name with 400 when set to anything but
 # their no-op value, never silently ignored.
-NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "response_format": None, "tools": None, "tool_choice": None, "functions": None}
+NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
-          "presence_penalty", "frequency_penalty", "logit_bias", "min_p"}
+          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"}
 MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs: alternatives a token, as OpenAI bounds it
 ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(NOT_YET)}
 
@@ -71,7 +72,8 @@ PARAMS = {"max_new_tokens": "max_tokens", "prompt.text": "prompt", "prompt.token
 
 def _engine_error(exc: EngineError) -> ApiError:
     if isinstance(exc, InvalidArgument):
-        return ApiError(400, str(exc), PARAMS.get(exc.field, exc.field.split("[")[0].replace("prompt.messages", "messages")), "invalid_value")
+        param = PARAMS.get(exc.field, exc.field.split("[")[0].replace("prompt.messages", "messages"))
+        return ApiError(400, str(exc), param.split(".")[0] if param.startswith("response_format") else param, "invalid_value")
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, Unavailable):
@@ -157,7 +159,8 @@ def parse(body, kind: str, model_name: str) -> Parsed:
     else:  # an int: the sampled token's log-probability and this many alternatives
         top = 0 if logprobs is None else _number(body, "logprobs", 0, 0, MAX_COMPLETION_LOGPROBS, int)
         logprobs = logprobs is not None
-    common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top)
+    common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top,
+                  response_format=_response_format(body.get("response_format")))
     if kind == "chat":
         request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))), **common)
     else:
@@ -171,6 +174,39 @@ def parse(body, kind: str, model_name: str) -> Parsed:
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
     return Parsed(request, stream, bool(options.get("include_usage")), logprobs, n)
+
+
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+MAX_SCHEMA_NAME = 64  # characters of json_schema.name, as OpenAI bounds it
+
+
+def _response_format(value) -> ResponseFormat | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema (always enforced, strict or not)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                       "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", "response_format")
+    kind = value["type"]
+    extra = sorted(set(value) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if extra:
+        raise ApiError(400, f"response_format of type {kind} takes no {extra[0]}", f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(FormatKind.JSON_OBJECT)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        raise ApiError(400, "response_format.json_schema must be an object with a schema (a JSON Schema object)", "response_format.json_schema")
+    unknown = sorted(set(spec) - JSON_SCHEMA_KEYS)
+    if unknown:
+        raise ApiError(400, f"unsupported parameter: response_format.json_schema.{unknown[0]}", f"response_format.json_schema.{unknown[0]}")
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_SCHEMA_NAME):
+        raise ApiError(400, f"response_format.json_schema.name must be 1 to {MAX_SCHEMA_NAME} characters", "response_format.json_schema.name")
+    if spec.get("strict") not in (None, True, False):
+        raise ApiError(400, "response_format.json_schema.strict must be true or false", "response_format.json_schema.strict")
+    return ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(spec["schema"]))
 
 
 def _messages(messages) -> list[ChatMessage]:

@@ -47,6 +47,7 @@ from kvserve.runtime.step import DecoderRuntime
 
 from .prompt_cache import PrefixIndex
 from .sequence import Sequence, StepEvent
+from .structured import FormatError, TokenMasks
 
 log = logging.getLogger(__name__)
 
@@ -79,15 +80,26 @@ def needs_logits(seqs: list[Sequence]) -> bool:
 
 
 def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens: np.ndarray,
-                 rows: list[int] | None = None) -> StepResults:
+                 rows: list[int] | None = None, masks=dict) -> StepResults:
     """logits (K, V) (None: a step that returned greedy tokens alone) and greedy_tokens (K,):
-    seqs[i]'s are row rows[i] (default: row i), read in place, not copied. One sequence's failure is that sequence's
-    alone."""
+    seqs[i]'s are row rows[i] (default: row i), read in place, not copied; masks: waits for the constrained ones'
+    allowed tokens (SlotBatch._start_masks), called after every unconstrained one has its token. One sequence's
+    failure is that sequence's alone."""
     results: StepResults = []
-    for i, seq in enumerate(seqs):
+    order = sorted(range(len(seqs)), key=lambda i: seqs[i].constraint is not None)  # stable: unconstrained first
+    allowed = None
+    for i in order:
+        seq = seqs[i]
         row = i if rows is None else rows[i]
         try:
-            results.append((seq, seq.advance(None if logits is None else logits[row], greedy_tokens[row])))
+            if seq.constraint is not None and allowed is None:
+                allowed = masks()
+            mask = allowed.get(seq) if seq.constraint is not None else None
+            results.append((seq, seq.advance(None if logits is None else logits[row], greedy_tokens[row], mask)))
+        except FormatError as exc:  # the request's format failed (outgrew its limits): its error, not a bug
+            log.info("sequence %d: %s", seq.id, exc)
+            seq.finished = True
+            results.append((seq, exc))
         except Exception as exc:  # a bug in one request's sampling or text must not stop the others
             log.exception("sequence %d failed", seq.id)
             seq.finished = True
@@ -113,6 +125,7 @@ class SlotBatch:
         self.cached: OrderedDict[int, None] = OrderedDict()  # free rows holding K/V, least recently used first
         self.copies_from_busy = prompt_cache and self.pool.copies_rows
         self._cell_bytes = 2 * config.n_layer * config.n_kv_head * config.d_head * np.dtype(runtime.kv_dtype).itemsize
+        self._masks: TokenMasks | None = None  # made for the first constrained sequence
 
     # --- what the engine and the scheduler read -----------------------------------------------------
 
@@ -163,6 +176,18 @@ class SlotBatch:
     def close(self) -> None:
         """The batch is no longer used: the runtime forgets the decode steps bound to its pool (and their CUDA graphs)."""
         self.runtime.release_pool(self.pool)
+        if self._masks is not None:
+            self._masks.close()
+
+    def _start_masks(self, sampling: list[Sequence]):
+        """Start computing the allowed tokens of the constrained sequences among sampling, beside the model step that
+        follows (and the unconstrained rows' sampling after it); returns a function that waits for them
+        ({sequence: (V,) bool}). A step waits only for what is left of them then, each bounded by llguidance's fuel."""
+        if not any(seq.constraint is not None for seq in sampling):
+            return dict
+        if self._masks is None:
+            self._masks = TokenMasks(self.config.vocab_size)
+        return self._masks.start(sampling).result
 
     def prepare_decode_shapes(self) -> None:
         """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits
@@ -185,10 +210,11 @@ class SlotBatch:
             input_ids[seq.slot] = seq.generated[-1]
             position_ids[seq.slot] = seq.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        masks = self._start_masks(decode)
         sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode))  # B rows
         for seq in decode:
             seq.cached_tokens += 1
-        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode])
+        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
         if self.fixed_decode and chunk is None:
@@ -221,6 +247,7 @@ class SlotBatch:
         chunk_row = solo if solo is not None else chunk
         decoded = decode + ([solo] if solo is not None else [])  # a token each
         sampling = decoded + ([chunk] if completes else [])  # logits_index's order
+        masks = self._start_masks(sampling)
         sampled = self.runtime.run_slots(
             pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
             np.asarray(logits_index, dtype=np.int64), needs_logits(sampling),
@@ -229,7 +256,7 @@ class SlotBatch:
             seq.cached_tokens += 1
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
-        return advance_each(sampling, sampled.logits, sampled.greedy_tokens)
+        return advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
 
     def fail_all(self, error: BaseException) -> StepResults:
         """Every sequence holding a row fails with error; the batch is empty afterwards, and, the pool's contents being

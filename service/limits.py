@@ -34,6 +34,7 @@ class EngineLimits:
     max_stop_length: int = 256  # characters of one stop sequence
     max_text_bytes: int = 256 * 1024  # UTF-8 bytes of a prompt's or a Tokenize request's text (a conversation's contents together)
     max_chat_messages: int = 256  # messages in one conversation
+    max_response_format_bytes: int = 64 * 1024  # UTF-8 bytes of a response_format's schema, pattern or grammar
     # Finished sequences' rows keep their K/V, and a prompt that begins like one of them prefills only the rest
     # (service/prompt_cache.py); off: every prompt is prefilled from its first token.
     prompt_cache: bool = True

@@ -14,6 +14,7 @@ import numpy as np
 from kvserve.contract.chat import ChatMessage
 
 from .sampling import SamplingParams, choose, log_probability, top_log_probabilities
+from .structured import Constraint, FormatError, ResponseFormat
 from .text import IncrementalDecoder, StopSequences
 
 
@@ -29,6 +30,7 @@ class GenerationRequest:
     return_logprobs: bool = False
     top_logprobs: int = 0  # with return_logprobs: this many likeliest alternatives each token
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None  # the output's structure (structured.py); None: free text
 
 
 class FinishReason(enum.Enum):
@@ -83,6 +85,8 @@ class Sequence:
     captured_logits: list | None = None  # the parity gate records the logits behind each token
     last_sent_ns: int | None = None  # when the previous token was handed to the client (metrics)
     events: asyncio.Queue | None = None
+    constraint: Constraint | None = None  # a response_format's grammar state: which tokens may come next
+    blocked_ids: tuple[int, ...] = ()  # with a constraint: ids never taken though the format allows them (ignore_eos)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -100,16 +104,17 @@ class Sequence:
     def takes_greedy_token(self) -> bool:
         """Whether the argmax of its logits is the token this sequence takes (greedy, no repetition penalty, no
         log-probability): then it takes the graph's greedy token (runtime.Sampled)."""
-        return self.params.greedy and not self.params.changes_logits and not self.return_logprobs
+        return self.params.greedy and not self.params.changes_logits and not self.return_logprobs and self.constraint is None
 
     @property
     def needs_logits(self) -> bool:
         """Whether a step must read this sequence's logits back: it samples from them, or records them (the gate)."""
         return not self.takes_greedy_token or self.captured_logits is not None
 
-    def advance(self, logits: np.ndarray | None, greedy_token: int | None = None) -> StepEvent:
+    def advance(self, logits: np.ndarray | None, greedy_token: int | None = None, allowed: np.ndarray | None = None) -> StepEvent:
         """Take the next token: greedy_token (the argmax of this sequence's logits, computed where the step ran) when
-        the sequence takes it, else chosen from its logits (V,); apply stop rules; return the event."""
+        the sequence takes it, else chosen from its logits (V,), among the allowed ones (V,) bool when it is
+        constrained; apply stop rules; return the event. Log-probabilities are the model's, before any mask."""
         now = time.monotonic_ns()
         if self.needs_logits and logits is None:
             raise ValueError(f"sequence {self.id} reads its logits, but the step returned only greedy tokens")
@@ -121,16 +126,19 @@ class Sequence:
             seen = None
             if self.params.repetition_penalty != 1.0:
                 seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
-            token = choose(logits, self.params, self.rng, seen, self.generated)
+            token = choose(self._masked(logits, allowed) if self.constraint is not None else logits, self.params, self.rng, seen,
+                           self.generated)
             logprob = log_probability(logits, token) if self.return_logprobs else None
         top = top_log_probabilities(logits, self.top_logprobs) if self.top_logprobs else None
         self.generated.append(token)
+        if self.constraint is not None and token not in self.stop_ids:  # an end-of-sequence token ends it instead
+            self.constraint.accept(token)
         if len(self.generated) == 1:
             self.first_token_ns = now
         text, stop = self.stops.push(self.decoder.push(token))
         reason = FinishReason.STOP_SEQUENCE if stop else None
-        if reason is None and token in self.stop_ids:
-            reason = FinishReason.END_OF_SEQUENCE
+        if reason is None and (token in self.stop_ids or (self.constraint is not None and self.constraint.finished)):
+            reason = FinishReason.END_OF_SEQUENCE  # the model ended it, or the structure is complete
         if reason is None and len(self.generated) >= self.max_new_tokens:
             reason = FinishReason.LENGTH
         if reason in (FinishReason.END_OF_SEQUENCE, FinishReason.LENGTH):
@@ -153,3 +161,15 @@ class Sequence:
                 cached_prompt_tokens=self.reused_prompt_tokens,
             )
         return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top)
+
+    def _masked(self, logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
+        """logits (V,) with every token the constraint does not allow at -inf (a copy)."""
+        if allowed is None:
+            raise ValueError(f"sequence {self.id} is constrained, but the step computed no mask for it")
+        self.constraint.check()
+        if self.blocked_ids:
+            allowed = allowed.copy()
+            allowed[list(self.blocked_ids)] = False
+        if not allowed.any():
+            raise FormatError("response_format", "no token may follow (only end-of-sequence, which ignore_eos refuses)")
+        return np.where(allowed, logits, -np.inf)

@@ -29,6 +29,7 @@ from .options import ServerOptions
 from .sampling import SamplingParams
 from .security import MetadataLimitInterceptor, TokenAuthInterceptor, TokenFile, server_credentials
 from .sequence import FinishReason, GenerationRequest, StepEvent
+from .structured import FormatKind, ResponseFormat
 from .tokenizing import TokenizeProcess
 
 log = logging.getLogger("kvserve.server")
@@ -207,6 +208,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 step_token_budget=engine.limits.step_token_budget, max_stop_sequences=engine.limits.max_stop_sequences,
                 max_stop_length=engine.limits.max_stop_length, max_text_bytes=engine.limits.max_text_bytes,
                 max_message_bytes=app.options.max_message_bytes, max_chat_messages=engine.limits.max_chat_messages,
+                max_response_format_bytes=engine.limits.max_response_format_bytes,
             ),
             live=pb.LiveCounts(
                 active_sequences=stats["active"], queued_sequences=stats["queued"], kv_slots_in_use=stats["active"], cached_rows=stats["cached"],
@@ -245,7 +247,19 @@ def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
         return_logprobs=request.return_logprobs,
         top_logprobs=request.top_logprobs,
         ignore_eos=request.ignore_eos,
+        response_format=_response_format(request.response_format) if request.HasField("response_format") else None,
     )
+
+
+FORMAT_KINDS = {"json_schema": FormatKind.JSON_SCHEMA, "json_object": FormatKind.JSON_OBJECT, "regex": FormatKind.REGEX,
+                "lark_grammar": FormatKind.GRAMMAR}
+
+
+def _response_format(message: pb.ResponseFormat) -> ResponseFormat:
+    kind = message.WhichOneof("format")
+    if kind is None:
+        raise InvalidArgument("response_format", "set one of json_schema, json_object, regex or lark_grammar")
+    return ResponseFormat(FORMAT_KINDS[kind], "" if kind == "json_object" else getattr(message, kind))
 
 
 def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:

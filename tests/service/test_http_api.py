@@ -130,7 +130,7 @@ def test_a_seed_repeats_its_tokens_and_stop_ends_the_text(client):
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"logit_bias": {"5": 101}}, "5"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
-    ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"), ({"response_format": {"type": "xml"}}, "response_format"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"max_tokens": 10**6}, "max_tokens"), ({"messages": [{"role": "", "content": "x"}]}, "messages"),
 ])
 def test_each_bad_or_unsupported_option_is_a_400_naming_it(client, options, param):
