@@ -78,6 +78,9 @@ bench: setup
 	$(BIN)/python bench/int8_decode.py --artifact $(ARTIFACTS)/gpt2
 	$(BIN)/python bench/llama_decode.py --artifact $(ARTIFACTS)/llama-135m
 	$(BIN)/python bench/int8_quality.py --checkpoint $(MODEL)
+	$(BIN)/python bench/http_load.py --artifact $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/prompt_cache.py --artifact $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/structured.py --artifact $(ARTIFACTS)/gpt2 --validity $(ARTIFACTS)/$(notdir $(MODEL)) $(ARTIFACTS)/gpt2
 
 # Local version labels (torch's "+cpu") are dropped: every pin must resolve from the public index alone.
 constraints:

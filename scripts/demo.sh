@@ -15,27 +15,31 @@ else
   source=(--checkpoint "$MODEL"); name="$MODEL"; ARTIFACT=${ARTIFACT:-${ARTIFACTS:-artifacts}/$(basename "$MODEL")}
 fi
 
-echo "== 1/5 export $name to $ARTIFACT and verify it against the eager model"
+echo "== 1/6 export $name to $ARTIFACT and verify it against the eager model"
 "$BIN/kvserve" export "${source[@]}" --out "$ARTIFACT" --overwrite
 
-echo "== 2/5 start the server on 127.0.0.1:$PORT"
+echo "== 2/6 start the server on 127.0.0.1:$PORT"
 "$BIN/kvserve" serve --model "$ARTIFACT" --port "$PORT" &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true' EXIT
 "$BIN/kvserve" health --target "127.0.0.1:$PORT" --wait 60 >/dev/null
 
-echo "== 3/5 stream a continuation of: $PROMPT"
+echo "== 3/6 stream a continuation of: $PROMPT"
 "$BIN/kvserve" generate --target "127.0.0.1:$PORT" --max-new-tokens 48 --temperature 0.8 --seed 7 "$PROMPT"
 
 if [ -f "$ARTIFACT/chat_template.jinja" ]; then
-  echo "== 4/5 the same model in a conversation, rendered by its chat template ($ARTIFACT/chat_template.jinja)"
+  echo "== 4/6 the same model in a conversation, rendered by its chat template ($ARTIFACT/chat_template.jinja)"
   "$BIN/kvserve" generate --target "127.0.0.1:$PORT" --chat --system "${SYSTEM:-Answer in the words of scripture.}" \
     --max-new-tokens 32 --temperature 0.8 --seed 7 "${QUESTION:-Who led the children of Israel out of Egypt?}"
 else
-  echo "== 4/5 no chat template in $ARTIFACT: no conversation to show"
+  echo "== 4/6 no chat template in $ARTIFACT: no conversation to show"
 fi
 
-echo "== 5/5 stop the server (SIGTERM: drain, then exit 0)"
+echo "== 5/6 structured output: the same model constrained to a regular expression (a date, a book, a chapter)"
+"$BIN/kvserve" generate --target "127.0.0.1:$PORT" --max-new-tokens 40 --temperature 0.8 --seed 7 \
+  --regex '(Genesis|Exodus|Psalms|John) [1-9][0-9]?:[1-9][0-9]?' "${QUESTION:-Where is the flood told?} "
+
+echo "== 6/6 stop the server (SIGTERM: drain, then exit 0)"
 kill -TERM "$server"
 wait "$server"
 trap - EXIT

@@ -44,7 +44,7 @@ MUTATIONS = (
     Mutation(
         "a constrained row samples from its unmasked logits",
         "service/sequence.py",
-        (("        return np.where(allowed, logits, -np.inf)", "        return logits"),),
+        (("self._allowed_ids(allowed) if self.constraint is not None else None)", "None)"),),
         (f"{SO}::test_sampling_under_a_mask_follows_the_masked_distribution", f"{SO}::test_every_output_validates_against_its_schema_greedy_and_sampled[tiny-enums]"),
     ),
     Mutation(

@@ -22,6 +22,9 @@ A step whose sampled rows all take the graph's greedy token (Sequence.takes_gree
 those tokens alone, so its logits never leave the device; one row that samples, reports log-probabilities or
 records its logits (the load gate's) makes the step read them (needs_logits).
 
+A step with constrained rows (a response_format, structured.py) computes their masks on a thread of its own while
+the model runs, samples the unconstrained rows first, then each constrained row among the ids its mask allows.
+
 A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, prompt_cache.py); a joining one takes
 the free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty
 row, else the least recently used cached one, and prefills only the rest. On the CPU provider rows 0..B-1 stay
@@ -182,7 +185,8 @@ class SlotBatch:
     def _start_masks(self, sampling: list[Sequence]):
         """Start computing the allowed tokens of the constrained sequences among sampling, beside the model step that
         follows (and the unconstrained rows' sampling after it); returns a function that waits for them
-        ({sequence: (V,) bool}). A step waits only for what is left of them then, each bounded by llguidance's fuel."""
+        ({sequence: the ids it may take, ascending}). A step waits only for what is left of them then, each bounded
+        by llguidance's fuel."""
         if not any(seq.constraint is not None for seq in sampling):
             return dict
         if self._masks is None:

@@ -58,10 +58,13 @@ def top_log_probabilities(logits: np.ndarray, k: int) -> list[tuple[int, float]]
 
 
 def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator, seen: np.ndarray | None,
-           generated: list[int] | None = None) -> int:
+           generated: list[int] | None = None, allowed: np.ndarray | None = None) -> int:
     """logits: (V,) float32 for one sequence; seen: the token ids so far, prompt included (for the repetition
     penalty); generated: the tokens generated so far (for the presence and frequency penalties, as OpenAI defines
-    them: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty)."""
+    them: logit[j] -= count[j] * frequency_penalty + (count[j] > 0) * presence_penalty); allowed: the ids that may be
+    taken, ascending (a constrained sequence's), None: all. The choice among allowed is the choice the whole
+    vocabulary would give with every other logit at -inf (top_k, top_p and min_p count allowed tokens only), made on
+    those logits alone: a mask often allows a few tokens of 50,000."""
     if params.logit_bias:
         logits = logits.astype(np.float64)  # a copy
         ids, biases = zip(*params.logit_bias)
@@ -75,6 +78,13 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
         ids = np.unique(seen)
         picked = logits[ids]
         logits[ids] = np.where(picked > 0, picked / params.repetition_penalty, picked * params.repetition_penalty)
+    if allowed is not None:
+        return int(allowed[_choose_among(logits[allowed], params, rng)])
+    return _choose_among(logits, params, rng)
+
+
+def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """The index in logits (K,), penalties applied, that the temperature, top_k, min_p and top_p choose."""
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits.astype(np.float64) / params.temperature

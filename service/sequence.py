@@ -113,8 +113,9 @@ class Sequence:
 
     def advance(self, logits: np.ndarray | None, greedy_token: int | None = None, allowed: np.ndarray | None = None) -> StepEvent:
         """Take the next token: greedy_token (the argmax of this sequence's logits, computed where the step ran) when
-        the sequence takes it, else chosen from its logits (V,), among the allowed ones (V,) bool when it is
-        constrained; apply stop rules; return the event. Log-probabilities are the model's, before any mask."""
+        the sequence takes it, else chosen from its logits (V,), among the allowed ones when it is
+        constrained (allowed: the ids its mask allows, ascending); apply stop rules; return the event.
+        Log-probabilities are the model's, before any mask."""
         now = time.monotonic_ns()
         if self.needs_logits and logits is None:
             raise ValueError(f"sequence {self.id} reads its logits, but the step returned only greedy tokens")
@@ -126,8 +127,7 @@ class Sequence:
             seen = None
             if self.params.repetition_penalty != 1.0:
                 seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
-            token = choose(self._masked(logits, allowed) if self.constraint is not None else logits, self.params, self.rng, seen,
-                           self.generated)
+            token = choose(logits, self.params, self.rng, seen, self.generated, self._allowed_ids(allowed) if self.constraint is not None else None)
             logprob = log_probability(logits, token) if self.return_logprobs else None
         top = top_log_probabilities(logits, self.top_logprobs) if self.top_logprobs else None
         self.generated.append(token)
@@ -162,14 +162,14 @@ class Sequence:
             )
         return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top)
 
-    def _masked(self, logits: np.ndarray, allowed: np.ndarray | None) -> np.ndarray:
-        """logits (V,) with every token the constraint does not allow at -inf (a copy)."""
+    def _allowed_ids(self, allowed: np.ndarray | None) -> np.ndarray:
+        """The ids this sequence may take next, ascending: its mask's (allowed), less the blocked ones."""
         if allowed is None:
             raise ValueError(f"sequence {self.id} is constrained, but the step computed no mask for it")
         self.constraint.check()
+        ids = allowed
         if self.blocked_ids:
-            allowed = allowed.copy()
-            allowed[list(self.blocked_ids)] = False
-        if not allowed.any():
+            ids = np.setdiff1d(ids, self.blocked_ids, assume_unique=True)
+        if not ids.size:
             raise FormatError("response_format", "no token may follow (only end-of-sequence, which ignore_eos refuses)")
-        return np.where(allowed, logits, -np.inf)
+        return ids

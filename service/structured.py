@@ -200,15 +200,15 @@ class TokenMasks:
 
     def start(self, sequences) -> Future | None:
         """Masks for the constrained ones of sequences (each with a .constraint, or None): a future of
-        {sequence: allowed (V,) bool}; None when none is constrained."""
+        {sequence: the ids it may take next, ascending}; None when none is constrained."""
         constrained = [s for s in sequences if s.constraint is not None]
         return self._thread.submit(self._compute, constrained) if constrained else None
 
     def _compute(self, constrained) -> dict:
         bits = np.zeros((len(constrained), self._words), dtype=np.int32)  # (K, ceil(V / 32)), bit i of word j: id 32j + i
         fill_next_token_bitmask_par(self._executor, [(s.constraint.matcher, i) for i, s in enumerate(constrained)], bits)
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size].view(bool)  # (K, V)
-        return {seq: allowed[i] for i, seq in enumerate(constrained)}
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]  # (K, V)
+        return {seq: np.flatnonzero(allowed[i]) for i, seq in enumerate(constrained)}
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

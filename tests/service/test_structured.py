@@ -184,8 +184,9 @@ def test_the_http_api_takes_openai_response_formats(trained_server):
                                           temperature=0)
     jsonschema.validate(json.loads(chat.choices[0].message.content), schema)
     assert chat.choices[0].finish_reason == "stop"
-    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in client.chat.completions.create(
-        model=model, messages=[{"role": "user", "content": "Who?"}], max_tokens=150, response_format=json_schema, temperature=0, stream=True) if chunk.choices)
+    chunks = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Who?"}], max_tokens=150,
+                                            response_format=json_schema, temperature=0, stream=True)
+    streamed = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert streamed == chat.choices[0].message.content
     completion = client.completions.create(model=model, prompt="{", max_tokens=150, extra_body={"response_format": {"type": "json_object"}},
                                            temperature=0)
