@@ -4,6 +4,8 @@ jsonschema; refusals named and bounded in time; a constrained row beside an unco
 
 import json
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,9 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from .conftest import collect, sequence, start_server
 
-SCHEMAS = json.loads((Path(__file__).parents[2] / "bench" / "structured_schemas.json").read_text())
+REPO = Path(__file__).resolve().parents[2]
+
+SCHEMAS = json.loads((REPO / "bench" / "structured_schemas.json").read_text())
 SAMPLINGS = [pb.SamplingParams(), pb.SamplingParams(temperature=1.0, seed=7), pb.SamplingParams(temperature=0.7, top_k=20, seed=8)]
 
 
@@ -201,6 +205,25 @@ def test_the_http_api_takes_openai_response_formats(trained_server):
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model=model, messages=[{"role": "user", "content": "x"}], response_format=bad)
         assert error.value.body["param"] == param, error.value.body
+
+
+def test_the_cli_constrains_from_a_schema_file_or_a_pattern_and_refuses_bad_ones_in_one_line(server, tmp_path):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMAS["enums"]))
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "kvserve.cli", "generate", "--target", server.target, "x", "--max-new-tokens", "200", *args],
+                              capture_output=True, text=True, cwd=REPO, timeout=60)
+
+    result = cli("--json-schema", str(schema))
+    assert result.returncode == 0 and "finished: end_of_sequence" in result.stdout, result.stderr
+    jsonschema.validate(json.loads(result.stdout.split("\n-- ")[0]), SCHEMAS["enums"])
+    result = cli("--regex", "[a-c]{4}")
+    assert result.returncode == 0 and re.match(r"[a-c]{4}\n-- 4 tokens", result.stdout), result.stdout
+    for args, message in [(("--json-schema", str(tmp_path / "missing.json")), "--json-schema"),
+                          (("--regex", "[0-9"), "INVALID_ARGUMENT: response_format.regex"), (("--json", "--regex", "a"), "not allowed with")]:
+        result = cli(*args)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 # --- the pieces, in-process ------------------------------------------------------------------------------------
