@@ -18,7 +18,7 @@ done
 # Llama family: fused attention (GroupQueryAttention, float16 only on CUDA) and float32, which auto keeps standard there.
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float16 --out "$ART/tiny-llama-float16" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float16-fused.txt"
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float32 --out "$ART/tiny-llama-float32" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float32.txt"
-step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_kv_slots.py tests/service/test_prompt_cache.py tests/service/test_fixed_decode.py tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
+step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_kv_slots.py tests/service/test_prompt_cache.py tests/service/test_structured.py tests/service/test_fixed_decode.py tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-grpc-cuda.txt"
@@ -30,5 +30,7 @@ step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float3
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16" --cuda-graph 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots-graph.txt"
 # The prompt cache on and off, and a prefix copy between rows (cudaMemcpy2D) against the prefill it saves.
 step $PY bench/prompt_cache.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | tee "$RESULTS/bench-prompt-cache-cuda-fp16.txt"
+# Structured output: 8 unconstrained streams beside 8 constrained ones on the GPU (the masks on the host, beside the step).
+step $PY bench/structured.py --provider cuda --artifact "$ART/gpt2-float16" --parts load validity --validity "$ART/gpt2-float16" 2>&1 | tee "$RESULTS/bench-structured-cuda-fp16.txt"
 step $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-serving-cuda.txt"
 exit $status

@@ -12,7 +12,7 @@ unconstrained ones beside them.
              tokens/s (target: with constrained neighbours within 5% of without) and each kind's inter-token p50
 
     python bench/structured.py [--artifact artifacts/gpt2] [--validity artifacts/kjv-gpt2 artifacts/gpt2]
-                               [--rounds 3] [--parts libraries validity load]
+                               [--rounds 3] [--parts libraries validity load] [--provider cpu]
 """
 
 from __future__ import annotations
@@ -163,14 +163,14 @@ def libraries(artifact: str) -> None:
 SAMPLINGS = [("greedy", pb.SamplingParams())] + [(f"seed {s}", pb.SamplingParams(temperature=1.0, seed=s)) for s in (1, 2, 3)]
 
 
-def validity(artifacts: list[str]) -> None:
+def validity(artifacts: list[str], provider: str) -> None:
     print("## Every output against its schema (jsonschema), greedy and 3 sampled seeds (temperature 1)\n")
     print("| model | schema | outputs | valid | finish reasons | tokens mean |\n|---|---|---:|---:|---|---:|")
     for artifact in artifacts:
         from kvserve.contract.artifact import open_artifact
 
         room = open_artifact(artifact).config.n_ctx - 16
-        with Server("validity", artifact, "cpu", None, []) as server, grpc.insecure_channel(server.target) as channel:
+        with Server("validity", artifact, provider, None, []) as server, grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
             for name, schema in SCHEMAS.items():
                 valid, reasons, tokens = 0, {}, []
@@ -247,12 +247,12 @@ async def _run(target: str, vocab: int, constrained: bool, neighbour_tokens: int
     }
 
 
-def load(artifact: str, rounds: int) -> None:
+def load(artifact: str, rounds: int, provider: str) -> None:
     from kvserve.contract.artifact import open_artifact
 
     vocab = open_artifact(artifact).config.vocab_size
     runs: dict[bool, list[dict]] = {True: [], False: []}
-    with Server("load", artifact, "cpu", None, []) as server:
+    with Server("load", artifact, provider, None, []) as server:
         pilot = asyncio.run(_run(server.target, vocab, True, 0, 99))
         length = int(statistics.median(pilot["neighbour lengths"]))
         for round_ in range(rounds):
@@ -277,6 +277,7 @@ def main() -> None:
     parser.add_argument("--artifact", default="artifacts/gpt2", help="the artifact for the libraries and load parts")
     parser.add_argument("--validity", nargs="+", default=["artifacts/kjv-gpt2", "artifacts/gpt2"], help="artifacts whose outputs are validated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--provider", default="cpu", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--parts", nargs="+", default=["libraries", "validity", "load"], choices=("libraries", "validity", "load"))
     args = parser.parse_args()
     if args.rounds < 1:
@@ -284,10 +285,10 @@ def main() -> None:
     if "libraries" in args.parts:
         libraries(args.artifact)
     if "validity" in args.parts:
-        validity(args.validity)
+        validity(args.validity, args.provider)
     if "load" in args.parts:
-        load(args.artifact, args.rounds)
-    print(f"machine: {describe('cpu')}")
+        load(args.artifact, args.rounds, args.provider)
+    print(f"machine: {describe(args.provider)}")
 
 
 if __name__ == "__main__":
