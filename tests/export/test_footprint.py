@@ -1,0 +1,25 @@
+"""The decode floor's byte accounting (export/footprint.py) against the graph's own initializers, data loaded."""
+
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from kvserve.contract.artifact import open_artifact
+from kvserve.export.footprint import step_footprint
+
+
+@pytest.mark.parametrize("fixture", ["tiny_artifact", "trained_int8_artifact"])
+def test_every_initializer_byte_is_read_whole_or_looked_up_by_row(fixture, request):
+    artifact = open_artifact(request.getfixturevalue(fixture))
+    config = artifact.config
+    column = 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
+    footprint = step_footprint(artifact.model_path, column)
+    graph = onnx.load(str(artifact.model_path)).graph
+    assert footprint.whole_bytes + footprint.lookup_table_bytes == sum(numpy_helper.to_array(t).nbytes for t in graph.initializer)
+    # The position table is only gathered, a row a token; so is the float32 token table of an int8 graph (its LM head
+    # reads an 8-bit copy); a float32 graph's token table is tied to its LM head, read whole.
+    token_table = config.vocab_size * config.d_model * 4
+    looked_up = config.n_ctx * config.d_model * 4 + (token_table if artifact.manifest.get("quantization") else 0)
+    assert footprint.lookup_table_bytes == looked_up
+    assert footprint.lookup_row_bytes == config.d_model * 4 * (2 if artifact.manifest.get("quantization") else 1)
+    assert footprint.decode_bytes(3, 10) == footprint.whole_bytes + 3 * (footprint.lookup_row_bytes + 10 * column)
