@@ -147,7 +147,11 @@ class FormatCompiler:
                 schema = json.loads(fmt.text)
             except (ValueError, RecursionError) as exc:
                 raise FormatError("response_format.json_schema", f"not JSON ({str(exc)[:200]})") from None
-            if not isinstance(schema, (dict, bool)):
+            if schema is False:
+                raise FormatError("response_format.json_schema", "false: no output satisfies it")
+            if schema is True:
+                schema = {}  # any JSON value
+            if not isinstance(schema, dict):
                 raise FormatError("response_format.json_schema", "a schema is a JSON object (or true/false)")
             depth = schema_depth(schema)
             if depth > MAX_SCHEMA_DEPTH:

@@ -80,6 +80,14 @@ def test_any_json_object_regex_and_grammar(stub, trained_stub):
                 assert isinstance(eval(text, {"__builtins__": {}}), int), text  # digits, + - and parentheses only
 
 
+def test_the_schema_true_takes_any_json_value(stub):
+    text, finish = generate(stub, pb.ResponseFormat(json_schema="true"), max_new_tokens=100, sampling=pb.SamplingParams(temperature=1.0, seed=5))
+    if finish.reason == pb.FINISH_REASON_END_OF_SEQUENCE:
+        json.loads(text)
+    else:
+        assert finish.reason == pb.FINISH_REASON_LENGTH
+
+
 def test_a_generation_cut_by_length_says_so(stub):
     schema = {"type": "object", "properties": {"text": {"type": "string", "minLength": 40}}, "required": ["text"]}
     text, finish = generate(stub, pb.ResponseFormat(json_schema=json.dumps(schema)), max_new_tokens=10)
@@ -105,6 +113,7 @@ REFUSALS = [
     (pb.ResponseFormat(json_schema='{"type": "strin"}'), "Invalid type"),
     (pb.ResponseFormat(json_schema="{"), "response_format.json_schema: not JSON"),
     (pb.ResponseFormat(json_schema="[1, 2]"), "a schema is a JSON object"),
+    (pb.ResponseFormat(json_schema="false"), "response_format.json_schema: false: no output satisfies it"),
     (pb.ResponseFormat(json_schema="{}" + " " * 70_000), "bytes; at most 65536"),
     (pb.ResponseFormat(json_schema=json.dumps(DEEP)), f"nested 42 deep; at most {MAX_SCHEMA_DEPTH}"),
     (pb.ResponseFormat(regex="[0-9"), "response_format.regex: "),
