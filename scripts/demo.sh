@@ -35,7 +35,7 @@ else
   echo "== 4/6 no chat template in $ARTIFACT: no conversation to show"
 fi
 
-echo "== 5/6 structured output: the same model constrained to a regular expression (a date, a book, a chapter)"
+echo "== 5/6 structured output: the same model constrained to a regular expression (a book, a chapter and a verse)"
 "$BIN/kvserve" generate --target "127.0.0.1:$PORT" --max-new-tokens 40 --temperature 0.8 --seed 7 \
   --regex '(Genesis|Exodus|Psalms|John) [1-9][0-9]?:[1-9][0-9]?' "${QUESTION:-Where is the flood told?} "
 
