@@ -50,19 +50,35 @@ def start_server(artifact, load: bool = True, **overrides) -> ServerThread:
     return ServerThread(ServerOptions(artifact=str(artifact), port=0, provider=PROVIDER, limits=limits, **rest), load=load)
 
 
-@pytest.fixture(scope="session")
-def server(tiny_artifact):
-    running = start_server(tiny_artifact, max_batch_size=8, max_queue=256)
-    yield running
-    running.stop()
+@contextlib.contextmanager
+def serving(artifact, **overrides):
+    """start_server's server, stopped on the way out (a failing fixture's too)."""
+    running = start_server(artifact, **overrides)
+    try:
+        yield running
+    finally:
+        running.stop()
 
 
-@pytest.fixture(scope="session")
-def stub(server):
+@contextlib.contextmanager
+def stub_of(server):
+    """A GenerationService stub on a channel of its own to server, closed on the way out."""
     from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
     with grpc.insecure_channel(server.target) as channel:
         yield pb_grpc.GenerationServiceStub(channel)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_artifact):
+    with serving(tiny_artifact, max_batch_size=8, max_queue=256) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def stub(server):
+    with stub_of(server) as client:
+        yield client
 
 
 def collect(stub, request, timeout: float = 60):

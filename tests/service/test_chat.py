@@ -6,18 +6,15 @@ import pytest
 
 from kvserve.contract.chat import load_chat_template, ChatMessage
 from kvserve.v1 import generation_pb2 as pb
-from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from ..conftest import DEFAULT_CHECKPOINT
-from .conftest import collect, start_server
+from .conftest import collect, serving, stub_of
 
 
 @pytest.fixture(scope="module")
 def chat_server(tiny_chat_artifact):
-    running = start_server(tiny_chat_artifact, max_batch_size=2, max_chat_messages=4, max_text_bytes=64)
-    with grpc.insecure_channel(running.target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
-    running.stop()
+    with serving(tiny_chat_artifact, max_batch_size=2, max_chat_messages=4, max_text_bytes=64) as running, stub_of(running) as stub:
+        yield stub
 
 
 def conversation(*turns):

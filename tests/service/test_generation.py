@@ -269,14 +269,10 @@ def test_one_failing_request_is_internal_while_the_others_finish(stub, server, m
 @pytest.fixture(scope="module")
 def small_batch_stub(tiny_artifact):
     """A server of three rows and a small step budget: joins, leaves and chunks at every turn."""
-    from kvserve.v1 import generation_pb2_grpc as pb_grpc
+    from .conftest import serving, stub_of
 
-    from .conftest import start_server
-
-    running = start_server(tiny_artifact, max_queue=64, max_batch_size=3, step_token_budget=6)
-    with grpc.insecure_channel(running.target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
-    running.stop()
+    with serving(tiny_artifact, max_queue=64, max_batch_size=3, step_token_budget=6) as running, stub_of(running) as stub:
+        yield stub
 
 
 def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks(small_batch_stub, tiny_model):

@@ -2,15 +2,13 @@
 client hides what is tested): chat and completions, streamed and whole, usage, log-probabilities, stop, seeds, the
 same tokens as gRPC, refusals with the right status naming the parameter, tokens, and a disconnect freeing its row."""
 
-import grpc
 import httpx2 as httpx  # openai 3 brings it (the httpx API under another name)
 import openai
 import pytest
 
 from kvserve.v1 import generation_pb2 as pb
-from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from .conftest import collect, live, slow_down, start_server, wait_for
+from .conftest import collect, live, serving, slow_down, stub_of, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -20,9 +18,8 @@ def chat_artifact(tiny_chat_artifact):
 
 @pytest.fixture(scope="module")
 def running(chat_artifact):
-    server = start_server(chat_artifact, http_port=0, max_batch_size=2, max_queue=0, max_message_bytes=4096)
-    yield server
-    server.stop()
+    with serving(chat_artifact, http_port=0, max_batch_size=2, max_queue=0, max_message_bytes=4096) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -32,8 +29,8 @@ def client(running):
 
 @pytest.fixture(scope="module")
 def stub(running):
-    with grpc.insecure_channel(running.target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
+    with stub_of(running) as client:
+        yield client
 
 
 MODEL = "tiny-chat"
@@ -142,13 +139,10 @@ def test_each_bad_or_unsupported_option_is_a_400_naming_it(client, options, para
 def test_another_model_is_404_and_a_model_without_a_template_refuses_chat(client, tiny_artifact):
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=MESSAGES)
-    plain = start_server(tiny_artifact, http_port=0)
-    try:
+    with serving(tiny_artifact, http_port=0) as plain:
         other = openai.OpenAI(base_url=f"http://127.0.0.1:{plain.app.http_port}/v1", api_key="x", max_retries=0)
         with pytest.raises(openai.BadRequestError, match="no chat template"):
             other.chat.completions.create(model="tiny", messages=MESSAGES)
-    finally:
-        plain.stop()
 
 
 def test_a_body_over_the_message_limit_is_413(running):
@@ -179,21 +173,17 @@ def test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row(client, runn
 
 def test_tokens_are_required_when_the_server_has_them(chat_artifact, tmp_path):
     (tmp_path / "tokens").write_text("s3cret\n")
-    server = start_server(chat_artifact, http_port=0, auth_tokens=str(tmp_path / "tokens"))
-    try:
+    with serving(chat_artifact, http_port=0, auth_tokens=str(tmp_path / "tokens")) as server:
         base = f"http://127.0.0.1:{server.app.http_port}"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0).models.list()
         assert httpx.post(base + "/v1/completions", json={"model": MODEL, "prompt": "x"}).status_code == 401
         assert [m.id for m in openai.OpenAI(base_url=base + "/v1", api_key="s3cret", max_retries=0).models.list()] == [MODEL]
         assert httpx.get(base + "/health").status_code == 200  # probes need no token
-    finally:
-        server.stop()
 
 
 def test_the_http_port_serves_the_grpc_ports_tls_certificate(chat_artifact, pki):
-    server = start_server(chat_artifact, http_port=0, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key"))
-    try:
+    with serving(chat_artifact, http_port=0, tls_cert=str(pki / "server.pem"), tls_key=str(pki / "server.key")) as server:
         base = f"https://127.0.0.1:{server.app.http_port}"
         import ssl
 
@@ -204,18 +194,13 @@ def test_the_http_port_serves_the_grpc_ports_tls_certificate(chat_artifact, pki)
             httpx.get(base + "/health")
         with pytest.raises(httpx.HTTPError):  # plaintext on the TLS port
             httpx.get(f"http://127.0.0.1:{server.app.http_port}/health", timeout=5)
-    finally:
-        server.stop()
 
 
 def test_while_loading_the_api_answers_503_and_health_says_not_serving(chat_artifact):
-    server = start_server(chat_artifact, load=False, http_port=0)
-    try:
+    with serving(chat_artifact, load=False, http_port=0) as server:
         base = f"http://127.0.0.1:{server.app.http_port}"
         health = httpx.get(base + "/health")
         assert health.status_code == 503 and health.json()["status"] == "not serving"
         with pytest.raises(openai.InternalServerError) as error:
             openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0).completions.create(model=MODEL, prompt="a")
         assert error.value.status_code == 503 and "still loading" in error.value.body["message"]
-    finally:
-        server.stop()

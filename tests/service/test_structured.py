@@ -21,9 +21,8 @@ from kvserve.service.structured import (
     MAX_SCHEMA_DEPTH, FormatCompiler, FormatError, FormatKind, ResponseFormat, TokenMasks, schema_depth,
 )
 from kvserve.v1 import generation_pb2 as pb
-from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from .conftest import collect, sequence, start_server
+from .conftest import collect, sequence, serving, stub_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -34,15 +33,14 @@ SAMPLINGS = [pb.SamplingParams(), pb.SamplingParams(temperature=1.0, seed=7), pb
 @pytest.fixture(scope="module")
 def trained_server(trained_int8_artifact):
     """The default model (byte-level BPE, 4,096 tokens), with the HTTP API."""
-    server = start_server(trained_int8_artifact, http_port=0, max_batch_size=4)
-    yield server
-    server.stop()
+    with serving(trained_int8_artifact, http_port=0, max_batch_size=4) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def trained_stub(trained_server):
-    with grpc.insecure_channel(trained_server.target) as channel:
-        yield pb_grpc.GenerationServiceStub(channel)
+    with stub_of(trained_server) as stub:
+        yield stub
 
 
 def generate(stub, fmt: pb.ResponseFormat, max_new_tokens: int = 200, prompt: str = "Answer: ", **fields):
