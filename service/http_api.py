@@ -67,13 +67,13 @@ class ApiError(Exception):
 
 # The engine names gRPC's fields; an HTTP client is told the OpenAI parameter it sent.
 PARAMS = {"max_new_tokens": "max_tokens", "prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt.messages": "messages",
-          "stop_sequences": "stop", "sampling.temperature": "temperature", "sampling.top_p": "top_p"}
+          "stop_sequences": "stop", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+          "response_format.json_schema": "response_format", "response_format.json_object": "response_format"}
 
 
 def _engine_error(exc: EngineError) -> ApiError:
     if isinstance(exc, InvalidArgument):
-        param = PARAMS.get(exc.field, exc.field.split("[")[0].replace("prompt.messages", "messages"))
-        return ApiError(400, str(exc), param.split(".")[0] if param.startswith("response_format") else param, "invalid_value")
+        return ApiError(400, str(exc), PARAMS.get(exc.field, exc.field.split("[")[0].replace("prompt.messages", "messages")), "invalid_value")
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, Unavailable):

@@ -187,11 +187,12 @@ class SlotBatch:
         follows (and the unconstrained rows' sampling after it); returns a function that waits for them
         ({sequence: the ids it may take, ascending}). A step waits only for what is left of them then, each bounded
         by llguidance's fuel."""
-        if not any(seq.constraint is not None for seq in sampling):
+        constrained = [seq for seq in sampling if seq.constraint is not None]
+        if not constrained:
             return dict
         if self._masks is None:
             self._masks = TokenMasks(self.config.vocab_size)
-        return self._masks.start(sampling).result
+        return self._masks.start(constrained).result
 
     def prepare_decode_shapes(self) -> None:
         """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits

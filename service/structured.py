@@ -202,11 +202,10 @@ class TokenMasks:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
         self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 1) // 2)))
 
-    def start(self, sequences) -> Future | None:
-        """Masks for the constrained ones of sequences (each with a .constraint, or None): a future of
-        {sequence: the ids it may take next, ascending}; None when none is constrained."""
-        constrained = [s for s in sequences if s.constraint is not None]
-        return self._thread.submit(self._compute, constrained) if constrained else None
+    def start(self, constrained) -> Future:
+        """Masks for constrained (sequences with a .constraint): a future of {sequence: the ids it may take next,
+        ascending}."""
+        return self._thread.submit(self._compute, constrained)
 
     def _compute(self, constrained) -> dict:
         bits = np.zeros((len(constrained), self._words), dtype=np.int32)  # (K, ceil(V / 32)), bit i of word j: id 32j + i
