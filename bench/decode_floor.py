@@ -23,11 +23,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step import onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.footprint import step_footprint  # noqa: E402
-from kvserve.runtime.pool import pool_capacity  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 BANDWIDTH_BYTES = 2**30
@@ -44,16 +44,6 @@ def read_bandwidth(threads: int, repeats: int = 5) -> float:
             list(pool.map(np.sum, parts))  # numpy releases the GIL while it sums
             best = max(best, buffer.nbytes / (time.perf_counter() - start))
     return best
-
-
-def decode_step(runtime: DecoderRuntime, config, rows: int, past: int):
-    """A callable: one decode step of rows rows, each at position past (reading past + 1 columns)."""
-    pool = runtime.new_pool(rows, config.n_kv_head, config.head_dim, pool_capacity(config))
-    tokens = np.full(rows, 42, np.int64)  # (B,)
-    positions = np.full(rows, past, np.int64)  # (B,)
-    mask = np.ones((rows, past + 1), np.int64)  # (B, W)
-    empty = np.zeros(0, np.int64)
-    return lambda: runtime.run_slots(pool, tokens, positions, mask, empty, 0, 0, np.arange(rows), False)
 
 
 def main() -> None:
@@ -74,7 +64,7 @@ def main() -> None:
         kv_itemsize = 2 if artifact.dtype == "float16" else 4
         footprint = step_footprint(artifact.model_path, 2 * config.n_layer * config.n_kv_head * config.head_dim * kv_itemsize)
         runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
-        steps = {rows: decode_step(runtime, config, rows, args.past) for rows in (1, 16)}
+        steps = {rows: onnx_step(runtime, config, args.past, rows, with_logits=False) for rows in (1, 16)}
         for step in steps.values():
             step()  # warm
         graphs.append((path, artifact, footprint, steps))

@@ -14,14 +14,15 @@ def one_row_pool(runtime: DecoderRuntime, config) -> SlotPool:
     return runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
 
 
-def onnx_step(runtime: DecoderRuntime, config, past_len: int):
-    """A callable running one decode step of one row at position past_len (reading past_len + 1 columns). Every call
-    writes the same column, which changes nothing timed."""
-    pool = one_row_pool(runtime, config)
-    position = np.array([past_len], np.int64)  # (B,)
-    mask = np.ones((1, past_len + 1), np.int64)  # (B, W)
-    token, no_chunk, logits_index = np.array([42], np.int64), np.zeros(0, np.int64), np.zeros(1, np.int64)
-    return lambda: runtime.run_slots(pool, token, position, mask, no_chunk, 0, 0, logits_index)
+def onnx_step(runtime: DecoderRuntime, config, past_len: int, rows: int = 1, with_logits: bool = True):
+    """A callable running one decode step of rows rows, each at position past_len (reading past_len + 1 columns);
+    with_logits=False reads back the greedy tokens alone, as a greedy server step does. Every call writes the same
+    columns, which changes nothing timed."""
+    pool = runtime.new_pool(rows, config.n_kv_head, config.head_dim, pool_capacity(config))
+    position = np.full(rows, past_len, np.int64)  # (B,)
+    mask = np.ones((rows, past_len + 1), np.int64)  # (B, W)
+    tokens, no_chunk, logits_index = np.full(rows, 42, np.int64), np.zeros(0, np.int64), np.arange(rows)
+    return lambda: runtime.run_slots(pool, tokens, position, mask, no_chunk, 0, 0, logits_index, with_logits)
 
 
 def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n: int) -> list[int]:

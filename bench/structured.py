@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 from serving_latency import Server  # noqa: E402
 
+from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.v1 import generation_pb2 as pb  # noqa: E402
 from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -63,7 +64,6 @@ def libraries(artifact: str) -> None:
     from llguidance.numpy import fill_next_token_bitmask
     from outlines_core.json_schema import build_regex_from_schema
 
-    from kvserve.contract.artifact import open_artifact
     from kvserve.service.structured import JSON_OPTIONS
 
     servable = open_artifact(artifact)
@@ -167,8 +167,6 @@ def validity(artifacts: list[str], provider: str) -> None:
     print("## Every output against its schema (jsonschema), greedy and 3 sampled seeds (temperature 1)\n")
     print("| model | schema | outputs | valid | finish reasons | tokens mean |\n|---|---|---:|---:|---|---:|")
     for artifact in artifacts:
-        from kvserve.contract.artifact import open_artifact
-
         room = open_artifact(artifact).config.n_ctx - 16
         with Server("validity", artifact, provider, None, []) as server, grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
@@ -248,8 +246,6 @@ async def _run(target: str, vocab: int, constrained: bool, neighbour_tokens: int
 
 
 def load(artifact: str, rounds: int, provider: str) -> None:
-    from kvserve.contract.artifact import open_artifact
-
     vocab = open_artifact(artifact).config.vocab_size
     runs: dict[bool, list[dict]] = {True: [], False: []}
     with Server("load", artifact, provider, None, []) as server:
