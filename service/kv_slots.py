@@ -83,21 +83,23 @@ def needs_logits(seqs: list[Sequence]) -> bool:
 
 
 def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens: np.ndarray,
-                 rows: list[int] | None = None, masks=dict) -> StepResults:
+                 rows: list[int] | None = None, masks=None) -> StepResults:
     """logits (K, V) (None: a step that returned greedy tokens alone) and greedy_tokens (K,):
-    seqs[i]'s are row rows[i] (default: row i), read in place, not copied; masks: waits for the constrained ones'
-    allowed tokens (SlotBatch._start_masks), called after every unconstrained one has its token. One sequence's
-    failure is that sequence's alone."""
+    seqs[i]'s are row rows[i] (default: row i), read in place, not copied; masks (None: no row is constrained): waits
+    for the constrained ones' allowed tokens (SlotBatch._start_masks), called after every unconstrained one has its
+    token. One sequence's failure is that sequence's alone."""
     results: StepResults = []
-    order = sorted(range(len(seqs)), key=lambda i: seqs[i].constraint is not None)  # stable: unconstrained first
+    order = range(len(seqs))
+    if masks is not None:  # unconstrained first (a stable sort), while the masks finish
+        order = sorted(order, key=lambda i: seqs[i].constraint is not None)
     allowed = None
     for i in order:
         seq = seqs[i]
         row = i if rows is None else rows[i]
         try:
-            if seq.constraint is not None and allowed is None:
+            if seq.constraint is not None and allowed is None and masks is not None:
                 allowed = masks()
-            mask = allowed.get(seq) if seq.constraint is not None else None
+            mask = allowed.get(seq) if allowed is not None and seq.constraint is not None else None
             results.append((seq, seq.advance(None if logits is None else logits[row], greedy_tokens[row], mask)))
         except FormatError as exc:  # the request's format failed (outgrew its limits): its error, not a bug
             log.info("sequence %d: %s", seq.id, exc)
@@ -185,11 +187,11 @@ class SlotBatch:
     def _start_masks(self, sampling: list[Sequence]):
         """Start computing the allowed tokens of the constrained sequences among sampling, beside the model step that
         follows (and the unconstrained rows' sampling after it); returns a function that waits for them
-        ({sequence: the ids it may take, ascending}). A step waits only for what is left of them then, each bounded
-        by llguidance's fuel."""
+        ({sequence: the ids it may take, ascending}), or None when none is constrained. A step waits only for what
+        is left of them then, each bounded by llguidance's fuel."""
         constrained = [seq for seq in sampling if seq.constraint is not None]
         if not constrained:
-            return dict
+            return None
         if self._masks is None:
             self._masks = TokenMasks(self.config.vocab_size)
         return self._masks.start(constrained).result
