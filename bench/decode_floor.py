@@ -53,14 +53,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--past", type=int, default=64, help="cached tokens each row attends over (plus its own)")
     args = parser.parse_args()
-    if args.steps < 1 or args.rounds < 1:
-        parser.error("--steps and --rounds must be >= 1")
+    if args.steps < 1 or args.rounds < 1 or args.past < 0:
+        parser.error("--steps and --rounds must be >= 1, --past >= 0")
     cores = os.cpu_count() or 1
     single, parallel = read_bandwidth(1), read_bandwidth(cores)
     graphs = []
     for path in args.artifacts:
         artifact = open_artifact(path)
         config = artifact.config
+        if args.past >= config.n_ctx:
+            sys.exit(f"{path}: its context holds {config.n_ctx} positions; --past {args.past} needs {args.past + 1}")
         kv_itemsize = 2 if artifact.dtype == "float16" else 4
         footprint = step_footprint(artifact.model_path, 2 * config.n_layer * config.n_kv_head * config.head_dim * kv_itemsize)
         runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
