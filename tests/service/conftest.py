@@ -130,13 +130,10 @@ def slowed_server(artifact, monkeypatch, seconds: float = 0.01, **options):
     """A server of the test's own whose model steps each take `seconds` longer: (server, stub, channel)."""
     from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-    running = start_server(artifact, **options)
-    try:
+    with serving(artifact, **options) as running:
         slow_down(monkeypatch, running.app, seconds)
         with grpc.insecure_channel(running.target) as channel:
             yield running, pb_grpc.GenerationServiceStub(channel), channel
-    finally:
-        running.stop()
 
 
 def scrape(port: int) -> dict:

@@ -307,8 +307,6 @@ def test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_a
 
 
 def test_a_float16_artifact_is_served_end_to_end(tiny_float16_artifact, tiny_model):
-    from kvserve.v1 import generation_pb2_grpc as pb_grpc
-
     from .conftest import start_server
 
     running = start_server(tiny_float16_artifact)
@@ -330,28 +328,24 @@ def test_a_float16_artifact_is_served_end_to_end(tiny_float16_artifact, tiny_mod
     assert sum(t == int(expected[k].argmax()) for k, (t, _) in enumerate(got)) >= 19  # greedy, up to a near tie
 
 
-def test_max_context_cuts_every_sequence_and_its_kv_row(tiny_artifact, tiny_model):
+def test_max_context_cuts_every_sequence_and_its_kv_row(tiny_artifact, tiny_model, monkeypatch):
     """serve --max-context 40: requests that would outgrow 40 tokens are refused by name, rows hold 40 columns (and
-    the scratch one), and what fits is generated exactly as without the cut."""
-    from .conftest import start_server
+    the scratch one), and what fits is generated exactly as without the cut. Steps take 10 ms longer, so the stream
+    whose row is counted is still running (at full speed it could finish its 30 tokens before the count)."""
+    from .conftest import slowed_server
 
-    running = start_server(tiny_artifact, max_batch_size=2, max_context=40)
-    try:
-        with grpc.insecure_channel(running.target) as channel:
-            stub = pb_grpc.GenerationServiceStub(channel)
-            info = stub.GetModelInfo(pb.GetModelInfoRequest())
-            assert info.limits.max_total_tokens == 40 and info.config.context_length == tiny_model.config.n_ctx
-            with pytest.raises(grpc.RpcError) as error:
-                collect(stub, greedy(list(range(1, 31)), 11))
-            assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in error.value.details()
-            prompt = list(range(1, 31))
-            ids, _, finish = collect(stub, greedy(prompt, 0))  # 0: as many as fit, now 10
-            assert ids == generate(tiny_model, [prompt], 10).tokens[0].tolist()
-            stream = stub.Generate(greedy([1, 2], 30), timeout=60)
-            next(stream)
-            (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
-            config = tiny_model.config
-            assert seq.kv_cache_bytes == 41 * 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
-            stream.cancel()
-    finally:
-        running.stop()
+    with slowed_server(tiny_artifact, monkeypatch, max_batch_size=2, max_context=40) as (_, stub, _channel):
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert info.limits.max_total_tokens == 40 and info.config.context_length == tiny_model.config.n_ctx
+        with pytest.raises(grpc.RpcError) as error:
+            collect(stub, greedy(list(range(1, 31)), 11))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_new_tokens" in error.value.details()
+        prompt = list(range(1, 31))
+        ids, _, finish = collect(stub, greedy(prompt, 0))  # 0: as many as fit, now 10
+        assert ids == generate(tiny_model, [prompt], 10).tokens[0].tolist()
+        stream = stub.Generate(greedy([1, 2], 30), timeout=60)
+        next(stream)
+        (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
+        config = tiny_model.config
+        assert seq.kv_cache_bytes == 41 * 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
+        stream.cancel()
