@@ -43,9 +43,9 @@ greedy_tokens is each of those rows' argmax (the first on a tie, as numpy's), co
 step whose rows all choose greedily reads back K tokens instead of K x vocab_size logits (on a GPU, 128 bytes
 instead of 3.2 MB for 16 gpt2 rows).
 
-A `slots` graph's attention is `standard` (the ops above) or `fused` (Llama family, head_dim a multiple of 16:
-ONNX Runtime's com.microsoft.GroupQueryAttention does rotation, cache write and attention, model/
-fused_attention.py). The operator reads each row's columns up to its last position and writes only the
+A `slots` graph's attention is `standard` (the ops above) or `fused` (GPT-2 and the Llama family, head_dim a
+multiple of 16: ONNX Runtime's com.microsoft.GroupQueryAttention does the cache write and the attention, and
+the Llama family's rotation, model/fused_attention.py). The operator reads each row's columns up to its last position and writes only the
 rows it is given, so the graph has no masks and no chunk_slot: B rows take S new tokens each (decode rows,
 S = 1, or a lone prompt chunk as the one row), and a chunk of T >= 0 tokens goes into a row of its own,
 bound to that row of the same pool. Each layer's attention is an If on T: one operator without a chunk,
@@ -98,8 +98,8 @@ DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: 
 
 DTYPES = ("float32", "float16")
 # Weight quantizations an artifact may carry (manifest "quantization"): the graph's I/O is unchanged, its
-# weight matrices are 8-bit. export/quantize.py makes them; tolerances.py says how close they must stay.
-QUANTIZATIONS = ("int8",)
+# weight matrices are 8- or 4-bit. export/quantize.py makes them; tolerances.py says how close they must stay.
+QUANTIZATIONS = ("int8", "int4")
 
 
 def past_names(layer: int) -> tuple[str, str]:

@@ -25,6 +25,7 @@ PLACEHOLDER_DOMAIN, PLACEHOLDER = "kvserve", "RowsAndChunkAttention"
 _MICROSOFT = onnxscript.values.Opset(MICROSOFT, 1)
 _KVSERVE = onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1)
 _ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+_TABLE_INPUTS = (9, 10)  # the placeholder's cos and sin
 
 
 def declare_operators() -> None:
@@ -51,22 +52,24 @@ def declare_operators() -> None:
         ("chunk_tokens", "I"))]
     outputs = [param(name, "T") for name in ("output", "rows_key_out", "rows_value_out", "chunk_key_out", "chunk_value_out")]
     onnx.defs.register_schema(OpSchema(PLACEHOLDER, PLACEHOLDER_DOMAIN, 1, inputs=inputs, outputs=outputs,
-                                       type_constraints=types + [("I", ["tensor(int64)"], "token ids")], attributes=heads))
+                                       type_constraints=types + [("I", ["tensor(int64)"], "token ids")], attributes=heads + [rotary]))
 
 
 def rows_and_chunk_placeholder(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos,
-                               sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int):
+                               sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int, rotary: bool):
     """kvserve::rows_and_chunk_attention as the placeholder node expand_rows_and_chunk_attention replaces."""
     return _KVSERVE.RowsAndChunkAttention(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last,
-                                          chunk_total, cos, sin, row_tokens, chunk_tokens, num_heads=n_head, kv_num_heads=n_kv_head)
+                                          chunk_total, cos, sin, row_tokens, chunk_tokens, num_heads=n_head, kv_num_heads=n_kv_head,
+                                          do_rotary=int(rotary))
 
 
 def _group_query_attention(query: str, past_key: str, past_value: str, last: str, total: str, cos: str, sin: str, outputs: list[str],
-                           n_head: int, n_kv_head: int) -> onnx.NodeProto:
+                           n_head: int, n_kv_head: int, rotary: int) -> onnx.NodeProto:
     """The operator with packed unrotated QKV (B, S, (H + 2 H_kv) d_k), the rows as a shared past/present buffer,
-    seqlens_k = each row's last position, rotary on."""
-    return helper.make_node("GroupQueryAttention", [query, "", "", past_key, past_value, last, total, cos, sin], outputs,
-                            domain=MICROSOFT, name=outputs[0], num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=1)
+    seqlens_k = each row's last position, rotary on (cos/sin tables given) or off (none)."""
+    tables = [cos, sin] if rotary else ["", ""]
+    return helper.make_node("GroupQueryAttention", [query, "", "", past_key, past_value, last, total, *tables], outputs,
+                            domain=MICROSOFT, name=outputs[0], num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=rotary)
 
 
 def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
@@ -81,22 +84,23 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
             nodes.append(node)
             continue
         inputs = list(node.input)
+        attrs = {a.name: a.i for a in node.attribute}
+        n_head, n_kv_head = attrs["num_heads"], attrs["kv_num_heads"]
+        rotary = attrs.get("do_rotary", 1)
         for i, name in enumerate(inputs):
-            if name in initializers:  # referenced from the branches only, an initializer looks unused to graph tools
+            if name in initializers and (rotary or i not in _TABLE_INPUTS):  # referenced from the branches only, an initializer looks unused to graph tools
                 if name not in passed:  # (onnxruntime.quantization drops such): a main-graph Identity keeps it in use
                     passed[name] = f"{name}/kvserve_fused"
                     nodes.append(helper.make_node("Identity", [name], [passed[name]]))
                 inputs[i] = passed[name]
         qkv, rows_k, rows_v, chunk_k, chunk_v, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens = inputs
-        attrs = {a.name: a.i for a in node.attribute}
-        n_head, n_kv_head = attrs["num_heads"], attrs["kv_num_heads"]
         if (row_tokens, chunk_tokens) not in shared:  # the step's shapes, computed once for every layer
             shared[(row_tokens, chunk_tokens)] = _step_shapes(row_tokens, chunk_tokens, f"kvserve_fused_{len(shared)}")
             nodes += shared[(row_tokens, chunk_tokens)][0]
         shapes = shared[(row_tokens, chunk_tokens)][1]
         y, pk, pv, ck, cv = node.output
         p = f"{y}/"  # the If's own value names
-        heads = (n_head, n_kv_head)
+        heads = (n_head, n_kv_head, rotary)
 
         def flat(name: str, out: str) -> onnx.NodeProto:  # (B, S, H d_k) -> (B S, H d_k)
             return helper.make_node("Flatten", [name], [out], axis=2)
@@ -127,6 +131,9 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
                                       then_branch=branch("then", then_nodes), else_branch=branch("else", else_nodes)))
     del graph.node[:]
     graph.node.extend(nodes)
+    used = {name for n in _all_nodes(graph) for name in n.input}
+    for init in [i for i in graph.initializer if i.name not in used]:
+        graph.initializer.remove(init)  # an unrotated step's empty cos/sin tables, read by nothing now
     imports = [o for o in model.opset_import if o.domain != PLACEHOLDER_DOMAIN]
     if not any(o.domain == MICROSOFT for o in imports):
         imports.append(helper.make_opsetid(MICROSOFT, 1))

@@ -91,7 +91,7 @@ def fused_attention_refusal(model: Decoder, kv_cache: str) -> str | None:
     if kv_cache != io.SLOTS:
         return f"fused attention is a slots KV cache graph (got --kv-cache {kv_cache})"
     if not hasattr(model, "forward_slots_fused"):
-        return f"fused attention covers the Llama family (rotary embeddings), not {config.model_type}"
+        return f"fused attention is not written for {config.model_type}"
     if not supports_fused_attention(config.head_dim):
         return f"fused attention needs head_dim a multiple of 16 (ONNX Runtime's GroupQueryAttention); this model's is {config.head_dim}"
     return None

@@ -43,6 +43,9 @@ class VerifyRefused(UserError):
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
 DECODE_PROMPTS = (7, 13)
 GREEDY_PROMPTS = (5, 9)
+# A model whose held-out perplexity is above this share of its vocabulary has not learned the text (the trained
+# default model: 22 of 4,096; the random gpt2 preset: 57,000 of 50,257).
+LEARNED_PERPLEXITY_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -327,10 +330,13 @@ class _Verification:
             return None
         windows = eval_windows(load_tokenizer(self.artifact.tokenizer_path).encode, self.config.vocab_size, self.config.n_ctx)
         text = text_quality(self.driver, self.reference, windows)
-        text["passed"] = bool(
-            text["top1_agreement"] >= bound.top1_min and text["kl_mean"] <= bound.kl_mean_max
-            and text["perplexity_ratio"] <= bound.perplexity_ratio_max and np.mean(text["greedy_prefix"]) >= bound.greedy_prefix_min
-        )
+        # A model that has not learned the text (random preset weights: perplexity near its vocabulary's size) spreads
+        # its probability nearly evenly, so its argmax, its greedy path and its perplexity move with any rounding:
+        # there only KL, which weighs each token by its probability, is held; the rest is reported.
+        text["learned"] = bool(text["perplexity_eager"] <= LEARNED_PERPLEXITY_SHARE * self.config.vocab_size)
+        text["passed"] = bool(text["kl_mean"] <= bound.kl_mean_max and (not text["learned"] or (
+            text["top1_agreement"] >= bound.top1_min and text["perplexity_ratio"] <= bound.perplexity_ratio_max
+            and np.mean(text["greedy_prefix"]) >= bound.greedy_prefix_min)))
         return text
 
     def argmax(self) -> ArgmaxResult | None:
@@ -423,6 +429,9 @@ def format_report(report: ParityReport) -> str:
             f"mean KL {text['kl_mean']:.2e}, perplexity {text['perplexity_onnx']:.3f} vs eager {text['perplexity_eager']:.3f} "
             f"(x{text['perplexity_ratio']:.4f}); greedy prefix matching eager: {text['greedy_prefix']} of {text['greedy_steps']}"
         )
+        if not text["learned"]:
+            lines.append("held-out text: the eager model has not learned it (perplexity near its vocabulary's size): mean KL "
+                         "held, top-1, perplexity and greedy prefix reported")
     bad = report.first_failing_layer_head
     lines.append("first (layer, head) over tolerance: "
                  + (f"layer {bad.layer}, head {bad.head} (max abs Δ {bad.max_abs:.2e})" if bad else "none"))

@@ -30,6 +30,7 @@ from kvserve.runtime.providers import cuda_available
 from kvserve.contract import artifact as art
 from kvserve.contract import io_contract as io
 from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
+from .graph_fusions import fuse_operators
 from .quantize import SCHEMES, QuantizeError, quantize_model
 from .parity import format_report, verify, write_report
 
@@ -99,7 +100,7 @@ AUTO = "auto"
 
 def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, requested: str = AUTO) -> str:
     """The slots graph's attention: what was asked for (refused by name when the model cannot have it), or for "auto"
-    fused wherever it runs (Llama family, head_dim a multiple of 16, the slots cache), except a float32 graph that
+    fused wherever it runs (GPT-2 and the Llama family, head_dim a multiple of 16, the slots cache), except a float32 graph that
     this machine would verify on CUDA, whose GroupQueryAttention kernel is float16 only there."""
     if requested not in (AUTO, *io.ATTENTIONS):
         raise ExportError(f"unknown attention {requested!r}; choose one of auto, {', '.join(io.ATTENTIONS)}")
@@ -141,9 +142,13 @@ def export_artifact(
         model = model.float().eval()
         with stage(f"trace the {kv_cache} graph ({dtype}, {attention} attention)"):
             proto, graph = trace_graph(model, dtype, kv_cache, attention)
+        if dtype == "float32":  # ONNX Runtime's fused kernels are held to float32 parity here; float16 keeps the plain ops
+            with stage("fuse operators"):
+                graph["fused_operators"] = fuse_operators(proto)
         if quantize is not None:
             with stage(f"quantize the weights ({quantize})"):
                 proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention)
+                graph["fused_operators"] = graph["quantization"].pop("fused_operators")
         with stage("check and save the graph"):
             graph["external_data"] = save_graph(proto, staging)
         del proto  # its weights are on disk now; verify loads the graph from there
@@ -168,6 +173,7 @@ def export_artifact(
             "kv_cache": kv_cache,
             "attention": attention,
             "quantization": graph.get("quantization"),
+            "fused_operators": graph.get("fused_operators", {}),
             "architecture": model.config.architecture,
             "model_type": model.config.model_type,
             "kv_heads": model.config.n_kv_head,

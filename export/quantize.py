@@ -1,9 +1,11 @@
 """Weight quantization: a step of the export pipeline that rewrites an exported float32 graph's weight matrices
-to 8 bits, leaving its inputs, outputs and KV contract exactly as they were.
+to 8 or 4 bits, leaving its inputs, outputs and KV contract exactly as they were.
 
-Schemes (chosen by measurement, bench/int8_decode.py; docs/parity.md, "Int8"):
-  int8          com.microsoft.MatMulNBits, 8-bit symmetric blocks of BLOCK_SIZE input rows per output column,
-                each with its own float scale; accuracy level 4 lets the CPU kernel multiply in int8 (VNNI/AMX).
+Schemes (chosen by measurement, bench/int8_decode.py and bench/decode_floor.py; docs/parity.md, "Int8" and "Int4"):
+  int8          com.microsoft.MatMulNBits, 8-bit symmetric blocks of input rows per output column (BLOCKS),
+                each with its own float scale; accuracy level 4 lets the CPU kernel multiply in int8 (VNNI/AMX),
+                each row's activations quantized on their own (a row's numbers never depend on its neighbours).
+  int4          the same operator with 4-bit weights: half the bytes a decode step reads.
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
                 (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
 Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
@@ -23,9 +25,14 @@ from onnx import numpy_helper
 
 from kvserve.contract.io_contract import QUANTIZATIONS
 
+from .graph_fusions import fuse_operators
+
 SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
-BLOCK_SIZE = 32
-ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider
+# (bits, block size) per MatMulNBits scheme. A block is that many input rows of one output column sharing a scale;
+# bigger blocks read fewer scales and the CPU kernel rescales less often. Chosen by bench/quantize_blocks.py
+# (docs/parity.md, "Block sizes").
+BLOCKS = {"int8": (8, 128), "int4": (4, 128)}
+ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider (the 4-bit weights are widened to 8 in the kernel)
 
 
 class QuantizeError(RuntimeError):
@@ -102,14 +109,16 @@ def quantize_model(model: onnx.ModelProto, scheme: str) -> tuple[onnx.ModelProto
     count = weight_matmuls(model)
     if count == 0:
         raise QuantizeError("the graph has no weight MatMul to quantize")
+    fused = fuse_operators(model)  # again: the bias Adds the Gemms left fold into the fused kernels before MatMul becomes MatMulNBits
     logging.getLogger("onnxruntime.quantization").setLevel(logging.WARNING)
-    if scheme == "int8":
+    if scheme in BLOCKS:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-        quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=BLOCK_SIZE, is_symmetric=True, accuracy_level=ACCURACY_LEVEL)
+        bits, block_size = BLOCKS[scheme]
+        quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL)
         quantizer.process()
         quantized = quantizer.model.model
-        facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": 8, "block_size": BLOCK_SIZE, "symmetric": True,
+        facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
                  "accuracy_level": ACCURACY_LEVEL}
     elif scheme == "int8-dynamic":
         from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -132,4 +141,4 @@ def quantize_model(model: onnx.ModelProto, scheme: str) -> tuple[onnx.ModelProto
     left = weight_matmuls(quantized)
     if left:
         raise QuantizeError(f"{left} of {count} weight MatMuls were left in float32")
-    return quantized, {**facts, "weight_matmuls": count}
+    return quantized, {**facts, "weight_matmuls": count, "fused_operators": fused}

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from kvserve.contract.io_contract import QUANTIZATIONS
 from kvserve.errors import JobFailed, UserError
 
 
@@ -195,14 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--attention", choices=("auto", "fused", "standard"), default="auto",
         help="a slots graph's attention: fused (ONNX Runtime's GroupQueryAttention, one a layer, two in a step with a "
-        "prompt chunk; Llama family with "
+        "prompt chunk; GPT-2 and the Llama family with "
         "head_dim a multiple of 16), standard (ONNX ops), or auto (default: fused where it runs, except float32 "
         "exported on a CUDA machine, whose fused kernel is float16 only)",
     )
     export.add_argument(
-        "--quantize", choices=("int8",), default=None,
-        help="8-bit weights (MatMulNBits, blocks of 32; float32 graph only), verified against the float32 eager "
-        "model within the int8 tolerances (docs/parity.md, \"Int8\")",
+        "--quantize", choices=QUANTIZATIONS, default=None,
+        help="8- or 4-bit weights (MatMulNBits, blocks of 128; float32 graph only), verified against the float32 eager "
+        "model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
     )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")

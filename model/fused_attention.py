@@ -1,12 +1,13 @@
-"""Rotary grouped-query attention over cache rows as one operator: the eager definition of what ONNX Runtime's
-com.microsoft.GroupQueryAttention computes, so a Llama-family `slots` step can be exported with fused attention
-(export/fused_graph.py spells it in ONNX; tests hold the two to each other).
+"""Grouped-query attention over cache rows as one operator: the eager definition of what ONNX Runtime's
+com.microsoft.GroupQueryAttention computes, so a `slots` step can be exported with fused attention
+(export/fused_graph.py spells it in ONNX; tests hold the two to each other). The Llama family rotates Q and K
+inside the operator; GPT-2 (learned position embeddings, added before the first layer) runs it unrotated.
 
-rotary_row_attention: for each of B rows, S new tokens (packed Q, K and V, not yet rotated) sit at the
-positions last - S + 1 .. last of that row, which are also their cache columns. They are rotated by their
-positions (rotate_half arithmetic, the cos/sin tables indexed by position), written into the row's K/V
-buffer, and attend causally to the row's columns 0 .. their own. Columns past a row's last token are never
-read, so a buffer row holds whatever it held there.
+row_attention: for each of B rows, S new tokens (packed Q, K and V, not yet rotated) sit at the
+positions last - S + 1 .. last of that row, which are also their cache columns. With rotary tables they are
+rotated by their positions (rotate_half arithmetic, the cos/sin tables indexed by position); then written
+into the row's K/V buffer, and attend causally to the row's columns 0 .. their own. Columns past a row's last
+token are never read, so a buffer row holds whatever it held there.
 
 rows_and_chunk_attention: a whole step's attention, B rows of S tokens and a prompt chunk of T tokens in a
 row of its own, T possibly 0: the torch custom op the exporter sees, one If a layer in ONNX (with a chunk,
@@ -38,7 +39,32 @@ def rotary_tables(inv_freq: list[float], positions: int, dtype: torch.dtype) -> 
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def rotary_row_attention(
+class FusedSlotStep:
+    """What every layer of a fused `slots` step shares: B rows of S new tokens, a row's tokens ending at its last
+    position, and a chunk of T >= 0 tokens of one more row; with rotary tables (cos, sin, each (P, d_k / 2),
+    covering every column a row can have) Q and K are rotated, without them (GPT-2) they are not."""
+
+    def __init__(self, input_ids, position_ids, chunk_ids, chunk_position_ids, tables: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype):
+        self.row_tokens, self.chunk_tokens = input_ids, chunk_ids  # (B, S), (1, T): their shapes tell the operator
+        self.rows_last = position_ids[:, -1].to(torch.int32)  # (B,): the operator's seqlens_k, each row's length - 1
+        self.rows_total = self.rows_last.max() + 1  # () int32: the longest row, as the operator wants it
+        # The chunk's last position; with T = 0 (no chunk) a 0 the operator never reads, not an index past the end.
+        self.chunk_last = torch.cat([chunk_position_ids, chunk_position_ids.new_zeros(1, 1)], dim=1).amax(dim=1).to(torch.int32)  # (1,)
+        self.chunk_total = self.chunk_last.max() + 1  # ()
+        self.rotary = tables is not None
+        empty = torch.zeros(0, 1, dtype=dtype)  # the operator's cos/sin inputs stay unset when nothing rotates
+        self.cos, self.sin = tables if tables is not None else (empty, empty)
+
+    def attend(self, qkv: torch.Tensor, rows: "tuple[torch.Tensor, torch.Tensor]", chunk_row: "tuple[torch.Tensor, torch.Tensor]", n_head: int,
+               n_kv_head: int):
+        """A layer's packed qkv (B S + T, (H + 2 H_kv) d_k) against its rows and the chunk's row: the attention output
+        (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V), written."""
+        y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, self.rows_last, self.rows_total, self.chunk_last, self.chunk_total,
+                                               self.cos, self.sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary)
+        return y, tuple(present[:2]), tuple(present[2:])
+
+
+def row_attention(
     qkv: torch.Tensor,  # (B, S, (H + 2 H_kv) d_k)
     past_key: torch.Tensor,  # (B, H_kv, C, d_k)
     past_value: torch.Tensor,  # (B, H_kv, C, d_k)
@@ -47,15 +73,19 @@ def rotary_row_attention(
     sin: torch.Tensor,  # (P, d_k / 2)
     n_head: int,
     n_kv_head: int,
+    rotary: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the attention output (B, S, H d_k) and the rows' K and V with the new tokens written."""
     B, S, _ = qkv.shape
     C, d_k = past_key.shape[2], past_key.shape[3]
     positions = last_position.long()[:, None] - S + 1 + torch.arange(S, device=qkv.device)  # (B, S)
     q, k, v = qkv.view(B, S, n_head + 2 * n_kv_head, d_k).split([n_head, n_kv_head, n_kv_head], dim=2)  # (B, S, heads, d_k)
-    cos_p, sin_p = cos[positions][:, :, None], sin[positions][:, :, None]  # (B, S, 1, d_k / 2)
+    if rotary:
+        cos_p, sin_p = cos[positions][:, :, None], sin[positions][:, :, None]  # (B, S, 1, d_k / 2)
 
     def rotate(x):  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+        if not rotary:
+            return x
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat([x1 * cos_p - x2 * sin_p, x2 * cos_p + x1 * sin_p], dim=-1)
 
@@ -79,26 +109,27 @@ def rows_and_chunk_attention(
     rows_total: torch.Tensor,  # () int32: the longest row after the step (the operator's total_sequence_length)
     chunk_last: torch.Tensor,  # (1,) int32
     chunk_total: torch.Tensor,  # () int32
-    cos: torch.Tensor,  # (P, d_k / 2)
-    sin: torch.Tensor,  # (P, d_k / 2)
+    cos: torch.Tensor,  # (P, d_k / 2); (0, 1) when not rotary
+    sin: torch.Tensor,  # (P, d_k / 2); (0, 1) when not rotary
     row_tokens: torch.Tensor,  # (B, S): read for its shape only
     chunk_tokens: torch.Tensor,  # (1, T): read for its shape only
     n_head: int,
     n_kv_head: int,
+    rotary: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written."""
     (B, S), T = row_tokens.shape, chunk_tokens.shape[1]
-    tables = (cos, sin, n_head, n_kv_head)
-    y_rows, rows_key, rows_value = rotary_row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, *tables)  # (B, S, H d_k)
+    tables = (cos, sin, n_head, n_kv_head, rotary)
+    y_rows, rows_key, rows_value = row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, *tables)  # (B, S, H d_k)
     y_rows = y_rows.reshape(B * S, -1)  # (B S, H d_k)
     if T == 0:
         return y_rows, rows_key, rows_value, chunk_key.clone(), chunk_value.clone()
-    y_chunk, chunk_key, chunk_value = rotary_row_attention(qkv[B * S :].reshape(1, T, -1), chunk_key, chunk_value, chunk_last, *tables)  # (1, T, H d_k)
+    y_chunk, chunk_key, chunk_value = row_attention(qkv[B * S :].reshape(1, T, -1), chunk_key, chunk_value, chunk_last, *tables)  # (1, T, H d_k)
     return torch.cat([y_rows, y_chunk.reshape(T, -1)]), rows_key, rows_value, chunk_key, chunk_value
 
 
 @rows_and_chunk_attention.register_fake
 def _(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens,
-      n_head, n_kv_head):
+      n_head, n_kv_head, rotary):
     y = qkv.new_empty(qkv.shape[0], n_head * rows_key.shape[3])
     return y, torch.empty_like(rows_key), torch.empty_like(rows_value), torch.empty_like(chunk_key), torch.empty_like(chunk_value)

@@ -22,6 +22,7 @@ from torch import nn
 
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
 from .config import DecoderConfig
+from .fused_attention import FusedSlotStep
 
 class LayerNorm(nn.LayerNorm):
     """LayerNorm whose statistics are always computed in float32, so a float16 model stays stable."""
@@ -57,6 +58,12 @@ class CausalSelfAttention(nn.Module):
         y, present = slots_attention(q.view(shape), k.view(shape), v.view(shape), step, past)  # (N, C)
         return self.c_proj(y[None]), present
 
+    def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
+        """x (B S + T, C): S new tokens for each of B rows, then T chunk tokens (see Llama's forward_fused); the cache
+        write and the attention are one operator for the rows and one for the chunk, nothing rotated."""
+        y, present, chunk_present = step.attend(self.c_attn(x), rows, chunk_row, self.n_head, self.n_head)  # (B S + T, C)
+        return self.c_proj(y), present, chunk_present  # (B S + T, C)
+
 
 class MLP(nn.Module):
     def __init__(self, config: DecoderConfig):
@@ -90,6 +97,12 @@ class Block(nn.Module):
         x = x + attn_out
         x = x + self.mlp(self.ln_2(x))
         return x, present
+
+    def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
+        attn_out, present, chunk_present = self.attn.forward_fused(self.ln_1(x), step, rows, chunk_row)
+        x = x + attn_out
+        x = x + self.mlp(self.ln_2(x))
+        return x, present, chunk_present
 
 
 class GPT2(nn.Module):
@@ -174,3 +187,20 @@ class GPT2(nn.Module):
             presents.append(present)
         x = self.transformer.ln_f(x[0].index_select(0, logits_index))  # (K, C): only the tokens sampled from
         return (x @ self.transformer.wte.weight.T).float(), presents  # (K, V)
+
+    def forward_slots_fused(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values: list[LayerKV],
+                            chunk_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV], list[LayerKV]]:
+        """The `slots` step with fused attention, with Llama.forward_slots_fused's inputs and meaning. Positions past the
+        context are clamped for the position embedding only: they are the caller's scratch tokens."""
+        B, S = input_ids.shape
+        tokens = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,)
+        positions = torch.cat([position_ids.reshape(B * S), chunk_position_ids.reshape(-1)]).clamp(max=self.config.n_ctx - 1)  # (B S + T,)
+        x = self.transformer.wte(tokens) + self.transformer.wpe(positions)  # (B S + T, C): a slots step needs no batch axis
+        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, None, x.dtype)
+        presents, chunk_presents = [], []
+        for block, rows, chunk_row in zip(self.transformer.h, past_key_values, chunk_key_values):
+            x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)
+            presents.append(present)
+            chunk_presents.append(chunk_present)
+        x = self.transformer.ln_f(x.index_select(0, logits_index))  # (K, C): only the tokens sampled from
+        return (x @ self.transformer.wte.weight.T).float(), presents, chunk_presents  # (K, V)

@@ -24,7 +24,7 @@ from torch import nn
 
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
 from .config import DecoderConfig
-from .fused_attention import rotary_tables, rows_and_chunk_attention
+from .fused_attention import FusedSlotStep, rotary_tables
 
 
 class RMSNorm(nn.Module):
@@ -120,28 +120,13 @@ class GroupedQueryAttention(nn.Module):
         y, present = slots_attention(q, k, v, step, past)  # (N, H * d_k)
         return self.o_proj(y), present
 
-    def forward_fused(self, x, step: "FusedSlotStep", rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
+    def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
         """x (B S + T, C): S new tokens for each of B rows, then T chunk tokens; rows (B, H_kv, C_cap, d_k) and
         chunk_row (1, H_kv, C_cap, d_k) the cache rows they are written into. Rotation, cache write and attention are
         one operator for the rows and one for the chunk (none when T is 0)."""
         qkv = self.qkv_proj(x)  # (B S + T, (H + 2 H_kv) d_k): unrotated
-        y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, step.rows_last, step.rows_total, step.chunk_last, step.chunk_total,
-                                               step.cos, step.sin, step.row_tokens, step.chunk_tokens, self.n_head, self.n_kv_head)
-        return self.o_proj(y), tuple(present[:2]), tuple(present[2:])  # (B S + T, C)
-
-
-class FusedSlotStep:
-    """What every layer of a fused `slots` step shares: B rows of S new tokens, a row's tokens ending at its last
-    position, and a chunk of T >= 0 tokens of one more row; the rotary tables cover every column a row can have."""
-
-    def __init__(self, rotary: RotaryEmbedding, positions: int, input_ids, position_ids, chunk_ids, chunk_position_ids, dtype: torch.dtype):
-        self.row_tokens, self.chunk_tokens = input_ids, chunk_ids  # (B, S), (1, T): their shapes tell the operator
-        self.rows_last = position_ids[:, -1].to(torch.int32)  # (B,): the operator's seqlens_k, each row's length - 1
-        self.rows_total = self.rows_last.max() + 1  # () int32: the longest row, as the operator wants it
-        # The chunk's last position; with T = 0 (no chunk) a 0 the operator never reads, not an index past the end.
-        self.chunk_last = torch.cat([chunk_position_ids, chunk_position_ids.new_zeros(1, 1)], dim=1).amax(dim=1).to(torch.int32)  # (1,)
-        self.chunk_total = self.chunk_last.max() + 1  # ()
-        self.cos, self.sin = rotary_tables(rotary.inv_freq, positions, dtype)  # (positions, d_k / 2)
+        y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head)  # (B S + T, H d_k)
+        return self.o_proj(y), present, chunk_present  # (B S + T, C)
 
 
 class SwiGLU(nn.Module):
@@ -271,7 +256,8 @@ class Llama(nn.Module):
         B, S = input_ids.shape
         tokens = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,)
         x = self.model.embed_tokens(tokens)  # (B S + T, C): a slots step needs no batch axis
-        step = FusedSlotStep(self.rotary, self.config.n_ctx + 1, input_ids, position_ids, chunk_ids, chunk_position_ids, x.dtype)
+        tables = rotary_tables(self.rotary.inv_freq, self.config.n_ctx + 1, x.dtype)  # (n_ctx + 1, d_k / 2) each
+        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, x.dtype)
         presents, chunk_presents = [], []
         for block, rows, chunk_row in zip(self.model.layers, past_key_values, chunk_key_values):
             x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)

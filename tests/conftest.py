@@ -73,7 +73,7 @@ def tiny_llama_fused_artifact(tiny_llama_fused_artifacts) -> Path:
 @pytest.fixture(scope="session")
 def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
     """The tiny preset exported (float32) and verified, as `kvserve export --preset tiny` writes it: the
-    default `slots` KV cache, the one the server runs best."""
+    default `slots` KV cache, the one the server runs best, with fused attention (GroupQueryAttention)."""
     from kvserve.export.pipeline import export_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / "tiny"
@@ -82,13 +82,24 @@ def tiny_artifact(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_standard_artifact(tmp_path_factory, tiny_model) -> Path:
+    """The tiny preset's slots graph with standard attention (`--attention standard`): ONNX ops, a ScatterND into the
+    pool, the graph CUDA graphs capture."""
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-standard"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider=PROVIDER, attention="standard")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_float16_artifact(tmp_path_factory, tiny_model) -> Path:
-    """The tiny preset exported in float16 (`kvserve export --preset tiny --dtype float16`), verified with float16's
-    tolerances: the precision the server runs on a GPU."""
+    """The tiny preset exported in float16 with standard attention (`kvserve export --preset tiny --dtype float16
+    --attention standard`), verified with float16's tolerances: the precision and graph CUDA graphs capture on a GPU."""
     from kvserve.export.pipeline import export_artifact
 
     out = tmp_path_factory.mktemp("artifacts") / "tiny-float16"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER)
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER, attention="standard")
     return out
 
 
@@ -112,15 +123,25 @@ def trained_model():
     return load_checkpoint(DEFAULT_CHECKPOINT)
 
 
+def _trained_quantized(tmp_path_factory, trained_model, scheme: str) -> Path:
+    from kvserve.export.pipeline import export_artifact
+
+    out = tmp_path_factory.mktemp("artifacts") / f"kjv-{scheme}"
+    source = {"kind": "checkpoint", "path": str(DEFAULT_CHECKPOINT)}
+    export_artifact(trained_model, source, out, provider=PROVIDER, tokenizer_dir=DEFAULT_CHECKPOINT, quantize=scheme)
+    return out
+
+
 @pytest.fixture(scope="session")
 def trained_int8_artifact(tmp_path_factory, trained_model) -> Path:
     """The trained default model exported with `--quantize int8` (verified against the float32 eager model)."""
-    from kvserve.export.pipeline import export_artifact
+    return _trained_quantized(tmp_path_factory, trained_model, "int8")
 
-    out = tmp_path_factory.mktemp("artifacts") / "kjv-int8"
-    source = {"kind": "checkpoint", "path": str(DEFAULT_CHECKPOINT)}
-    export_artifact(trained_model, source, out, provider=PROVIDER, tokenizer_dir=DEFAULT_CHECKPOINT, quantize="int8")
-    return out
+
+@pytest.fixture(scope="session")
+def trained_int4_artifact(tmp_path_factory, trained_model) -> Path:
+    """The trained default model exported with `--quantize int4` (verified against the float32 eager model)."""
+    return _trained_quantized(tmp_path_factory, trained_model, "int4")
 
 
 @pytest.fixture(scope="session")

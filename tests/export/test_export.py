@@ -9,6 +9,7 @@ import pytest
 
 from kvserve.contract import io_contract as io
 from kvserve.contract.artifact import open_artifact
+from kvserve.export.fused_graph import fused_write_problems
 from kvserve.export.onnx_export import IR_VERSION, inplace_write_problems
 from kvserve.export.parity import format_report, verify
 from kvserve.export.pipeline import reference_for
@@ -169,18 +170,24 @@ def test_a_manifest_naming_an_unknown_kv_cache_layout_is_refused_in_one_line(tin
     assert f"{copy / 'manifest.json'}: kv_cache 'paged' is not one of slots, concat" in result.stderr
 
 
-def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact):
+def test_the_default_export_is_the_slots_layout_written_in_place(tiny_artifact, tiny_standard_artifact):
     artifact = open_artifact(tiny_artifact)
     config, manifest = artifact.config, artifact.manifest
     assert artifact.kv_cache == manifest["kv_cache"] == io.SLOTS == io.DEFAULT_KV_CACHE
-    assert list(manifest["inputs"]) == io.input_names(config.n_layer, io.SLOTS)
+    assert artifact.attention == io.FUSED  # GPT-2 with head_dim a multiple of 16: GroupQueryAttention
+    assert list(manifest["inputs"]) == io.input_names(config.n_layer, io.SLOTS, io.FUSED)
     assert manifest["outputs"][io.LOGITS]["shape"] == [io.NUM_LOGITS, config.vocab_size]
-    assert manifest["inputs"][io.CHUNK_IDS]["shape"] == [1, io.CHUNK]
-    kv_shape = [io.BATCH, config.n_head, io.CAPACITY, config.d_head]
-    assert manifest["inputs"]["past_key_values.0.key"]["shape"] == manifest["outputs"]["present.0.key"]["shape"] == kv_shape
-    assert inplace_write_problems(onnx.load(str(tiny_artifact / "model.onnx")).graph, config.n_layer) == []
+    assert fused_write_problems(onnx.load(str(tiny_artifact / "model.onnx")).graph, config.n_layer) == []
+    assert manifest["fused_operators"] == {"FastGelu": config.n_layer, "SkipLayerNormalization": 2 * config.n_layer - 1}
     report = json.loads((tiny_artifact / "parity.json").read_text())
-    assert report["kv_cache"] == io.SLOTS and report["passed"] and report["greedy"]["identical"]
+    assert report["kv_cache"] == io.SLOTS and report["attention"] == io.FUSED and report["passed"] and report["greedy"]["identical"]
+    # --attention standard: the ONNX-ops graph, its K/V written by one ScatterND a layer
+    standard = open_artifact(tiny_standard_artifact).manifest
+    assert list(standard["inputs"]) == io.input_names(config.n_layer, io.SLOTS)
+    assert standard["inputs"][io.CHUNK_IDS]["shape"] == [1, io.CHUNK]
+    kv_shape = [io.BATCH, config.n_head, io.CAPACITY, config.d_head]
+    assert standard["inputs"]["past_key_values.0.key"]["shape"] == standard["outputs"]["present.0.key"]["shape"] == kv_shape
+    assert inplace_write_problems(onnx.load(str(tiny_standard_artifact / "model.onnx")).graph, config.n_layer) == []
 
 
 def test_a_slots_graph_outputs_each_sampled_rows_argmax_and_verify_holds_it_to_the_logits(tiny_artifact):

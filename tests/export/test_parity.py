@@ -54,8 +54,9 @@ def test_one_weight_entry_off_by_a_hundredth_of_its_tensors_scale_fails_float32_
     assert any("outside float32 tolerance" in failure for failure in report.failures), report.failures
 
 
-def test_a_decode_mask_reading_one_column_past_each_row_fails_float32_parity(tiny_artifact, tiny_model, monkeypatch):
-    """Every row of every decode step also attends to the first column it has not written (zeros): a mask off by one."""
+def test_a_decode_mask_reading_one_column_past_each_row_fails_float32_parity(tiny_standard_artifact, tiny_model, monkeypatch):
+    """Every row of every decode step also attends to the first column it has not written (zeros): a mask off by one.
+    (A standard graph: a fused one takes no mask, its operator reads each row up to its last position.)"""
     from kvserve.runtime.step import DecoderRuntime
 
     run_slots = DecoderRuntime.run_slots
@@ -65,7 +66,7 @@ def test_a_decode_mask_reading_one_column_past_each_row_fails_float32_parity(tin
         return run_slots(self, pool, input_ids, position_ids, widened, *args, **kwargs)
 
     monkeypatch.setattr(DecoderRuntime, "run_slots", off_by_one)
-    report = verify(tiny_artifact, tiny_model, provider="cpu")
+    report = verify(tiny_standard_artifact, tiny_model, provider="cpu")
     assert not report.passed
     assert any(failure.startswith("decode") for failure in report.failures), report.failures
 

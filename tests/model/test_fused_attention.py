@@ -1,5 +1,6 @@
 """The fused slots step in eager torch (model/fused_attention.py's operator, what ONNX Runtime's GroupQueryAttention
-computes): prompts prefilled a chunk at a time into their rows, then rows decoding a token each, equal a full forward."""
+computes), for the Llama family (rotated) and GPT-2 (not): prompts prefilled a chunk at a time into their rows, then
+rows decoding a token each, equal a full forward."""
 
 import pytest
 import torch
@@ -19,9 +20,10 @@ def put_rows(cache, rows: slice, written):
 NO_CHUNK = (torch.zeros(1, 0, dtype=torch.int64), torch.zeros(1, 0, dtype=torch.int64))  # chunk_ids, chunk_position_ids
 
 
+@pytest.mark.parametrize("family", ["tiny_llama_model", "tiny_model"])
 @torch.no_grad()
-def test_fused_steps_equal_a_full_forward(tiny_llama_model):
-    model = tiny_llama_model
+def test_fused_steps_equal_a_full_forward(family, request):
+    model = request.getfixturevalue(family)
     config = model.config
     assert supports_fused_attention(config.head_dim)
     sequence = torch.randint(0, config.vocab_size, (2, 14), generator=torch.Generator().manual_seed(0))

@@ -28,8 +28,8 @@ def open_runtime(artifact_dir) -> DecoderRuntime:
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_artifact):
-    runtime = open_runtime(tiny_artifact)
+def runtime(tiny_standard_artifact):
+    runtime = open_runtime(tiny_standard_artifact)
     assert runtime.captures_decode == (PROVIDER == "cuda"), runtime.cuda_graph_note
     return runtime
 
@@ -120,9 +120,9 @@ def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(runtime,
         assert seq.generated == eager_tokens(tiny_model, seq)
 
 
-def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_artifact, tiny_model):
-    runtime = open_runtime(tiny_artifact)
-    artifact = open_artifact(tiny_artifact)
+def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_standard_artifact, tiny_model):
+    runtime = open_runtime(tiny_standard_artifact)
+    artifact = open_artifact(tiny_standard_artifact)
     batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
     warm_up(batch, artifact)
     prepared = runtime.fixed_shapes(batch.pool)
@@ -143,15 +143,15 @@ def test_only_a_standard_slots_graph_takes_fixed_shape_decode(tiny_llama_fused_a
         SlotBatch(fused, tiny_llama_model.config, 2, fixed_decode=True)
 
 
-def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_artifact):
-    artifact = open_artifact(tiny_artifact)
+def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_standard_artifact):
+    artifact = open_artifact(tiny_standard_artifact)
     on_cpu = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu", cuda_graph=True)
     assert not on_cpu.captures_decode and "need the CUDA provider" in on_cpu.cuda_graph_note
     plain = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
     assert plain.cuda_graph_note is None
 
 
-def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does_not_capture(tiny_artifact, tiny_model):
+def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does_not_capture(tiny_standard_artifact, tiny_model):
     import grpc
 
     from kvserve.v1 import generation_pb2 as pb
@@ -159,7 +159,7 @@ def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does
 
     from .conftest import collect, start_server
 
-    running = start_server(tiny_artifact, max_batch_size=4, cuda_graph=True)
+    running = start_server(tiny_standard_artifact, max_batch_size=4, cuda_graph=True)
     try:
         runtime = running.app.runtime
         with grpc.insecure_channel(running.target) as channel:
@@ -176,9 +176,9 @@ def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does
     assert finish is not None and ids == generate(tiny_model, [[5, 6, 7]], 20).tokens[0].tolist()
 
 
-def test_a_capture_that_fails_leaves_every_step_uncaptured_and_the_tokens_right(tiny_artifact, tiny_model, monkeypatch):
+def test_a_capture_that_fails_leaves_every_step_uncaptured_and_the_tokens_right(tiny_standard_artifact, tiny_model, monkeypatch):
     """ONNX Runtime can refuse a capture only on a GPU; here the session's run fails for any run that names a graph."""
-    runtime = open_runtime(tiny_artifact)
+    runtime = open_runtime(tiny_standard_artifact)
     runtime.captures_decode = True  # as if the session had opened with enable_cuda_graph
     real_run = runtime.session.run_with_iobinding
     graph_runs = []
@@ -199,7 +199,7 @@ def test_a_capture_that_fails_leaves_every_step_uncaptured_and_the_tokens_right(
         assert seq.generated == eager_tokens(tiny_model, seq)
 
 
-def test_the_gate_the_warm_up_and_every_step_run_on_one_thread(tiny_artifact, monkeypatch):
+def test_the_gate_the_warm_up_and_every_step_run_on_one_thread(tiny_standard_artifact, monkeypatch):
     """ONNX Runtime keeps a captured CUDA graph in the context of the thread that captured it: the server's warm-up
     captures, so it and the steps that replay must share a thread (and the gate, whose pool's steps also capture)."""
     import threading
@@ -220,7 +220,7 @@ def test_the_gate_the_warm_up_and_every_step_run_on_one_thread(tiny_artifact, mo
         return real_run(session, binding, run_options)
 
     monkeypatch.setattr(ort.InferenceSession, "run_with_iobinding", run)
-    running = start_server(tiny_artifact, max_batch_size=4, cuda_graph=True)
+    running = start_server(tiny_standard_artifact, max_batch_size=4, cuda_graph=True)
     try:
         loaded = len(threads)
         with grpc.insecure_channel(running.target) as channel:
@@ -231,9 +231,9 @@ def test_the_gate_the_warm_up_and_every_step_run_on_one_thread(tiny_artifact, mo
     assert len(set(threads)) == 1 and threads[0].startswith("kvserve-step")
 
 
-def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graphs(tiny_artifact, tiny_model, monkeypatch):
+def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graphs(tiny_standard_artifact, tiny_model, monkeypatch):
     """Graph ids as a capturing session gets them (on the CPU provider, whose runs ignore the id)."""
-    runtime = open_runtime(tiny_artifact)
+    runtime = open_runtime(tiny_standard_artifact)
     runtime.captures_decode = True
     released = []
     monkeypatch.setattr(runtime.session, "release_captured_graph", released.append)

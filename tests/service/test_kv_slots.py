@@ -1,7 +1,7 @@
 """The slots batch on its own (no gRPC): rows in a device pool, chunked prefill interleaved with decode, the
 K/V each row holds, joins and leaves that never send K/V through the host, and a step that fails. The batch's
-tests run on both slots graphs: GPT-2's standard attention and a Llama's fused attention (GroupQueryAttention), the
-fused one in each of FUSED_DTYPES (float32 and float16; float16 alone under CUDA, whose kernel has no float32)."""
+tests run on both slots graphs: GPT-2's standard attention, GPT-2's and a Llama's fused attention (GroupQueryAttention),
+the Llama's fused one in each of FUSED_DTYPES (float32 and float16; float16 alone under CUDA, whose kernel has no float32)."""
 
 import asyncio
 from dataclasses import dataclass
@@ -43,10 +43,11 @@ class Served:
         return artifact_greedy(self.artifact_dir, [seq.prompt_ids], seq.max_new_tokens, PROVIDER)[0].tolist()
 
 
-@pytest.fixture(scope="module", params=["gpt2 standard"] + [f"llama fused {dtype}" for dtype in FUSED_DTYPES])
+@pytest.fixture(scope="module", params=["gpt2 standard", "gpt2 fused"] + [f"llama fused {dtype}" for dtype in FUSED_DTYPES])
 def served(request, tiny_llama_fused_artifacts) -> Served:
-    if request.param == "gpt2 standard":
-        model, artifact_dir = request.getfixturevalue("tiny_model"), request.getfixturevalue("tiny_artifact")
+    if request.param.startswith("gpt2"):
+        fixture = "tiny_standard_artifact" if request.param == "gpt2 standard" else "tiny_artifact"
+        model, artifact_dir = request.getfixturevalue("tiny_model"), request.getfixturevalue(fixture)
     else:
         model, artifact_dir = request.getfixturevalue("tiny_llama_model"), tiny_llama_fused_artifacts(request.param.split()[-1])
     artifact = open_artifact(artifact_dir)

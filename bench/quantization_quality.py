@@ -1,11 +1,11 @@
-"""Held-out perplexity of the trained default model: eager float32, its float32 artifact and its int8 artifact.
+"""Held-out perplexity of the trained default model: eager float32, its float32 artifact and its quantized artifacts.
 
 The whole held-out text (every 20th chapter of the King James Bible, kvserve.model.corpus; never trained on)
 in consecutive windows of the model's context, each window one prefill through the slots graph with logits
 at every position. Also the mean KL divergence of each artifact's next-token distributions from the eager
 model's, and their top-1 agreement. Prints a markdown table and the machine.
 
-    python bench/int8_quality.py [--checkpoint checkpoints/kjv-gpt2] [--work DIR]
+    python bench/quantization_quality.py [--checkpoint checkpoints/kjv-gpt2] [--schemes int8 int4] [--work DIR]
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
+from kvserve.contract.io_contract import QUANTIZATIONS  # noqa: E402
 from kvserve.export.pipeline import export_artifact  # noqa: E402
 from kvserve.contract.tolerances import kl_divergence, log_softmax  # noqa: E402
 from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
@@ -51,14 +52,15 @@ class SlotsPrefill:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="checkpoints/kjv-gpt2")
-    parser.add_argument("--work", default=None, help="where the two artifacts are written (default: a temporary directory)")
+    parser.add_argument("--schemes", nargs="+", choices=QUANTIZATIONS, default=list(QUANTIZATIONS), help="quantizations to compare (default: all)")
+    parser.add_argument("--work", default=None, help="where the artifacts are written (default: a temporary directory)")
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint).resolve()
     model = load_checkpoint(checkpoint)
-    work = Path(args.work or tempfile.mkdtemp(prefix="int8-quality-"))
+    work = Path(args.work or tempfile.mkdtemp(prefix="quantization-quality-"))
     source = {"kind": "checkpoint", "path": str(checkpoint)}
     artifacts = {}
-    for name, quantize in (("float32", None), ("int8", "int8")):
+    for name, quantize in (("float32", None), *((scheme, scheme) for scheme in args.schemes)):
         export_artifact(model, source, work / name, overwrite=True, provider="cpu", tokenizer_dir=checkpoint, quantize=quantize)
         artifacts[name] = SlotsPrefill(work / name)
 
