@@ -31,7 +31,7 @@ SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
 # (bits, block size) per MatMulNBits scheme. A block is that many input rows of one output column sharing a scale;
 # bigger blocks read fewer scales and the CPU kernel rescales less often. Chosen by bench/quantize_blocks.py
 # (docs/parity.md, "Block sizes").
-BLOCKS = {"int8": (8, 128), "int4": (4, 128)}
+BLOCKS = {"int8": (8, 256), "int4": (4, 256)}
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider (the 4-bit weights are widened to 8 in the kernel)
 
 

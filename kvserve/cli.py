@@ -202,7 +202,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--quantize", choices=QUANTIZATIONS, default=None,
-        help="8- or 4-bit weights (MatMulNBits, blocks of 128; float32 graph only), verified against the float32 eager "
+        help="8- or 4-bit weights (MatMulNBits, blocks of 256; float32 graph only), verified against the float32 eager "
         "model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
     )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")

@@ -142,7 +142,8 @@ def test_bad_quantize_values_exit_2_in_one_line_and_write_nothing(tmp_path, args
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf_llama, tmp_path):
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf_llama, tmp_path, scheme):
     """The Llama family's slots step runs its linear layers as Gemm: each becomes an 8-bit MatMulNBits too (Q/K/V, O,
     gate/up and down per layer, and the untied LM head), and the artifact passes the int8 parity checks."""
     from kvserve.export.pipeline import export_artifact
@@ -154,9 +155,9 @@ def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf
     # transformers' own initialisation scale: the test's wide 0.3 weights make logits of 10, far from a real model's
     _, checkpoint = make_hf_llama(model_type, **(config | {"initializer_range": 0.02}))
     model = load_checkpoint(checkpoint)
-    report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, tmp_path / "int8", provider=PROVIDER, quantize="int8")
-    assert report.passed and report.quantization == "int8"
-    graph = onnx.load(str(tmp_path / "int8" / "model.onnx"))
+    report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, tmp_path / scheme, provider=PROVIDER, quantize=scheme)
+    assert report.passed and report.quantization == scheme
+    graph = onnx.load(str(tmp_path / scheme / "model.onnx"))
     weights = {i.name for i in graph.graph.initializer}
     assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 4 * model.config.n_layer + 1
     assert not [n for n in graph.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]  # no float weight left
