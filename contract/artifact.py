@@ -95,7 +95,7 @@ class Artifact:
 
     @property
     def attention(self) -> str:
-        """The graph's attention, io_contract.STANDARD or FUSED (slots graphs of the Llama family)."""
+        """The graph's attention, io_contract.STANDARD or FUSED (fused: slots graphs of GPT-2 and the Llama family)."""
         return self.manifest["attention"]
 
     @property

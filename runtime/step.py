@@ -7,7 +7,7 @@ each sampled row's greedy token, computed in the graph (io_contract.GREEDY_TOKEN
 needs them (it samples, penalises repetition, reports log-probabilities, or is the gate's): a step of greedy rows
 reads K tokens instead of K x V floats.
 
-A fused graph (GroupQueryAttention, Llama family) binds the rows and the chunk's row separately, each as its own
+A fused graph (GroupQueryAttention: GPT-2 and the Llama family) binds the rows and the chunk's row separately, each as its own
 past and present; run_slots keeps its meaning for both graphs and arranges a fused step itself (_run_fused). On
 CUDA the fused kernel is float16 only: a float32 fused graph is refused there with the fix named.
 
