@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -23,7 +22,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import onnx_step  # noqa: E402
+from decode_step import best_step_seconds, onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
@@ -70,16 +69,7 @@ def main() -> None:
         for step in steps.values():
             step()  # warm
         graphs.append((path, artifact, footprint, steps))
-    times: dict[tuple[str, int], list[float]] = {}
-    for round_ in range(args.rounds):
-        for path, _, _, steps in graphs if round_ % 2 == 0 else graphs[::-1]:
-            for rows, step in steps.items():
-                runs = []
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    step()
-                    runs.append(time.perf_counter() - start)
-                times.setdefault((path, rows), []).append(statistics.median(runs))
+    times = best_step_seconds({path: steps for path, _, _, steps in graphs}, args.rounds, args.steps)
     print(f"## Decode steps against their memory-bandwidth floor: past {args.past} tokens a row, {args.steps} steps a graph and batch "
           f"per round, {args.rounds} rounds alternating, the best round's median\n")
     print(f"read bandwidth (numpy sum of 1 GiB): {single / 1e9:.1f} GB/s from 1 thread, {parallel / 1e9:.1f} GB/s from {cores} "
@@ -92,7 +82,7 @@ def main() -> None:
         for rows in steps:
             needed = footprint.decode_bytes(rows, args.past + 1)
             floors = needed / single, needed / parallel
-            measured = min(times[(path, rows)])
+            measured = times[(path, rows)]
             kv = rows * (args.past + 1) * footprint.kv_column_bytes
             print(f"| {Path(path).name} ({artifact.dtype}, quantization {quantization}) | {rows} | {needed / 1e6:.1f} "
                   f"({footprint.whole_bytes / 1e6:.1f} + {rows * footprint.lookup_row_bytes / 1e6:.2f} + {kv / 1e6:.1f}) | "

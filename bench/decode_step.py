@@ -3,6 +3,10 @@ by the benchmarks that time or profile them. No torch."""
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
+
 import numpy as np
 
 from kvserve.runtime.pool import pool_capacity
@@ -39,3 +43,20 @@ def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n
                                     with_logits=False).greedy_tokens.tolist()
         length += 1
     return tokens
+
+
+def best_step_seconds(graphs: dict[str, dict[int, Callable[[], object]]], rounds: int, steps: int) -> dict[tuple[str, int], float]:
+    """{(graph, rows): seconds} for graphs = {graph: {rows: a step}}: each round times `steps` calls of every step, the
+    graphs in turn (the order reversed every other round); a step's figure is its best round's median."""
+    medians: dict[tuple[str, int], list[float]] = {}
+    names = list(graphs)
+    for round_ in range(rounds):
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            for rows, step in graphs[name].items():
+                samples = []
+                for _ in range(steps):
+                    start = time.perf_counter()
+                    step()
+                    samples.append(time.perf_counter() - start)
+                medians.setdefault((name, rows), []).append(statistics.median(samples))
+    return {key: min(values) for key, values in medians.items()}

@@ -11,22 +11,20 @@ from this table (docs/parity.md, "Block sizes").
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import onnx_step  # noqa: E402
+from decode_step import best_step_seconds, onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.contract.tolerances import kl_divergence  # noqa: E402
-from kvserve.export import quantize  # noqa: E402
+from kvserve.export.quantize import quantize_model  # noqa: E402
 from kvserve.export.onnx_export import save_graph  # noqa: E402
 from kvserve.runtime.pool import pool_capacity  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
@@ -62,8 +60,7 @@ def main() -> None:
     for bits in args.bits:
         scheme = {8: "int8", 4: "int4"}[bits]
         for block in args.blocks:
-            quantize.BLOCKS[scheme] = (bits, block)
-            model, _ = quantize.quantize_model(onnx.load(str(artifact.model_path)), scheme)
+            model, _ = quantize_model(onnx.load(str(artifact.model_path)), scheme, block)
             directory = work / f"{scheme}-{block}"
             directory.mkdir()
             save_graph(model, directory)
@@ -74,22 +71,13 @@ def main() -> None:
                 step()
             size = sum(p.stat().st_size for p in directory.iterdir())
             graphs.append((f"{scheme}, blocks of {block}", size, kl, steps))
-    times = {(name, rows): [] for name, *_ in graphs for rows in (1, 16)}
-    for round_ in range(args.rounds):
-        for name, _, _, steps in graphs if round_ % 2 == 0 else graphs[::-1]:
-            for rows, step in steps.items():
-                samples = []
-                for _ in range(args.steps):
-                    start = time.perf_counter()
-                    step()
-                    samples.append(time.perf_counter() - start)
-                times[(name, rows)].append(statistics.median(samples) * 1e3)
+    times = best_step_seconds({name: steps for name, _, _, steps in graphs}, args.rounds, args.steps)
     print(f"## MatMulNBits block sizes, {args.artifact}: decode step past {args.past}, {args.steps} steps a graph and batch per round, "
           f"{args.rounds} rounds alternating, the best round's median; KL over {len(ids)} prompt tokens against the float32 graph\n")
     print("| weights | graph MB | batch 1 ms | batch 16 ms | mean KL from float32 |")
     print("|---|---:|---:|---:|---:|")
     for name, size, kl, _ in graphs:
-        print(f"| {name} | {size / 1e6:.0f} | {min(times[(name, 1)]):.2f} | {min(times[(name, 16)]):.2f} | {kl:.2e} |")
+        print(f"| {name} | {size / 1e6:.0f} | {times[(name, 1)] * 1e3:.2f} | {times[(name, 16)] * 1e3:.2f} | {kl:.2e} |")
     print(f"\nmachine: {describe('cpu')}")
 
 

@@ -102,8 +102,9 @@ def weight_matmuls(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers)
 
 
-def quantize_model(model: onnx.ModelProto, scheme: str) -> tuple[onnx.ModelProto, dict]:
-    """The quantized graph and what the manifest records about it."""
+def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    """The quantized graph and what the manifest records about it; block_size overrides the scheme's (BLOCKS) for a
+    MatMulNBits scheme (bench/quantize_blocks.py compares them)."""
     fold_weight_transposes(model)
     gemms_to_matmuls(model)
     count = weight_matmuls(model)
@@ -114,7 +115,8 @@ def quantize_model(model: onnx.ModelProto, scheme: str) -> tuple[onnx.ModelProto
     if scheme in BLOCKS:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-        bits, block_size = BLOCKS[scheme]
+        bits, default_block = BLOCKS[scheme]
+        block_size = block_size or default_block
         quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL)
         quantizer.process()
         quantized = quantizer.model.model
