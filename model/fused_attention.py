@@ -46,6 +46,9 @@ class FusedSlotStep:
 
     def __init__(self, input_ids, position_ids, chunk_ids, chunk_position_ids, tables: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype):
         self.row_tokens, self.chunk_tokens = input_ids, chunk_ids  # (B, S), (1, T): their shapes tell the operator
+        B, S = input_ids.shape
+        self.token_ids = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,): the rows' tokens, then the chunk's
+        self.positions = torch.cat([position_ids.reshape(B * S), chunk_position_ids.reshape(-1)])  # (B S + T,)
         self.rows_last = position_ids[:, -1].to(torch.int32)  # (B,): the operator's seqlens_k, each row's length - 1
         self.rows_total = self.rows_last.max() + 1  # () int32: the longest row, as the operator wants it
         # The chunk's last position; with T = 0 (no chunk) a 0 the operator never reads, not an index past the end.
@@ -54,6 +57,16 @@ class FusedSlotStep:
         self.rotary = tables is not None
         empty = torch.zeros(0, 1, dtype=dtype)  # the operator's cos/sin inputs stay unset when nothing rotates
         self.cos, self.sin = tables if tables is not None else (empty, empty)
+
+    def run_layers(self, blocks, x: torch.Tensor, past_key_values: list, chunk_key_values: list) -> tuple[torch.Tensor, list, list]:
+        """x (B S + T, C) through every block's forward_fused: the last hidden states, the rows' (K, V) per layer and the
+        chunk row's (K, V) per layer, written."""
+        presents, chunk_presents = [], []
+        for block, rows, chunk_row in zip(blocks, past_key_values, chunk_key_values):
+            x, present, chunk_present = block.forward_fused(x, self, rows, chunk_row)
+            presents.append(present)
+            chunk_presents.append(chunk_present)
+        return x, presents, chunk_presents
 
     def attend(self, qkv: torch.Tensor, rows: "tuple[torch.Tensor, torch.Tensor]", chunk_row: "tuple[torch.Tensor, torch.Tensor]", n_head: int,
                n_kv_head: int):

@@ -192,15 +192,9 @@ class GPT2(nn.Module):
                             chunk_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV], list[LayerKV]]:
         """The `slots` step with fused attention, with Llama.forward_slots_fused's inputs and meaning. Positions past the
         context are clamped for the position embedding only: they are the caller's scratch tokens."""
-        B, S = input_ids.shape
-        tokens = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,)
-        positions = torch.cat([position_ids.reshape(B * S), chunk_position_ids.reshape(-1)]).clamp(max=self.config.n_ctx - 1)  # (B S + T,)
-        x = self.transformer.wte(tokens) + self.transformer.wpe(positions)  # (B S + T, C): a slots step needs no batch axis
-        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, None, x.dtype)
-        presents, chunk_presents = [], []
-        for block, rows, chunk_row in zip(self.transformer.h, past_key_values, chunk_key_values):
-            x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)
-            presents.append(present)
-            chunk_presents.append(chunk_present)
+        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, None, self.transformer.wte.weight.dtype)
+        positions = step.positions.clamp(max=self.config.n_ctx - 1)  # (B S + T,)
+        x = self.transformer.wte(step.token_ids) + self.transformer.wpe(positions)  # (B S + T, C): a slots step needs no batch axis
+        x, presents, chunk_presents = step.run_layers(self.transformer.h, x, past_key_values, chunk_key_values)
         x = self.transformer.ln_f(x.index_select(0, logits_index))  # (K, C): only the tokens sampled from
         return (x @ self.transformer.wte.weight.T).float(), presents, chunk_presents  # (K, V)

@@ -253,14 +253,9 @@ class Llama(nn.Module):
         that is also the chunk's must write elsewhere than the chunk does (the caller's scratch column): the exported
         graph fixes no order between the two operators. Logits at logits_index of the B S row tokens (row by row), then
         the T chunk tokens."""
-        B, S = input_ids.shape
-        tokens = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,)
-        x = self.model.embed_tokens(tokens)  # (B S + T, C): a slots step needs no batch axis
-        tables = rotary_tables(self.rotary.inv_freq, self.config.n_ctx + 1, x.dtype)  # (n_ctx + 1, d_k / 2) each
-        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, x.dtype)
-        presents, chunk_presents = [], []
-        for block, rows, chunk_row in zip(self.model.layers, past_key_values, chunk_key_values):
-            x, present, chunk_present = block.forward_fused(x, step, rows, chunk_row)
-            presents.append(present)
-            chunk_presents.append(chunk_present)
+        dtype = self.model.embed_tokens.weight.dtype
+        tables = rotary_tables(self.rotary.inv_freq, self.config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2) each
+        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, dtype)
+        x = self.model.embed_tokens(step.token_ids)  # (B S + T, C): a slots step needs no batch axis
+        x, presents, chunk_presents = step.run_layers(self.model.layers, x, past_key_values, chunk_key_values)
         return self.logits(x.index_select(0, logits_index)), presents, chunk_presents  # (K, V)
