@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import best_step_seconds, onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
-from kvserve.contract.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import ArtifactError, open_artifact  # noqa: E402
 from kvserve.contract.tolerances import kl_divergence  # noqa: E402
 from kvserve.export.quantize import quantize_model  # noqa: E402
 from kvserve.export.onnx_export import save_graph  # noqa: E402
@@ -47,7 +47,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--past", type=int, default=64)
     args = parser.parse_args()
-    artifact = open_artifact(args.artifact)
+    if any(block < 16 or block & (block - 1) for block in args.blocks):
+        parser.error(f"--blocks must be powers of 2 from 16 (MatMulNBits), got {' '.join(map(str, args.blocks))}")
+    if args.rounds < 1 or args.steps < 1 or args.past < 0:
+        parser.error("--rounds and --steps must be >= 1, --past >= 0")
+    try:
+        artifact = open_artifact(args.artifact)
+    except ArtifactError as exc:
+        parser.error(str(exc))
     if artifact.quantization is not None or artifact.dtype != "float32":
         parser.error(f"{args.artifact}: give a float32 artifact, not a quantized or float16 one")
     config = artifact.config
