@@ -12,6 +12,7 @@ run uncaptured (how the tests drive this path without a GPU).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -74,7 +75,7 @@ class FixedShapeSteps:
     bindings these steps use)."""
 
     def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                   with_logits: bool = True) -> Sampled:
+                   with_logits: bool = True, before_run: Callable[[], None] | None = None) -> Sampled:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
@@ -88,6 +89,8 @@ class FixedShapeSteps:
         step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
         step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
         step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
+        if before_run is not None:
+            before_run()
         if step.graph_id is not None and not step.captured:
             self._capture(step)
         else:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -150,14 +151,15 @@ class SlotBatch:
 
     # --- one step --------------------------------------------------------------------------------------
 
-    def run(self, plan: StepPlan) -> StepResults:
+    def run(self, plan: StepPlan, before_model: Callable[[], None] | None = None) -> StepResults:
+        """Carry out plan: one model call (none when nothing is left to run), before_model called just before it."""
         self.release([s for s in self.rows if s.cancelled])
         for seq in plan.joining:
             if not seq.cancelled:
                 self._join(seq)
         decode = [s for s in plan.decode if s.slot is not None and not s.cancelled]
         chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
-        results = self._step(decode, chunk, plan.chunk_tokens) if decode or chunk else []
+        results = self._step(decode, chunk, plan.chunk_tokens, before_model) if decode or chunk else []
         self.release([s for s in self.rows if s.finished])
         return results
 
@@ -207,7 +209,7 @@ class SlotBatch:
             positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
             self.runtime.run_decode(self.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64))
 
-    def _decode_fixed(self, decode: list[Sequence]) -> StepResults:
+    def _decode_fixed(self, decode: list[Sequence], before_model: Callable[[], None] | None) -> StepResults:
         """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""
         width = int(max(seq.cached_tokens for seq in decode)) + 1
         rows, columns = self.decode_shape(width)
@@ -218,14 +220,15 @@ class SlotBatch:
             position_ids[seq.slot] = seq.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
         masks = self._start_masks(decode)
-        sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode))  # B rows
+        sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model)  # B rows
         for seq in decode:
             seq.cached_tokens += 1
         return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
 
-    def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int) -> StepResults:
+    def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int,
+              before_model: Callable[[], None] | None) -> StepResults:
         if self.fixed_decode and chunk is None:
-            return self._decode_fixed(decode)
+            return self._decode_fixed(decode, before_model)
         # A fused graph reads each row's own columns only, so no row needs to step aside.
         solo = self._solo(decode) if chunk is None and self.runtime.attention == STANDARD else None
         if solo is not None:
@@ -238,8 +241,10 @@ class SlotBatch:
         for seq in decode:
             input_ids[seq.slot] = seq.generated[-1]
             position_ids[seq.slot] = seq.cached_tokens  # its position, and the column it is written at
-        width = int(max((seq.cached_tokens for seq in decode), default=0)) + 1
-        attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        attention_mask = None  # a fused graph reads each row's own length from its position
+        if self.runtime.attention == STANDARD:
+            width = int(max((seq.cached_tokens for seq in decode), default=0)) + 1
+            attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
         logits_index = [seq.slot for seq in decode]
         start, piece, completes = 0, np.zeros(0, dtype=np.int64), False
         if solo is not None:  # a decode token, fed as a one-token chunk of its own row
@@ -257,7 +262,7 @@ class SlotBatch:
         masks = self._start_masks(sampling)
         sampled = self.runtime.run_slots(
             pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
-            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling),
+            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model,
         )
         for seq in decoded:
             seq.cached_tokens += 1
