@@ -111,6 +111,7 @@ class Engine:
                 seq.events.put_nowait(error)
 
     async def close(self) -> None:
+        self.scheduler.stop()
         if self._task is not None:
             self._task.cancel()
             try:

@@ -13,15 +13,24 @@ One step (kv_slots.StepPlan) is one model call over the batch:
     (kv_slots.SlotBatch.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
     for it and then take it instead of each computing it again.
 Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
+
+While rows are running, the step thread plans and runs step after step itself (Scheduler._run_steps), handing
+each step's events to the event loop without waiting for it: the loop's round trip (waking it, planning there,
+handing the next step back to the step thread) would otherwise sit between every two model calls of a stream. The
+queue is a deque that both threads use (the loop appends and withdraws, a plan pops); a step's plan reads the
+cancellations the loop set. An empty batch, or a closing scheduler, hands the loop back its turn.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from .kv_slots import StepPlan, StepResults
 from .sequence import Sequence, StepEvent
@@ -35,6 +44,78 @@ def step_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
 
 
+@dataclass
+class StepDone:
+    """A step that ran, as the step thread saw it when it ended: its results, and for the metrics the prompt tokens
+    each sequence that joined reused and computed, and the batch as the step left it."""
+
+    results: StepResults
+    prompts: list[tuple[int, int]]
+    running: int
+    kv_bytes: int
+    cached_rows: int
+    queued: int
+
+
+class StepFailed(Exception):
+    """A model step raised (its cause): the plan it ran, and the steps before it that the loop has not been given."""
+
+    def __init__(self, plan: StepPlan, undelivered: list[StepDone]):
+        super().__init__("the model step failed")
+        self.plan, self.undelivered = plan, undelivered
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, argument) -> None:
+    try:
+        loop.call_soon_threadsafe(callback, argument)
+    except RuntimeError:  # the loop closed: nobody is left to tell
+        pass
+
+
+class Handoff:
+    """A thread that passes finished steps to the event loop (call_soon_threadsafe), so the step thread never makes the
+    system call that wakes the loop itself: the GIL it would let go there goes to the loop, and the step thread would
+    wait for the loop's work before its next model call. Handing over (a SimpleQueue put) keeps the GIL; this thread
+    takes it when the step thread leaves it, inside the model call. Started at the first hand-over."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def hand_over(self, loop: asyncio.AbstractEventLoop, callback, argument) -> None:
+        if self._closed:  # a step that ended after close: passed on directly
+            _call_soon(loop, callback, argument)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._pass_on, name="kvserve-handoff", daemon=True)
+            self._thread.start()
+        self._queue.put((loop, callback, argument))
+
+    def flush(self) -> None:
+        """Wait until everything handed over so far is in the loop's queue of callbacks."""
+        if self._thread is not None:
+            passed = threading.Event()
+            self._queue.put(passed)
+            passed.wait()
+
+    def close(self) -> None:
+        self._closed = True
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+
+    def _pass_on(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            loop, callback, argument = item
+            _call_soon(loop, callback, argument)
+            del item, loop, callback, argument  # while this waits for the next, it holds no step's sequences
+
+
 class Scheduler:
     """Owns the waiting queue and the loop; the batch (kv_slots.SlotBatch) owns the rows."""
 
@@ -45,6 +126,8 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self._owns_executor = executor is None  # a thread handed in is its giver's to close
         self._executor = step_thread() if executor is None else executor
+        self._handoff = Handoff()
+        self._closing = False  # read by the step thread between steps (_run_steps)
         self._wakeup = asyncio.Event()
         self.idle = asyncio.Event()
         self.idle.set()
@@ -108,25 +191,62 @@ class Scheduler:
             await self._step()
 
     async def _step(self) -> None:
-        """One batch step. Its own coroutine, so no sequence outlives the step in a local variable."""
+        """One batch step, and the steps the step thread runs on from it. Its own coroutine, so no sequence outlives the
+        step in a local variable."""
+        loop = asyncio.get_running_loop()
         plan = self.plan()
         try:
-            results = await asyncio.get_running_loop().run_in_executor(self._executor, self.batch.run, plan)
-        except Exception as exc:  # the model step itself failed: every sequence in it fails once, none hangs
-            results = self._fail_step(plan, exc)
+            done = await loop.run_in_executor(self._executor, self._run_steps, plan, loop)
+        except StepFailed as failed:  # the model step itself failed: every sequence in it fails once, none hangs
+            done = failed.undelivered + [self._step_done(failed.plan, self._fail_step(failed.plan, failed.__cause__))]
+        self._deliver(done)
+
+    def _run_steps(self, plan: StepPlan, loop: asyncio.AbstractEventLoop) -> list[StepDone]:
+        """On the step thread: run plan, then plan and run the next step here for as long as rows are running and the
+        scheduler is not closing. The steps done are handed to the loop just before the next model call, which leaves
+        the GIL to the loop while the model runs: handed over any earlier, the loop's work per token (the callers'
+        events, gRPC) would hold the GIL while this thread prepares the step. Returns the steps not yet handed over
+        (the loop delivers them, then waits for work when the batch is empty)."""
+        pending: list[StepDone] = []
+
+        def hand_over() -> None:
+            if pending:
+                self._handoff.hand_over(loop, self._deliver, pending[:])
+                pending.clear()
+
+        while True:
+            try:
+                pending.append(self._step_done(plan, self.batch.run(plan, hand_over)))
+            except Exception as exc:
+                self._handoff.flush()  # what was handed over reaches the loop before the failure
+                raise StepFailed(plan, pending) from exc
+            if not self.batch.rows or self._closing:
+                self._handoff.flush()  # in order: what was handed over, then what this returns
+                return pending
+            plan = self.plan()
+
+    def _step_done(self, plan: StepPlan, results: StepResults) -> StepDone:
+        batch = self.batch
+        prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
+                   for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
+        return StepDone(results, prompts, len(batch.rows), batch.kv_bytes(), batch.cached_rows(), len(self.waiting))
+
+    def _deliver(self, steps: list[StepDone]) -> None:
+        """On the event loop: each sequence's event to its caller, and each step's metrics, step by step."""
         now = time.monotonic_ns()
-        if self.metrics is not None:
-            for seq in plan.joining:
-                if seq.slot is not None:
-                    self.metrics.on_prompt(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
-        for seq, event in results:
-            if not seq.cancelled:
-                seq.events.put_nowait(event)
-                if self.metrics is not None and isinstance(event, StepEvent):
-                    self.metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
-                    seq.last_sent_ns = now
-        if self.metrics is not None:
-            self.metrics.on_step(len(results), len(self.batch.rows), len(self.waiting), self.batch.kv_bytes(), self.batch.cached_rows())
+        metrics = self.metrics
+        for done in steps:
+            if metrics is not None:
+                for reused, computed in done.prompts:
+                    metrics.on_prompt(reused, computed)
+            for seq, event in done.results:
+                if not seq.cancelled:
+                    seq.events.put_nowait(event)
+                    if metrics is not None and isinstance(event, StepEvent):
+                        metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
+                        seq.last_sent_ns = now
+            if metrics is not None:
+                metrics.on_step(len(done.results), done.running, done.queued, done.kv_bytes, done.cached_rows)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> StepResults:
         results = self.batch.fail_all(exc)
@@ -137,6 +257,12 @@ class Scheduler:
             seq.finished = True
         return results
 
+    def stop(self) -> None:
+        """No step starts after the one in flight (the step thread reads this between steps)."""
+        self._closing = True
+
     def close(self) -> None:
+        self.stop()
+        self._handoff.close()
         if self._owns_executor:
             self._executor.shutdown(wait=True)

@@ -193,27 +193,28 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
     async def scenario():
         scheduler = Scheduler(batch, step_token_budget=32)
         seqs = [_greedy_sequence(i, prompt(i, 4), 20) for i in range(3)]
-        for seq in seqs:
-            seq.events = asyncio.Queue()
-        for seq in seqs[:2]:
-            scheduler.submit(seq)
-        for _ in range(3):
-            await scheduler._step()
-        assert len(batch.rows) == 2
+        rows_before_failure = []
 
-        def fail_after(*args):
-            real(*args)
+        def fail_after(*args):  # the step in which the third sequence joined (one joins a step), after it ran
+            rows_before_failure.append(len(batch.rows))
+            results = real(*args)
+            if seqs[2].slot is None:
+                return results
             raise RuntimeError("injected step failure")
 
         monkeypatch.setattr(batch, inner, fail_after)
-        scheduler.submit(seqs[2])
-        await scheduler._step()
+        for seq in seqs:
+            seq.events = asyncio.Queue()
+            scheduler.submit(seq)
+        await scheduler._step()  # the steps the step thread runs on, up to the failure
+        assert rows_before_failure[-1] == 3 and seqs[0].generated and seqs[1].generated
         failures = {}
         for seq in seqs:
             while not seq.events.empty():
                 event = seq.events.get_nowait()
                 if isinstance(event, BaseException):
                     failures[seq.id] = failures.get(seq.id, 0) + 1
+        scheduler.close()
         return failures, seqs
 
     failures, seqs = asyncio.run(scenario())
