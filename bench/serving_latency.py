@@ -187,6 +187,11 @@ def main() -> None:
         for server in servers:
             runs = results[(name, server.name)]
             print(f"| {server.name} | " + " | ".join(f"{statistics.median(r[k] for r in runs):.2f}" for k in keys) + " |")
+        print("\nEvery round (a target that must hold in every run is read here):\n")
+        print("| server | round | " + " | ".join(keys) + " |\n|---|---:|" + "---:|" * len(keys))
+        for server in servers:
+            for index, run in enumerate(results[(name, server.name)], 1):
+                print(f"| {server.name} | {index} | " + " | ".join(f"{run[k]:.2f}" for k in keys) + " |")
     print(f"\nmachine: {describe(args.provider)}")
 
 
