@@ -349,3 +349,31 @@ def test_max_context_cuts_every_sequence_and_its_kv_row(tiny_artifact, tiny_mode
         config = tiny_model.config
         assert seq.kv_cache_bytes == 41 * 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
         stream.cancel()
+
+
+def test_a_request_arriving_while_a_stream_decodes_joins_at_once(tiny_artifact, tiny_model, monkeypatch):
+    """While rows run, the step thread plans each next step itself (scheduler.py): a request submitted meanwhile must
+    be taken at the next step, not when the running stream ends, and both streams stay exact. Steps take 10 ms
+    longer, so the running stream is far from its end when the second request arrives."""
+    from .conftest import slowed_server
+
+    with slowed_server(tiny_artifact, monkeypatch, max_batch_size=2) as (_, stub, _channel):
+        running = stub.Generate(greedy([1, 2, 3], 120), timeout=60)
+        first = [next(running).token.id for _ in range(5)]
+        arrived = []  # the running stream's tokens received by the time each of the joiner's comes
+
+        def join():
+            got = []
+            for response in stub.Generate(greedy([9, 8, 7, 6], 6), timeout=60):
+                got.append(response.token.id)
+                arrived.append(len(first))
+            return got
+
+        with ThreadPoolExecutor(1) as pool:
+            joined = pool.submit(join)
+            for response in running:
+                first.append(response.token.id)
+            joiner = joined.result()
+    assert first == generate(tiny_model, [[1, 2, 3]], 120).tokens[0].tolist()
+    assert joiner == generate(tiny_model, [[9, 8, 7, 6]], 6).tokens[0].tolist()
+    assert arrived[-1] < 40, f"the joiner finished only after {arrived[-1]} of the running stream's 120 tokens"
