@@ -13,8 +13,8 @@ Scenarios (greedy, ignore_eos; each server `--max-batch-size 16`):
     python bench/serving_latency.py --new ARTIFACT [--baseline ARTIFACT --baseline-src DIR] [--rounds 2]
                                     [--provider cpu] [--new-args "--step-token-budget 32"]
 
---baseline-src runs the baseline server from another checkout (its folders importable as kvserve.*), so old
-and new code are timed alternately on one machine.
+--baseline-src runs the baseline server from another checkout (e.g. `git worktree add /tmp/old <commit>`, then
+`make proto` there), so old and new code are timed alternately on one machine.
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import asyncio
 import os
 import re
 import shlex
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,18 +119,36 @@ async def scaling(stub, vocab: int) -> dict:
 SCENARIOS = {"staggered": staggered, "long-prompt": long_prompt, "ttft-1000": ttft_1000, "scaling": scaling}
 
 
+SUBPACKAGES = ("model", "contract", "runtime", "export", "service")  # kvserve.<name> is the folder <name>/ (pyproject.toml)
+
+
+def importable(checkout: Path) -> Path:
+    """A folder that makes checkout's code importable as kvserve through PYTHONPATH: its kvserve/ files and generated
+    stubs, and its subpackage folders linked under kvserve/ as pyproject.toml maps them. A checkout on PYTHONPATH as it
+    is would not do: the editable install of this one maps kvserve.service and the rest to this checkout's folders."""
+    if not list((checkout / "kvserve" / "v1").glob("*_pb2.py")):
+        sys.exit(f"--baseline-src {checkout}: no generated stubs in kvserve/v1 (run `make proto` there)")
+    root = Path(tempfile.mkdtemp(prefix="kvserve-baseline-")) / "kvserve"
+    shutil.copytree(checkout / "kvserve", root)
+    for name in SUBPACKAGES:
+        (root / name).symlink_to(checkout.resolve() / name)
+    return root.parent
+
+
 class Server:
     def __init__(self, name: str, artifact: str, provider: str, source: str | None, extra: list[str]):
         self.name, self.artifact, self.provider, self.source, self.extra = name, artifact, provider, source, extra
 
     def __enter__(self):
-        env = dict(os.environ)
+        env, cwd = dict(os.environ), None
         if self.source:
-            env["PYTHONPATH"] = self.source
+            self.root = getattr(self, "root", None) or importable(Path(self.source))  # made once a run
+            cwd = self.root
+            env["PYTHONPATH"] = str(cwd)
         self.process = subprocess.Popen(
             [sys.executable, "-m", "kvserve.cli", "serve", "--model", self.artifact, "--port", "0", "--provider", self.provider,
              "--max-batch-size", "16", "--max-queue", "64", *self.extra],
-            stderr=subprocess.PIPE, text=True, env=env, cwd=self.source or None,
+            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
         )
         port = None
         for line in self.process.stderr:
