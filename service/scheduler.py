@@ -65,9 +65,9 @@ class StepFailed(Exception):
         self.plan, self.undelivered = plan, undelivered
 
 
-def _call_soon(loop: asyncio.AbstractEventLoop, callback, argument) -> None:
+def _call_soon(loop: asyncio.AbstractEventLoop, callback, steps: list[StepDone]) -> None:
     try:
-        loop.call_soon_threadsafe(callback, argument)
+        loop.call_soon_threadsafe(callback, steps)
     except RuntimeError:  # the loop closed: nobody is left to tell
         pass
 
@@ -78,42 +78,49 @@ class Handoff:
     wait for the loop's work before its next model call. Handing over (a SimpleQueue put) keeps the GIL; this thread
     takes it when the step thread leaves it, inside the model call. Started at the first hand-over."""
 
-    def __init__(self):
+    def __init__(self, deliver):
+        self._deliver = deliver  # called on the loop with each list of steps handed over
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._state = threading.Lock()  # the step thread hands over and flushes while another thread may close
 
-    def hand_over(self, loop: asyncio.AbstractEventLoop, callback, argument) -> None:
-        if self._closed:  # a step that ended after close: passed on directly
-            _call_soon(loop, callback, argument)
-            return
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._pass_on, name="kvserve-handoff", daemon=True)
-            self._thread.start()
-        self._queue.put((loop, callback, argument))
+    def hand_over(self, loop: asyncio.AbstractEventLoop, steps: list[StepDone]) -> None:
+        with self._state:
+            if not self._closed:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._pass_on, name="kvserve-handoff", daemon=True)
+                    self._thread.start()
+                self._queue.put((loop, steps))
+                return
+        _call_soon(loop, self._deliver, steps)  # a step that ended after close: passed on directly
 
     def flush(self) -> None:
         """Wait until everything handed over so far is in the loop's queue of callbacks."""
-        if self._thread is not None:
+        with self._state:
+            if self._thread is None or self._closed:  # closed: the thread passes on what precedes its stop, then ends
+                return
             passed = threading.Event()
             self._queue.put(passed)
-            passed.wait()
+        passed.wait()
 
     def close(self) -> None:
-        self._closed = True
-        if self._thread is not None:
-            self._queue.put(None)
-            self._thread.join()
-            self._thread = None
+        with self._state:
+            self._closed = True
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)  # after every item and flush handed in before it
+        if thread is not None:
+            thread.join()
 
     def _pass_on(self) -> None:
         while (item := self._queue.get()) is not None:
             if isinstance(item, threading.Event):
                 item.set()
                 continue
-            loop, callback, argument = item
-            _call_soon(loop, callback, argument)
-            del item, loop, callback, argument  # while this waits for the next, it holds no step's sequences
+            loop, steps = item
+            _call_soon(loop, self._deliver, steps)
+            del item, loop, steps  # while this waits for the next, it holds no step's sequences
 
 
 class Scheduler:
@@ -126,7 +133,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self._owns_executor = executor is None  # a thread handed in is its giver's to close
         self._executor = step_thread() if executor is None else executor
-        self._handoff = Handoff()
+        self._handoff = Handoff(self._deliver)
         self._closing = False  # read by the step thread between steps (_run_steps)
         self._wakeup = asyncio.Event()
         self.idle = asyncio.Event()
@@ -211,7 +218,7 @@ class Scheduler:
 
         def hand_over() -> None:
             if pending:
-                self._handoff.hand_over(loop, self._deliver, pending[:])
+                self._handoff.hand_over(loop, pending[:])
                 pending.clear()
 
         while True:

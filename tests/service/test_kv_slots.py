@@ -245,3 +245,43 @@ def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_wo
         while not seq.finished:
             batch.run(scheduler.plan())
         assert seq.generated == served.alone(seq)
+
+
+def test_the_handoff_never_leaves_a_flush_waiting_when_it_is_closed_meanwhile():
+    """The step thread flushes the hand-off (scheduler.Handoff) while the engine may be closing it from another
+    thread. Here the close is started at the worst moment, just as the flush hands in its marker: the flush must still
+    return (a marker handed in after the thread's stop once waited forever, and the interpreter hung at exit waiting
+    for the step thread), and what was handed over before reaches the loop."""
+    import threading
+
+    from kvserve.service.scheduler import Handoff
+
+    loop = asyncio.new_event_loop()
+    delivered = []
+    handoff = Handoff(delivered.append)
+    handoff.hand_over(loop, ["step"])
+    real_queue = handoff._queue
+
+    class CloseAsFlushHandsIn:
+        def put(self, item):
+            if isinstance(item, threading.Event):
+                closing = threading.Thread(target=handoff.close)
+                closing.start()
+                closing.join(0.5)  # a close that can run now, runs to its end first
+            real_queue.put(item)
+
+        def get(self):
+            return real_queue.get()
+
+    handoff._queue = CloseAsFlushHandsIn()
+    flushing = threading.Thread(target=handoff.flush, daemon=True)
+    try:
+        flushing.start()
+        flushing.join(5)
+        assert not flushing.is_alive(), "the flush waits for a hand-off thread that has stopped"
+        handoff.close()
+        handoff.hand_over(loop, ["after close"])  # passed to the loop directly
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert delivered == [["step"], ["after close"]]
