@@ -119,15 +119,20 @@ class InProcess:
         finally:
             await engine.close()
 
-    async def _measure(self, engine, prompt_len, new_tokens, requests):
+    @staticmethod
+    async def request(engine, ids, new_tokens):
+        """(ttft s, [inter-token gaps s], tokens) of one request through engine, as one_request over gRPC."""
         from kvserve.service.engine import GenerationRequest
 
-        async def request(ids, n):
-            start = time.perf_counter()
-            stamps = []
-            async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True)):
-                stamps.append(time.perf_counter())
-            return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+        start = time.perf_counter()
+        stamps = []
+        async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, ignore_eos=True)):
+            stamps.append(time.perf_counter())
+        return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+
+    async def _measure(self, engine, prompt_len, new_tokens, requests):
+        def request(ids, n):
+            return self.request(engine, ids, n)
 
         vocab = self.config.vocab_size
         await request(prompt_ids(0, prompt_len, vocab), 4)

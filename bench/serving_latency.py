@@ -126,8 +126,6 @@ def importable(checkout: Path) -> Path:
     """A folder that makes checkout's code importable as kvserve through PYTHONPATH: its kvserve/ files and generated
     stubs, and its subpackage folders linked under kvserve/ as pyproject.toml maps them. A checkout on PYTHONPATH as it
     is would not do: the editable install of this one maps kvserve.service and the rest to this checkout's folders."""
-    if not list((checkout / "kvserve" / "v1").glob("*_pb2.py")):
-        sys.exit(f"--baseline-src {checkout}: no generated stubs in kvserve/v1 (run `make proto` there)")
     root = Path(tempfile.mkdtemp(prefix="kvserve-baseline-")) / "kvserve"
     shutil.copytree(checkout / "kvserve", root)
     for name in SUBPACKAGES:
@@ -184,6 +182,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each scenario runs this many times per server, alternating")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
+    if args.baseline_src and not list((Path(args.baseline_src) / "kvserve" / "v1").glob("*_pb2.py")):
+        parser.error(f"--baseline-src {args.baseline_src}: not a kvserve checkout with generated stubs in kvserve/v1 "
+                     "(run `make proto` there)")
     from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.new).config

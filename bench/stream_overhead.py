@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import statistics
 import sys
 import time
@@ -27,10 +28,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from decode_step import one_row_pool, slots_generate  # noqa: E402
-from grpc_load import InProcess, prompt_ids, start_server  # noqa: E402
+from grpc_load import InProcess, one_request, prompt_ids, start_server  # noqa: E402
 from machine import describe  # noqa: E402
 
-from kvserve.v1 import generation_pb2 as pb  # noqa: E402
 from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 PATHS = ("bare step loop", "in-process engine", "gRPC server")
@@ -39,7 +39,7 @@ PATHS = ("bare step loop", "in-process engine", "gRPC server")
 async def measure(local: InProcess, target: str, rounds: int, prompt_len: int, new_tokens: int) -> dict[str, dict[str, list]]:
     """{path: {"tokens_per_s": [...], "gaps": [...]}}, a request of each path per round."""
     from kvserve.contract.tokenizer import ByteTokenizer
-    from kvserve.service.engine import Engine, EngineLimits, GenerationRequest
+    from kvserve.service.engine import Engine, EngineLimits
 
     loop = asyncio.get_running_loop()
     vocab = local.config.vocab_size
@@ -51,36 +51,24 @@ async def measure(local: InProcess, target: str, rounds: int, prompt_len: int, n
     async def bare(ids):
         start = time.perf_counter()
         tokens = await loop.run_in_executor(local.steps, slots_generate, local.runtime, pool, ids, new_tokens)
-        return len(tokens), time.perf_counter() - start, []
-
-    async def in_process(ids):
-        start, stamps = time.perf_counter(), []
-        async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, ignore_eos=True)):
-            stamps.append(time.perf_counter())
-        return len(stamps), stamps[-1] - start, list(np.diff(stamps))
+        return time.perf_counter() - start, [], len(tokens)
 
     results = {path: {"tokens_per_s": [], "gaps": []} for path in PATHS}
     try:
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)
-
-            async def over_grpc(ids):
-                request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=new_tokens, ignore_eos=True)
-                start, stamps = time.perf_counter(), []
-                async for _ in stub.Generate(request, timeout=300):
-                    stamps.append(time.perf_counter())
-                return len(stamps), stamps[-1] - start, list(np.diff(stamps))
-
+            in_process = functools.partial(local.request, engine, new_tokens=new_tokens)
+            over_grpc = functools.partial(one_request, stub, new_tokens=new_tokens)
             runs = dict(zip(PATHS, (bare, in_process, over_grpc)))
             for run in runs.values():  # warm-up: connection, first binding of each shape
                 await run(prompt_ids(0, prompt_len, vocab))
             for round_ in range(rounds):
                 order = PATHS[round_ % 3:] + PATHS[: round_ % 3]
                 for path in order:
-                    tokens, seconds, gaps = await runs[path](prompt_ids(1 + round_, prompt_len, vocab))
+                    first, gaps, tokens = await runs[path](prompt_ids(1 + round_, prompt_len, vocab))
                     if tokens != new_tokens:
                         sys.exit(f"{path} produced {tokens} tokens, not {new_tokens}")
-                    results[path]["tokens_per_s"].append(tokens / seconds)
+                    results[path]["tokens_per_s"].append(tokens / (first + sum(gaps)))  # sent to last token
                     results[path]["gaps"].extend(gaps)
     finally:
         await engine.close()
