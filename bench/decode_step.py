@@ -18,15 +18,20 @@ def one_row_pool(runtime: DecoderRuntime, config) -> SlotPool:
     return runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
 
 
-def onnx_step(runtime: DecoderRuntime, config, past_len: int, rows: int = 1, with_logits: bool = True):
-    """A callable running one decode step of rows rows, each at position past_len (reading past_len + 1 columns);
-    with_logits=False reads back the greedy tokens alone, as a greedy server step does. Every call writes the same
-    columns, which changes nothing timed."""
-    pool = runtime.new_pool(rows, config.n_kv_head, config.head_dim, pool_capacity(config))
+def onnx_step(runtime: DecoderRuntime, config, past_len: int, rows: int = 1, with_logits: bool = True, chunk: int = 0,
+              pool: SlotPool | None = None):
+    """A callable running one decode step of rows rows, each at position past_len (reading past_len + 1 columns),
+    and with chunk > 0 a prompt chunk of that many tokens in row `rows` beside them (its last token sampled too);
+    with_logits=False reads back the greedy tokens alone, as a greedy server step does. pool: the rows to run in
+    (default: a pool of its own). Every call writes the same columns, which changes nothing timed."""
+    if pool is None:
+        pool = runtime.new_pool(rows + (chunk > 0), config.n_kv_head, config.head_dim, pool_capacity(config))
     position = np.full(rows, past_len, np.int64)  # (B,)
     mask = np.ones((rows, past_len + 1), np.int64)  # (B, W)
-    tokens, no_chunk, logits_index = np.full(rows, 42, np.int64), np.zeros(0, np.int64), np.arange(rows)
-    return lambda: runtime.run_slots(pool, tokens, position, mask, no_chunk, 0, 0, logits_index, with_logits)
+    tokens, chunk_ids = np.full(rows, 42, np.int64), np.full(chunk, 7, np.int64)  # (B,), (T,)
+    logits_index = np.append(np.arange(rows), rows + chunk - 1) if chunk else np.arange(rows)
+    chunk_slot = rows if chunk else 0  # no chunk: row 0, which the step passes through
+    return lambda: runtime.run_slots(pool, tokens, position, mask, chunk_ids, 0, chunk_slot, logits_index, with_logits)
 
 
 def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n: int) -> list[int]:
@@ -45,18 +50,23 @@ def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n
     return tokens
 
 
-def best_step_seconds(graphs: dict[str, dict[int, Callable[[], object]]], rounds: int, steps: int) -> dict[tuple[str, int], float]:
-    """{(graph, rows): seconds} for graphs = {graph: {rows: a step}}: each round times `steps` calls of every step, the
-    graphs in turn (the order reversed every other round); a step's figure is its best round's median."""
-    medians: dict[tuple[str, int], list[float]] = {}
+def step_samples(graphs: dict[str, dict[int, Callable[[], object]]], rounds: int, steps: int) -> dict[tuple[str, int], list[list[float]]]:
+    """{(graph, rows): [each round's step seconds]} for graphs = {graph: {rows: a step}}: each round times `steps` calls
+    of every step, the graphs in turn (the order reversed every other round)."""
+    samples: dict[tuple[str, int], list[list[float]]] = {}
     names = list(graphs)
     for round_ in range(rounds):
         for name in names if round_ % 2 == 0 else names[::-1]:
             for rows, step in graphs[name].items():
-                samples = []
+                times = []
                 for _ in range(steps):
                     start = time.perf_counter()
                     step()
-                    samples.append(time.perf_counter() - start)
-                medians.setdefault((name, rows), []).append(statistics.median(samples))
-    return {key: min(values) for key, values in medians.items()}
+                    times.append(time.perf_counter() - start)
+                samples.setdefault((name, rows), []).append(times)
+    return samples
+
+
+def best_step_seconds(graphs: dict[str, dict[int, Callable[[], object]]], rounds: int, steps: int) -> dict[tuple[str, int], float]:
+    """{(graph, rows): seconds}, as step_samples times them: a step's figure is its best round's median."""
+    return {key: min(statistics.median(times) for times in per_round) for key, per_round in step_samples(graphs, rounds, steps).items()}

@@ -120,15 +120,20 @@ class InProcess:
             await engine.close()
 
     @staticmethod
-    async def request(engine, ids, new_tokens):
-        """(ttft s, [inter-token gaps s], tokens) of one request through engine, as one_request over gRPC."""
+    async def stamps(engine, ids, new_tokens) -> list[float]:
+        """[arrival, every token's time] (perf_counter seconds) of one greedy request through engine."""
         from kvserve.service.engine import GenerationRequest
 
-        start = time.perf_counter()
-        stamps = []
+        stamps = [time.perf_counter()]
         async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, ignore_eos=True)):
             stamps.append(time.perf_counter())
-        return stamps[0] - start, list(np.diff(stamps)), len(stamps)
+        return stamps
+
+    @staticmethod
+    async def request(engine, ids, new_tokens):
+        """(ttft s, [inter-token gaps s], tokens) of one request through engine, as one_request over gRPC."""
+        stamps = await InProcess.stamps(engine, ids, new_tokens)
+        return stamps[1] - stamps[0], list(np.diff(stamps[1:])), len(stamps) - 1
 
     async def _measure(self, engine, prompt_len, new_tokens, requests):
         def request(ids, n):

@@ -61,22 +61,26 @@ def gaps(stamps: list[float]) -> list[float]:
     return list(np.diff(stamps[1:]))  # between tokens: the first token's wait is time to first token
 
 
-async def staggered(stub, vocab: int) -> dict:
-    tokens, itl = 0, []
+async def staggered_load(request, vocab: int) -> tuple[list[list[float]], float]:
+    """The staggered scenario's requests, each through request(ids, new_tokens) -> [arrival, every token's time]: every
+    request's stamps and the seconds the whole load took."""
+    runs = []
 
     async def worker(w: int):
-        nonlocal tokens
         await asyncio.sleep(w / 15)  # 16 streams start 0-1 s apart
         for k in range(2):
-            stamps = await stream(stub, prompt(100 * w + k, 32, vocab), 64)
-            tokens += len(stamps) - 1
-            itl.extend(gaps(stamps))
+            runs.append(await request(prompt(100 * w + k, 32, vocab), 64))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(16)))
-    elapsed = time.perf_counter() - start
+    return runs, time.perf_counter() - start
+
+
+async def staggered(stub, vocab: int) -> dict:
+    runs, elapsed = await staggered_load(lambda ids, new_tokens: stream(stub, ids, new_tokens), vocab)
+    itl = [gap for stamps in runs for gap in gaps(stamps)]
     p50, p99 = np.percentile(itl, 50) * 1e3, np.percentile(itl, 99) * 1e3
-    return {"tokens/s": tokens / elapsed, "ITL p50 ms": p50, "ITL p99 ms": p99, "p99/p50": p99 / p50}
+    return {"tokens/s": sum(len(stamps) - 1 for stamps in runs) / elapsed, "ITL p50 ms": p50, "ITL p99 ms": p99, "p99/p50": p99 / p50}
 
 
 async def long_prompt(stub, vocab: int) -> dict:

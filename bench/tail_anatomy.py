@@ -21,62 +21,50 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_step import onnx_step, step_samples  # noqa: E402
+from grpc_load import InProcess  # noqa: E402
 from machine import describe  # noqa: E402
-from serving_latency import prompt  # noqa: E402
+from serving_latency import gaps, prompt, staggered_load  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.contract.tokenizer import ByteTokenizer  # noqa: E402
 from kvserve.runtime.pool import pool_capacity  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
-from kvserve.service.engine import Engine, EngineLimits, GenerationRequest  # noqa: E402
+from kvserve.service.engine import Engine, EngineLimits  # noqa: E402
 
 ROWS = 16
 FULL = 15  # a step of at least this many rows counts as a full batch's (a joiner holds the 16th row)
 
 
 class TimedRuntime:
-    """The runtime with every slots step recorded as (rows, chunk tokens, seconds)."""
+    """The runtime with every slots step recorded as (rows, chunk tokens, seconds) while attached."""
 
     def __init__(self, runtime: DecoderRuntime):
         self.runtime, self.steps = runtime, []
         self._run_slots = runtime.run_slots
         runtime.run_slots = self._timed
 
-    def _timed(self, pool, input_ids, *args, **kwargs):
+    def _timed(self, pool, input_ids, position_ids, attention_mask, chunk_ids, *rest, **options):
         start = time.perf_counter()
-        result = self._run_slots(pool, input_ids, *args, **kwargs)
-        self.steps.append((len(input_ids), len(args[2]), time.perf_counter() - start))  # args[2]: the chunk's ids
+        result = self._run_slots(pool, input_ids, position_ids, attention_mask, chunk_ids, *rest, **options)
+        self.steps.append((len(input_ids), len(chunk_ids), time.perf_counter() - start))
         return result
 
-
-async def staggered(engine: Engine, vocab: int) -> tuple[list[float], list[float]]:
-    """(every inter-token gap s, every request's time to first token s) of the staggered load."""
-    gaps, ttfts = [], []
-
-    async def worker(w: int):
-        await asyncio.sleep(w / 15)
-        for k in range(2):
-            stamps = [time.perf_counter()]
-            request = GenerationRequest(prompt_ids=tuple(prompt(100 * w + k, 32, vocab)), max_new_tokens=64, ignore_eos=True)
-            async for _ in engine.generate(request):
-                stamps.append(time.perf_counter())
-            ttfts.append(stamps[1] - stamps[0])
-            gaps.extend(np.diff(stamps[1:]))
-
-    await asyncio.gather(*(worker(w) for w in range(16)))
-    return gaps, ttfts
+    def detach(self) -> None:
+        del self.runtime.run_slots  # the class's own method again
 
 
 async def one_round(timed: TimedRuntime, config, budget: int) -> dict:
     engine = Engine(timed.runtime, config, ByteTokenizer(), EngineLimits(max_batch_size=ROWS, max_queue=64, step_token_budget=budget))
     engine.start()
     try:
-        async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(prompt(0, 32, config.vocab_size)), max_new_tokens=4)):
-            pass  # warm-up
+        await InProcess.stamps(engine, prompt(0, 32, config.vocab_size), 4)  # warm-up
         timed.steps.clear()
-        gaps, ttfts = await staggered(engine, config.vocab_size)
+        runs, _ = await staggered_load(lambda ids, new_tokens: InProcess.stamps(engine, ids, new_tokens), config.vocab_size)
     finally:
         await engine.close()
+    itl = [gap for stamps in runs for gap in gaps(stamps)]
+    ttfts = [stamps[1] - stamps[0] for stamps in runs]
     steps = np.array(timed.steps)  # (N, 3): rows, chunk tokens, seconds
     full = steps[:, 0] >= FULL
 
@@ -84,7 +72,7 @@ async def one_round(timed: TimedRuntime, config, budget: int) -> dict:
         return float(np.median(steps[chosen, 2])) * 1e3 if chosen.any() else float("nan")
 
     decode_ms, chunk_ms = median_ms(full & (steps[:, 1] == 0)), median_ms(full & (steps[:, 1] > 0))
-    p50, p99 = np.percentile(gaps, 50) * 1e3, np.percentile(gaps, 99) * 1e3
+    p50, p99 = np.percentile(itl, 50) * 1e3, np.percentile(itl, 99) * 1e3
     slowest = steps[np.argsort(steps[:, 2])[-3:][::-1]]
     return {"slowest steps": ", ".join(f"{rows:.0f} rows + {chunk:.0f}: {seconds * 1e3:.1f} ms" for rows, chunk, seconds in slowest),
             "ITL p50 ms": p50, "ITL p99 ms": p99, "p99/p50": p99 / p50, "TTFT p50 ms": np.median(ttfts) * 1e3,
@@ -95,26 +83,12 @@ async def one_round(timed: TimedRuntime, config, budget: int) -> dict:
 def alone(runtime: DecoderRuntime, config, chunks: list[int], rounds: int, steps: int = 40) -> dict[int, np.ndarray]:
     """{chunk tokens: every step's ms} of a step of 15 decoding rows and a chunk in the 16th (0: 16 decoding rows),
     nothing else running, the shapes taking turns: its median is what the chunk costs, its p99 / p50 how much an
-    identical step's time moves on this machine."""
+    identical step's time moves on this machine. A round's first step of each shape (after another shape) is left out."""
     pool = runtime.new_pool(ROWS, config.n_kv_head, config.head_dim, pool_capacity(config))
-
-    def step(chunk: int):
-        rows = ROWS if chunk == 0 else FULL
-        tokens, positions = np.full(rows, 42, np.int64), np.full(rows, 80, np.int64)  # (B,): past 80, as mid-stream
-        ids = np.full(chunk, 7, np.int64)  # (T,)
-        sampled = np.arange(rows) if chunk == 0 else np.append(np.arange(rows), rows + chunk - 1)
-        return lambda: runtime.run_slots(pool, tokens, positions, None, ids, 0, FULL, sampled, False)
-
-    shapes = {chunk: step(chunk) for chunk in chunks}
-    samples: dict[int, list[float]] = {chunk: [] for chunk in chunks}
-    for round_ in range(rounds):
-        for chunk in chunks if round_ % 2 == 0 else chunks[::-1]:
-            shapes[chunk]()  # this shape's first step after another's
-            for _ in range(steps):
-                start = time.perf_counter()
-                shapes[chunk]()
-                samples[chunk].append(time.perf_counter() - start)
-    return {chunk: np.array(times) * 1e3 for chunk, times in samples.items()}
+    shapes = {str(chunk): {ROWS: onnx_step(runtime, config, 80, ROWS if chunk == 0 else FULL, False, chunk, pool)}  # past 80: mid-stream
+              for chunk in chunks}
+    samples = step_samples(shapes, rounds, steps + 1)
+    return {chunk: np.array([t for times in samples[(str(chunk), ROWS)] for t in times[1:]]) * 1e3 for chunk in chunks}
 
 
 def cell(key: str, value) -> str:
@@ -149,7 +123,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for budget in budgets if round_ % 2 == 0 else budgets[::-1]:
             results.setdefault(budget, []).append(asyncio.run(one_round(timed, config, budget)))
-    runtime.run_slots = timed._run_slots
+    timed.detach()
     chunk_sizes = sorted({0, 1} | {b - FULL for b in budgets})
     shapes = alone(runtime, config, chunk_sizes, args.rounds)
 
