@@ -5,6 +5,8 @@ before and after a change (a baseline checkout of kvserve against this one), or 
 Scenarios (greedy, ignore_eos; each server `--max-batch-size 16`):
   staggered    16 streams starting 0-1 s apart, 2 requests each (prompt 32, 64 new): aggregate tokens/s and
                inter-token latency p50 / p99
+  lockstep     the same 16 streams started together with 1-token prompts: gaps with no prompt work beside them, so
+               their p99 / p50 is this machine's and the gRPC path's own jitter, the floor under staggered's
   long-prompt  8 streams decoding (prompt 32, 160 new) when a 900-token prompt arrives: the 8 streams' median
                and longest gap, and the long prompt's time to first token
   ttft-1000    a lone 1,000-token prompt (1 new token) on an idle server: time to first token, best of 3
@@ -76,11 +78,27 @@ async def staggered_load(request, vocab: int) -> tuple[list[list[float]], float]
     return runs, time.perf_counter() - start
 
 
-async def staggered(stub, vocab: int) -> dict:
-    runs, elapsed = await staggered_load(lambda ids, new_tokens: stream(stub, ids, new_tokens), vocab)
+def gap_summary(runs: list[list[float]], elapsed: float) -> dict:
+    """Aggregate tokens/s and the inter-token gaps' p50 / p99 of requests' stamps (stream's) over elapsed seconds."""
     itl = [gap for stamps in runs for gap in gaps(stamps)]
     p50, p99 = np.percentile(itl, 50) * 1e3, np.percentile(itl, 99) * 1e3
     return {"tokens/s": sum(len(stamps) - 1 for stamps in runs) / elapsed, "ITL p50 ms": p50, "ITL p99 ms": p99, "p99/p50": p99 / p50}
+
+
+async def staggered(stub, vocab: int) -> dict:
+    return gap_summary(*await staggered_load(lambda ids, new_tokens: stream(stub, ids, new_tokens), vocab))
+
+
+async def lockstep(stub, vocab: int) -> dict:
+    runs = []
+
+    async def worker(w: int):
+        for k in range(2):
+            runs.append(await stream(stub, prompt(100 * w + k, 1, vocab), 64))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker(w) for w in range(16)))
+    return gap_summary(runs, time.perf_counter() - start)
 
 
 async def long_prompt(stub, vocab: int) -> dict:
@@ -120,7 +138,7 @@ async def scaling(stub, vocab: int) -> dict:
     return {"c1 tokens/s": one, "c16 tokens/s": sixteen, "c16/c1": sixteen / one}
 
 
-SCENARIOS = {"staggered": staggered, "long-prompt": long_prompt, "ttft-1000": ttft_1000, "scaling": scaling}
+SCENARIOS = {"staggered": staggered, "lockstep": lockstep, "long-prompt": long_prompt, "ttft-1000": ttft_1000, "scaling": scaling}
 
 
 SUBPACKAGES = ("model", "contract", "runtime", "export", "service")  # kvserve.<name> is the folder <name>/ (pyproject.toml)
