@@ -107,13 +107,19 @@ class InProcess:
         if self.batch.fixed_decode:
             self.steps.submit(self.batch.prepare_decode_shapes).result()
 
-    async def run(self, prompt_len, new_tokens, requests):
+    def engine(self, batch=None):
+        """A started Engine (16 rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
+        one); on a running event loop, and the caller closes it."""
         from kvserve.service.engine import Engine, EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
-        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64), batch=self.batch,
-                        step_thread=self.steps)
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64),
+                        batch=self.batch if batch is None else batch, step_thread=self.steps)
         engine.start()
+        return engine
+
+    async def run(self, prompt_len, new_tokens, requests):
+        engine = self.engine()
         try:
             return await self._measure(engine, prompt_len, new_tokens, requests)
         finally:

@@ -113,8 +113,6 @@ def no_match_in_process(artifact: str, provider: str, rounds: int) -> tuple[dict
     off alternating: ({setting: [(tokens/s, K/V bytes the round moved between rows)]}, the provider)."""
     from grpc_load import InProcess
 
-    from kvserve.contract.tokenizer import ByteTokenizer
-    from kvserve.service.engine import Engine, EngineLimits
     from kvserve.service.kv_slots import SlotBatch
 
     local = InProcess(artifact, provider)
@@ -122,9 +120,7 @@ def no_match_in_process(artifact: str, provider: str, rounds: int) -> tuple[dict
     traffic = local.runtime.traffic
 
     async def one_round(batch: SlotBatch, seed: int) -> tuple[float, int]:
-        engine = Engine(local.runtime, local.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64), batch=batch,
-                        step_thread=local.steps)
-        engine.start()
+        engine = local.engine(batch)
 
         async def request(ids: list[int], new_tokens: int) -> int:
             return len(await InProcess.stamps(engine, ids, new_tokens)) - 1
@@ -177,6 +173,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    unknown = [name for name in args.scenarios.split(",") if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(unknown)} (choose from {', '.join(SCENARIOS)})")
     from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.artifact).config

@@ -63,15 +63,16 @@ def gaps(stamps: list[float]) -> list[float]:
     return list(np.diff(stamps[1:]))  # between tokens: the first token's wait is time to first token
 
 
-async def staggered_load(request, vocab: int) -> tuple[list[list[float]], float]:
-    """The staggered scenario's requests, each through request(ids, new_tokens) -> [arrival, every token's time]: every
-    request's stamps and the seconds the whole load took."""
+async def staggered_load(request, vocab: int, spread_s: float = 1.0, prompt_tokens: int = 32) -> tuple[list[list[float]], float]:
+    """The staggered scenario's requests (16 streams starting spread_s apart in all, 2 requests each, 64 new tokens),
+    each through request(ids, new_tokens) -> [arrival, every token's time]: every request's stamps and the seconds
+    the whole load took."""
     runs = []
 
     async def worker(w: int):
-        await asyncio.sleep(w / 15)  # 16 streams start 0-1 s apart
+        await asyncio.sleep(w * spread_s / 15)
         for k in range(2):
-            runs.append(await request(prompt(100 * w + k, 32, vocab), 64))
+            runs.append(await request(prompt(100 * w + k, prompt_tokens, vocab), 64))
 
     start = time.perf_counter()
     await asyncio.gather(*(worker(w) for w in range(16)))
@@ -90,15 +91,7 @@ async def staggered(stub, vocab: int) -> dict:
 
 
 async def lockstep(stub, vocab: int) -> dict:
-    runs = []
-
-    async def worker(w: int):
-        for k in range(2):
-            runs.append(await stream(stub, prompt(100 * w + k, 1, vocab), 64))
-
-    start = time.perf_counter()
-    await asyncio.gather(*(worker(w) for w in range(16)))
-    return gap_summary(runs, time.perf_counter() - start)
+    return gap_summary(*await staggered_load(lambda ids, new_tokens: stream(stub, ids, new_tokens), vocab, spread_s=0, prompt_tokens=1))
 
 
 async def long_prompt(stub, vocab: int) -> dict:
@@ -204,6 +197,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="each scenario runs this many times per server, alternating")
     parser.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = parser.parse_args()
+    unknown = [name for name in args.scenarios.split(",") if name not in SCENARIOS]
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(unknown)} (choose from {', '.join(SCENARIOS)})")
     if args.baseline_src and not list((Path(args.baseline_src) / "kvserve" / "v1").glob("*_pb2.py")):
         parser.error(f"--baseline-src {args.baseline_src}: not a kvserve checkout with generated stubs in kvserve/v1 "
                      "(run `make proto` there)")
