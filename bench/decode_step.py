@@ -35,15 +35,15 @@ def onnx_step(runtime: DecoderRuntime, config, past_len: int, rows: int = 1, wit
 
 
 def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n: int,
-                   on_token: Callable[[], object] | None = None) -> list[int]:
+                   on_token: Callable[[int], object] | None = None) -> list[int]:
     """Greedy through the slots graph as the server runs a lone stream: the prompt as one chunk of row 0, then
     one decode step per token (row 0 reads its own columns), each token the graph's greedy_tokens; on_token, where
-    given, is called once a token, as soon as the step that made it returns."""
+    given, is called with each token as soon as the step that made it returns."""
     scratch = np.array([pool.capacity - 1])
     tokens = runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), np.asarray(prompt, np.int64), 0, 0,
                                np.array([1 + len(prompt) - 1]), with_logits=False).greedy_tokens.tolist()
     if on_token is not None:
-        on_token()
+        on_token(tokens[0])
     length = len(prompt)
     while len(tokens) < n:
         position = np.array([length])
@@ -51,7 +51,7 @@ def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n
         tokens += runtime.run_slots(pool, np.array(tokens[-1:], np.int64), position, mask, np.zeros(0, np.int64), 0, 0, np.array([0]),
                                     with_logits=False).greedy_tokens.tolist()
         if on_token is not None:
-            on_token()
+            on_token(tokens[-1])
         length += 1
     return tokens
 
