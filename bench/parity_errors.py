@@ -28,7 +28,7 @@ from machine import describe  # noqa: E402
 from kvserve.contract import tolerances  # noqa: E402
 from kvserve.export.pipeline import export_artifact  # noqa: E402
 from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
-from kvserve.model.config import preset  # noqa: E402
+from kvserve.model.presets import preset  # noqa: E402
 from kvserve.model.decoders import build  # noqa: E402
 from tests.conftest import DEFAULT_CHECKPOINT, LLAMA_CONFIGS  # noqa: E402  (the suite's own models)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 from kvserve.errors import UserError
-from kvserve.model.config import DecoderConfig
-from kvserve.model.hf_config import config_from_hf
 
+from .config import DecoderConfig
+from .hf_config import config_from_hf
 from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, io_spec
 
 MODEL_FILE = "model.onnx"

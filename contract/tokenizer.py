@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+
 class Tokenizer(Protocol):
     name: str
 

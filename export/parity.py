@@ -173,7 +173,7 @@ class _ConcatDriver:
 
     def _run(self, ids, past) -> np.ndarray:
         feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: self.mask.numpy(), io.POSITION_IDS: self.pos.numpy(), **dict(zip(self.past_names, past))}
-        logits, *self.past = self.runtime.session.run(None, feeds)
+        logits, *self.past = self.runtime.run_feeds(feeds)
         return logits  # (B, T, V)
 
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:

@@ -20,10 +20,10 @@ import kvserve
 from kvserve.errors import JobFailed, UserError
 from kvserve.progress import stage
 from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
-from kvserve.model.config import preset
+from kvserve.model.presets import preset
 from kvserve.model.generate import generate
 from kvserve.model.decoders import Decoder, build
-from kvserve.model.hf_config import config_to_hf
+from kvserve.contract.hf_config import config_to_hf
 from kvserve.model.vocabulary import write_preset_tokenizer
 from kvserve.runtime.providers import cuda_available
 

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
+from kvserve.contract.config import GPT2_ARCH, DecoderConfig
+from kvserve.contract.hf_config import config_from_hf, config_to_hf
 from kvserve.errors import UserError
 
-from .config import GPT2_ARCH, DecoderConfig
 from .decoders import Decoder, new_decoder
-from .hf_config import config_from_hf, config_to_hf
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers some checkpoints carry (GPT-2's causal mask, old Llama's rotary frequencies); ours compute them.

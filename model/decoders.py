@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .config import GPT2_ARCH, DecoderConfig
+from kvserve.contract.config import GPT2_ARCH, DecoderConfig
+
 from .gpt2 import GPT2
 from .llama import Llama
 

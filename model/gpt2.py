@@ -20,9 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.contract.config import DecoderConfig
+
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
-from .config import DecoderConfig
 from .fused_attention import FusedSlotStep
+
 
 class LayerNorm(nn.LayerNorm):
     """LayerNorm whose statistics are always computed in float32, so a float16 model stays stable."""

@@ -22,8 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.contract.config import DecoderConfig
+
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
-from .config import DecoderConfig
 from .fused_attention import FusedSlotStep, rotary_tables
 
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kvserve.contract.config import DecoderConfig
 from kvserve.errors import UserError
 from kvserve.progress import progress
 
 from .checkpoint import save_checkpoint
-from .config import DecoderConfig
 from .corpus import HELD_OUT_EVERY, load_corpus
 from .gpt2 import GPT2
 

@@ -1,5 +1,19 @@
-"""ONNX Runtime under kvserve, torch-free: which provider runs and why (providers.py), the KV pool and what moves
-through the host (pool.py), one slots step for standard and fused graphs (step.py), and decode steps at fixed
-shapes captured as CUDA graphs (cuda_graphs.py). The server's batch (service/kv_slots.py) and export's parity
-driver (export/parity.py) both run their steps here.
+"""ONNX Runtime under kvserve, torch-free, and the only package that imports onnxruntime to run a graph: which
+provider runs and why (providers.py), the KV pool and what moves through the host (pool.py), one slots step for
+standard and fused graphs (step.py), decode steps at fixed shapes captured as CUDA graphs (cuda_graphs.py), and
+what a step hands back (sampled.py). Imports run providers <- pool <- cuda_graphs <- step, with no circle.
+
+What the server may use is named here, and service/ imports nothing else from this package (tests/test_layers.py);
+export's parity driver and the benchmarks may reach the modules themselves.
 """
+
+from .cuda_graphs import MIN_DECODE_WIDTH, decode_shape, decode_shapes
+from .pool import KvTraffic, SlotPool, pool_capacity
+from .providers import PROVIDER_CHOICES, ModelUnloadable, ProviderUnavailable, cuda_available
+from .sampled import Sampled
+from .step import DecoderRuntime
+
+__all__ = [
+    "DecoderRuntime", "KvTraffic", "MIN_DECODE_WIDTH", "ModelUnloadable", "PROVIDER_CHOICES", "ProviderUnavailable", "Sampled",
+    "SlotPool", "cuda_available", "decode_shape", "decode_shapes", "pool_capacity",
+]

@@ -11,6 +11,7 @@ run uncaptured (how the tests drive this path without a GPU).
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ import onnxruntime as ort
 
 from kvserve.contract import io_contract as io
 
-from .pool import Sampled, SlotPool
+from .pool import KvTraffic, SlotPool
 from .providers import first_line
+from .sampled import Sampled
 
 log = logging.getLogger(__name__)
 
@@ -70,22 +72,32 @@ class FixedDecode:
     captured: bool = False
 
 
-class FixedShapeSteps:
-    """DecoderRuntime's decode steps at fixed shapes (step.py mixes this in: it holds the session and the pool
-    bindings these steps use)."""
+class FixedDecodeSteps:
+    """A runtime's decode steps at fixed shapes (DecoderRuntime owns one): their buffers and bindings per (pool, rows,
+    width), and whether the session still captures them as CUDA graphs."""
 
-    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+    def __init__(self, session, device: str, kv_dtype, vocab_size: int, kv_names: tuple[list[str], list[str]],
+                 traffic: KvTraffic, captures: bool, cuda_graph_note: str | None, uncaptured: ort.RunOptions):
+        """kv_names: every layer's past and present names, in the pool's order; captures: the session captures CUDA graphs
+        (cuda_graph_note: why not, when they were asked for); uncaptured: the run options of a step never captured."""
+        self.session, self.device, self.kv_dtype, self.vocab_size, self.traffic = session, device, kv_dtype, vocab_size, traffic
+        self._past_names, self._present_names = kv_names
+        self.captures, self.cuda_graph_note, self._uncaptured = captures, cuda_graph_note, uncaptured
+        self._steps: dict[tuple, FixedDecode] = {}  # (pool, rows, width) -> its buffers
+        self._graph_ids = itertools.count(1)  # never reused: a captured graph holds its buffers' addresses
+
+    def run(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
                    with_logits: bool = True, before_run: Callable[[], None] | None = None) -> Sampled:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
-        buffers bound once per (pool, B, W) and, when the session captures (captures_decode), the step is a CUDA graph
+        buffers bound once per (pool, B, W) and, when the session captures (captures), the step is a CUDA graph
         of its own, captured at its first run and replayed after. Returns every row's greedy token (B,) and, with_logits,
         its logits (B, V), in host memory: on the CPU provider the bound
         buffers themselves, which the next step at this shape overwrites (read them before then)."""
         rows, width = attention_mask.shape
-        step = self._fixed_steps.get((pool, rows, width))
+        step = self._steps.get((pool, rows, width))
         if step is None:
-            step = self._fixed_steps[(pool, rows, width)] = self._bind_fixed(pool, rows, width)
+            step = self._steps[(pool, rows, width)] = self._bind_fixed(pool, rows, width)
         step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
         step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
         step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
@@ -111,18 +123,16 @@ class FixedShapeSteps:
             step.captured = True
             return
         except Exception as exc:  # ONNX Runtime's errors have no common base; any failure here ends capturing
-            self.captures_decode = False
+            self.captures = False
             self.cuda_graph_note = f"CUDA graph capture failed ({first_line(exc)}); decode steps run uncaptured"
             log.warning("%s", self.cuda_graph_note)
-        for fixed in self._fixed_steps.values():
+        for fixed in self._steps.values():
             if fixed.captured:
                 self.session.release_captured_graph(fixed.graph_id)
             fixed.graph_id, fixed.run_options, fixed.captured = None, self._uncaptured, False
         self.session.run_with_iobinding(step.binding, step.run_options)
 
     def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
-        if self.attention != io.STANDARD:
-            raise ValueError("run_decode drives a standard slots graph; a fused graph's steps go through run_slots")
         if rows > pool.rows:
             raise ValueError(f"a decode step of {rows} rows on a pool of {pool.rows}")
         host = {
@@ -150,22 +160,20 @@ class FixedShapeSteps:
             binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
             binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
         graph_id, run_options = None, self._uncaptured
-        if self.captures_decode:
+        if self.captures:
             graph_id, run_options = next(self._graph_ids), ort.RunOptions()
             run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
         host_arrays = list(host.values()) + [logits, tokens] if self.device == "cpu" else []
         return FixedDecode(binding, values[io.INPUT_IDS], values[io.POSITION_IDS], values[io.ATTENTION_MASK], logits_value,
                            tokens_value, run_options, graph_id, host_arrays)
 
-    def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
-        """The (rows, width) shapes run_decode has bound for pool, in the order they were first run."""
-        return [(rows, width) for (p, rows, width) in self._fixed_steps if p is pool]
+    def shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
+        """The (rows, width) shapes run has bound for pool, in the order they were first run."""
+        return [(rows, width) for (p, rows, width) in self._steps if p is pool]
 
-    def release_pool(self, pool: SlotPool) -> None:
+    def release(self, pool: SlotPool) -> None:
         """Forget the decode steps bound to pool (and release their CUDA graphs): the pool is no longer used."""
-        for key in [k for k in self._fixed_steps if k[0] is pool]:
-            step = self._fixed_steps.pop(key)
+        for key in [k for k in self._steps if k[0] is pool]:
+            step = self._steps.pop(key)
             if step.captured:
                 self.session.release_captured_graph(step.graph_id)
-        if self._pool_binding is not None and self._pool_binding[0][0] is pool:
-            self._pool_binding = None

@@ -14,15 +14,11 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 import onnxruntime as ort
 
-from kvserve.model.config import DecoderConfig
-
-if TYPE_CHECKING:
-    from .step import DecoderRuntime
+from kvserve.contract.config import DecoderConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +51,6 @@ def device_copy_2d() -> Callable[[int, int, int, int, int], None] | None:
     return copy
 
 
-@dataclass(frozen=True)
-class Sampled:
-    """What a slots step returns for the K tokens it samples from, in host memory."""
-
-    logits: np.ndarray | None  # (K, V) float32; None when the step was asked for greedy tokens alone
-    greedy_tokens: np.ndarray  # (K,) int64: each row's argmax
-
-
 def pool_capacity(config: DecoderConfig) -> int:
     """Columns of a pool row: a whole context, then the scratch column (where a row with nothing to decode writes)."""
     return config.n_ctx + 1
@@ -85,21 +73,23 @@ class SlotPool:
     """The slots layout's cache: per layer K and V, each (rows, H, capacity, d_k), on the session's device.
     Rows are the batch's slots; a step binds rows [0, B) by address. On the CPU provider the memory is
     numpy's (the device is the host), zeroed here so every page is touched before any step runs; under
-    CUDA it is device memory, read back only to move a row (kv_slots never does under CUDA)."""
+    CUDA it is device memory, never read back on the serving path: a row moves on the device (copy_columns)."""
 
-    def __init__(self, runtime: DecoderRuntime, rows: int, n_kv_head: int, d_head: int, capacity: int):
-        self.runtime, self.rows, self.capacity = runtime, rows, capacity
+    def __init__(self, rows: int, n_kv_head: int, d_head: int, capacity: int, n_layer: int, kv_dtype, device: str,
+                 traffic: KvTraffic):
+        """device: "cpu" or "cuda", where the session runs; traffic: the runtime's counters, which this pool adds to."""
+        self.rows, self.capacity, self.kv_dtype, self.traffic = rows, capacity, kv_dtype, traffic
         self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
-        self.row_bytes = n_kv_head * capacity * d_head * np.dtype(runtime.kv_dtype).itemsize  # one layer's K of one row
-        if runtime.device == "cpu":
-            self.arrays = [np.empty(self.shape, runtime.kv_dtype) for _ in range(2 * runtime.n_layer)]
+        self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one layer's K of one row
+        if device == "cpu":
+            self.arrays = [np.empty(self.shape, kv_dtype) for _ in range(2 * n_layer)]
             for array in self.arrays:
                 array.fill(0)  # touch every page now: a first touch mid-step is a page fault the step waits for
             self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]  # the same memory
         else:
             self.arrays = None
-            zeros = np.zeros(self.shape, runtime.kv_dtype)  # rows read padding columns: they must hold numbers
-            self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * runtime.n_layer)]
+            zeros = np.zeros(self.shape, kv_dtype)  # rows read padding columns: they must hold numbers
+            self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * n_layer)]
         self._spare: np.ndarray | None = None  # exchange_rows' staging row, made on first use
 
     def pitched_copies(self, source: int, destination: int, columns: int) -> list[tuple[int, int, int, int, int]]:
@@ -107,7 +97,7 @@ class SlotPool:
         (destination address, source address, pitch, width, height) in bytes, as cudaMemcpy2D takes them: a row is
         H blocks of capacity x d_k values (one a head), of which each copy takes the first columns x d_k."""
         _, heads, capacity, d_head = self.shape
-        itemsize = np.dtype(self.runtime.kv_dtype).itemsize
+        itemsize = np.dtype(self.kv_dtype).itemsize
         pitch, width = capacity * d_head * itemsize, columns * d_head * itemsize
         return [(value.data_ptr() + destination * self.row_bytes, value.data_ptr() + source * self.row_bytes, pitch, width, heads)
                 for value in self.values]
@@ -131,7 +121,7 @@ class SlotPool:
                 raise RuntimeError("no CUDA runtime to copy K/V between rows (copies_rows is False)")
             for copy in self.pitched_copies(source, destination, columns):
                 copy_2d(*copy)
-        traffic = self.runtime.traffic
+        traffic = self.traffic
         traffic.device_copies += 1
         traffic.device_copy_bytes += columns * self.row_bytes // self.capacity * len(self.values)
 
@@ -143,7 +133,7 @@ class SlotPool:
         if self.arrays is None:
             raise RuntimeError("rows are exchanged on the CPU provider only (under CUDA a freed row stays where it is)")
         if self._spare is None:
-            self._spare = np.empty(self.shape[1:], self.runtime.kv_dtype)  # (H, C, d_k): one row of one layer's K or V
+            self._spare = np.empty(self.shape[1:], self.kv_dtype)  # (H, C, d_k): one row of one layer's K or V
         if b_columns < a_columns:  # the shorter side goes through the spare row: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
         spare = self._spare
@@ -151,7 +141,7 @@ class SlotPool:
             spare[:, :a_columns] = array[a, :, :a_columns]
             array[a, :, :b_columns] = array[b, :, :b_columns]
             array[b, :, :a_columns] = spare[:, :a_columns]
-        traffic = self.runtime.traffic
+        traffic = self.traffic
         traffic.device_copies += 1
         traffic.device_copy_bytes += (2 * a_columns + b_columns) * self.row_bytes // self.capacity * len(self.values)
 
@@ -159,5 +149,5 @@ class SlotPool:
         """One row's first columns, per layer K then V, each (H, columns, d_k): for parity checks and tests."""
         if self.arrays is not None:
             return [a[row, :, :columns].copy() for a in self.arrays]
-        self.runtime.traffic.host_bytes += sum(v.tensor_size_in_bytes() for v in self.values)  # the whole pool comes back
+        self.traffic.host_bytes += sum(v.tensor_size_in_bytes() for v in self.values)  # the whole pool comes back
         return [v.numpy()[row, :, :columns] for v in self.values]

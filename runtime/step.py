@@ -16,7 +16,6 @@ Decode-only steps at fixed shapes (CUDA graphs) are cuda_graphs.py's; the sessio
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,15 +24,16 @@ import onnxruntime as ort
 
 from kvserve.contract import io_contract as io
 
-from .cuda_graphs import GRAPH_ID, FixedDecode, FixedShapeSteps
-from .pool import KvTraffic, Sampled, SlotPool
+from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
+from .pool import KvTraffic, SlotPool
 from .providers import ProviderUnavailable, open_session
+from .sampled import Sampled
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
 
 
-class DecoderRuntime(FixedShapeSteps):
+class DecoderRuntime:
     """One ONNX Runtime session over an exported decoder graph, and the slots step over it."""
 
     def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0,
@@ -41,7 +41,7 @@ class DecoderRuntime(FixedShapeSteps):
         """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode)."""
         opened = open_session(model_path, dtype, provider, threads, cuda_graph)
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
-        self.fallback_reason, self.captures_decode, self.cuda_graph_note = opened.fallback_reason, opened.captures_decode, opened.cuda_graph_note
+        self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
         self.kv_dtype = NUMPY_DTYPES[dtype]
         inputs = {i.name for i in self.session.get_inputs()}
@@ -56,11 +56,22 @@ class DecoderRuntime(FixedShapeSteps):
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
         self.traffic = KvTraffic()
-        self._pool_binding: tuple | None = None  # (key, binding): the K/V bound once, reused step after step
-        self._fixed_steps: dict[tuple, FixedDecode] = {}  # (pool, rows, width) -> its buffers (run_decode)
-        self._graph_ids = itertools.count(1)  # never reused: a captured graph holds its buffers' addresses
+        self._pool_binding: tuple | None = None  # (key, binding): the last step's K/V binding, reused while its key holds
         self._uncaptured = ort.RunOptions()
         self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
+        self.fixed_steps = FixedDecodeSteps(self.session, self.device, self.kv_dtype, self.vocab_size,
+                                            (self._past_names, self._present_names), self.traffic, opened.captures_decode,
+                                            opened.cuda_graph_note, self._uncaptured)
+
+    @property
+    def captures_decode(self) -> bool:
+        """Whether fixed-shape decode steps are captured as CUDA graphs (until a capture fails)."""
+        return self.fixed_steps.captures
+
+    @property
+    def cuda_graph_note(self) -> str | None:
+        """Why CUDA graphs were asked for and are off (or stopped), else None."""
+        return self.fixed_steps.cuda_graph_note
 
     def signature(self) -> dict[str, dict]:
         """{"inputs"|"outputs": {name: {"shape": [...], "dtype": ...}}} as the live session reports it."""
@@ -71,11 +82,35 @@ class DecoderRuntime(FixedShapeSteps):
         return {"inputs": describe(self.session.get_inputs()), "outputs": describe(self.session.get_outputs())}
 
     def new_pool(self, rows: int, n_kv_head: int, d_head: int, capacity: int) -> SlotPool:
-        return SlotPool(self, rows, n_kv_head, d_head, capacity)
+        """A pool on this session's device whose copies count in this runtime's traffic."""
+        return SlotPool(rows, n_kv_head, d_head, capacity, self.n_layer, self.kv_dtype, self.device, self.traffic)
+
+    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+                   with_logits: bool = True, before_run: Callable[[], None] | None = None) -> Sampled:
+        """A decode-only step at a fixed shape (cuda_graphs.FixedDecodeSteps.run): standard slots graphs only."""
+        if self.attention != io.STANDARD:
+            raise ValueError("run_decode drives a standard slots graph; a fused graph's steps go through run_slots")
+        return self.fixed_steps.run(pool, input_ids, position_ids, attention_mask, with_logits, before_run)
+
+    def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
+        """The (rows, width) shapes run_decode has bound for pool, in the order they were first run."""
+        return self.fixed_steps.shapes(pool)
+
+    def release_pool(self, pool: SlotPool) -> None:
+        """Forget every binding of pool (and release its CUDA graphs): the pool is no longer used."""
+        self.fixed_steps.release(pool)
+        if self._pool_binding is not None and self._pool_binding[0][0] is pool:
+            self._pool_binding = None
+
+    def run_feeds(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Every output of one plain run over host feeds, in the graph's order: how tools that drive a concat graph
+        themselves (export's parity driver) run it, each step's present fed back as past."""
+        return self.session.run(None, feeds)
 
     def _bound_pool(self, pool: SlotPool, rows: int, first_row: int = 0, chunk_row: int | None = None) -> BoundStep:
         """An IO binding with the pool's rows first_row .. first_row + rows - 1 bound as past and present (and, for a fused
-        graph, row chunk_row as the chunk's past and present); made once per (pool, rows, first_row, chunk_row)."""
+        graph, row chunk_row as the chunk's past and present). The last binding is kept and reused while the next step
+        binds the same (pool, rows, first_row, chunk_row): decode steps in a row do."""
         key = (pool, rows, first_row, chunk_row)
         if self._pool_binding is not None and self._pool_binding[0] == key:
             return self._pool_binding[1]

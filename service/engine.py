@@ -14,8 +14,8 @@ import secrets
 
 from kvserve.contract.chat import ChatMessage, ChatTemplate, TemplateError
 from kvserve.contract.tokenizer import Tokenizer
-from kvserve.model.config import DecoderConfig
-from kvserve.runtime.step import DecoderRuntime
+from kvserve.contract.config import DecoderConfig
+from kvserve.runtime import DecoderRuntime
 
 from .kv_slots import SlotBatch
 from .limits import MAX_SCALE, MIN_SCALE, EngineLimits

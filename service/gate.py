@@ -11,7 +11,7 @@ import numpy as np
 from kvserve.contract.artifact import Artifact, contract_problems
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.contract.tolerances import TOLERANCES, kl_divergence, logits_bound
-from kvserve.runtime.step import DecoderRuntime
+from kvserve.runtime import DecoderRuntime
 
 from .kv_slots import SlotBatch
 from .limits import EngineLimits

@@ -44,10 +44,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvserve.contract.io_contract import STANDARD
-from kvserve.model.config import DecoderConfig
-from kvserve.runtime.cuda_graphs import decode_shape, decode_shapes
-from kvserve.runtime.pool import SlotPool, pool_capacity
-from kvserve.runtime.step import DecoderRuntime
+from kvserve.contract.config import DecoderConfig
+from kvserve.runtime import DecoderRuntime, SlotPool, decode_shape, decode_shapes, pool_capacity
 
 from .prompt_cache import PrefixIndex
 from .sequence import Sequence, StepEvent

@@ -17,8 +17,8 @@ from kvserve.contract.io_contract import SLOTS
 from kvserve.contract.chat import ChatTemplate, load_chat_template
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 from kvserve.errors import JobFailed, UserError
-from kvserve.model.config import DecoderConfig
-from kvserve.runtime.step import DecoderRuntime
+from kvserve.contract.config import DecoderConfig
+from kvserve.runtime import DecoderRuntime
 
 from .gate import GateResult, run_gate, warm_up
 from .kv_slots import SlotBatch

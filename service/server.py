@@ -15,7 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvserve.contract.chat import ChatMessage
 from kvserve.errors import UserError
-from kvserve.runtime.step import DecoderRuntime
+from kvserve.runtime import DecoderRuntime
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -26,7 +26,7 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from kvserve.model.config import preset
+    from kvserve.model.presets import preset
     from kvserve.model.decoders import build
 
     return build(preset("tiny"), seed=0)
@@ -34,7 +34,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tiny_llama_model():
-    from kvserve.model.config import preset
+    from kvserve.model.presets import preset
     from kvserve.model.decoders import build
 
     return build(preset("tiny-llama"), seed=0)

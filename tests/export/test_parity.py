@@ -81,7 +81,7 @@ def test_verify_cli_writes_json_and_sets_the_exit_code(tiny_artifact, tmp_path):
 
 def test_verify_cli_fails_against_other_weights(tiny_artifact, tmp_path):
     from kvserve.model.checkpoint import save_checkpoint
-    from kvserve.model.config import preset
+    from kvserve.model.presets import preset
     from kvserve.model.decoders import build
 
     save_checkpoint(build(preset("tiny"), seed=99), tmp_path / "other")

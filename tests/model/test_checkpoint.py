@@ -7,8 +7,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvserve.model.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, weights_checksum
-from kvserve.model.config import DecoderConfig, preset
-from kvserve.model.hf_config import config_from_hf, config_to_hf
+from kvserve.contract.config import DecoderConfig
+from kvserve.model.presets import preset
+from kvserve.contract.hf_config import config_from_hf, config_to_hf
 from kvserve.model.decoders import build
 
 

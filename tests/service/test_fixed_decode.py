@@ -179,7 +179,7 @@ def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does
 def test_a_capture_that_fails_leaves_every_step_uncaptured_and_the_tokens_right(tiny_standard_artifact, tiny_model, monkeypatch):
     """ONNX Runtime can refuse a capture only on a GPU; here the session's run fails for any run that names a graph."""
     runtime = open_runtime(tiny_standard_artifact)
-    runtime.captures_decode = True  # as if the session had opened with enable_cuda_graph
+    runtime.fixed_steps.captures = True  # as if the session had opened with enable_cuda_graph
     real_run = runtime.session.run_with_iobinding
     graph_runs = []
 
@@ -234,13 +234,13 @@ def test_the_gate_the_warm_up_and_every_step_run_on_one_thread(tiny_standard_art
 def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graphs(tiny_standard_artifact, tiny_model, monkeypatch):
     """Graph ids as a capturing session gets them (on the CPU provider, whose runs ignore the id)."""
     runtime = open_runtime(tiny_standard_artifact)
-    runtime.captures_decode = True
+    runtime.fixed_steps.captures = True
     released = []
     monkeypatch.setattr(runtime.session, "release_captured_graph", released.append)
     first, second = (SlotBatch(runtime, tiny_model.config, 2, fixed_decode=True) for _ in range(2))
     first.prepare_decode_shapes()
     second.prepare_decode_shapes()
-    ids = {pool: [runtime._fixed_steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.pool, second.pool)}
+    ids = {pool: [runtime.fixed_steps._steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.pool, second.pool)}
     assert len(ids[first.pool]) == len(first.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 64, 128, 256
     assert len(set(ids[first.pool] + ids[second.pool])) == 12  # no id shared between shapes or pools
     runtime.release_pool(first.pool)
