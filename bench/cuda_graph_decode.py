@@ -33,7 +33,7 @@ from machine import describe  # noqa: E402
 from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
 from kvserve.service.gate import _greedy_sequence  # noqa: E402
-from kvserve.service.kv_slots import SlotBatch  # noqa: E402
+from kvserve.service.batch import SlotBatch  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 from kvserve.service.scheduler import Scheduler  # noqa: E402
 
@@ -49,7 +49,7 @@ def decode_run(batch: SlotBatch, rows: int, prompt_len: int, new_tokens: int, vo
     for seq in seqs:
         scheduler.waiting.append(seq)
     seconds, tokens = 0.0, 0
-    while scheduler.waiting or batch.rows:
+    while scheduler.waiting or batch.kv.rows:
         plan = scheduler.plan()
         timed = plan.chunk is None and not plan.joining and len(plan.decode) == rows
         start = time.perf_counter()

@@ -94,7 +94,7 @@ class InProcess:
 
     def __init__(self, artifact_dir, provider, cuda_graph: bool = False):
         from kvserve.contract.artifact import open_artifact
-        from kvserve.service.kv_slots import SlotBatch
+        from kvserve.service.batch import SlotBatch
         from kvserve.runtime.step import DecoderRuntime
         from kvserve.service.scheduler import step_thread
 
@@ -110,7 +110,8 @@ class InProcess:
     def engine(self, batch=None):
         """A started Engine (16 rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
         one); on a running event loop, and the caller closes it."""
-        from kvserve.service.engine import Engine, EngineLimits
+        from kvserve.service.engine import Engine
+        from kvserve.service.limits import EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
         engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64),
@@ -128,7 +129,7 @@ class InProcess:
     @staticmethod
     async def stamps(engine, ids, new_tokens) -> list[float]:
         """[arrival, every token's time] (perf_counter seconds) of one greedy request through engine."""
-        from kvserve.service.engine import GenerationRequest
+        from kvserve.service.sequence import GenerationRequest
 
         stamps = [time.perf_counter()]
         async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, ignore_eos=True)):

@@ -12,11 +12,11 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import MODEL_DATA_FILE, MODEL_FILE
 from kvserve.model.decoders import Decoder
 from kvserve.model.fused_attention import supports_fused_attention
 
-from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import MODEL_DATA_FILE, MODEL_FILE
 from .fused_graph import declare_operators, expand_rows_and_chunk_attention, fused_write_problems, rows_and_chunk_placeholder
 
 OPSET = 18

@@ -17,22 +17,22 @@ import onnx
 import torch
 
 import kvserve
-from kvserve.errors import JobFailed, UserError
-from kvserve.progress import stage
-from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
-from kvserve.model.presets import preset
-from kvserve.model.generate import generate
-from kvserve.model.decoders import Decoder, build
-from kvserve.contract.hf_config import config_to_hf
-from kvserve.model.vocabulary import write_preset_tokenizer
-from kvserve.runtime.providers import cuda_available
-
 from kvserve.contract import artifact as art
 from kvserve.contract import io_contract as io
-from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
+from kvserve.contract.hf_config import config_to_hf
+from kvserve.errors import JobFailed, UserError
+from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
+from kvserve.model.decoders import Decoder, build
+from kvserve.model.generate import generate
+from kvserve.model.presets import preset
+from kvserve.model.vocabulary import write_preset_tokenizer
+from kvserve.progress import stage
+from kvserve.runtime.providers import cuda_available
+
 from .graph_fusions import fuse_operators
-from .quantize import SCHEMES, QuantizeError, quantize_model
+from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
 from .parity import format_report, verify, write_report
+from .quantize import SCHEMES, QuantizeError, quantize_model
 
 GOLDEN_STEPS = 8
 

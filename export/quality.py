@@ -12,11 +12,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvserve.model.corpus import load_corpus
-from kvserve.model.generate import generate
-from kvserve.model.decoders import Decoder
-
 from kvserve.contract.tolerances import kl_of_log_probs, log_softmax
+from kvserve.model.corpus import load_corpus
+from kvserve.model.decoders import Decoder
+from kvserve.model.generate import generate
 
 WINDOWS = 4
 GREEDY_PROMPT_TOKENS = 16  # each window's opening the greedy comparison continues from

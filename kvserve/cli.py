@@ -13,8 +13,8 @@ from kvserve.errors import JobFailed, UserError
 
 
 def _export(args) -> int:
-    from kvserve.export.pipeline import export_artifact, load_source
     from kvserve.export.parity import format_report
+    from kvserve.export.pipeline import export_artifact, load_source
 
     model, source = load_source(args.preset, args.checkpoint, args.seed)
     report = export_artifact(
@@ -44,34 +44,29 @@ def _verify(args) -> int:
 def _serve(args) -> int:
     import asyncio
 
-    from kvserve.service.limits import EngineLimits
+    from kvserve.service.app import serve
+    from kvserve.service.limits import EngineLimits, declarations, out_of_bounds
     from kvserve.service.options import ServerOptions
-    from kvserve.service.server import serve
 
-    limits = EngineLimits(
-        max_batch_size=args.max_batch_size, max_queue=args.max_queue, step_token_budget=args.step_token_budget,
-        max_stop_sequences=args.max_stop_sequences, max_stop_length=args.max_stop_length, max_text_bytes=args.max_text_bytes,
-        max_chat_messages=args.max_chat_messages, prompt_cache=args.prompt_cache, max_response_format_bytes=args.max_response_format_bytes,
-    )
+    limits = EngineLimits(**{d.name: getattr(args, d.name) for d in declarations()})
+    problem = out_of_bounds(limits)  # a KVSERVE_* value is not checked by argparse, which checks the flags
+    if problem is not None:
+        raise UserError(problem)
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
         allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
-        max_message_bytes=args.max_message_bytes, health_port=args.health_port, max_context=args.max_context,
-        cuda_graph=args.cuda_graph, http_port=args.http_port,
+        health_port=args.health_port, max_context=args.max_context, cuda_graph=args.cuda_graph, http_port=args.http_port,
     )
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port, "--http-port": options.http_port}
-    ports_ok = all(p is None or 0 <= p < 65536 for p in ports.values())
-    if limits.max_batch_size < 1 or limits.max_queue < 0 or not ports_ok:
-        raise UserError("--max-batch-size must be >= 1, --max-queue >= 0, --port, --metrics-port, --health-port and --http-port in [0, 65535]")
+    if not all(p is None or 0 <= p < 65536 for p in ports.values()):
+        raise UserError("--port, --metrics-port, --health-port and --http-port must be in [0, 65535]")
     taken: dict[int, str] = {}
     for flag, port in ports.items():
         if port:  # 0 picks a free port, so zeros never collide
             if port in taken:
                 raise UserError(f"{taken[port]} and {flag} are both {port}; give each endpoint a port of its own")
             taken[port] = flag
-    if limits.step_token_budget < 0:
-        raise UserError(f"--step-token-budget must be >= 0 (0: no limit), got {limits.step_token_budget}")
     return asyncio.run(serve(options))
 
 
@@ -176,7 +171,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvserve.service.limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits as limits  # plain Python: no runtime loaded
+    from kvserve.service.limits import declarations  # plain Python: no runtime loaded
 
     parser = _Parser(prog="kvserve", description=__doc__.split("\n")[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -222,38 +217,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--model", default=_env("MODEL", None), required=_env("MODEL", None) is None, help="the artifact directory [KVSERVE_MODEL]")
     serve.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind [KVSERVE_HOST] (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=_env("PORT", 50051, int), help="port, 0 picks a free one [KVSERVE_PORT] (default 50051)")
-    serve.add_argument("--max-batch-size", type=int, default=_env("MAX_BATCH_SIZE", limits.max_batch_size, int), help=f"sequences per step [KVSERVE_MAX_BATCH_SIZE] (default {limits.max_batch_size})")
-    serve.add_argument("--max-queue", type=int, default=_env("MAX_QUEUE", limits.max_queue, int), help=f"requests waiting for a free row before RESOURCE_EXHAUSTED; 0: none wait [KVSERVE_MAX_QUEUE] (default {limits.max_queue})")
     serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=_env("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
     serve.add_argument("--cuda-graph", action="store_true", default=_env("CUDA_GRAPH", False, bool),
                        help="capture decode steps as CUDA graphs, one per (rows, width) shape, at load (standard slots "
                        "graphs on the CUDA provider; elsewhere the server says why not and runs uncaptured) [KVSERVE_CUDA_GRAPH]")
-    serve.add_argument("--prompt-cache", type=_on_off, metavar="on|off", default=_env("PROMPT_CACHE", True, bool),
-                       help="keep finished sequences' K/V: a prompt that begins like an earlier one prefills only the rest "
-                       "[KVSERVE_PROMPT_CACHE] (default on)")
     serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
-    serve.add_argument(
-        "--step-token-budget", type=int, default=_env("STEP_TOKEN_BUDGET", limits.step_token_budget, int),
-        help="tokens one step runs while streams decode: theirs, then a chunk of a new prompt; 0 = no limit "
-        f"[KVSERVE_STEP_TOKEN_BUDGET] (default {limits.step_token_budget})",
-    )
+    for limit in declarations():  # every limit, declared once in service/limits.py
+        bounds = f"[{limit.low}, {limit.high}]"
+        kind = _on_off if limit.is_switch else _bounded(int, limit.low, limit.high, bounds)
+        default = _env(limit.name.upper(), limit.default, bool if limit.is_switch else int)
+        shown = ("on" if limit.default else "off") if limit.is_switch else f"{limit.default}, in {bounds}"
+        serve.add_argument(limit.flag, type=kind, default=default, metavar="on|off" if limit.is_switch else "N",
+                           help=f"{limit.help} [{limit.variable}] (default {shown})")
     positive = _bounded(int, 1, 2**31 - 1)
-    serve.add_argument("--max-stop-sequences", type=positive, default=_env("MAX_STOP_SEQUENCES", limits.max_stop_sequences, int),
-                       help=f"stop sequences per request [KVSERVE_MAX_STOP_SEQUENCES] (default {limits.max_stop_sequences})")
-    serve.add_argument("--max-stop-length", type=positive, default=_env("MAX_STOP_LENGTH", limits.max_stop_length, int),
-                       help=f"characters of one stop sequence [KVSERVE_MAX_STOP_LENGTH] (default {limits.max_stop_length})")
-    serve.add_argument("--max-text-bytes", type=positive, default=_env("MAX_TEXT_BYTES", limits.max_text_bytes, int),
-                       help=f"bytes of a prompt's or Tokenize request's text [KVSERVE_MAX_TEXT_BYTES] (default {limits.max_text_bytes})")
-    serve.add_argument("--max-chat-messages", type=positive, default=_env("MAX_CHAT_MESSAGES", limits.max_chat_messages, int),
-                       help=f"messages in one conversation [KVSERVE_MAX_CHAT_MESSAGES] (default {limits.max_chat_messages})")
-    serve.add_argument("--max-response-format-bytes", type=positive,
-                       default=_env("MAX_RESPONSE_FORMAT_BYTES", limits.max_response_format_bytes, int),
-                       help=f"bytes of a response_format's schema, pattern or grammar [KVSERVE_MAX_RESPONSE_FORMAT_BYTES] "
-                       f"(default {limits.max_response_format_bytes})")
-    serve.add_argument("--max-message-bytes", type=positive, default=_env("MAX_MESSAGE_BYTES", DEFAULT_MAX_MESSAGE_BYTES, int),
-                       help=f"bytes of one request message [KVSERVE_MAX_MESSAGE_BYTES] (default {DEFAULT_MAX_MESSAGE_BYTES})")
     serve.add_argument("--max-context", type=positive, default=_env("MAX_CONTEXT", None, int),
                        help="prompt + generated tokens one sequence may hold, at most the model's context; sizes every row's "
                        "KV cache [KVSERVE_MAX_CONTEXT] (default: the model's context)")

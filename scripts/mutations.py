@@ -163,7 +163,7 @@ MUTATIONS = (
         "the step thread's own steps never take a waiting request (it waits for the batch to empty)",
         "service/scheduler.py",
         (("                return pending\n            plan = self.plan()",
-          "                return pending\n            plan = StepPlan(decode=[s for s in self.batch.rows if not s.cancelled])"),),
+          "                return pending\n            plan = StepPlan(decode=[s for s in self.batch.kv.rows if not s.cancelled])"),),
         (f"{GEN}::test_a_request_arriving_while_a_stream_decodes_joins_at_once",),
     ),
     Mutation(

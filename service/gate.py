@@ -13,7 +13,7 @@ from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.contract.tolerances import TOLERANCES, kl_divergence, logits_bound
 from kvserve.runtime import DecoderRuntime
 
-from .kv_slots import SlotBatch
+from .batch import SlotBatch
 from .limits import EngineLimits
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -110,6 +110,6 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
-    batch.forget_cached()
+    batch.kv.forget_cached()
     if batch.fixed_decode:
         batch.prepare_decode_shapes()

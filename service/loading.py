@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kvserve.contract.artifact import Artifact, open_artifact
-from kvserve.contract.io_contract import SLOTS
 from kvserve.contract.chat import ChatTemplate, load_chat_template
+from kvserve.contract.config import DecoderConfig
+from kvserve.contract.io_contract import SLOTS
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 from kvserve.errors import JobFailed, UserError
-from kvserve.contract.config import DecoderConfig
 from kvserve.runtime import DecoderRuntime
 
+from .batch import SlotBatch
 from .gate import GateResult, run_gate, warm_up
-from .kv_slots import SlotBatch
 from .options import ServerOptions
 from .scheduler import step_thread
 
@@ -96,5 +96,5 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
         steps.shutdown(wait=False)  # a failed load leaves no thread behind
         raise
     if runtime.captures_decode:
-        log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.pool)))
+        log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.kv.pool)))
     return LoadedModel(config, runtime, gate, batch, load_tokenizer(artifact.tokenizer_path), steps, load_chat_template(artifact.directory))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .limits import DEFAULT_MAX_MESSAGE_BYTES, EngineLimits
+from .limits import EngineLimits
 
 
 @dataclass(frozen=True)
@@ -19,7 +19,6 @@ class ServerOptions:
     allow_parity_failure: bool = False
     metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
     limits: EngineLimits = EngineLimits()  # what requests may ask and how the batch runs (limits.py)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # its PEM private key
     tls_client_ca: str | None = None  # PEM CA bundle: clients must present a certificate it signed (mTLS)

@@ -1,7 +1,7 @@
 """The scheduler loop: decides what each model step runs, hands it to the batch on the step thread, and
 delivers every sequence's event to its caller on the event loop.
 
-One step (kv_slots.StepPlan) is one model call over the batch:
+One step (step_plan.StepPlan) is one model call over the batch:
   - every row whose prompt is in the cache decodes one token (decode never waits for a prefill);
   - one row's prompt advances by a chunk: with rows decoding, the chunk gets what is left of the per-step
     token budget after them, so a long prompt never stalls the streams already running; with nobody
@@ -10,7 +10,7 @@ One step (kv_slots.StepPlan) is one model call over the batch:
     running streams a whole step's gap for a few tokens);
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
     the batch idle while it waits for its turn; its prompt starts past what the prompt cache holds of it
-    (kv_slots.SlotBatch.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
+    (kv_rows.KvRows.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
     for it and then take it instead of each computing it again.
 Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
 
@@ -32,8 +32,8 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .kv_slots import StepPlan, StepResults
 from .sequence import Sequence, StepEvent
+from .step_plan import StepPlan, StepResults
 
 log = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ class Handoff:
 
 
 class Scheduler:
-    """Owns the waiting queue and the loop; the batch (kv_slots.SlotBatch) owns the rows."""
+    """Owns the waiting queue and the loop; the batch (batch.SlotBatch) runs the steps, its KvRows own the rows."""
 
     def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None):
         self.batch = batch
@@ -156,18 +156,18 @@ class Scheduler:
     # --- planning ---------------------------------------------------------------------------------------
 
     def plan(self) -> StepPlan:
-        batch = self.batch
-        rows = [s for s in batch.rows if not s.cancelled]
+        kv = self.batch.kv
+        rows = [s for s in kv.rows if not s.cancelled]
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]
         joining = []
-        if not prefilling and self.waiting and batch.free_rows() > 0:
+        if not prefilling and self.waiting and kv.free_rows() > 0:
             joining = [self.waiting.popleft()]
             prefilling = joining
         if not prefilling:
             return StepPlan(decode=decode)
         chunk = prefilling[0]
-        done = self.batch.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens  # a joiner starts past its cached prefix
+        done = kv.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens  # a joiner starts past its cached prefix
         remaining = len(chunk.prompt_ids) - done
         tokens = remaining
         if decode and self.step_token_budget:
@@ -182,7 +182,7 @@ class Scheduler:
         for seq in sequences:
             self.waiting.append(seq)
         results: StepResults = []
-        while self.waiting or self.batch.rows:
+        while self.waiting or self.batch.kv.rows:
             results += self.batch.run(self.plan())
         return results
 
@@ -190,7 +190,7 @@ class Scheduler:
 
     async def run_forever(self) -> None:
         while True:
-            if not self.batch.rows and not self.waiting:
+            if not self.batch.kv.rows and not self.waiting:
                 self.idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -227,16 +227,16 @@ class Scheduler:
             except Exception as exc:
                 self._handoff.flush()  # what was handed over reaches the loop before the failure
                 raise StepFailed(plan, pending) from exc
-            if not self.batch.rows or self._closing:
+            if not self.batch.kv.rows or self._closing:
                 self._handoff.flush()  # in order: what was handed over, then what this returns
                 return pending
             plan = self.plan()
 
     def _step_done(self, plan: StepPlan, results: StepResults) -> StepDone:
-        batch = self.batch
         prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
                    for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
-        return StepDone(results, prompts, len(batch.rows), batch.kv_bytes(), batch.cached_rows(), len(self.waiting))
+        kv = self.batch.kv
+        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting))
 
     def _deliver(self, steps: list[StepDone]) -> None:
         """On the event loop: each sequence's event to its caller, and each step's metrics, step by step."""

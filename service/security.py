@@ -21,7 +21,6 @@ from .limits import MAX_METADATA_BYTES
 log = logging.getLogger(__name__)
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
-REFLECTION_PREFIX = "/grpc.reflection."
 
 
 class SecurityConfigError(UserError):
@@ -66,6 +65,18 @@ class TokenFile:
             raise SecurityConfigError(f"--auth-tokens {self.path}: no tokens in the file")
         self._tokens = tokens
         log.info("auth tokens loaded from %s: %d", self.path, len(tokens))  # how many, never which
+
+    def refusal(self, authorization: str) -> str | None:
+        """Why a call whose authorization header (gRPC metadata or HTTP) is this is refused; None when its bearer token
+        is accepted. The one check both transports make."""
+        scheme, _, presented = authorization.partition(" ")
+        if not authorization:
+            return "no authorization metadata or header: send 'authorization: Bearer TOKEN'"
+        if scheme.lower() != "bearer" or not presented.strip():
+            return "the authorization is not 'Bearer TOKEN'"
+        if not self.accepts(presented.strip().encode()):
+            return "the bearer token is not valid"
+        return None
 
     def accepts(self, presented: bytes) -> bool:
         matched = False
@@ -117,7 +128,7 @@ class MetadataLimitInterceptor(grpc.aio.ServerInterceptor):
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """UNAUTHENTICATED, with a one-line reason and counted in the metrics, for any call but a health check
-    that lacks an accepted bearer token. With reflection off, reflection calls are UNIMPLEMENTED."""
+    that lacks an accepted bearer token (reflection included, when it is served)."""
 
     def __init__(self, tokens: TokenFile | None, metrics=None):
         self.tokens, self.metrics = tokens, metrics
@@ -131,14 +142,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         header = metadata.get("authorization", "")
         if isinstance(header, bytes):
             header = header.decode("latin-1")
-        scheme, _, presented = header.partition(" ")
-        if not header:
-            reason = "no authorization metadata: send 'authorization: Bearer TOKEN'"
-        elif scheme.lower() != "bearer" or not presented.strip():
-            reason = "the authorization metadata is not 'Bearer TOKEN'"
-        elif not self.tokens.accepts(presented.strip().encode()):
-            reason = "the bearer token is not valid"
-        else:
+        reason = self.tokens.refusal(header)
+        if reason is None:
             return handler
         if self.metrics is not None:
             self.metrics.on_request(method, "UNAUTHENTICATED")

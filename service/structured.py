@@ -7,7 +7,7 @@ time, grammars, and bounded work per step). Its tokenizer is built once per serv
 never allowed.
 
 Costs a client controls are bounded: the format's size (EngineLimits.max_response_format_bytes), a JSON schema's
-nesting (MAX_SCHEMA_DEPTH), and llguidance's fuel and state limits (PARSER_LIMITS), which bound both the work at
+nesting (EngineLimits.max_schema_depth), and llguidance's fuel and state limits (PARSER_LIMITS), which bound both the work at
 admission (the grammar is built and its first mask computed before the request is admitted, off the event loop)
 and each later step's mask. A format that breaks a limit is refused by name; one whose lexer outgrows its limits
 only later fails its own sequence then, never another's. Compiled formats are cached per server
@@ -33,7 +33,8 @@ from llguidance.numpy import fill_next_token_bitmask_par
 
 from kvserve.contract.tokenizer import HFTokenizer, Tokenizer
 
-MAX_SCHEMA_DEPTH = 32  # nested arrays and objects in a JSON schema document
+from .limits import EngineLimits
+
 COMPILED_CACHE_SIZE = 64  # compiled formats a server keeps
 # llguidance's limits, lowered from its defaults where a default let one request take seconds or hundreds of MB:
 # a{1000}{1000} took 0.8 s for its first mask at the default initial fuel (1,000,000), 36 ms at 100,000; 250,000
@@ -116,8 +117,10 @@ class FormatCompiler:
     """Turns response formats into Constraints for one model's tokenizer; caches the compiled ones. Thread-safe:
     requests are checked on worker threads."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...], max_format_bytes: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_ids: tuple[int, ...], max_format_bytes: int,
+                 max_schema_depth: int = EngineLimits.max_schema_depth):
         self._source, self.vocab_size, self.eos_ids, self.max_format_bytes = tokenizer, vocab_size, eos_ids, max_format_bytes
+        self.max_schema_depth = max_schema_depth  # nested arrays and objects in a JSON schema document
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use: ~0.2 s for GPT-2's 50,257 tokens
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
         self._compiled: OrderedDict[ResponseFormat, llguidance.LLMatcher] = OrderedDict()
@@ -154,8 +157,8 @@ class FormatCompiler:
             if not isinstance(schema, dict):
                 raise FormatError("response_format.json_schema", "a schema is a JSON object (or true/false)")
             depth = schema_depth(schema)
-            if depth > MAX_SCHEMA_DEPTH:
-                raise FormatError("response_format.json_schema", f"nested {depth} deep; at most {MAX_SCHEMA_DEPTH}")
+            if depth > self.max_schema_depth:
+                raise FormatError("response_format.json_schema", f"nested {depth} deep; at most {self.max_schema_depth}")
             try:
                 return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             except ValueError as exc:

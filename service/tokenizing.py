@@ -19,9 +19,8 @@ from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
-from kvserve.v1 import generation_pb2 as pb
-
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
+from kvserve.v1 import generation_pb2 as pb
 
 _tokenizer: Tokenizer | None = None  # the worker's
 # The worker's scheduling priority below the server's: on a machine with few cores a flood of Tokenize calls then

@@ -15,7 +15,7 @@ class ServerThread:
     """An App running in its own event loop thread, so tests can call it with ordinary blocking stubs."""
 
     def __init__(self, options, load: bool = True):
-        from kvserve.service.server import App
+        from kvserve.service.app import App
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -174,7 +174,7 @@ def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
     compact, then seqs[leaving] is cancelled and leaves at the next step. Returns the scheduler."""
     from kvserve.service.scheduler import Scheduler
 
-    batch.compact = False
+    batch.kv.compact = False
     scheduler = Scheduler(batch, step_token_budget=budget)
     for seq in seqs:
         scheduler.waiting.append(seq)
@@ -182,7 +182,7 @@ def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
         batch.run(scheduler.plan())
     seqs[leaving].cancelled = True
     batch.run(scheduler.plan())
-    assert batch.slots[leaving] is None
+    assert batch.kv.slots[leaving] is None
     return scheduler
 
 

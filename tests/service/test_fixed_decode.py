@@ -12,7 +12,7 @@ from kvserve.contract.artifact import open_artifact
 from kvserve.model.generate import generate
 from kvserve.service.gate import _greedy_sequence, warm_up
 from kvserve.runtime.cuda_graphs import MIN_DECODE_WIDTH
-from kvserve.service.kv_slots import SlotBatch
+from kvserve.service.batch import SlotBatch
 from kvserve.runtime.step import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
@@ -41,10 +41,10 @@ def eager_tokens(model, seq) -> list[int]:
 def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(runtime, tiny_model):
     batch = SlotBatch(runtime, tiny_model.config, 12, fixed_decode=True)  # n_ctx 256
     assert batch.decode_shapes() == [(r, w) for r in (1, 2, 4, 8, 12) for w in (64, 128, 256)]
-    batch.slots = [None] * 3
+    batch.kv.slots = [None] * 3
     assert batch.decode_shape(1) == (4, MIN_DECODE_WIDTH)
     assert batch.decode_shape(65) == (4, 128)
-    batch.slots = [None] * 9
+    batch.kv.slots = [None] * 9
     assert batch.decode_shape(256) == (12, 256)
 
 
@@ -56,7 +56,7 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
     for seq in seqs:
         scheduler.waiting.append(seq)
     steps = 0
-    while scheduler.waiting or batch.rows:
+    while scheduler.waiting or batch.kv.rows:
         plan = scheduler.plan()
         if steps == 40 and plan.decode:
             plan.decode[0].cancelled = True  # leaves mid-stream: its row frees at the next step
@@ -69,8 +69,8 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
             assert seq.generated == eager_tokens(tiny_model, seq), seq.id
     assert runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
     assert runtime.traffic.logits_bytes == 0  # greedy rows: only the graph's greedy tokens come back
-    assert set(runtime.fixed_shapes(batch.pool)) <= set(batch.decode_shapes())
-    assert len(runtime.fixed_shapes(batch.pool)) >= 4  # the run crossed row and width buckets
+    assert set(runtime.fixed_shapes(batch.kv.pool)) <= set(batch.decode_shapes())
+    assert len(runtime.fixed_shapes(batch.kv.pool)) >= 4  # the run crossed row and width buckets
 
 
 def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_shapes(tiny_float16_artifact, tiny_model):
@@ -84,7 +84,7 @@ def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_s
         seqs = [_greedy_sequence(i, prompt(600 + i, 1 + (13 * i) % 50), 1 + (17 * i) % 80) for i in range(10)]
         Scheduler(batch, step_token_budget=10).drive(seqs)
         generated[fixed] = [s.generated for s in seqs]
-        assert bool(runtime.fixed_shapes(batch.pool)) == fixed
+        assert bool(runtime.fixed_shapes(batch.kv.pool)) == fixed
         batch.close()
     assert generated[True] == generated[False]
     assert len({tuple(g) for g in generated[True]}) == 10  # ten different continuations, not one repeated
@@ -125,15 +125,15 @@ def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_standard
     artifact = open_artifact(tiny_standard_artifact)
     batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
     warm_up(batch, artifact)
-    prepared = runtime.fixed_shapes(batch.pool)
-    assert sorted(prepared) == batch.decode_shapes() and not batch.rows
+    prepared = runtime.fixed_shapes(batch.kv.pool)
+    assert sorted(prepared) == batch.decode_shapes() and not batch.kv.rows
     seqs = [_greedy_sequence(i, prompt(500 + i, 3 + 20 * i), 100) for i in range(4)]
     Scheduler(batch, step_token_budget=16).drive(seqs)
-    assert runtime.fixed_shapes(batch.pool) == prepared  # no shape first met while serving (no capture mid-stream)
+    assert runtime.fixed_shapes(batch.kv.pool) == prepared  # no shape first met while serving (no capture mid-stream)
     for seq in seqs:
         assert seq.generated == eager_tokens(tiny_model, seq)
-    runtime.release_pool(batch.pool)
-    assert runtime.fixed_shapes(batch.pool) == []
+    runtime.release_pool(batch.kv.pool)
+    assert runtime.fixed_shapes(batch.kv.pool) == []
 
 
 def test_only_a_standard_slots_graph_takes_fixed_shape_decode(tiny_llama_fused_artifact, tiny_llama_model):
@@ -167,7 +167,7 @@ def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does
             info = stub.GetModelInfo(pb.GetModelInfoRequest())
             if PROVIDER == "cuda":
                 assert runtime.captures_decode and info.provider_note == ""
-                assert sorted(runtime.fixed_shapes(running.app.engine.batch.pool)) == running.app.engine.batch.decode_shapes()
+                assert sorted(runtime.fixed_shapes(running.app.engine.batch.kv.pool)) == running.app.engine.batch.decode_shapes()
             else:
                 assert not runtime.captures_decode and "CUDA graphs need the CUDA provider" in info.provider_note
             ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=20, ignore_eos=True))
@@ -240,11 +240,11 @@ def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graph
     first, second = (SlotBatch(runtime, tiny_model.config, 2, fixed_decode=True) for _ in range(2))
     first.prepare_decode_shapes()
     second.prepare_decode_shapes()
-    ids = {pool: [runtime.fixed_steps._steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.pool, second.pool)}
-    assert len(ids[first.pool]) == len(first.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 64, 128, 256
-    assert len(set(ids[first.pool] + ids[second.pool])) == 12  # no id shared between shapes or pools
-    runtime.release_pool(first.pool)
-    assert sorted(released) == sorted(ids[first.pool]) and runtime.fixed_shapes(second.pool)
+    ids = {pool: [runtime.fixed_steps._steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.kv.pool, second.kv.pool)}
+    assert len(ids[first.kv.pool]) == len(first.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 64, 128, 256
+    assert len(set(ids[first.kv.pool] + ids[second.kv.pool])) == 12  # no id shared between shapes or pools
+    runtime.release_pool(first.kv.pool)
+    assert sorted(released) == sorted(ids[first.kv.pool]) and runtime.fixed_shapes(second.kv.pool)
     seq = _greedy_sequence(1, prompt(700, 6), 10)
     Scheduler(second, step_token_budget=0).drive([seq])  # the other pool's steps still run
-    assert seq.generated == eager_tokens(tiny_model, seq) and len(runtime.fixed_shapes(second.pool)) == 6
+    assert seq.generated == eager_tokens(tiny_model, seq) and len(runtime.fixed_shapes(second.kv.pool)) == 6

@@ -16,7 +16,7 @@ from kvserve.export.parity import artifact_greedy
 from kvserve.contract.tolerances import TOLERANCES
 from kvserve.model.generate import generate
 from kvserve.service.gate import _greedy_sequence
-from kvserve.service.kv_slots import SlotBatch
+from kvserve.service.batch import SlotBatch
 from kvserve.runtime.step import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
@@ -101,7 +101,7 @@ def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(runtime, mo
     assert plan.chunk_tokens == 50 and not plan.decode
     unlimited = Scheduler(SlotBatch(runtime, model.config, 2), step_token_budget=0)
     unlimited.drive([_greedy_sequence(2, prompt(2, 4), 30)])
-    assert not unlimited.batch.rows
+    assert not unlimited.batch.kv.rows
 
 
 @torch.no_grad()
@@ -118,7 +118,7 @@ def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(served, runtime
         assert seq.cached_tokens == len(fed)
         ids = torch.tensor([fed])
         _, present = model(ids, torch.ones_like(ids), torch.arange(len(fed))[None], model.empty_cache(1))
-        row = batch.pool.row_to_host(seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
+        row = batch.kv.pool.row_to_host(seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
         for layer, (k, v) in enumerate(present):
             for got, want in ((row[2 * layer], k[0].numpy()), (row[2 * layer + 1], v[0].numpy())):
                 assert np.abs(got - want).max() <= served.kv_relative_error * max(1.0, np.abs(want).max())
@@ -130,7 +130,7 @@ def test_fifty_joins_and_leaves_move_no_kv_through_the_host(served, runtime, mod
     batch = SlotBatch(runtime, model.config, 4, prompt_cache=prompt_cache)
     seqs = [_greedy_sequence(i, prompt(100 + i, 1 + (7 * i) % 40), 1 + (5 * i) % 17) for i in range(50)]
     results = Scheduler(batch, step_token_budget=10).drive(seqs)
-    assert all(s.finished for s in seqs) and not batch.rows
+    assert all(s.finished for s in seqs) and not batch.kv.rows
     assert not [e for _, e in results if isinstance(e, BaseException)]
     assert runtime.traffic.host_bytes == 0
     # a leave moves at most one row (on CPU; none under CUDA), a join at most one (a cached row moving into place)
@@ -175,11 +175,11 @@ def test_a_cancelled_sequence_frees_its_row_within_one_step(runtime, model):
         scheduler.waiting.append(seq)
     for _ in range(4):
         batch.run(scheduler.plan())
-    assert len(batch.rows) == 3
+    assert len(batch.kv.rows) == 3
     seqs[0].cancelled = True
     batch.run(scheduler.plan())
-    assert seqs[0] not in batch.rows and seqs[0].slot is None and len(batch.rows) == 2
-    assert sorted(s.slot for s in batch.rows) == [0, 1]  # the last row moved into the freed one
+    assert seqs[0] not in batch.kv.rows and seqs[0].slot is None and len(batch.kv.rows) == 2
+    assert sorted(s.slot for s in batch.kv.rows) == [0, 1]  # the last row moved into the freed one
 
 
 def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, tiny_model, monkeypatch):
@@ -196,7 +196,7 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
         rows_before_failure = []
 
         def fail_after(*args):  # the step in which the third sequence joined (one joins a step), after it ran
-            rows_before_failure.append(len(batch.rows))
+            rows_before_failure.append(len(batch.kv.rows))
             results = real(*args)
             if seqs[2].slot is None:
                 return results
@@ -219,7 +219,7 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
 
     failures, seqs = asyncio.run(scenario())
     assert failures == {0: 1, 1: 1, 2: 1}
-    assert all(s.finished for s in seqs) and not batch.rows
+    assert all(s.finished for s in seqs) and not batch.kv.rows
     monkeypatch.setattr(batch, inner, real)
     after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
     Scheduler(batch, step_token_budget=32).drive([after])

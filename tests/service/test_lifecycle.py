@@ -230,7 +230,7 @@ def test_serving_never_imports_torch(tiny_artifact):
     code = (
         "import asyncio, sys\n"
         "from kvserve.service.options import ServerOptions\n"
-        "from kvserve.service.server import App\n"
+        "from kvserve.service.app import App\n"
         "async def main():\n"
         f"    app = App(ServerOptions(artifact={str(tiny_artifact)!r}, port=0, provider='cpu'))\n"
         "    await app.start(); await app.load(); await app.shutdown()\n"
@@ -275,12 +275,17 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(server.app.options.artifact), "--step-token-budget", "-1"],
         cwd=REPO, capture_output=True, text=True, timeout=60,
     )
-    assert result.returncode == 2 and "--step-token-budget must be >= 0 (0: no limit), got -1" in result.stderr
+    assert result.returncode == 2 and "--step-token-budget: -1 is outside [0, 2147483647]" in result.stderr
+    result = subprocess.run(  # a variable is held to the same declared bounds as its flag
+        [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(server.app.options.artifact)], cwd=REPO, capture_output=True,
+        text=True, timeout=60, env={**os.environ, "KVSERVE_MAX_N": "65"},
+    )
+    assert result.returncode == 2 and "--max-n must be in [1, 64], got 65" in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
-    from kvserve.service.kv_slots import SlotBatch
+    from kvserve.service.batch import SlotBatch
     from kvserve.service.gate import warm_up
     from kvserve.service.sequence import Sequence
 

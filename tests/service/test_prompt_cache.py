@@ -10,7 +10,8 @@ import pytest
 from kvserve.contract.artifact import open_artifact
 from kvserve.contract.tolerances import TOLERANCES
 from kvserve.runtime.step import DecoderRuntime
-from kvserve.service.kv_slots import SlotBatch, StepPlan
+from kvserve.service.batch import SlotBatch
+from kvserve.service.step_plan import StepPlan
 from kvserve.service.prompt_cache import BLOCK_TOKENS, PrefixIndex
 from kvserve.service.scheduler import Scheduler
 from kvserve.v1 import generation_pb2 as pb
@@ -72,7 +73,7 @@ def run_workload(runtime, config, prompt_cache: bool, compact: bool, plant: bool
     probabilities)}, {sequence id: prompt tokens reused}). plant: before the second turns, every free row's columns
     past what it holds are filled with large numbers (a request reading past its shared prefix would change)."""
     batch = SlotBatch(runtime, config, 3, prompt_cache=prompt_cache)
-    batch.compact = compact and runtime.device == "cpu"
+    batch.kv.compact = compact and runtime.device == "cpu"
     scheduler = Scheduler(batch, step_token_budget=12)
     first, cancelled, unrelated = chat_workload()
     results = []
@@ -83,11 +84,11 @@ def run_workload(runtime, config, prompt_cache: bool, compact: bool, plant: bool
     assert cancelled.cached_tokens < len(cancelled.prompt_ids)  # mid-prefill
     cancelled.cancelled = True
     results += scheduler.drive([unrelated])
-    if plant and batch.pool.arrays is not None:
+    if plant and batch.kv.pool.arrays is not None:
         rng = np.random.default_rng(0)
-        for row in batch.cached:
-            held = len(batch.prefixes.tokens(row))
-            for array in batch.pool.arrays:
+        for row in batch.kv.cached:
+            held = len(batch.kv.prefixes.tokens(row))
+            for array in batch.kv.pool.arrays:
                 array[row, :, held:-1] = rng.normal(0, 100, array[row, :, held:-1].shape)
     second = [sequence(200 + i, seq.prompt_ids + seq.generated + random_prompt(20 + i, 7), 10, return_logprobs=True)
               for i, seq in enumerate(first[:2])]
@@ -137,8 +138,8 @@ def test_a_request_cancelled_mid_prefill_leaves_exactly_the_tokens_it_wrote(runt
     assert written == 2 * 11  # two chunks of the budget less the runner's token
     long.cancelled = True
     batch.run(scheduler.plan())
-    (row,) = batch.cached
-    assert batch.prefixes.tokens(row) == long.prompt_ids[:written]
+    (row,) = batch.kv.cached
+    assert batch.kv.prefixes.tokens(row) == long.prompt_ids[:written]
     retry = sequence(3, list(long.prompt_ids), 2)
     scheduler.drive([retry])
     assert retry.reused_prompt_tokens == written
@@ -166,14 +167,14 @@ def test_the_longest_match_is_chosen_and_the_least_recently_used_row_is_evicted(
     prompts = [random_prompt(300 + i, 48) for i in range(3)]
     for i, prompt in enumerate(prompts):  # one after the other: finished in this order, the first least recently used
         scheduler.drive([sequence(i, prompt, 2)])
-    assert batch.cached_rows() == 3
+    assert batch.kv.cached_rows() == 3
     longer = sequence(10, prompts[1][:40] + prompts[2][:8], 2)  # shares 40 with the second, 0 with the rest
     scheduler.drive([longer])
     assert longer.reused_prompt_tokens == 40
     stranger = sequence(11, random_prompt(999, 20), 2)  # nothing shared: overwrites the least recently used row
     scheduler.drive([stranger])
     assert stranger.reused_prompt_tokens == 0
-    held = [batch.prefixes.tokens(row)[:48] for row in batch.cached]
+    held = [batch.kv.prefixes.tokens(row)[:48] for row in batch.kv.cached]
     assert prompts[0] not in held and prompts[2] in held  # the first was the oldest; the third stays
     again = sequence(12, prompts[2] + [1], 2)
     scheduler.drive([again])
@@ -188,7 +189,7 @@ def test_with_the_cache_off_nothing_is_kept_or_reused(runtime_and_config):
     seqs = [sequence(i, prompt, 3) for i in range(3)]
     for seq in seqs:
         scheduler.drive([seq])
-    assert batch.cached_rows() == 0 and all(seq.reused_prompt_tokens == 0 for seq in seqs)
+    assert batch.kv.cached_rows() == 0 and all(seq.reused_prompt_tokens == 0 for seq in seqs)
 
 
 def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns(tiny_artifact):
@@ -197,7 +198,7 @@ def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns(tiny_arti
     artifact = open_artifact(tiny_artifact)  # on the CPU provider whatever the tests' provider: a pool in host memory
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
     batch = SlotBatch(runtime, artifact.config, 3)
-    pool = batch.pool
+    pool = batch.kv.pool
     rng = np.random.default_rng(1)
     for array in pool.arrays:
         array[...] = rng.normal(size=array.shape)

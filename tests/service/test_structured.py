@@ -17,9 +17,8 @@ import openai
 import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
-from kvserve.service.structured import (
-    MAX_SCHEMA_DEPTH, FormatCompiler, FormatError, FormatKind, ResponseFormat, TokenMasks, schema_depth,
-)
+from kvserve.service.limits import EngineLimits
+from kvserve.service.structured import FormatCompiler, FormatError, FormatKind, ResponseFormat, TokenMasks, schema_depth
 from kvserve.v1 import generation_pb2 as pb
 
 from .conftest import collect, sequence, serving, stub_of
@@ -113,7 +112,7 @@ REFUSALS = [
     (pb.ResponseFormat(json_schema="[1, 2]"), "a schema is a JSON object"),
     (pb.ResponseFormat(json_schema="false"), "response_format.json_schema: false: no output satisfies it"),
     (pb.ResponseFormat(json_schema="{}" + " " * 70_000), "bytes; at most 65536"),
-    (pb.ResponseFormat(json_schema=json.dumps(DEEP)), f"nested 42 deep; at most {MAX_SCHEMA_DEPTH}"),
+    (pb.ResponseFormat(json_schema=json.dumps(DEEP)), f"nested 42 deep; at most {EngineLimits().max_schema_depth}"),
     (pb.ResponseFormat(regex="[0-9"), "response_format.regex: "),
     (pb.ResponseFormat(regex=""), "response_format.regex: empty"),
     (pb.ResponseFormat(lark_grammar="start: missing_rule"), "response_format.grammar: "),

@@ -1,0 +1,222 @@
+"""The running batch: carries out each step the scheduler plans (step_plan.StepPlan) in one model call over its rows
+(kv_rows.KvRows owns which sequence holds which row and every row move), then hands each sampled row's logits or
+greedy token to its sequence. One step thread calls it.
+
+A step runs, in one model call, one token for every row that decodes and one chunk of one row's prompt
+(contract/io_contract.py, the slots layout). A row with nothing to decode this step (the one whose prompt the chunk
+belongs to, or a free row below the last used one) is fed a scratch token written at the pool's last column, which no
+real token ever occupies. Decode rows read only the columns up to the longest of them; a chunk reads its own row. So
+when no prompt chunk runs and one row is much longer than the rest (a long prompt now decoding), that row's token
+goes through the chunk instead, and the others read their own short widths, not the long one's.
+
+A batch with fixed_decode (the runtime captures CUDA graphs) runs each decode-only step at a bucketed shape instead
+(decode_shape: rows and width rounded up to powers of two), every shape bound, and captured, at warm-up
+(prepare_decode_shapes); the rows beyond the batch's run scratch tokens. Steps with a chunk keep exact shapes.
+
+A step whose sampled rows all take the graph's greedy token (Sequence.takes_greedy_token: greedy, no penalty, no logit
+bias, no constraint, no log-probabilities) asks the runtime for those tokens alone, so its logits never leave the
+device; one row that needs them, or records its logits (the load gate's), makes the step read them (needs_logits).
+
+A step with constrained rows (a response_format, structured.py) computes their masks on a thread of its own while
+the model runs, samples the unconstrained rows first, then each constrained row among the ids its mask allows.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import numpy as np
+
+from kvserve.contract.config import DecoderConfig
+from kvserve.contract.io_contract import STANDARD
+from kvserve.runtime import DecoderRuntime, decode_shape, decode_shapes, pool_capacity
+
+from .kv_rows import KvRows
+from .sequence import Sequence
+from .step_plan import StepPlan, StepResults
+from .structured import FormatError, TokenMasks
+
+log = logging.getLogger(__name__)
+
+# A decoding row takes the chunk's place (when free) once it is this much longer than every other row:
+# reading its width in every row would cost more than the extra row the decode part then computes.
+SOLO_MIN_RATIO, SOLO_MIN_EXTRA = 2, 32
+
+
+def needs_logits(seqs: list[Sequence]) -> bool:
+    """Whether a step sampling for seqs must read their logits back, or their greedy tokens will do."""
+    return any(seq.needs_logits for seq in seqs)
+
+
+def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens: np.ndarray,
+                 rows: list[int] | None = None, masks=None) -> StepResults:
+    """logits (K, V) (None: a step that returned greedy tokens alone) and greedy_tokens (K,):
+    seqs[i]'s are row rows[i] (default: row i), read in place, not copied; masks (None: no row is constrained): waits
+    for the constrained ones' allowed tokens (SlotBatch._start_masks), called after every unconstrained one has its
+    token. One sequence's failure is that sequence's alone."""
+    results: StepResults = []
+    order = range(len(seqs))
+    if masks is not None:  # unconstrained first (a stable sort), while the masks finish
+        order = sorted(order, key=lambda i: seqs[i].constraint is not None)
+    allowed = None
+    for i in order:
+        seq = seqs[i]
+        row = i if rows is None else rows[i]
+        try:
+            if seq.constraint is not None and allowed is None and masks is not None:
+                allowed = masks()
+            mask = allowed.get(seq) if allowed is not None and seq.constraint is not None else None
+            results.append((seq, seq.advance(None if logits is None else logits[row], greedy_tokens[row], mask)))
+        except FormatError as exc:  # the request's format failed (outgrew its limits): its error, not a bug
+            log.info("sequence %d: %s", seq.id, exc)
+            seq.finished = True
+            results.append((seq, exc))
+        except Exception as exc:  # a bug in one request's sampling or text must not stop the others
+            log.exception("sequence %d failed", seq.id)
+            seq.finished = True
+            results.append((seq, exc))
+    return results
+
+
+class SlotBatch:
+    """The running batch over one SlotPool's rows. Not thread-safe: one step thread calls it."""
+
+    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None,
+                 prompt_cache: bool = True):
+        """fixed_decode: run decode-only steps at bucketed shapes (runtime.run_decode); default: when the runtime
+        captures them as CUDA graphs. prompt_cache: finished rows keep their K/V for later prompts that begin alike."""
+        self.runtime, self.config, self.max_rows = runtime, config, max_rows
+        pool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
+        self.kv = KvRows(pool, runtime.device, config.n_layer, prompt_cache)
+        self.fixed_decode = runtime.captures_decode if fixed_decode is None else fixed_decode
+        if self.fixed_decode and runtime.attention != STANDARD:
+            raise ValueError("fixed-shape decode steps need a standard slots graph (a fused graph's If cannot be captured)")
+        self._masks: TokenMasks | None = None  # made for the first constrained sequence
+
+    # --- one step --------------------------------------------------------------------------------------
+
+    def run(self, plan: StepPlan, before_model: Callable[[], None] | None = None) -> StepResults:
+        """Carry out plan: one model call (none when nothing is left to run), before_model called just before it."""
+        kv = self.kv
+        kv.release([s for s in kv.rows if s.cancelled])
+        for seq in plan.joining:
+            if not seq.cancelled:
+                kv.join(seq)
+        decode = [s for s in plan.decode if s.slot is not None and not s.cancelled]
+        chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
+        results = self._step(decode, chunk, plan.chunk_tokens, before_model) if decode or chunk else []
+        kv.release([s for s in kv.rows if s.finished])
+        return results
+
+    @staticmethod
+    def _solo(decode: list[Sequence]) -> Sequence | None:
+        """The decoding row to run through the chunk this step, if one is far longer than the others."""
+        if len(decode) < 2:
+            return None
+        longest, second = sorted(decode, key=lambda s: s.cached_tokens)[-1:-3:-1]
+        far = longest.cached_tokens >= SOLO_MIN_RATIO * second.cached_tokens + SOLO_MIN_EXTRA
+        return longest if far else None
+
+    def decode_shape(self, width: int) -> tuple[int, int]:
+        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at."""
+        return decode_shape(len(self.kv.slots), width, self.max_rows, self.config.n_ctx)
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """Every shape decode_shape can return for this pool, smallest first."""
+        return decode_shapes(self.max_rows, self.config.n_ctx)
+
+    def close(self) -> None:
+        """The batch is no longer used: the runtime forgets the decode steps bound to its pool (and their CUDA graphs)."""
+        self.runtime.release_pool(self.kv.pool)
+        if self._masks is not None:
+            self._masks.close()
+
+    def _start_masks(self, sampling: list[Sequence]):
+        """Start computing the allowed tokens of the constrained sequences among sampling, beside the model step that
+        follows (and the unconstrained rows' sampling after it); returns a function that waits for them
+        ({sequence: the ids it may take, ascending}), or None when none is constrained. A step waits only for what
+        is left of them then, each bounded by llguidance's fuel."""
+        constrained = [seq for seq in sampling if seq.constraint is not None]
+        if not constrained:
+            return None
+        if self._masks is None:
+            self._masks = TokenMasks(self.config.vocab_size)
+        return self._masks.start(constrained).result
+
+    def prepare_decode_shapes(self) -> None:
+        """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits
+        for a capture; on the thread that will run the steps (the graphs are that thread's). Every row runs a
+        scratch token, written at the scratch column no real token is read from."""
+        if self.kv.slots:
+            raise RuntimeError("decode shapes are prepared on an empty batch")
+        scratch = self.kv.pool.capacity - 1
+        for rows, width in self.decode_shapes():
+            positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
+            self.runtime.run_decode(self.kv.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64))
+
+    def _decode_fixed(self, decode: list[Sequence], before_model: Callable[[], None] | None) -> StepResults:
+        """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""
+        width = int(max(seq.cached_tokens for seq in decode)) + 1
+        rows, columns = self.decode_shape(width)
+        input_ids = np.zeros(rows, dtype=np.int64)  # (B,)
+        position_ids = np.full(rows, self.kv.pool.capacity - 1, dtype=np.int64)  # (B,): scratch unless a row decodes
+        for seq in decode:
+            input_ids[seq.slot] = seq.generated[-1]
+            position_ids[seq.slot] = seq.cached_tokens
+        attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        masks = self._start_masks(decode)
+        sampled = self.runtime.run_decode(self.kv.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model)  # B rows
+        for seq in decode:
+            seq.cached_tokens += 1
+        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
+
+    def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int,
+              before_model: Callable[[], None] | None) -> StepResults:
+        if self.fixed_decode and chunk is None:
+            return self._decode_fixed(decode, before_model)
+        # A fused graph reads each row's own columns only, so no row needs to step aside.
+        solo = self._solo(decode) if chunk is None and self.runtime.attention == STANDARD else None
+        if solo is not None:
+            decode = [s for s in decode if s is not solo]
+        pool = self.kv.pool
+        rows = len(self.kv.slots)
+        scratch = pool.capacity - 1
+        input_ids = np.zeros(rows, dtype=np.int64)  # (B,): free rows and the chunk's row get a scratch token
+        position_ids = np.full(rows, scratch, dtype=np.int64)  # (B,)
+        for seq in decode:
+            input_ids[seq.slot] = seq.generated[-1]
+            position_ids[seq.slot] = seq.cached_tokens  # its position, and the column it is written at
+        attention_mask = None  # a fused graph reads each row's own length from its position
+        if self.runtime.attention == STANDARD:
+            width = int(max((seq.cached_tokens for seq in decode), default=0)) + 1
+            attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        logits_index = [seq.slot for seq in decode]
+        start, piece, completes = 0, np.zeros(0, dtype=np.int64), False
+        if solo is not None:  # a decode token, fed as a one-token chunk of its own row
+            start, piece = solo.cached_tokens, np.array([solo.generated[-1]], dtype=np.int64)
+            logits_index.append(rows)
+        elif chunk is not None:
+            start = chunk.cached_tokens
+            piece = np.asarray(chunk.prompt_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
+            completes = start + len(piece) == len(chunk.prompt_ids)
+            if completes:
+                logits_index.append(rows + len(piece) - 1)  # the prompt's last token: the first new one follows
+        chunk_row = solo if solo is not None else chunk
+        decoded = decode + ([solo] if solo is not None else [])  # a token each
+        sampling = decoded + ([chunk] if completes else [])  # logits_index's order
+        masks = self._start_masks(sampling)
+        sampled = self.runtime.run_slots(
+            pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
+            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model,
+        )
+        for seq in decoded:
+            seq.cached_tokens += 1
+        if chunk is not None:
+            chunk.cached_tokens = start + len(piece)
+        return advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
+
+    def fail_all(self, error: BaseException) -> StepResults:
+        """Every sequence holding a row fails with error; the batch is empty afterwards, and, the pool's contents being
+        unknown after a failed step, so is the prompt cache."""
+        return [(seq, error) for seq in self.kv.clear()]

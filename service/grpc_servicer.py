@@ -1,0 +1,151 @@
+"""The gRPC servicer: protobuf -> engine domain -> protobuf, nothing else. Errors are raised and become status codes in
+grpc_errors.ErrorInterceptor; what a GetModelInfo reports is the App's (model_info.ModelInfo), translated here."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Protocol
+
+import grpc
+
+from kvserve.contract.chat import ChatMessage
+from kvserve.v1 import generation_pb2 as pb
+from kvserve.v1 import generation_pb2_grpc as pb_grpc
+
+from .engine import Engine
+from .engine_errors import InvalidArgument
+from .limits import limit_values
+from .model_info import ModelInfo
+from .sampling import SamplingParams
+from .sequence import FinishReason, GenerationRequest, StepEvent
+from .structured import FormatKind, ResponseFormat
+from .tokenizing import TokenizeProcess
+
+FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
+    FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
+}
+
+
+class Serving(Protocol):
+    """What the servicer asks of the process serving it (app.App)."""
+
+    def ready_engine(self) -> Engine: ...
+
+    def ready_tokenizing(self) -> TokenizeProcess: ...
+
+    def model_info(self) -> ModelInfo: ...
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """protobuf -> engine domain -> protobuf; nothing else."""
+
+    def __init__(self, serving: Serving):
+        self.serving = serving
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        engine = self.serving.ready_engine()
+        if request.n <= 1:
+            async with contextlib.aclosing(engine.generate(_to_domain(request))) as events:
+                async for event in events:
+                    yield _to_proto(event, engine.tokenizer)
+            return
+        async with contextlib.aclosing(engine.generate_n(_to_domain(request), request.n)) as events:
+            async for index, event in events:
+                response = _to_proto(event, engine.tokenizer)
+                response.index = index
+                yield response
+
+    async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        self.serving.ready_engine().validator.check_text("text", request.text)  # held to the prompt's limit
+        return await self.serving.ready_tokenizing().respond(request.text)  # the serialized response: bytes pass through
+
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> pb.GetModelInfoResponse:
+        return _model_info_proto(self.serving.model_info())
+
+
+def _model_info_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
+    config, live = info.config, info.live
+    return pb.GetModelInfoResponse(
+        config=pb.ModelConfig(
+            vocab_size=config.vocab_size, context_length=config.n_ctx, d_model=config.d_model,
+            num_heads=config.n_head, num_layers=config.n_layer, eos_token_id=config.eos_token_id,
+            architecture=config.architecture, model_type=config.model_type, num_key_value_heads=config.n_kv_head,
+            head_dim=config.head_dim, eos_token_ids=config.eos_token_ids,
+        ),
+        manifest_sha256=info.manifest_sha256,
+        dtype=info.dtype,
+        execution_provider=info.provider,
+        provider_note=info.provider_note,
+        limits=pb.Limits(max_total_tokens=info.max_total_tokens, **limit_values(info.limits)),
+        live=pb.LiveCounts(
+            active_sequences=live.active, queued_sequences=live.queued, kv_slots_in_use=live.active, cached_rows=live.cached_rows,
+            kv_cache_bytes=live.kv_bytes,
+            sequences=[pb.SequenceKv(sequence_id=s.id, tokens=s.tokens, kv_cache_bytes=s.kv_bytes) for s in live.sequences],
+        ),
+        parity_gate=pb.ParityGate(passed=info.gate.passed, overridden=info.gate.overridden, summary=info.gate.summary),
+        tokenizer=info.tokenizer,
+        kv_cache=info.kv_cache,
+        attention=info.attention,
+        chat=info.chat,
+    )
+
+
+def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
+    sampling = request.sampling
+    prompt = request.WhichOneof("prompt")
+    return GenerationRequest(
+        prompt_text=request.text if prompt == "text" else None,
+        prompt_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
+        prompt_messages=tuple(ChatMessage(m.role, m.content) for m in request.messages.messages) if prompt == "messages" else None,
+        max_new_tokens=request.max_new_tokens,
+        sampling=SamplingParams(
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p or 1.0,
+            repetition_penalty=sampling.repetition_penalty or 1.0,
+            seed=sampling.seed,
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            min_p=sampling.min_p,
+            logit_bias=tuple(sorted(sampling.logit_bias.items())),
+        ),
+        stop_sequences=tuple(request.stop_sequences),
+        stop_token_ids=tuple(request.stop_token_ids),
+        return_logprobs=request.return_logprobs,
+        top_logprobs=request.top_logprobs,
+        ignore_eos=request.ignore_eos,
+        response_format=_response_format(request.response_format) if request.HasField("response_format") else None,
+    )
+
+
+FORMAT_KINDS = {"json_schema": FormatKind.JSON_SCHEMA, "json_object": FormatKind.JSON_OBJECT, "regex": FormatKind.REGEX,
+                "lark_grammar": FormatKind.GRAMMAR}
+
+
+def _response_format(message: pb.ResponseFormat) -> ResponseFormat:
+    kind = message.WhichOneof("format")
+    if kind is None:
+        raise InvalidArgument("response_format", "set one of json_schema, json_object, regex or lark_grammar")
+    return ResponseFormat(FORMAT_KINDS[kind], "" if kind == "json_object" else getattr(message, kind))
+
+
+def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
+    response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob))
+    if event.top_logprobs:
+        pieces = tokenizer.pieces([token for token, _ in event.top_logprobs])
+        response.token.top_logprobs.extend(
+            pb.TopLogprob(id=token, text=piece, logprob=logprob) for (token, logprob), piece in zip(event.top_logprobs, pieces))
+    finish = event.finish
+    if finish is not None:
+        response.finish.CopyFrom(
+            pb.FinishDetails(
+                reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
+                time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
+                cached_prompt_tokens=finish.cached_prompt_tokens,
+            )
+        )
+    return response
+
+

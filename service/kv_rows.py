@@ -1,0 +1,207 @@
+"""The batch's rows of the KV pool: which sequence holds which row, where a joining sequence goes, what a leaving one
+leaves behind, and the prompt cache over the free rows (vLLM's KV-cache manager plays this part there). The batch
+(batch.py) asks it for rows and runs steps in them; every row move is made here, through the pool.
+
+Each sequence holds one row of the pool, left-aligned: its token at position p lives in column p, so a row's length is
+its own and no row pads another. The pool (kvserve.runtime.SlotPool) is allocated once, for max_rows rows of a whole
+context (n_ctx columns and the scratch one), and touched when the batch is made, so no step ever allocates K/V.
+
+A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, prompt_cache.py); a joining one takes the
+free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty row,
+else the least recently used cached one, and prefills only the rest. On the CPU provider rows 0..B-1 stay dense, so
+a step computes no idle row: a leave moves the last row into the hole (and the hole's cached K/V to the last row's
+place), a join moves the row it takes to the end of the rows in use; only used columns move, within the pool's
+memory. Under CUDA a free row stays where it is (a hole the steps run a scratch token in), and a prefix copied from a
+row in use moves on the device (cudaMemcpy2D, runtime/pool.py): no K/V crosses to the host.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from kvserve.runtime import SlotPool
+
+from .prompt_cache import PrefixIndex
+from .sequence import Sequence
+
+# A new request takes a prompt prefix from a row in use (a device copy) rather than from the best free row only when
+# the row in use holds at least this many more of its tokens. bench/prompt_cache.py measures the copy against the
+# prefill it saves (docs/serving.md, "Prompt cache"); on both providers a copy costs far less than computing one
+# token, so the line sits at one index block (prompt_cache.BLOCK_TOKENS), the shortest prefix the index finds.
+PREFIX_COPY_MIN_TOKENS = {"cpu": 16, "cuda": 16}
+
+
+class KvRows:
+    """The rows of one SlotPool and the sequences in them. Not thread-safe: the step thread calls it."""
+
+    def __init__(self, pool: SlotPool, device: str, n_layer: int, prompt_cache: bool = True):
+        """device: where the pool lives ("cpu": rows are kept dense); prompt_cache: finished rows keep their K/V for later
+        prompts that begin alike."""
+        self.pool, self.device, self.max_rows = pool, device, pool.rows
+        self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
+        self.compact = device == "cpu"  # fill a hole by moving the last row (see the module docstring)
+        self.prefixes = PrefixIndex() if prompt_cache else None  # every row's tokens, in use or cached
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free rows holding K/V, least recently used first
+        self.copies_from_busy = prompt_cache and pool.copies_rows
+        _, n_kv_head, _, d_head = pool.shape
+        self._cell_bytes = 2 * n_layer * n_kv_head * d_head * np.dtype(pool.kv_dtype).itemsize  # K and V of one token
+
+    @property
+    def rows(self) -> list[Sequence]:
+        return [s for s in self.slots if s is not None]
+
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def row_bytes(self) -> int:
+        """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
+        return self.pool.capacity * self._cell_bytes
+
+    def kv_bytes(self) -> int:
+        return len(self.rows) * self.row_bytes()
+
+    def clear(self) -> list[Sequence]:
+        """Every sequence leaves its row, the pool's contents being unknown (a step failed): the prompt cache forgets
+        every row too. Returns the sequences that held rows."""
+        held = self.rows
+        for seq in held:
+            seq.slot = None
+        self.slots = []
+        self.cached.clear()
+        if self.prefixes is not None:
+            self.prefixes.clear()
+        return held
+
+    def cached_rows(self) -> int:
+        """Free rows that hold a finished sequence's K/V for the prompt cache."""
+        return len(self.cached)
+
+    def forget_cached(self) -> None:
+        """Free rows forget what they hold (the warm-up's rows, say): nothing is matched against them any more."""
+        for row in self.cached:
+            self.prefixes.remove(row)
+        self.cached.clear()
+
+    def _best_matches(self, prompt: list[int]) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
+        """((free row, tokens), (row in use, tokens)): the rows holding the longest start of prompt, the last prompt
+        token left out (it is always computed: its logits give the first new token)."""
+        if self.prefixes is None:
+            return (None, 0), (None, 0)
+        reusable = len(prompt) - 1
+        free, busy = (None, 0), (None, 0)
+        for row, shared in self.prefixes.matches(prompt).items():
+            holder = self.slots[row] if row < len(self.slots) else None
+            if holder is None:
+                usable = min(shared, reusable, len(self.prefixes.tokens(row)))
+                if usable > free[1]:
+                    free = (row, usable)
+            elif self.copies_from_busy:
+                usable = min(shared, reusable, holder.cached_tokens)  # a row in use holds its K/V up to there
+                if usable > busy[1]:
+                    busy = (row, usable)
+        confirmed = []
+        for row, length in (free, busy):
+            length = self.prefixes.confirm(row, prompt, length) if row is not None else 0
+            confirmed.append((row, length) if length else (None, 0))
+        return confirmed[0], confirmed[1]
+
+    def _prefix_source(self, prompt: list[int]) -> tuple[int | None, int, bool]:
+        """(the row to take the start of prompt from, how many tokens, whether that row is in use): a row in use only
+        when it holds at least PREFIX_COPY_MIN_TOKENS more than the best free row (its columns are copied)."""
+        (free, free_len), (busy, busy_len) = self._best_matches(prompt)
+        if busy is not None and busy_len >= free_len + PREFIX_COPY_MIN_TOKENS[self.device]:
+            return busy, busy_len, True
+        return free, free_len, False
+
+    def reusable_prompt_tokens(self, seq: Sequence) -> int:
+        """How many of seq's prompt tokens it would find in the cache if it joined now (the scheduler sizes its first
+        chunk by what is left)."""
+        return self._prefix_source(seq.prompt_ids)[1]
+
+    def _victim(self) -> int:
+        """The free row a new sequence overwrites: the lowest that holds nothing, else the least recently used."""
+        active = {row for row, s in enumerate(self.slots) if s is not None}
+        empty = next((row for row in range(self.max_rows) if row not in active and row not in self.cached), None)
+        return empty if empty is not None else next(iter(self.cached))
+
+    def join(self, seq: Sequence) -> None:
+        """seq takes a row: the free row holding the longest start of its prompt, or a free row into which the rows in
+        use give a longer one (copied on the device), else the victim; it then prefills only the rest. On CPU the row
+        it computes in is the one after the last (rows stay dense): the row chosen moves there, and what that row held
+        moves to the victim's place."""
+        source, reused, take_busy = self._prefix_source(seq.prompt_ids)
+        busy = source if take_busy else None
+        pool = self.pool
+        if self.compact:
+            row = len(self.slots)
+            if not take_busy and source is not None:
+                if source != row:  # row's own cached K/V (if any) goes where the chosen one was
+                    pool.exchange_rows(source, row, reused, len(self.prefixes.tokens(row)) if row in self.cached else 0)
+                    self._swap_cached(source, row)
+            elif row in self.cached:
+                victim = self._victim()
+                if victim != row:
+                    pool.copy_columns(row, victim, len(self.prefixes.tokens(row)))
+                    self._drop_cached(victim)
+                    self._swap_cached(row, victim)
+        else:
+            row = source if not take_busy and source is not None else self._victim()
+        if take_busy:
+            pool.copy_columns(busy, row, reused)
+        self._drop_cached(row)
+        if self.prefixes is not None:
+            self.prefixes.put(row, seq.prompt_ids)  # its K/V up to seq.cached_tokens, as the prefill writes them
+        while len(self.slots) <= row:
+            self.slots.append(None)
+        self.slots[row] = seq
+        seq.slot = row
+        seq.cached_tokens = seq.reused_prompt_tokens = reused
+
+    def _drop_cached(self, row: int) -> None:
+        """Row no longer holds a cached sequence (it is taken, or overwritten)."""
+        if self.cached.pop(row, False) is not False:
+            self.prefixes.remove(row)
+
+    def _swap_cached(self, a: int, b: int) -> None:
+        """Rows a and b traded contents: their index entries and their places in the least-recently-used order follow."""
+        if self.prefixes is None:
+            return
+        self.prefixes.swap(a, b)
+        self.cached = OrderedDict((b if row == a else a if row == b else row, None) for row in self.cached)
+
+    def release(self, leaving: list[Sequence]) -> None:
+        """Free the rows of sequences that left, each keeping what it wrote for the prompt cache; on CPU keep the rows
+        in use dense."""
+        if not leaving:
+            return
+        for seq in leaving:
+            if seq.slot is None:
+                continue
+            row = seq.slot
+            self.slots[row] = None
+            seq.slot = None
+            if self.prefixes is not None:
+                if seq.cached_tokens:
+                    self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])  # exactly what it wrote
+                    self.cached[row] = None
+                    self.cached.move_to_end(row)
+                else:
+                    self.prefixes.remove(row)
+        while True:
+            while self.slots and self.slots[-1] is None:
+                self.slots.pop()
+            hole = next((row for row, s in enumerate(self.slots) if s is None), None)
+            if hole is None or not self.compact:
+                break
+            last = self.slots.pop()  # the last row moves into the hole, and the hole's cached K/V (if any) to its place
+            source = len(self.slots)
+            held = len(self.prefixes.tokens(hole)) if self.prefixes is not None and hole in self.cached else 0
+            if held:
+                self.pool.exchange_rows(source, hole, last.cached_tokens, held)
+            else:
+                self.pool.copy_columns(source, hole, last.cached_tokens)
+                self._drop_cached(hole)
+            self._swap_cached(source, hole)
+            self.slots[hole], last.slot = last, hole

@@ -1,0 +1,274 @@
+"""The OpenAI protocol, apart from its transport (http_api.py): request bodies parsed into engine requests (every
+refusal an ApiError naming the parameter), engine errors as OpenAI error objects, and the response and stream-chunk
+bodies of /v1/completions and /v1/chat/completions (vLLM's entrypoints keep their protocol module the same way).
+
+Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad or unsupported parameter
+(named), 401, 404 for another model or path, 405, 413 for a body over --max-message-bytes, 429 when the queue is
+full, 503 while loading or draining.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvserve.contract.chat import ChatMessage
+
+from .engine_errors import EngineError, InvalidArgument, QueueFull, Unavailable
+from .limits import MAX_BIAS, MAX_PENALTY, EngineLimits
+from .sampling import MAX_SEED, SamplingParams
+from .sequence import FinishReason, GenerationRequest, StepEvent
+from .structured import FormatKind, ResponseFormat
+
+OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_SCALE)
+
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop"}
+# The status each refusal gets, and the gRPC code name the request metric counts it under (one label set for both APIs).
+STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
+                413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+# Parameters the API defines that kvserve does not implement yet: refused by name with 400 when set to anything but
+# their no-op value, never silently ignored.
+NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None}
+COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
+          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"}
+ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(NOT_YET)}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": ERROR_TYPES[self.status], "param": self.param, "code": self.code}}
+
+
+# The engine names gRPC's fields; an HTTP client is told the OpenAI parameter it sent.
+PARAMS = {"max_new_tokens": "max_tokens", "prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt.messages": "messages",
+          "stop_sequences": "stop", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
+          "response_format.json_schema": "response_format", "response_format.json_object": "response_format"}
+
+
+def api_error(exc: EngineError) -> ApiError:
+    """The OpenAI error an engine error is answered with, naming the OpenAI parameter the engine's field came from."""
+    if isinstance(exc, InvalidArgument):
+        return ApiError(400, str(exc), PARAMS.get(exc.field, exc.field.split("[")[0].replace("prompt.messages", "messages")), "invalid_value")
+    if isinstance(exc, QueueFull):
+        return ApiError(429, str(exc), code="queue_full")
+    if isinstance(exc, Unavailable):
+        return ApiError(503, str(exc), code="unavailable")
+    return ApiError(500, str(exc), code="internal_error")
+
+
+@dataclass(frozen=True)
+class Parsed:
+    """An OpenAI request as the engine takes it."""
+
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    logprobs: bool
+    n: int  # completions of the prompt, each its own sequence (seeds seed, seed + 1, ... when a seed is given)
+
+
+def _number(body: dict, name: str, default, low: float, high: float, kind=float):
+    value = body.get(name, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
+        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}, got {json.dumps(value)}", name)
+    if not low <= value <= high:
+        raise ApiError(400, f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+    return kind(value)
+
+
+def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
+    """The engine request for an OpenAI body (kind "completions" or "chat"); every refusal names its parameter. The
+    parameters' sizes are held to the same limits as gRPC's (limits.py); temperature to OpenAI's own [0, 2]."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    unknown = sorted(set(body) - ALLOWED[kind])
+    if unknown:
+        raise ApiError(400, f"unsupported parameter: {unknown[0]}", unknown[0], "unsupported_parameter")
+    for name, no_op in NOT_YET.items():
+        if name in body and body[name] not in (no_op, None) and body[name] != {} and body[name] != []:
+            raise ApiError(400, f"{name} is not supported by kvserve yet", name, "unsupported_parameter")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(400, "model is required: the name GET /v1/models lists", "model")
+    if model != model_name:
+        raise ApiError(404, f"the model {model!r} does not exist here; this server serves {model_name!r}", "model", "model_not_found")
+    n = _number(body, "n", 1, 1, limits.max_n, int)
+    if kind == "chat":
+        if "top_logprobs" in body and body["top_logprobs"] is not None and body.get("logprobs") is not True:
+            raise ApiError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+    max_tokens = _number(body, "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                         16 if kind == "completions" else 0, 1 if "max_tokens" in body or "max_completion_tokens" in body else 0, 2**31 - 1, int)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0)
+    if top_p == 0:
+        raise ApiError(400, "top_p must be in (0, 1], got 0", "top_p")
+    seed = body.get("seed")  # any int; the engine's 0 means "choose one", so a given seed maps to 1 .. 2^63 - 1
+    seed = 0 if seed is None else _number(body, "seed", 0, -(2**63), 2**64 - 1, int) % MAX_SEED + 1
+    bias = body.get("logit_bias") or {}
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
+        raise ApiError(400, "logit_bias must map token ids (as strings) to numbers", "logit_bias")
+    logit_bias = tuple(sorted((int(k), _number(bias, k, 0.0, -MAX_BIAS, MAX_BIAS)) for k in bias)) if len(bias) <= limits.max_logit_bias else None
+    if logit_bias is None:
+        raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {limits.max_logit_bias}", "logit_bias")
+    sampling = SamplingParams(
+        temperature=_number(body, "temperature", 1.0, 0.0, OPENAI_MAX_TEMPERATURE), top_p=top_p, seed=seed, logit_bias=logit_bias,
+        presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
+        min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+    )
+    stop = body.get("stop")
+    stop = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "stop must be a string or a list of non-empty strings", "stop")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise ApiError(400, "stream_options takes include_usage only", "stream_options")
+    logprobs = body.get("logprobs")
+    if kind == "chat":
+        if logprobs not in (None, True, False):
+            raise ApiError(400, "logprobs must be true or false", "logprobs")
+        top = _number(body, "top_logprobs", 0, 0, limits.max_top_logprobs, int)
+        logprobs = bool(logprobs)
+    else:  # an int: the sampled token's log-probability and this many alternatives
+        top = 0 if logprobs is None else _number(body, "logprobs", 0, 0, limits.max_top_logprobs, int)
+        logprobs = logprobs is not None
+    common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top,
+                  response_format=_response_format(body.get("response_format")))
+    if kind == "chat":
+        request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))), **common)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]  # a batch of one
+        if isinstance(prompt, str):
+            request = GenerationRequest(prompt_text=prompt, **common)
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            request = GenerationRequest(prompt_ids=tuple(prompt), **common)
+        else:
+            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
+    return Parsed(request, stream, bool(options.get("include_usage")), logprobs, n)
+
+
+JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
+MAX_SCHEMA_NAME = 64  # characters of json_schema.name, as OpenAI bounds it
+
+
+def _response_format(value) -> ResponseFormat | None:
+    """OpenAI's response_format: text (None), json_object, or json_schema (always enforced, strict or not)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or {\"type\": \"json_schema\", "
+                       "\"json_schema\": {\"name\": ..., \"schema\": {...}}}", "response_format")
+    kind = value["type"]
+    extra = sorted(set(value) - ({"type", "json_schema"} if kind == "json_schema" else {"type"}))
+    if extra:
+        raise ApiError(400, f"response_format of type {kind} takes no {extra[0]}", f"response_format.{extra[0]}")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return ResponseFormat(FormatKind.JSON_OBJECT)
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+        raise ApiError(400, "response_format.json_schema must be an object with a schema (a JSON Schema object)", "response_format.json_schema")
+    unknown = sorted(set(spec) - JSON_SCHEMA_KEYS)
+    if unknown:
+        raise ApiError(400, f"unsupported parameter: response_format.json_schema.{unknown[0]}", f"response_format.json_schema.{unknown[0]}")
+    name = spec.get("name")
+    if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_SCHEMA_NAME):
+        raise ApiError(400, f"response_format.json_schema.name must be 1 to {MAX_SCHEMA_NAME} characters", "response_format.json_schema.name")
+    if spec.get("strict") not in (None, True, False):
+        raise ApiError(400, "response_format.json_schema.strict must be true or false", "response_format.json_schema.strict")
+    return ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(spec["schema"]))
+
+
+def _messages(messages) -> list[ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages must be a non-empty list", "messages")
+    out = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{index}] must be an object with a role", f"messages[{index}]")
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: text only
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+                raise ApiError(400, f"messages[{index}].content: only text parts are supported", f"messages[{index}].content")
+            content = "".join(p["text"] for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{index}].content must be a string", f"messages[{index}].content")
+        out.append(ChatMessage(message["role"], content))
+    return out
+
+
+def logprobs_object(kind: str, events: list[StepEvent], pieces: Callable[[list[int]], list[str]]) -> dict:
+    """A choice's logprobs object for events (a whole answer's, or one streamed token's); pieces: the tokenizer's text of ids."""
+    tokens = pieces([e.token_id for e in events])
+    alternatives = [[(piece, lp) for piece, (_, lp) in zip(pieces([t for t, _ in e.top_logprobs]), e.top_logprobs)]
+                    if e.top_logprobs else [] for e in events]
+    if kind == "chat":
+        return {"content": [
+            {"token": token, "logprob": e.logprob, "bytes": list(token.encode("utf-8")),
+             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in top]}
+            for token, e, top in zip(tokens, events, alternatives)]}
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events], "top_logprobs": [dict(top) for top in alternatives],
+            "text_offset": None}
+
+
+def usage(finishes: list) -> dict:
+    """The usage object of n completions of one prompt (each completion's Finish)."""
+    prompt = finishes[0].prompt_tokens  # one prompt, counted once
+    completion = sum(f.generated_tokens for f in finishes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)}}
+
+
+def object_name(kind: str, streamed: bool) -> str:
+    if kind == "chat":
+        return "chat.completion.chunk" if streamed else "chat.completion"
+    return "text_completion"
+
+
+def whole_body(ids: str, kind: str, model: str, created: int, completions: list[list[StepEvent]], parsed: Parsed,
+               pieces: Callable[[list[int]], list[str]]) -> dict:
+    """The one JSON body of an answer not streamed: every completion's text (or message), finish reason and usage."""
+    choices = []
+    for index, completion in enumerate(completions):
+        text = "".join(event.text for event in completion)
+        choice = {"index": index, "logprobs": logprobs_object(kind, completion, pieces) if parsed.logprobs else None,
+                  "finish_reason": FINISH_REASONS[completion[-1].finish.reason]}
+        choice.update({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})
+        choices.append(choice)
+    return {"id": ids, "object": object_name(kind, False), "created": created, "model": model, "choices": choices,
+            "usage": usage([c[-1].finish for c in completions])}
+
+
+def token_choice(kind: str, index: int, event: StepEvent, parsed: Parsed, pieces: Callable[[list[int]], list[str]]) -> dict:
+    """One streamed token of completion index, as a chunk's choice (with its finish reason on the last)."""
+    reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
+    choice = {"index": index, "logprobs": logprobs_object(kind, [event], pieces) if parsed.logprobs else None, "finish_reason": reason}
+    choice.update({"delta": {"content": event.text}} if kind == "chat" else {"text": event.text})
+    return choice
+
+
+def opening_choices(n: int) -> list[dict]:
+    """A chat stream's first chunk: each completion's assistant role, no content yet."""
+    return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)]
+
+
+def sse(body: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+STREAM_END = "data: [DONE]\n\n"

@@ -1,0 +1,20 @@
+"""What the scheduler hands the batch for one step (StepPlan), and what the batch hands back (StepResults): the types
+between scheduler.py, which plans, and batch.py, which carries a plan out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence, StepEvent
+
+StepResults = list[tuple[Sequence, StepEvent | BaseException]]
+
+
+@dataclass
+class StepPlan:
+    """What one step runs: decided by the scheduler, carried out by the batch."""
+
+    joining: list[Sequence] = field(default_factory=list)  # admitted now: each takes a row before the step
+    decode: list[Sequence] = field(default_factory=list)  # rows that decode one token
+    chunk: Sequence | None = None  # the row whose prompt advances this step
+    chunk_tokens: int = 0  # by this many tokens
