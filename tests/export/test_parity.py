@@ -164,13 +164,13 @@ def test_float32_bounds_scale_with_the_logits_and_the_kv_they_judge():
     """The same rounding, relative to the numbers' size, passes whatever their scale: logits of 100 off by 5e-3 (a
     relative 5e-5) pass where an absolute 1e-4 refused them; the same 5e-3 on logits of 1 fails. K/V alike."""
     from kvserve.contract.tolerances import TOLERANCES
-    from kvserve.export.parity import _Check
+    from kvserve.export.parity_report import CheckStats
 
     rng = np.random.default_rng(0)
     for scale, passes in ((100.0, True), (1.0, False)):
         eager = rng.standard_normal((4, 50)) * scale / 3
         eager[0, 0] = scale  # the largest |logit| is scale
-        check = _Check("scaled")
+        check = CheckStats("scaled")
         check.add_logits(eager + 5e-3, eager)
         check.kv_max_abs = 5e-5  # the K/V divergence is already relative to each (layer, head)'s largest |K/V|
         assert check.result(TOLERANCES["float32"]).passed is passes, scale

@@ -1,0 +1,111 @@
+"""The two ways an artifact's graph is driven for parity, each through kvserve.runtime (which opens and runs the
+session): a slots graph as the server runs it (SlotsDriver: a row per sequence, prompts in chunks, rows decoding
+together), a concat graph as Optimum-style tools do (ConcatDriver: a left-padded batch, each step's present fed back
+as past). Both answer prefill, decode and kv the same way, so parity.py's checks read either."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import open_artifact
+from kvserve.model.generate import left_pad, position_ids_from_mask
+from kvserve.runtime import DecoderRuntime, pool_capacity
+
+from .quality import greedy_tokens
+
+
+class ConcatDriver:
+    """Drives a concat graph the way Optimum-style tools do: a left-padded batch, each step's present fed back as past."""
+
+    argmax_rows = argmax_mismatches = 0  # a concat graph has no greedy_tokens output to check
+
+    def __init__(self, runtime: DecoderRuntime, config):
+        self.runtime, self.config = runtime, config
+        self.past_names = [name for layer in range(config.n_layer) for name in io.past_names(layer)]
+
+    def _run(self, ids, past) -> np.ndarray:
+        feeds = {io.INPUT_IDS: ids, io.ATTENTION_MASK: self.mask.numpy(), io.POSITION_IDS: self.pos.numpy(), **dict(zip(self.past_names, past))}
+        logits, *self.past = self.runtime.run_feeds(feeds)
+        return logits  # (B, T, V)
+
+    def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        """Prompts from an empty cache; returns each row's logits at every prompt position, (L_r, V)."""
+        ids, self.mask = left_pad(prompts)  # (B, T)
+        self.pos = position_ids_from_mask(self.mask)
+        empty = np.zeros((len(prompts), self.config.n_kv_head, 0, self.config.d_head), self.runtime.kv_dtype)  # (B, H_kv, 0, d_k)
+        logits = self._run(ids.numpy(), [empty] * len(self.past_names))
+        real = self.mask.numpy().astype(bool)
+        return [logits[row][real[row]] for row in range(len(prompts))]
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        """One token per row (B,); returns the next-token logits (B, V)."""
+        self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+        self.pos = self.pos[:, -1:] + 1  # (B, 1)
+        return self._run(np.asarray(tokens, np.int64)[:, None], self.past)[:, -1]
+
+    def kv(self) -> list[list[np.ndarray]]:
+        real = self.mask.numpy().astype(bool)
+        return [[a[row][:, real[row]] for a in self.past] for row in range(real.shape[0])]
+
+
+class SlotsDriver:
+    """Drives a slots graph as the server does: a row per sequence, prompts prefilled a chunk at a time (the
+    chunk's logits kept at every position, so parity still sees them all), then every row decoding at once."""
+
+    CHUNK = 5  # prompt tokens per step: every prompt of more than 5 tokens crosses a chunk boundary
+
+    def __init__(self, runtime: DecoderRuntime, config, capacity: int):
+        self.runtime, self.config, self.capacity = runtime, config, capacity
+        self.argmax_rows = self.argmax_mismatches = 0  # the graph's greedy_tokens against its logits' argmax
+
+    def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
+        width = int(max(positions.max(initial=0), 0)) + 1 if self.decoding else 1
+        mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
+        sampled = self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
+                                         np.asarray(logits_index, np.int64))
+        self.argmax_rows += len(sampled.greedy_tokens)
+        self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
+        return sampled.logits
+
+    def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
+        rows = len(prompts)
+        self.pool = self.runtime.new_pool(rows, self.config.n_kv_head, self.config.d_head, self.capacity)
+        self.lengths = np.array([len(p) for p in prompts])
+        self.decoding = False
+        scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
+        logits = []
+        for row, prompt in enumerate(prompts):
+            pieces = []
+            for start in range(0, len(prompt), self.CHUNK):
+                chunk = prompt[start : start + self.CHUNK]
+                pieces.append(self._run(scratch_tokens, scratch, chunk, start, row, rows + np.arange(len(chunk))))
+            logits.append(np.concatenate(pieces))  # (L_r, V)
+        return logits
+
+    def decode(self, tokens: np.ndarray) -> np.ndarray:
+        self.decoding = True
+        out = self._run(np.asarray(tokens, np.int64), self.lengths.copy(), logits_index=np.arange(len(tokens)))
+        self.lengths += 1
+        return out
+
+    def kv(self) -> list[list[np.ndarray]]:
+        return [self.pool.row_to_host(row, int(length)) for row, length in enumerate(self.lengths)]
+
+
+def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: int, provider: str = "auto") -> np.ndarray:
+    """The artifact's own greedy continuation of prompts, (B, steps): a slots artifact a row per prompt as the
+    server runs it, a concat one as one left-padded batch, Optimum-style."""
+    artifact = open_artifact(artifact_dir)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, provider)
+    return greedy_tokens(driver_for(runtime, artifact), prompts, steps)
+
+
+def driver_for(runtime: DecoderRuntime, artifact):
+    """The driver that runs artifact's layout as its users do."""
+    if artifact.kv_cache == io.SLOTS:
+        return SlotsDriver(runtime, artifact.config, pool_capacity(artifact.config))
+    return ConcatDriver(runtime, artifact.config)
