@@ -27,7 +27,7 @@ from kvserve.model.generate import generate
 from kvserve.model.presets import preset
 from kvserve.model.vocabulary import write_preset_tokenizer
 from kvserve.progress import stage
-from kvserve.runtime.providers import cuda_available
+from kvserve.runtime import cuda_available
 
 from .graph_fusions import fuse_operators
 from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph

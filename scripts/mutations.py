@@ -1,10 +1,10 @@
 """Mutation check, run by hand (not by CI): does each test fail when the feature it names is broken?
 
 Each mutation below breaks one feature on purpose. For each, this copies the working tree to a scratch
-directory, applies that mutation alone, and runs the tests meant to catch it there; a mutation the tests
-survive is a gap in the suite. The scratch copy is importable as `kvserve` through PYTHONPATH (its
-model/, contract/, runtime/, export/ and service/ folders linked under kvserve/, as pyproject.toml maps them), so nothing in
-this checkout changes.
+directory, applies that mutation alone, installs the mutated copy as a package of its own (pip install --target,
+which maps the folders as pyproject.toml says) and runs the tests meant to catch it there against that install,
+which PYTHONPATH puts ahead of this checkout's editable one; a mutation the tests survive is a gap in the suite.
+Nothing in this checkout changes.
 
     .venv/bin/python scripts/mutations.py [--only NAME ...] [--keep]
 
@@ -297,7 +297,7 @@ MUTATIONS = (
 
 
 def scratch_copy() -> Path:
-    """The working tree's tracked and generated files, importable as kvserve via PYTHONPATH."""
+    """The working tree's tracked and generated files, in a scratch directory."""
     root = Path(tempfile.mkdtemp(prefix="kvserve-mutant-"))
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     files += [str(p.relative_to(REPO)) for p in (REPO / "kvserve" / "v1").glob("*_pb2*.py")]
@@ -306,14 +306,19 @@ def scratch_copy() -> Path:
         if source.is_file():
             (root / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, root / name)
-    (root / "node_modules").symlink_to(REPO / "node_modules")
-    for package in ("model", "contract", "runtime", "export", "service"):
-        (root / "kvserve" / package).symlink_to(Path("..") / package)
     return root
 
 
+def install(root: Path) -> Path:
+    """The copy at root installed as the kvserve package into root/site (its dependencies are this environment's)."""
+    site = root / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--target", str(site), str(root)],
+                   cwd=root, capture_output=True, text=True, check=True, timeout=300)
+    return site
+
+
 def run_tests(root: Path, tests: tuple[str, ...]) -> int:
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(install(root))}
     command = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-p", "no:logging", *tests]
     return subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900).returncode
 

@@ -1,60 +1,152 @@
 """The folders are the architecture, and imports run one way (README, "Layout"):
 
-    model (torch)      contract (no torch)      runtime (onnxruntime, no torch)
-          \\                 |          \\           |
-           export (torch) --+           service (no torch) -> kvserve.v1 (protobuf)
+    contract (no torch)  <-  model (torch)  <-  export (torch)  ->  runtime (onnxruntime, no torch)  <-  service (no torch)
+                         <-------------------------------------------------------------------------  service
 
-export never imports service; contract and runtime import neither; service, runtime and contract never import torch.
+Every import of a kvserve module, wherever it stands (top of a file, inside a function, relative or absolute, a bare
+`import kvserve`), is held to LAYERS; service/ takes from runtime/ only what runtime/__init__.py names; no two modules
+import each other, however indirectly; and importing every module of service/, runtime/ and contract/ loads no torch.
 """
 
 import ast
+import subprocess
+import sys
 
 import pytest
 
 from .conftest import REPO
 
-# folder -> the kvserve packages its modules may import
-ALLOWED = {
-    "contract": {"contract", "model.config", "model.hf_config", "errors"},
-    "runtime": {"contract", "runtime", "model.config", "errors"},
-    "export": {"contract", "runtime", "model", "export", "errors", "progress"},
-    "service": {"contract", "runtime", "model.config", "service", "errors", "v1"},
+# folder -> the import name its files have (pyproject.toml's package-dir)
+PACKAGES = {"kvserve": "kvserve", "contract": "kvserve.contract", "model": "kvserve.model", "runtime": "kvserve.runtime",
+            "export": "kvserve.export", "service": "kvserve.service"}
+# The one table: folder -> the kvserve packages and modules its files may import (their own package always).
+COMMON = {"kvserve.errors", "kvserve.progress"}
+LAYERS = {
+    "contract": COMMON,
+    "model": COMMON | {"kvserve.contract"},
+    "runtime": COMMON | {"kvserve.contract"},
+    "export": COMMON | {"kvserve.contract", "kvserve.model", "kvserve.runtime"},
+    "service": COMMON | {"kvserve.contract", "kvserve.runtime", "kvserve.v1"},
+    "kvserve": COMMON | {"kvserve.contract", "kvserve.export", "kvserve.service", "kvserve.v1"},  # the command line
 }
+# Packages another layer may import only as a whole: what their __init__ names, nothing deeper.
+PACKAGE_ONLY = {"service": {"kvserve.runtime"}}
 TORCH_FREE = ("contract", "runtime", "service")
+HEAVY = ("torch", "transformers", "onnx", "onnxscript")
 
 
-def imports_of(folder: str) -> dict[str, set[str]]:
-    """{file: the modules it imports}, relative imports resolved to kvserve.<folder>.<name>."""
-    found = {}
+def module_name(folder: str, path) -> str:
+    return PACKAGES[folder] + ("" if path.stem == "__init__" else f".{path.stem}")
+
+
+def imports_in(folder: str, path, top_level_only: bool = False) -> set[str]:
+    """The modules a file imports, relative imports resolved; `from X import y` counts as X and X.y (y may be a module).
+    top_level_only: only statements that run when the module is imported (its body, `if TYPE_CHECKING:` included)."""
+    tree = ast.parse(path.read_text())
+    package = PACKAGES[folder].split(".")
+    if top_level_only:
+        nodes = []
+        for node in tree.body:
+            nodes += list(ast.walk(node)) if isinstance(node, (ast.If, ast.Try)) else [node]
+    else:
+        nodes = ast.walk(tree)
+    names = set()
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
+            module = ".".join(part for part in (base, node.module or "") if part)
+            names.add(module)
+            names |= {f"{module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def source_files():
+    for folder in LAYERS:
+        for path in sorted((REPO / folder).glob("*.py")):
+            yield folder, path
+
+
+@pytest.mark.parametrize("folder", list(LAYERS))
+def test_every_kvserve_import_is_one_the_table_allows(folder):
+    own = PACKAGES[folder]
+    allowed = LAYERS[folder] | ({own} if folder != "kvserve" else set())
+    existing = {module_name(f, p) for f, p in source_files()} | set(PACKAGES.values()) | {"kvserve.v1"}
     for path in sorted((REPO / folder).glob("*.py")):
-        names = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                names |= {alias.name for alias in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    names.add(f"kvserve.{folder}" + (f".{node.module}" if node.module else ""))
-                else:
-                    names.add(node.module)
-        found[path.name] = names
-    return found
-
-
-@pytest.mark.parametrize("folder", list(ALLOWED))
-def test_each_layer_imports_only_the_layers_below_it(folder):
-    for file, names in imports_of(folder).items():
-        for name in names:
-            if name.startswith("kvserve."):
-                inner = name.removeprefix("kvserve.")
-                assert any(inner == allowed or inner.startswith(allowed + ".") for allowed in ALLOWED[folder]), \
-                    f"{folder}/{file} imports {name}"
+        for name in imports_in(folder, path):
+            if not name.startswith("kvserve"):
+                continue
+            if name not in existing and name.rsplit(".", 1)[0] in existing:
+                name = name.rsplit(".", 1)[0]  # `from kvserve.x import a_function`: the module is kvserve.x
+            if name == "kvserve":  # the package itself holds only its version, which any layer may read
+                continue
+            assert any(name == a or name.startswith(a + ".") for a in allowed), f"{folder}/{path.name} imports {name}"
+            for whole in PACKAGE_ONLY.get(folder, ()):
+                assert not name.startswith(whole + ".") or name.startswith("kvserve.v1"), \
+                    f"{folder}/{path.name} imports {name}: take it from {whole} (its __init__ names what {folder}/ may use)"
             if folder in TORCH_FREE:
-                assert name.split(".")[0] not in ("torch", "onnx", "onnxscript", "transformers"), f"{folder}/{file} imports {name}"
+                assert name.split(".")[0] not in HEAVY, f"{folder}/{path.name} imports {name}"
+
+
+@pytest.mark.parametrize("folder", TORCH_FREE)
+def test_torch_free_layers_import_no_heavy_package(folder):
+    for path in sorted((REPO / folder).glob("*.py")):
+        heavy = {name for name in imports_in(folder, path) if name.split(".")[0] in HEAVY}
+        assert not heavy, f"{folder}/{path.name} imports {sorted(heavy)}"
+
+
+def test_importing_the_serving_layers_loads_no_torch():
+    """What the serving image runs (service/, runtime/, contract/ and the command line) loads no torch, transformers or
+    onnx when every one of its modules is imported: a dependency reached indirectly would show here."""
+    modules = [module_name(folder, path) for folder, path in source_files() if folder in TORCH_FREE] + ["kvserve.cli"]
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n    importlib.import_module(name)\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", result.stdout
+
+
+def test_no_import_cycle():
+    """The modules' own imports (what runs when each is imported, `if TYPE_CHECKING:` blocks included) form no circle."""
+    graph = {}
+    for folder, path in source_files():
+        graph[module_name(folder, path)] = set()
+    for folder, path in source_files():
+        for name in imports_in(folder, path, top_level_only=True):
+            if name in graph and name != module_name(folder, path):
+                graph[module_name(folder, path)].add(name)
+    for package in PACKAGES.values():  # a package's modules reach its __init__ first: not an edge back to it
+        for module in graph:
+            graph[module].discard(package) if module.startswith(package + ".") else None
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                pytest.fail("import cycle: " + " -> ".join(trail[trail.index(target):] + [target]))
+            if target not in state:
+                visit(target, trail + [target])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
 
 
 def test_only_runtime_and_exports_graph_rewrites_import_onnxruntime():
     """Outside runtime/, only export's graph rewrites use onnxruntime's offline tools (quantizer, fusions); nothing
     else outside runtime/ opens a session."""
-    users = {f"{folder}/{file}" for folder in ALLOWED for file, names in imports_of(folder).items()
-             if any(name.split(".")[0] == "onnxruntime" for name in names)}
+    users = {f"{folder}/{path.name}" for folder, path in source_files()
+             if any(name.split(".")[0] == "onnxruntime" for name in imports_in(folder, path))}
     assert {u for u in users if not u.startswith("runtime/")} <= {"export/quantize.py", "export/graph_fusions.py"}, users
+
+
+def test_scripts_and_benchmarks_use_the_installed_package():
+    """scripts/ and bench/ import kvserve as installed: nothing links or copies its folders into place."""
+    for path in sorted(list((REPO / "scripts").glob("*.py")) + list((REPO / "bench").glob("*.py"))):
+        text = path.read_text()
+        for linking in ("symlink_to(", "os.symlink(", "SUBPACKAGES"):
+            assert linking not in text, f"{path.relative_to(REPO)} links folders by hand ({linking})"

@@ -37,7 +37,7 @@ def generate(target: str, n: int = 8) -> int:
     return len(responses)
 
 
-def served(replica) -> float:
+def requests_served(replica) -> float:
     return metric(replica.metrics_port, "kvserve_requests_total", method="Generate", code="OK")
 
 
@@ -60,7 +60,7 @@ def test_streams_spread_over_replicas_and_survive_one_stopping(tiny_artifact, tm
         target = f"127.0.0.1:{listen}"
         with ThreadPoolExecutor(4) as pool:
             assert list(pool.map(lambda _: generate(target), range(12))) == [8] * 12
-        first, second = served(replicas[0]), served(replicas[1])
+        first, second = requests_served(replicas[0]), requests_served(replicas[1])
         assert first > 0 and second > 0 and first + second == 12
 
         # the OpenAI-compatible API through the same balancer: streamed events pass through, both replicas answer
@@ -74,7 +74,7 @@ def test_streams_spread_over_replicas_and_survive_one_stopping(tiny_artifact, tm
 
         assert replicas[0].stop() == 0  # one replica goes away (SIGTERM, drained)
         assert [generate(target) for _ in range(6)] == [8] * 6
-        assert served(replicas[1]) == second + 6
+        assert requests_served(replicas[1]) == second + 6
     finally:
         proxy.terminate()
         proxy.wait(10)

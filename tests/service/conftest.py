@@ -7,8 +7,13 @@ import contextlib
 import threading
 import time
 
+from dataclasses import dataclass
+from pathlib import Path
+
 import grpc
 import pytest
+
+from ..conftest import FUSED_DTYPES
 
 
 class ServerThread:
@@ -195,3 +200,60 @@ def sequence(seq_id: int, prompt: list[int], max_new_tokens: int, return_logprob
 
     return Sequence(id=seq_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, params=SamplingParams(**sampling), stop_ids=frozenset(),
                     return_logprobs=return_logprobs, decoder=IncrementalDecoder(ByteTokenizer()), stops=StopSequences(()))
+
+
+@dataclass(frozen=True)
+class SlotsGraph:
+    """One slots artifact opened on the tests' provider, its eager model, and what its numbers are held to."""
+
+    artifact_dir: Path
+    runtime: object  # kvserve.runtime.DecoderRuntime
+    model: object  # the eager torch module
+    greedy_is_eager: bool  # float32: a sequence's tokens are eager generate's; float16: the artifact's own, run alone
+    kv_relative_error: float  # largest |K/V - eager| relative to the eager values' largest |value|
+
+    def alone(self, seq) -> list[int]:
+        """The tokens seq must generate, batched or not: float16 greedy is not held to eager's (a near-tie may flip:
+        contract/tolerances.py), so there the reference is the same artifact generating the prompt on its own."""
+        from kvserve.export.parity import artifact_greedy
+        from kvserve.model.generate import generate
+
+        from ..conftest import PROVIDER
+
+        if self.greedy_is_eager:
+            return generate(self.model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
+        return artifact_greedy(self.artifact_dir, [seq.prompt_ids], seq.max_new_tokens, PROVIDER)[0].tolist()
+
+
+# The slots graphs the batch runs: GPT-2's standard attention, GPT-2's and a Llama's fused attention (GroupQueryAttention),
+# the Llama's fused one in each of FUSED_DTYPES (float32 and float16; float16 alone under CUDA, whose kernel has no float32).
+@pytest.fixture(scope="module", params=["gpt2 standard", "gpt2 fused"] + [f"llama fused {dtype}" for dtype in FUSED_DTYPES])
+def slots_graph(request, tiny_llama_fused_artifacts) -> SlotsGraph:
+    if request.param.startswith("gpt2"):
+        fixture = "tiny_standard_artifact" if request.param == "gpt2 standard" else "tiny_artifact"
+        model, artifact_dir = request.getfixturevalue("tiny_model"), request.getfixturevalue(fixture)
+    else:
+        model, artifact_dir = request.getfixturevalue("tiny_llama_model"), tiny_llama_fused_artifacts(request.param.split()[-1])
+    from kvserve.contract.artifact import open_artifact
+    from kvserve.contract.tolerances import TOLERANCES
+    from kvserve.runtime import DecoderRuntime
+
+    from ..conftest import PROVIDER
+
+    artifact = open_artifact(artifact_dir)
+    assert artifact.attention == request.param.split()[1]
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
+    tolerance = TOLERANCES[artifact.precision]
+    # float32: rounding only; float16: the parity tolerance, relative like it (tiny-llama's wide weights make K of 10 and more)
+    kv_error = 1e-5 if artifact.dtype == "float32" else tolerance.kv_max_abs
+    return SlotsGraph(artifact_dir, runtime, model, tolerance.greedy_identical, kv_error)
+
+
+@pytest.fixture(scope="module")
+def slots_runtime(slots_graph):
+    return slots_graph.runtime
+
+
+@pytest.fixture(scope="module")
+def slots_model(slots_graph):
+    return slots_graph.model

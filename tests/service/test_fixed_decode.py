@@ -11,9 +11,8 @@ import pytest
 from kvserve.contract.artifact import open_artifact
 from kvserve.model.generate import generate
 from kvserve.service.gate import _greedy_sequence, warm_up
-from kvserve.runtime.cuda_graphs import MIN_DECODE_WIDTH
+from kvserve.runtime import MIN_DECODE_WIDTH, DecoderRuntime
 from kvserve.service.batch import SlotBatch
-from kvserve.runtime.step import DecoderRuntime
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER
@@ -28,7 +27,7 @@ def open_runtime(artifact_dir) -> DecoderRuntime:
 
 
 @pytest.fixture(scope="module")
-def runtime(tiny_standard_artifact):
+def standard_runtime(tiny_standard_artifact):
     runtime = open_runtime(tiny_standard_artifact)
     assert runtime.captures_decode == (PROVIDER == "cuda"), runtime.cuda_graph_note
     return runtime
@@ -38,8 +37,8 @@ def eager_tokens(model, seq) -> list[int]:
     return generate(model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist()
 
 
-def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(runtime, tiny_model):
-    batch = SlotBatch(runtime, tiny_model.config, 12, fixed_decode=True)  # n_ctx 256
+def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(standard_runtime, tiny_model):
+    batch = SlotBatch(standard_runtime, tiny_model.config, 12, fixed_decode=True)  # n_ctx 256
     assert batch.decode_shapes() == [(r, w) for r in (1, 2, 4, 8, 12) for w in (64, 128, 256)]
     batch.kv.slots = [None] * 3
     assert batch.decode_shape(1) == (4, MIN_DECODE_WIDTH)
@@ -48,9 +47,9 @@ def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(runtime
     assert batch.decode_shape(256) == (12, 256)
 
 
-def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks(runtime, tiny_model):
-    runtime.traffic.host_bytes = runtime.traffic.logits_bytes = 0
-    batch = SlotBatch(runtime, tiny_model.config, 5, fixed_decode=True)
+def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks(standard_runtime, tiny_model):
+    standard_runtime.traffic.host_bytes = standard_runtime.traffic.logits_bytes = 0
+    batch = SlotBatch(standard_runtime, tiny_model.config, 5, fixed_decode=True)
     seqs = [_greedy_sequence(i, prompt(300 + i, 1 + (11 * i) % 70), 1 + (7 * i) % 90) for i in range(24)]
     scheduler = Scheduler(batch, step_token_budget=12)
     for seq in seqs:
@@ -67,10 +66,10 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
     for seq in seqs:
         if not seq.cancelled:
             assert seq.generated == eager_tokens(tiny_model, seq), seq.id
-    assert runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
-    assert runtime.traffic.logits_bytes == 0  # greedy rows: only the graph's greedy tokens come back
-    assert set(runtime.fixed_shapes(batch.kv.pool)) <= set(batch.decode_shapes())
-    assert len(runtime.fixed_shapes(batch.kv.pool)) >= 4  # the run crossed row and width buckets
+    assert standard_runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
+    assert standard_runtime.traffic.logits_bytes == 0  # greedy rows: only the graph's greedy tokens come back
+    assert set(standard_runtime.fixed_shapes(batch.kv.pool)) <= set(batch.decode_shapes())
+    assert len(standard_runtime.fixed_shapes(batch.kv.pool)) >= 4  # the run crossed row and width buckets
 
 
 def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_shapes(tiny_float16_artifact, tiny_model):
@@ -90,27 +89,27 @@ def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_s
     assert len({tuple(g) for g in generated[True]}) == 10  # ten different continuations, not one repeated
 
 
-def test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape(runtime, tiny_model):
+def test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape(standard_runtime, tiny_model):
     """A fixed-shape step reads its (rows, V) logits back when a row samples; each sequence reads its own slot's row,
     through holes and scratch rows, and gets what it would get alone."""
-    runtime.traffic.logits_bytes = 0
+    standard_runtime.traffic.logits_bytes = 0
 
     def mixed():
         return [_greedy_sequence(1, prompt(801, 4), 30), sequence(2, prompt(802, 6), 20, temperature=1.0, seed=7),
                 _greedy_sequence(3, prompt(803, 8), 30), sequence(4, prompt(804, 3), 25, temperature=0.7, top_p=0.9, seed=11)]
 
     together = mixed()
-    scheduler = hole_between_rows(SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True), together, leaving=0, steps=6, budget=0)
+    scheduler = hole_between_rows(SlotBatch(standard_runtime, tiny_model.config, 4, fixed_decode=True), together, leaving=0, steps=6, budget=0)
     scheduler.drive([])
-    assert runtime.traffic.logits_bytes > 0
+    assert standard_runtime.traffic.logits_bytes > 0
     for seq, alone in zip(together[1:], mixed()[1:]):
-        Scheduler(SlotBatch(runtime, tiny_model.config, 1), step_token_budget=0).drive([alone])
+        Scheduler(SlotBatch(standard_runtime, tiny_model.config, 1), step_token_budget=0).drive([alone])
         assert seq.generated == alone.generated, seq.id
 
 
-def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(runtime, tiny_model):
+def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(standard_runtime, tiny_model):
     """As under CUDA: a freed row stays a hole, and the step's shape has rows beyond the batch's; both run scratch tokens."""
-    batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
+    batch = SlotBatch(standard_runtime, tiny_model.config, 4, fixed_decode=True)
     seqs = [_greedy_sequence(i, prompt(400 + i, 9), 30) for i in range(3)]
     scheduler = hole_between_rows(batch, seqs, leaving=0, steps=8, budget=0)
     assert batch.decode_shape(16)[0] == 4  # 3 slots (one a hole) run as 4 rows

@@ -1,4 +1,4 @@
-"""A Llama-family artifact served over gRPC: concurrent streams equal transformers' generate, the model info
+"""A Llama-family artifact llama_server over gRPC: concurrent streams equal transformers' generate, the model info
 names the architecture and its K/V heads, the KV bytes count K/V heads, and any of several EOS ids stops."""
 
 from concurrent.futures import ThreadPoolExecutor
@@ -32,12 +32,12 @@ def serve(llama_artifact, name, **export):
 
 
 @pytest.fixture(scope="module")
-def served(llama_artifact):
+def llama_server(llama_artifact):
     yield from serve(llama_artifact, NAME)
 
 
 @pytest.fixture(scope="module")
-def served_fused(llama_artifact):
+def llama_fused_server(llama_artifact):
     yield from serve(llama_artifact, FUSED, dtype=FUSED_DTYPES[0], attention="fused")
 
 
@@ -45,17 +45,17 @@ def greedy(ids, n, **extra):
     return pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=n, ignore_eos=True, **extra)
 
 
-def test_eight_concurrent_streams_generate_what_transformers_generates(served):
-    hf, _, stub = served
+def test_eight_concurrent_streams_generate_what_transformers_generates(llama_server):
+    hf, _, stub = llama_server
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], PROMPTS))
     np.testing.assert_array_equal(np.array(together), hf_greedy(hf, PROMPTS, STEPS))
 
 
-def test_eight_concurrent_streams_through_fused_attention_generate_what_transformers_generates(served_fused):
+def test_eight_concurrent_streams_through_fused_attention_generate_what_transformers_generates(llama_fused_server):
     """The same 8 streams through a GroupQueryAttention graph: decode-only steps (each If's one-operator branch),
     chunks beside decoding rows (the two-operator branch), a lone prompt's chunk as the step's one row."""
-    hf, artifact, stub = served_fused
+    hf, artifact, stub = llama_fused_server
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     assert info.attention == "fused"
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -66,8 +66,8 @@ def test_eight_concurrent_streams_through_fused_attention_generate_what_transfor
     np.testing.assert_array_equal(np.array(together), expected)
 
 
-def test_model_info_names_the_architecture_and_its_kv_heads(served):
-    hf, _, stub = served
+def test_model_info_names_the_architecture_and_its_kv_heads(llama_server):
+    hf, _, stub = llama_server
     _, config = LLAMA_CONFIGS[NAME]
     info = stub.GetModelInfo(pb.GetModelInfoRequest())
     got = info.config

@@ -2,7 +2,6 @@
 from a row in use) and prefills only the rest, with the same numbers as with the cache off; and it is visible in
 FinishDetails, GetModelInfo and the metrics, and switched off by --prompt-cache off."""
 
-import ctypes
 
 import numpy as np
 import pytest
@@ -190,26 +189,6 @@ def test_with_the_cache_off_nothing_is_kept_or_reused(runtime_and_config):
     for seq in seqs:
         scheduler.drive([seq])
     assert batch.kv.cached_rows() == 0 and all(seq.reused_prompt_tokens == 0 for seq in seqs)
-
-
-def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns(tiny_artifact):
-    """SlotPool.pitched_copies is what cudaMemcpy2D runs under CUDA; here each copy runs as the same 2-D memory copy on
-    the host pool (a memmove per head), and must equal the columns copied by numpy."""
-    artifact = open_artifact(tiny_artifact)  # on the CPU provider whatever the tests' provider: a pool in host memory
-    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
-    batch = SlotBatch(runtime, artifact.config, 3)
-    pool = batch.kv.pool
-    rng = np.random.default_rng(1)
-    for array in pool.arrays:
-        array[...] = rng.normal(size=array.shape)
-    expected = [array.copy() for array in pool.arrays]
-    for array in expected:
-        array[2, :, :7] = array[0, :, :7]
-    for destination, source, pitch, width, height in pool.pitched_copies(0, 2, 7):
-        for head in range(height):
-            ctypes.memmove(destination + head * pitch, source + head * pitch, width)
-    for got, want in zip(pool.arrays, expected):
-        assert np.array_equal(got, want)
 
 
 # --- through the server --------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ def eager_greedy(model, change) -> list[int]:
     return tokens[len(PROMPT):]
 
 
-def served(stub, **sampling) -> list[int]:
+def sampled_ids(stub, **sampling) -> list[int]:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, ignore_eos=True, sampling=pb.SamplingParams(**sampling))
     return collect(stub, request)[0]
 
@@ -46,7 +46,7 @@ def test_logit_bias_is_added_before_the_argmax(stub, tiny_model):
 
     expected = eager_greedy(tiny_model, biased)
     assert expected != plain
-    assert served(stub, logit_bias=bias) == expected
+    assert sampled_ids(stub, logit_bias=bias) == expected
 
 
 @pytest.mark.parametrize("presence, frequency", [(1.5, 0.0), (0.0, 1.2), (0.8, 0.6), (-1.0, 0.0)])
@@ -57,7 +57,7 @@ def test_presence_and_frequency_penalties_follow_openais_definition(stub, tiny_m
             logits[token] -= count * frequency + presence
         return logits
 
-    assert served(stub, presence_penalty=presence, frequency_penalty=frequency) == eager_greedy(tiny_model, penalized)
+    assert sampled_ids(stub, presence_penalty=presence, frequency_penalty=frequency) == eager_greedy(tiny_model, penalized)
 
 
 def test_top_alternatives_are_the_models_likeliest_tokens_with_their_log_probabilities(stub, tiny_model):
@@ -82,7 +82,7 @@ def test_min_p_keeps_the_tokens_at_least_that_fraction_as_likely_as_the_best():
 
 
 def test_min_p_of_one_at_the_server_is_greedy(stub, tiny_model):
-    assert served(stub, temperature=1.0, min_p=1.0, seed=3) == eager_greedy(tiny_model, lambda logits, _: logits)
+    assert sampled_ids(stub, temperature=1.0, min_p=1.0, seed=3) == eager_greedy(tiny_model, lambda logits, _: logits)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -1,0 +1,97 @@
+"""The slots batch on its own (no gRPC, service/batch.py): one model call a step over its rows, the K/V each row holds,
+greedy rows reading tokens alone, cancellation, prompts chunked into a hole. Each test runs on every slots graph
+(conftest.slots_graph)."""
+
+import numpy as np
+import torch
+
+from kvserve.service.batch import SlotBatch
+from kvserve.service.gate import _greedy_sequence
+from kvserve.service.scheduler import Scheduler
+
+from .conftest import hole_between_rows, sequence
+from .conftest import random_prompt as prompt
+
+
+@torch.no_grad()
+def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(slots_graph, slots_runtime, slots_model):
+    batch = SlotBatch(slots_runtime, slots_model.config, 3)
+    scheduler = Scheduler(batch, step_token_budget=6)
+    seqs = [_greedy_sequence(i, prompt(10 + i, n), 40) for i, n in enumerate((3, 17, 40))]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(16):  # every prompt in (chunks for the two longer ones), then some decode steps
+        batch.run(scheduler.plan())
+    for seq in seqs:
+        fed = seq.prompt_ids + seq.generated[:-1]  # the tokens whose K/V the row holds
+        assert seq.cached_tokens == len(fed)
+        ids = torch.tensor([fed])
+        _, present = slots_model(ids, torch.ones_like(ids), torch.arange(len(fed))[None], slots_model.empty_cache(1))
+        row = batch.kv.pool.row_to_host(seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
+        for layer, (k, v) in enumerate(present):
+            for got, want in ((row[2 * layer], k[0].numpy()), (row[2 * layer + 1], v[0].numpy())):
+                assert np.abs(got - want).max() <= slots_graph.kv_relative_error * max(1.0, np.abs(want).max())
+
+
+def test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits(slots_graph, slots_runtime, slots_model):
+    """A step whose rows all choose greedily takes the graph's greedy_tokens and leaves the logits where the step ran;
+    one row that samples or reports log-probabilities makes the steps it shares read the logits, for every row, and
+    every row gets what it would get alone."""
+    slots_runtime.traffic.logits_bytes = 0
+    batch = SlotBatch(slots_runtime, slots_model.config, 4)
+    greedy = [_greedy_sequence(i, prompt(500 + i, 1 + (9 * i) % 40), 1 + (5 * i) % 13) for i in range(10)]
+    Scheduler(batch, step_token_budget=10).drive(greedy)
+    assert slots_runtime.traffic.logits_bytes == 0
+    for seq in greedy[::3]:
+        assert seq.generated == slots_graph.alone(seq)
+
+    def mixed():
+        return [sequence(20, prompt(20, 7), 12, temperature=0.8, top_k=20, seed=5),
+                sequence(21, prompt(21, 9), 12, return_logprobs=True)] + [_greedy_sequence(22 + i, prompt(22 + i, 5), 12) for i in range(2)]
+
+    together = mixed()
+    results = Scheduler(batch, step_token_budget=10).drive(together)
+    assert slots_runtime.traffic.logits_bytes > 0
+    assert all(event.logprob is not None for seq, event in results if seq is together[1])
+    for seq, alone in zip(together, mixed()):
+        Scheduler(SlotBatch(slots_runtime, slots_model.config, 1), step_token_budget=10).drive([alone])
+        assert seq.generated == alone.generated, seq.id
+    assert together[1].generated == slots_graph.alone(together[1])  # greedy with log-probabilities: its logits' argmax
+
+
+def test_a_cancelled_sequence_frees_its_row_within_one_step(slots_runtime, slots_model):
+    batch = SlotBatch(slots_runtime, slots_model.config, 3)
+    scheduler = Scheduler(batch, step_token_budget=8)
+    seqs = [_greedy_sequence(i, prompt(i, 6), 50) for i in range(3)]
+    for seq in seqs:
+        scheduler.waiting.append(seq)
+    for _ in range(4):
+        batch.run(scheduler.plan())
+    assert len(batch.kv.rows) == 3
+    seqs[0].cancelled = True
+    batch.run(scheduler.plan())
+    assert seqs[0] not in batch.kv.rows and seqs[0].slot is None and len(batch.kv.rows) == 2
+    assert sorted(s.slot for s in batch.kv.rows) == [0, 1]  # the last row moved into the freed one
+
+
+def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(slots_graph, slots_runtime, slots_model):
+    """As under CUDA, where a freed row stays a hole until a join fills it: the joining prompt's chunks run in a row
+    below decoding ones (the fused graph's decode run then covers the chunk's row with a scratch token)."""
+    batch = SlotBatch(slots_runtime, slots_model.config, 3)
+    seqs = [_greedy_sequence(i, prompt(200 + i, 5), 40) for i in range(3)]
+    scheduler = hole_between_rows(batch, seqs, leaving=1, steps=6, budget=7)
+    assert seqs[2].slot == 2  # a hole between two decoding rows
+    joining = _greedy_sequence(9, prompt(209, 30), 12)
+    scheduler.waiting.append(joining)
+    chunked = 0
+    while not joining.generated:
+        plan = scheduler.plan()
+        chunked += plan.chunk is joining and len(plan.decode) == 2
+        batch.run(plan)
+    assert joining.slot == 1 and chunked >= 3  # its prompt went in chunks beside both decoding rows
+    for seq in (seqs[0], seqs[2], joining):
+        while not seq.finished:
+            batch.run(scheduler.plan())
+        assert seq.generated == slots_graph.alone(seq)
+
+

@@ -1,0 +1,85 @@
+"""The batch's rows (service/kv_rows.py): where a sequence joins and what a leaving one leaves, rows kept dense on the
+CPU with only used columns moved, the prompt cache's least-recently-used eviction, and no K/V through the host."""
+
+import numpy as np
+import pytest
+
+from kvserve.runtime import KvTraffic, SlotPool
+from kvserve.service.batch import SlotBatch
+from kvserve.service.gate import _greedy_sequence
+from kvserve.service.kv_rows import KvRows
+from kvserve.service.scheduler import Scheduler
+
+from .conftest import random_prompt as prompt
+
+
+def marked_rows(rows: int = 4, prompt_cache: bool = True) -> KvRows:
+    """KvRows over a small CPU pool (1 layer, 1 head, 64 columns of width 1) with nothing run in it."""
+    pool = SlotPool(rows, 1, 1, 64, 1, np.float32, "cpu", KvTraffic())
+    return KvRows(pool, "cpu", 1, prompt_cache)
+
+
+def join_writing(rows: KvRows, seq_id: int, prompt: list[int]):
+    """A sequence joins and writes its whole prompt: column p of its row holds 1000 * id + p, in K and V."""
+    seq = _greedy_sequence(seq_id, prompt, 4)
+    rows.join(seq)
+    for array in rows.pool.arrays:
+        array[seq.slot, 0, : len(prompt), 0] = 1000 * seq_id + np.arange(len(prompt))  # (H=1, C, d_k=1)
+    seq.cached_tokens = len(prompt)
+    return seq
+
+
+def held(rows: KvRows, row: int, columns: int) -> list[float]:
+    return rows.pool.arrays[0][row, 0, :columns, 0].tolist()
+
+
+def test_a_leave_moves_the_last_row_into_the_hole_and_keeps_what_the_leaver_wrote():
+    rows = marked_rows()
+    a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
+    assert [s.slot for s in (a, b, c)] == [0, 1, 2]
+    a.finished = True
+    rows.release([a])
+    assert c.slot == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]  # the last row's columns moved into the hole
+    assert rows.cached_rows() == 1 and held(rows, 2, 5) == [1000 + p for p in range(5)]  # the leaver's K/V kept, at the end
+    assert rows.pool.traffic.device_copies == 1 and rows.pool.traffic.host_bytes == 0
+
+
+def test_a_prompt_takes_the_free_row_that_begins_like_it_and_the_least_recently_used_row_goes_first():
+    rows = marked_rows(rows=2)
+    shared = list(range(1, 33))  # two whole index blocks
+    first = join_writing(rows, 1, shared + [100, 101])
+    other = join_writing(rows, 2, [200 + i for i in range(34)])
+    rows.release([first])
+    rows.release([other])
+    assert rows.cached_rows() == 2 and rows.free_rows() == 2
+    again = _greedy_sequence(3, shared + [102], 4)
+    assert rows.reusable_prompt_tokens(again) == 32
+    rows.join(again)
+    assert again.cached_tokens == again.reused_prompt_tokens == 32 and held(rows, again.slot, 32) == [1000 + p for p in range(32)]
+    newcomer = _greedy_sequence(4, [300, 301, 302], 4)  # matches nothing: takes the one cached row left
+    rows.join(newcomer)
+    assert newcomer.cached_tokens == 0 and rows.cached_rows() == 0
+
+
+def test_with_the_prompt_cache_off_a_leaver_keeps_nothing():
+    rows = marked_rows(prompt_cache=False)
+    seq = join_writing(rows, 1, list(range(40)))
+    rows.release([seq])
+    assert rows.cached_rows() == 0 and rows.reusable_prompt_tokens(_greedy_sequence(2, list(range(40)), 4)) == 0
+
+
+@pytest.mark.parametrize("prompt_cache", [False, True], ids=["cache off", "cache on"])
+def test_fifty_joins_and_leaves_move_no_kv_through_the_host(slots_graph, slots_runtime, slots_model, prompt_cache):
+    slots_runtime.traffic.host_bytes = slots_runtime.traffic.device_copies = 0
+    batch = SlotBatch(slots_runtime, slots_model.config, 4, prompt_cache=prompt_cache)
+    seqs = [_greedy_sequence(i, prompt(100 + i, 1 + (7 * i) % 40), 1 + (5 * i) % 17) for i in range(50)]
+    results = Scheduler(batch, step_token_budget=10).drive(seqs)
+    assert all(s.finished for s in seqs) and not batch.kv.rows
+    assert not [e for _, e in results if isinstance(e, BaseException)]
+    assert slots_runtime.traffic.host_bytes == 0
+    # a leave moves at most one row (on CPU; none under CUDA), a join at most one (a cached row moving into place)
+    assert slots_runtime.traffic.device_copies <= (100 if prompt_cache else 50)
+    if slots_runtime.device == "cpu" and not prompt_cache:
+        assert slots_runtime.traffic.device_copies > 0  # leaves below the last row were compacted
+    for seq in seqs[::7]:
+        assert seq.generated == slots_graph.alone(seq)

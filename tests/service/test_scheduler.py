@@ -1,0 +1,213 @@
+"""The scheduler (service/scheduler.py): what each step runs (plan: decode never waits for a prefill, chunks within the
+token budget, one join at a time), a failed step failing each of its sequences once, and the hand-off to the event loop.
+The planning tests run on a batch with no model behind it; the rest on every slots graph (conftest.slots_graph)."""
+
+import asyncio
+from dataclasses import dataclass, field
+
+import pytest
+
+from kvserve.contract.artifact import open_artifact
+from kvserve.model.generate import generate
+from kvserve.runtime import DecoderRuntime
+from kvserve.service.batch import SlotBatch
+from kvserve.service.gate import _greedy_sequence
+from kvserve.service.scheduler import Scheduler
+
+from ..conftest import PROVIDER
+from .conftest import random_prompt as prompt
+
+
+@dataclass
+class PlannedRows:
+    """What plan() asks of a batch's rows, with no pool or model: the sequences in rows, free rows, cached prefix length."""
+
+    rows: list = field(default_factory=list)
+    max_rows: int = 4
+    cached_prefix: int = 0
+
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def reusable_prompt_tokens(self, seq) -> int:
+        return self.cached_prefix
+
+
+@dataclass
+class PlannedBatch:
+    kv: PlannedRows
+
+
+def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0) -> Scheduler:
+    scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the batch's rows: no loop, no thread
+    scheduler.batch, scheduler.step_token_budget = PlannedBatch(PlannedRows(rows or [], max_rows, cached_prefix)), budget
+    from collections import deque
+
+    scheduler.waiting = deque()
+    return scheduler
+
+
+def decoding(seq_id: int):
+    seq = _greedy_sequence(seq_id, [1, 2, 3], 10)
+    seq.cached_tokens, seq.generated = 3, [4]
+    return seq
+
+
+@pytest.mark.parametrize("decoders, prompt_len, budget, chunk", [
+    (2, 70, 8, 6),  # two rows decode: the chunk gets the rest of the budget
+    (2, 8, 8, 8),  # a tail of at most a quarter of the budget rides along
+    (2, 9, 8, 6),  # ... and a longer one does not
+    (0, 70, 8, 70),  # nobody decodes: the whole prompt in one step
+    (2, 70, 0, 70),  # budget 0: no limit
+    (9, 70, 8, 1),  # more rows than the budget: the chunk still advances
+])
+def test_a_chunk_takes_what_the_decoding_rows_leave_of_the_budget(decoders, prompt_len, budget, chunk):
+    scheduler = planner(budget, [decoding(i) for i in range(decoders)], max_rows=16)
+    joining = _greedy_sequence(99, list(range(prompt_len)), 4)
+    scheduler.waiting.append(joining)
+    plan = scheduler.plan()
+    assert plan.joining == [joining] and plan.chunk is joining and plan.chunk_tokens == chunk and len(plan.decode) == decoders
+
+
+def test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free():
+    scheduler = planner(32, cached_prefix=16)
+    first, second = (_greedy_sequence(i, list(range(40)), 4) for i in (1, 2))
+    scheduler.waiting.extend([first, second])
+    plan = scheduler.plan()
+    assert plan.joining == [first] and plan.chunk_tokens == 40 - 16 and list(scheduler.waiting) == [second]
+    full = planner(32, [decoding(i) for i in range(4)], max_rows=4)
+    full.waiting.append(second)
+    plan = full.plan()
+    assert not plan.joining and plan.chunk is None and len(plan.decode) == 4 and list(full.waiting) == [second]  # no free row
+
+
+def test_a_prefilling_row_keeps_the_chunk_and_a_cancelled_row_is_planned_nowhere():
+    prefilling = _greedy_sequence(5, list(range(30)), 4)
+    prefilling.cached_tokens = 10  # 20 prompt tokens left, no token generated yet
+    cancelled = decoding(6)
+    cancelled.cancelled = True
+    scheduler = planner(8, [decoding(1), prefilling, cancelled])
+    waiting = _greedy_sequence(7, [1, 2], 4)
+    scheduler.waiting.append(waiting)
+    plan = scheduler.plan()
+    assert plan.chunk is prefilling and plan.chunk_tokens == 8 - 1 and not plan.joining  # no join while a prompt is being prefilled
+    assert [s.id for s in plan.decode] == [1]
+
+
+def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(slots_graph, slots_runtime, slots_model):
+    scheduler = Scheduler(SlotBatch(slots_runtime, slots_model.config, 4), step_token_budget=8)
+    running = [_greedy_sequence(i, prompt(i, 5), 60) for i in range(2)]
+    scheduler.drive([])  # nothing to do
+    for seq in running:
+        scheduler.waiting.append(seq)
+    while any(not s.generated for s in running):
+        scheduler.batch.run(scheduler.plan())
+    long = _greedy_sequence(9, prompt(9, 70), 5)
+    scheduler.waiting.append(long)
+    chunks = []
+    while not long.generated:
+        before = [len(s.generated) for s in running]
+        plan = scheduler.plan()
+        chunks.append(plan.chunk_tokens)
+        scheduler.batch.run(plan)
+        assert [len(s.generated) for s in running] == [n + 1 for n in before]  # nobody waits for the prefill
+    assert sum(chunks) == 70 and max(chunks) == 8 - len(running)  # the budget: 2 decode tokens + a 6-token chunk
+    for seq in running + [long]:
+        while not seq.finished:
+            scheduler.batch.run(scheduler.plan())
+    for seq in running + [long]:
+        assert seq.generated == slots_graph.alone(seq)
+
+
+def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(slots_runtime, slots_model):
+    scheduler = Scheduler(SlotBatch(slots_runtime, slots_model.config, 2), step_token_budget=8)
+    scheduler.waiting.append(_greedy_sequence(1, prompt(1, 50), 3))
+    plan = scheduler.plan()
+    assert plan.chunk_tokens == 50 and not plan.decode
+    unlimited = Scheduler(SlotBatch(slots_runtime, slots_model.config, 2), step_token_budget=0)
+    unlimited.drive([_greedy_sequence(2, prompt(2, 4), 30)])
+    assert not unlimited.batch.kv.rows
+
+
+def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, tiny_model, monkeypatch):
+    artifact = open_artifact(tiny_artifact)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
+    batch = SlotBatch(runtime, artifact.config, 4)
+    # the failure comes after the joining sequence has its row: the case that once reported it twice
+    inner = "_step"
+    real = batch._step
+
+    async def scenario():
+        scheduler = Scheduler(batch, step_token_budget=32)
+        seqs = [_greedy_sequence(i, prompt(i, 4), 20) for i in range(3)]
+        rows_before_failure = []
+
+        def fail_after(*args):  # the step in which the third sequence joined (one joins a step), after it ran
+            rows_before_failure.append(len(batch.kv.rows))
+            results = real(*args)
+            if seqs[2].slot is None:
+                return results
+            raise RuntimeError("injected step failure")
+
+        monkeypatch.setattr(batch, inner, fail_after)
+        for seq in seqs:
+            seq.events = asyncio.Queue()
+            scheduler.submit(seq)
+        await scheduler._step()  # the steps the step thread runs on, up to the failure
+        assert rows_before_failure[-1] == 3 and seqs[0].generated and seqs[1].generated
+        failures = {}
+        for seq in seqs:
+            while not seq.events.empty():
+                event = seq.events.get_nowait()
+                if isinstance(event, BaseException):
+                    failures[seq.id] = failures.get(seq.id, 0) + 1
+        scheduler.close()
+        return failures, seqs
+
+    failures, seqs = asyncio.run(scenario())
+    assert failures == {0: 1, 1: 1, 2: 1}
+    assert all(s.finished for s in seqs) and not batch.kv.rows
+    monkeypatch.setattr(batch, inner, real)
+    after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
+    Scheduler(batch, step_token_budget=32).drive([after])
+    assert after.generated == generate(tiny_model, [after.prompt_ids], 6).tokens[0].tolist()
+
+
+def test_the_handoff_never_leaves_a_flush_waiting_when_it_is_closed_meanwhile():
+    """The step thread flushes the hand-off (scheduler.Handoff) while the engine may be closing it from another
+    thread. Here the close is started at the worst moment, just as the flush hands in its marker: the flush must still
+    return (a marker handed in after the thread's stop once waited forever, and the interpreter hung at exit waiting
+    for the step thread), and what was handed over before reaches the loop."""
+    import threading
+
+    from kvserve.service.scheduler import Handoff
+
+    loop = asyncio.new_event_loop()
+    delivered = []
+    handoff = Handoff(delivered.append)
+    handoff.hand_over(loop, ["step"])
+    real_queue = handoff._queue
+
+    class CloseAsFlushHandsIn:
+        def put(self, item):
+            if isinstance(item, threading.Event):
+                closing = threading.Thread(target=handoff.close)
+                closing.start()
+                closing.join(0.5)  # a close that can run now, runs to its end first
+            real_queue.put(item)
+
+        def get(self):
+            return real_queue.get()
+
+    handoff._queue = CloseAsFlushHandsIn()
+    flushing = threading.Thread(target=handoff.flush, daemon=True)
+    try:
+        flushing.start()
+        flushing.join(5)
+        assert not flushing.is_alive(), "the flush waits for a hand-off thread that has stopped"
+        handoff.close()
+        handoff.hand_over(loop, ["after close"])  # passed to the loop directly
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert delivered == [["step"], ["after close"]]
