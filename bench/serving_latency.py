@@ -12,21 +12,24 @@ Scenarios (greedy, ignore_eos; each server `--max-batch-size 16`):
   ttft-1000    a lone 1,000-token prompt (1 new token) on an idle server: time to first token, best of 3
   scaling      16 concurrent streams vs 1 (prompt 32, 64 new, 2 requests per stream): aggregate tokens/s
 
-    python bench/serving_latency.py --new ARTIFACT [--baseline ARTIFACT --baseline-src DIR] [--rounds 2]
+    python bench/serving_latency.py --new ARTIFACT [--baseline ARTIFACT [--baseline-python PYTHON]] [--rounds 2]
                                     [--provider cpu] [--new-args "--step-token-budget 32"]
 
---baseline-src runs the baseline server from another checkout (e.g. `git worktree add /tmp/old <commit>`, then
-`make proto` there), so old and new code are timed alternately on one machine.
+--baseline-python runs the baseline server with another environment's interpreter, one where another checkout of
+kvserve is installed, so old and new code are timed alternately on one machine:
+
+    git worktree add /tmp/old <commit> && cd /tmp/old && python3 -m venv .venv \
+      && .venv/bin/pip install -c constraints.txt -e . grpcio-tools==1.85.1 && make proto BIN=.venv/bin
+
+Each server is ready when its health service says SERVING (asked, as `kvserve health` asks), on a port picked here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import re
 import shlex
-import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +39,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
@@ -134,50 +138,56 @@ async def scaling(stub, vocab: int) -> dict:
 SCENARIOS = {"staggered": staggered, "lockstep": lockstep, "long-prompt": long_prompt, "ttft-1000": ttft_1000, "scaling": scaling}
 
 
-SUBPACKAGES = ("model", "contract", "runtime", "export", "service")  # kvserve.<name> is the folder <name>/ (pyproject.toml)
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
-def importable(checkout: Path) -> Path:
-    """A folder that makes checkout's code importable as kvserve through PYTHONPATH: its kvserve/ files and generated
-    stubs, and its subpackage folders linked under kvserve/ as pyproject.toml maps them. A checkout on PYTHONPATH as it
-    is would not do: the editable install of this one maps kvserve.service and the rest to this checkout's folders."""
-    root = Path(tempfile.mkdtemp(prefix="kvserve-baseline-")) / "kvserve"
-    shutil.copytree(checkout / "kvserve", root)
-    for name in SUBPACKAGES:
-        (root / name).symlink_to(checkout.resolve() / name)
-    return root.parent
+async def serving_status(target: str) -> int:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        reply = await stub.Check(health_pb2.HealthCheckRequest(service="kvserve.v1.GenerationService"), timeout=2)
+        return reply.status
+
+
+def wait_until_serving(process: subprocess.Popen, target: str, timeout_s: float = 600) -> bool:
+    """Poll the server's health service until SERVING; False if the process ends or the time runs out first."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if asyncio.run(serving_status(target)) == health_pb2.HealthCheckResponse.SERVING:
+                return True
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 class Server:
-    def __init__(self, name: str, artifact: str, provider: str, source: str | None, extra: list[str]):
-        self.name, self.artifact, self.provider, self.source, self.extra = name, artifact, provider, source, extra
+    def __init__(self, name: str, artifact: str, provider: str, python: str, extra: list[str]):
+        self.name, self.artifact, self.provider, self.python, self.extra = name, artifact, provider, python, extra
 
     def __enter__(self):
-        env, cwd = dict(os.environ), None
-        if self.source:
-            self.root = getattr(self, "root", None) or importable(Path(self.source))  # made once a run
-            cwd = self.root
-            env["PYTHONPATH"] = str(cwd)
+        port = free_port()
+        self.target = f"127.0.0.1:{port}"
+        self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.cli", "serve", "--model", self.artifact, "--port", "0", "--provider", self.provider,
+            [self.python, "-m", "kvserve.cli", "serve", "--model", self.artifact, "--port", str(port), "--provider", self.provider,
              "--max-batch-size", "16", "--max-queue", "64", *self.extra],
-            stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+            stderr=self.log, cwd=tempfile.gettempdir(),  # not a checkout: the interpreter's own installed kvserve is the one run
         )
-        port = None
-        for line in self.process.stderr:
-            match = re.search(r"listening on [\d.]+:(\d+)", line)
-            port = match.group(1) if match else port
-            if "kvserve.server: SERVING " in line:
-                self.target = f"127.0.0.1:{port}"
-                return self
-            if "error" in line.lower():
-                break
+        if wait_until_serving(self.process, self.target):
+            return self
         self.process.kill()
-        sys.exit(f"{self.name}: the server did not start: {line}")
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines()
+        sys.exit(f"{self.name}: the server did not start: {lines[-1] if lines else 'no output'}")
 
     def __exit__(self, *exc):
         self.process.terminate()
         self.process.wait(60)
+        self.log.close()
 
     async def run(self, scenario, vocab: int) -> dict:
         async with grpc.aio.insecure_channel(self.target) as channel:
@@ -191,7 +201,8 @@ def main() -> None:
     parser.add_argument("--new", required=True, help="artifact served by this checkout")
     parser.add_argument("--new-args", default="", help="extra `kvserve serve` flags for it")
     parser.add_argument("--baseline", help="artifact for the baseline server")
-    parser.add_argument("--baseline-src", help="a checkout whose kvserve the baseline server runs (default: this one)")
+    parser.add_argument("--baseline-python", default=sys.executable,
+                        help="the interpreter of an environment where the baseline's kvserve is installed (default: this one's)")
     parser.add_argument("--baseline-args", default="")
     parser.add_argument("--provider", default="cpu", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--rounds", type=int, default=2, help="each scenario runs this many times per server, alternating")
@@ -200,15 +211,16 @@ def main() -> None:
     unknown = [name for name in args.scenarios.split(",") if name not in SCENARIOS]
     if unknown:
         parser.error(f"--scenarios: unknown {', '.join(unknown)} (choose from {', '.join(SCENARIOS)})")
-    if args.baseline_src and not list((Path(args.baseline_src) / "kvserve" / "v1").glob("*_pb2.py")):
-        parser.error(f"--baseline-src {args.baseline_src}: not a kvserve checkout with generated stubs in kvserve/v1 "
-                     "(run `make proto` there)")
+    probe = subprocess.run([args.baseline_python, "-c", "import kvserve.cli, kvserve.v1.generation_pb2"], capture_output=True,
+                           cwd=tempfile.gettempdir())
+    if probe.returncode != 0:
+        parser.error(f"--baseline-python {args.baseline_python}: no installed kvserve with generated stubs there")
     from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.new).config
-    servers = [Server("new", args.new, args.provider, None, shlex.split(args.new_args))]
+    servers = [Server("new", args.new, args.provider, sys.executable, shlex.split(args.new_args))]
     if args.baseline:
-        servers.insert(0, Server("baseline", args.baseline, args.provider, args.baseline_src, shlex.split(args.baseline_args)))
+        servers.insert(0, Server("baseline", args.baseline, args.provider, args.baseline_python, shlex.split(args.baseline_args)))
     results: dict[tuple[str, str], list[dict]] = {}
     for name in args.scenarios.split(","):
         for _ in range(args.rounds):
@@ -219,7 +231,7 @@ def main() -> None:
     print(f"## Serving latency, {args.new} ({config.n_layer} layers, d_model {config.d_model}), {args.rounds} rounds, "
           f"servers alternating, medians over rounds\n")
     for server in servers:
-        print(f"- {server.name}: {server.artifact} {' '.join(server.extra)} (code: {server.source or 'this checkout'})")
+        print(f"- {server.name}: {server.artifact} {' '.join(server.extra)} (code: the kvserve installed for {server.python})")
     for name in args.scenarios.split(","):
         keys = list(results[(name, servers[0].name)][0])
         print(f"\n### {name}\n\n| server | " + " | ".join(keys) + " |\n|---|" + "---:|" * len(keys))

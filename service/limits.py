@@ -102,3 +102,14 @@ def out_of_bounds(limits: EngineLimits) -> str | None:
         if not declaration.is_switch and ((low is not None and value < low) or (high is not None and value > high)):
             return f"{declaration.flag} must be in [{low}, {high}], got {value}"
     return None
+
+
+def markdown_table() -> str:
+    """The limits as docs/serving.md lists them ("Limits"): one row a declaration (tests/service/test_limits.py checks
+    the docs hold exactly this)."""
+    rows = ["| limit | flag | variable | default | bounds |", "|---|---|---|---:|---|"]
+    for d in declarations():
+        default = ("on" if d.default else "off") if d.is_switch else f"{d.default:,}"
+        bounds = "on / off" if d.is_switch else f"[{d.low:,}, {d.high:,}]"
+        rows.append(f"| {d.help} | `{d.flag}` | `{d.variable}` | {default} | {bounds} |")
+    return "\n".join(rows)

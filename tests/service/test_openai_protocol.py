@@ -1,0 +1,72 @@
+"""The OpenAI protocol without a transport (service/openai_protocol.py): bodies parsed into engine requests with every
+refusal naming its parameter, limits read from EngineLimits, engine errors as OpenAI error objects, and the bodies
+an answer is written in."""
+
+import pytest
+
+from kvserve.service.engine_errors import InvalidArgument, QueueFull, Unavailable
+from kvserve.service.limits import EngineLimits
+from kvserve.service.openai_protocol import ApiError, api_error, parse, usage, whole_body
+from kvserve.service.sequence import Finish, FinishReason, StepEvent
+from kvserve.service.structured import FormatKind
+
+LIMITS = EngineLimits(max_n=2, max_top_logprobs=3, max_logit_bias=2)
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_a_chat_body_becomes_the_engine_request_it_describes():
+    parsed = parse({**CHAT, "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "seed": 0, "stop": "\n", "logprobs": True,
+                    "top_logprobs": 3, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logit_bias": {"7": -100},
+                    "response_format": {"type": "json_object"}}, "chat", "m", LIMITS)
+    request = parsed.request
+    assert (parsed.n, parsed.stream, parsed.include_usage, parsed.logprobs) == (2, True, True, True)
+    assert request.max_new_tokens == 5 and request.stop_sequences == ("\n",) and request.top_logprobs == 3 and request.return_logprobs
+    assert request.sampling.temperature == 0.5 and request.sampling.seed == 1  # a given seed is never the engine's "choose one"
+    assert request.sampling.logit_bias == ((7, -100.0),) and request.response_format.kind is FormatKind.JSON_OBJECT
+    assert [(m.role, m.content) for m in request.prompt_messages] == [("user", "Hi")]
+    completion = parse({"model": "m", "prompt": [[1, 2, 3]]}, "completions", "m", LIMITS).request
+    assert completion.prompt_ids == (1, 2, 3) and completion.max_new_tokens == 16  # OpenAI's default for completions
+
+
+@pytest.mark.parametrize("body, kind, status, param", [
+    ({**CHAT, "n": 3}, "chat", 400, "n"),  # over LIMITS.max_n
+    ({**CHAT, "logprobs": True, "top_logprobs": 4}, "chat", 400, "top_logprobs"),
+    ({"model": "m", "prompt": "x", "logprobs": 4}, "completions", 400, "logprobs"),  # the same limit for completions
+    ({**CHAT, "logit_bias": {"1": 1, "2": 1, "3": 1}}, "chat", 400, "logit_bias"),
+    ({**CHAT, "logit_bias": {"1": 101}}, "chat", 400, "1"),
+    ({**CHAT, "temperature": 2.5}, "chat", 400, "temperature"),
+    ({**CHAT, "presence_penalty": -3}, "chat", 400, "presence_penalty"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "chat", 400, "tools"),
+    ({**CHAT, "frobnicate": 1}, "chat", 400, "frobnicate"),
+    ({**CHAT, "model": "other"}, "chat", 404, "model"),
+    ({"model": "m", "messages": []}, "chat", 400, "messages"),
+    ({"model": "m", "prompt": [1, "x"]}, "completions", 400, "prompt"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "chat", 400, "response_format"),
+    ([1, 2], "chat", 400, None),
+])
+def test_each_refusal_has_its_status_and_names_its_parameter(body, kind, status, param):
+    with pytest.raises(ApiError) as refused:
+        parse(body, kind, "m", LIMITS)
+    assert refused.value.status == status and refused.value.param == param
+    assert refused.value.body()["error"]["message"]
+
+
+def test_engine_errors_become_openai_errors_naming_the_parameter_sent():
+    too_long = api_error(InvalidArgument("max_new_tokens", "300 new tokens do not fit"))
+    assert (too_long.status, too_long.param, too_long.body()["error"]["type"]) == (400, "max_tokens", "invalid_request_error")
+    assert api_error(InvalidArgument("prompt.messages[2].role", "too long")).param == "messages"
+    assert (api_error(QueueFull("full")).status, api_error(Unavailable("draining")).status) == (429, 503)
+
+
+def test_a_whole_answer_reports_each_completion_and_the_usage_of_one_prompt():
+    def events(text: str, generated: int, cached: int) -> list[StepEvent]:
+        finish = Finish(FinishReason.LENGTH, prompt_tokens=4, generated_tokens=generated, time_to_first_token_ns=1, total_ns=2,
+                        cached_prompt_tokens=cached)
+        return [StepEvent(1, text[:1], None, None), StepEvent(2, text[1:], None, finish)]
+
+    parsed = parse({**CHAT, "n": 2}, "chat", "m", LIMITS)
+    body = whole_body("chatcmpl-x", "chat", "m", 7, [events("ab", 2, 3), events("cd", 2, 0)], parsed, lambda ids: ["?"] * len(ids))
+    assert [c["message"]["content"] for c in body["choices"]] == ["ab", "cd"] and body["object"] == "chat.completion"
+    assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
+    assert body["usage"] == usage([e[-1].finish for e in (events("ab", 2, 3), events("cd", 2, 0))]) == {
+        "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
