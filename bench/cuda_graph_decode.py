@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs against uncaptured ones: the serving batch (kv_slots.SlotBatch, no gRPC) of one
+"""Decode steps as CUDA graphs against uncaptured ones: the serving batch (batch.SlotBatch, no gRPC) of one
 standard slots artifact, in-process, both ways in one run.
 
   uncaptured     the server's default: decode steps at their exact shapes, inputs bound from host memory

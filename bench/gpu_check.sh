@@ -18,7 +18,7 @@ done
 # Llama family: fused attention (GroupQueryAttention, float16 only on CUDA) and float32, which auto keeps standard there.
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float16 --out "$ART/tiny-llama-float16" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float16-fused.txt"
 step $PY -m kvserve.cli export --preset tiny-llama --dtype float32 --out "$ART/tiny-llama-float32" --provider cuda --overwrite 2>&1 | tee "$RESULTS/parity-tiny-llama-float32.txt"
-step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_kv_slots.py tests/service/test_prompt_cache.py tests/service/test_structured.py tests/service/test_fixed_decode.py tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
+step env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py tests/service/test_batch.py tests/service/test_scheduler.py tests/service/test_kv_rows.py tests/service/test_engine.py tests/service/test_prompt_cache.py tests/runtime tests/service/test_structured.py tests/service/test_fixed_decode.py tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py 2>&1 | tail -5 | tee "$RESULTS/tests-cuda.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp32.txt"
 step $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | grep -v Loading | tee "$RESULTS/bench-decode-cuda-fp16.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-grpc-cuda.txt"

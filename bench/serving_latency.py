@@ -166,7 +166,8 @@ def wait_until_serving(process: subprocess.Popen, target: str, timeout_s: float 
 
 class Server:
     def __init__(self, name: str, artifact: str, provider: str, python: str, extra: list[str]):
-        self.name, self.artifact, self.provider, self.python, self.extra = name, artifact, provider, python, extra
+        self.name, self.provider, self.python, self.extra = name, provider, python, extra
+        self.artifact = str(Path(artifact).resolve())  # the server runs outside this checkout
 
     def __enter__(self):
         port = free_port()

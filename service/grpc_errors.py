@@ -4,6 +4,7 @@ is answered INVALID_ARGUMENT in one log line instead of a traceback per call."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import grpc
@@ -70,55 +71,46 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         method = details.method
+        wrap = dict(request_deserializer=_lenient(handler.request_deserializer, method),
+                    response_serializer=_passing_bytes(handler.response_serializer))
         if handler.unary_unary is not None:
             inner_unary = handler.unary_unary
 
             async def unary(request, context):
-                code = None
-                try:
-                    if isinstance(request, _Undecodable):
-                        raise InvalidArgument("request", request.reason)
-                    response = await inner_unary(request, context)
-                    code = "OK"
-                    return response
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:
-                    status, message = self._refusal(method, exc)
-                    code = status.name
-                    await context.abort(status, message)
-                finally:
-                    self._count(method, code or _ended_early(context))
+                async with self._answering(method, request, context):
+                    return await inner_unary(request, context)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary, request_deserializer=_lenient(handler.request_deserializer, method),
-                response_serializer=_passing_bytes(handler.response_serializer),
-            )
+            return grpc.unary_unary_rpc_method_handler(unary, **wrap)
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def stream(request, context):
-                code = None
-                try:
-                    if isinstance(request, _Undecodable):
-                        raise InvalidArgument("request", request.reason)
+                async with self._answering(method, request, context):
                     async for response in inner_stream(request, context):
                         yield response
-                    code = "OK"
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:
-                    status, message = self._refusal(method, exc)
-                    code = status.name
-                    await context.abort(status, message)
-                finally:  # also when the stream is cancelled or closed mid-way (CancelledError, GeneratorExit)
-                    self._count(method, code or _ended_early(context))
 
-            return grpc.unary_stream_rpc_method_handler(
-                stream, request_deserializer=_lenient(handler.request_deserializer, method),
-                response_serializer=_passing_bytes(handler.response_serializer),
-            )
+            return grpc.unary_stream_rpc_method_handler(stream, **wrap)
         return handler
+
+    @contextlib.asynccontextmanager
+    async def _answering(self, method: str, request, context: grpc.aio.ServicerContext):
+        """Around one RPC's handler: a request that did not parse is refused, an error ends the call with its status, and
+        the call is counted once, under the code it ended with (also when a stream is cancelled or closed mid-way:
+        CancelledError and GeneratorExit pass through to the count)."""
+        code = None
+        try:
+            if isinstance(request, _Undecodable):
+                raise InvalidArgument("request", request.reason)
+            yield
+            code = "OK"
+        except grpc.aio.AbortError:
+            raise
+        except Exception as exc:
+            status, message = self._refusal(method, exc)
+            code = status.name
+            await context.abort(status, message)
+        finally:
+            self._count(method, code or _ended_early(context))
 
     @staticmethod
     def _refusal(method: str, exc: Exception) -> tuple[grpc.StatusCode, str]:

@@ -10,7 +10,8 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class Metrics:
-    """What the server exports; the engine and the interceptor call these hooks."""
+    """What the server exports. The scheduler calls on_token, on_prompt and on_step on the event loop as it delivers each
+    step; the gRPC interceptors and the HTTP edge call on_request once a call ends."""
 
     def __init__(self):
         self.registry = CollectorRegistry()
@@ -47,7 +48,7 @@ class Metrics:
             self._http.server_close()
             self._http = None
 
-    # engine hooks (event loop thread)
+    # the scheduler's hooks (event loop thread)
 
     def on_token(self, arrival_ns: int, previous_ns: int | None, now_ns: int) -> None:
         self.generated_tokens.inc()
@@ -71,7 +72,7 @@ class Metrics:
         self.kv_cache_bytes.set(kv_bytes)
         self.cached_rows.set(cached_rows)
 
-    # interceptor hook
+    # the edges' hook
 
     def on_request(self, method: str, code: str) -> None:
         self.requests.labels(method=method.rsplit("/", 1)[-1], code=code).inc()

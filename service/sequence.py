@@ -102,8 +102,9 @@ class Sequence:
 
     @property
     def takes_greedy_token(self) -> bool:
-        """Whether the argmax of its logits is the token this sequence takes (greedy, no repetition penalty, no
-        log-probability): then it takes the graph's greedy token (runtime.Sampled)."""
+        """Whether the argmax of its logits is the token this sequence takes (greedy, with no repetition, presence or
+        frequency penalty, no logit bias, no constraint and no log-probability): then it takes the graph's greedy token
+        (runtime.Sampled)."""
         return self.params.greedy and not self.params.changes_logits and not self.return_logprobs and self.constraint is None
 
     @property

@@ -26,16 +26,16 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="session")
 def tiny_model():
-    from kvserve.model.presets import preset
     from kvserve.model.decoders import build
+    from kvserve.model.presets import preset
 
     return build(preset("tiny"), seed=0)
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_model():
-    from kvserve.model.presets import preset
     from kvserve.model.decoders import build
+    from kvserve.model.presets import preset
 
     return build(preset("tiny-llama"), seed=0)
 

@@ -1,5 +1,6 @@
 """docker-compose.yml validates in every profile and says what the deployment promises."""
 
+import os
 import subprocess
 
 import pytest
@@ -7,8 +8,6 @@ import pytest
 from kvserve.cli import build_parser
 
 from ..conftest import REPO
-import os
-
 from .conftest import PROFILES, compose_config, free_port, need, wait_port
 
 

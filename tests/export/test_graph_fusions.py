@@ -3,8 +3,8 @@ real ONNX Runtime sessions, with the GELUs and residual LayerNorms fused and the
 
 from __future__ import annotations
 
-import copy
 import collections
+import copy
 
 import numpy as np
 import onnx

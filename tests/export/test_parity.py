@@ -81,8 +81,8 @@ def test_verify_cli_writes_json_and_sets_the_exit_code(tiny_artifact, tmp_path):
 
 def test_verify_cli_fails_against_other_weights(tiny_artifact, tmp_path):
     from kvserve.model.checkpoint import save_checkpoint
-    from kvserve.model.presets import preset
     from kvserve.model.decoders import build
+    from kvserve.model.presets import preset
 
     save_checkpoint(build(preset("tiny"), seed=99), tmp_path / "other")
     result = run_cli("verify", str(tiny_artifact), "--provider", "cpu", "--checkpoint", str(tmp_path / "other"), "--report", str(tmp_path / "r.json"))
@@ -138,8 +138,8 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
     import onnx
 
     from kvserve.contract.artifact import open_artifact, sha256_file
-    from kvserve.service.gate import run_gate
     from kvserve.runtime.step import DecoderRuntime
+    from kvserve.service.gate import run_gate
 
     bad = tmp_path / "bottom-1"
     shutil.copytree(tiny_artifact, bad)

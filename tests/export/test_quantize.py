@@ -12,8 +12,8 @@ import pytest
 from onnx import numpy_helper
 
 from kvserve.contract.artifact import open_artifact, sha256_file
-from kvserve.export.parity import verify
 from kvserve.contract.tolerances import TOLERANCES
+from kvserve.export.parity import verify
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER, run_cli
 from ..test_cli import one_line_error
@@ -89,8 +89,8 @@ def test_a_zeroed_scale_fails_verify_naming_the_layer_and_head(quantized, traine
 
 
 def test_the_load_gate_replays_a_quantized_artifact_within_tolerance_and_refuses_a_broken_one(quantized, tmp_path):
-    from kvserve.service.gate import run_gate
     from kvserve.runtime.step import DecoderRuntime
+    from kvserve.service.gate import run_gate
 
     def gate(directory):
         artifact = open_artifact(directory)

@@ -8,11 +8,11 @@ import json
 
 import torch
 
+from kvserve.contract.tokenizer import HFTokenizer
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.corpus import load_corpus
 from kvserve.model.decoders import build
 from kvserve.model.train import TrainConfig, perplexity, token_stream, train
-from kvserve.contract.tokenizer import HFTokenizer
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER
 

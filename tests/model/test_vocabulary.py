@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.model.vocabulary import VocabularyMissing, gpt2_tokenizer, write_preset_tokenizer
 from kvserve.contract.tokenizer import HFTokenizer
+from kvserve.model.vocabulary import VocabularyMissing, gpt2_tokenizer, write_preset_tokenizer
 
 
 @pytest.fixture(scope="module")

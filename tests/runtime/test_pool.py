@@ -5,8 +5,8 @@ import ctypes
 
 import numpy as np
 
-from kvserve.runtime import KvTraffic, SlotPool, pool_capacity
 from kvserve.contract.config import DecoderConfig
+from kvserve.runtime import KvTraffic, SlotPool, pool_capacity
 
 
 def host_pool(rows: int = 3, layers: int = 2, heads: int = 2, columns: int = 9, width: int = 4) -> SlotPool:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import threading
 import time
-
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -193,9 +192,9 @@ def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
 
 def sequence(seq_id: int, prompt: list[int], max_new_tokens: int, return_logprobs: bool = False, **sampling):
     """A server-internal sequence (no client, no stop rules) with the sampling parameters given (default: greedy)."""
+    from kvserve.contract.tokenizer import ByteTokenizer
     from kvserve.service.sampling import SamplingParams
     from kvserve.service.sequence import Sequence
-    from kvserve.contract.tokenizer import ByteTokenizer
     from kvserve.service.text import IncrementalDecoder, StopSequences
 
     return Sequence(id=seq_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, params=SamplingParams(**sampling), stop_ids=frozenset(),

@@ -4,7 +4,7 @@ itself; refused, with the field and the reason, by a model without a template an
 import grpc
 import pytest
 
-from kvserve.contract.chat import load_chat_template, ChatMessage
+from kvserve.contract.chat import ChatMessage, load_chat_template
 from kvserve.v1 import generation_pb2 as pb
 
 from ..conftest import DEFAULT_CHECKPOINT

@@ -10,9 +10,9 @@ import pytest
 
 from kvserve.contract.artifact import open_artifact
 from kvserve.model.generate import generate
-from kvserve.service.gate import _greedy_sequence, warm_up
 from kvserve.runtime import MIN_DECODE_WIDTH, DecoderRuntime
 from kvserve.service.batch import SlotBatch
+from kvserve.service.gate import _greedy_sequence, warm_up
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER

@@ -10,9 +10,9 @@ from kvserve.contract.artifact import open_artifact
 from kvserve.contract.tolerances import TOLERANCES
 from kvserve.runtime.step import DecoderRuntime
 from kvserve.service.batch import SlotBatch
-from kvserve.service.step_plan import StepPlan
 from kvserve.service.prompt_cache import BLOCK_TOKENS, PrefixIndex
 from kvserve.service.scheduler import Scheduler
+from kvserve.service.step_plan import StepPlan
 from kvserve.v1 import generation_pb2 as pb
 
 from ..conftest import PROVIDER
@@ -198,8 +198,9 @@ def test_with_the_cache_off_nothing_is_kept_or_reused(runtime_and_config):
 def test_the_server_reports_reused_prompt_tokens_in_finish_details_model_info_and_metrics(tiny_artifact, prompt_cache):
     running = start_server(tiny_artifact, max_batch_size=2, prompt_cache=prompt_cache, metrics_port=0)
     try:
-        from kvserve.v1 import generation_pb2_grpc as pb_grpc
         import grpc
+
+        from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
         with grpc.insecure_channel(running.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)

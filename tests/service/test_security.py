@@ -16,6 +16,7 @@ from ..conftest import REPO
 from .conftest import long_request, start_server
 from .test_lifecycle import start_process
 
+
 def generate_ok(target: str, security: ClientSecurity) -> int:
     with open_channel(target, security) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from kvserve.service.sampling import SamplingParams, choose, log_probability
 from kvserve.contract.tokenizer import ByteTokenizer
+from kvserve.service.sampling import SamplingParams, choose, log_probability
 from kvserve.service.text import IncrementalDecoder, StopSequences
 
 

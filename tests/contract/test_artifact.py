@@ -1,0 +1,50 @@
+"""The artifact directory (contract/artifact.py): opened and cross-checked before anything runs it, each problem named
+with the file it is in, and a live session's signature compared with the contract the manifest declares."""
+
+import json
+import re
+import shutil
+
+import pytest
+
+from kvserve.contract.artifact import ArtifactError, contract_problems, golden_prompt, open_artifact
+
+
+@pytest.fixture
+def copied(tiny_artifact, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, copy)
+    return copy
+
+
+def edit_manifest(directory, **fields):
+    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest.update(fields)
+    (directory / "manifest.json").write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("breakage, message", [
+    (lambda d: (d / "golden.npz").unlink(), "golden.npz: missing (is this a kvserve export?)"),
+    (lambda d: (d / "manifest.json").write_text("{"), "unreadable manifest or config"),
+    (lambda d: edit_manifest(d, format="kvserve-artifact/0"), "re-export with kvserve export"),
+    (lambda d: edit_manifest(d, dtype="bfloat16"), "dtype 'bfloat16' is not one of float32, float16"),
+    (lambda d: edit_manifest(d, attention="flash"), "attention 'flash' is not one of"),
+    (lambda d: edit_manifest(d, model_type="llama", architecture="llama"), "disagrees with config.json's model_type 'gpt2'"),
+    (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes() + b"x"), "checksum mismatch"),
+], ids=["file missing", "unreadable", "old format", "dtype", "attention", "architecture", "checksum"])
+def test_each_problem_is_named_with_its_file(copied, breakage, message):
+    breakage(copied)
+    with pytest.raises(ArtifactError, match=re.escape(message)):
+        open_artifact(copied)
+
+
+def test_an_artifact_opens_with_its_config_and_a_graph_that_is_not_its_contract_is_named(tiny_artifact):
+    artifact = open_artifact(tiny_artifact)
+    assert artifact.kv_cache == "slots" and artifact.attention == "fused" and artifact.dtype == "float32"
+    prompt = golden_prompt(artifact.config.vocab_size)
+    assert len(prompt) == 12 and all(0 <= t < artifact.config.vocab_size for t in prompt)
+    signature = {side: dict(artifact.manifest[side]) for side in ("inputs", "outputs")}
+    assert contract_problems(signature, artifact) == []
+    logits = signature["outputs"]["logits"]
+    signature["outputs"]["logits"] = {**logits, "dtype": "float16"}
+    assert contract_problems(signature, artifact) == ["logits has dtype float16, expected float32"]

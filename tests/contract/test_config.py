@@ -1,0 +1,29 @@
+"""The decoder config (contract/config.py): derived defaults resolved once, and a config that cannot describe a model
+refused by name."""
+
+import pytest
+
+from kvserve.contract.config import GPT2_ARCH, LLAMA_ARCH, DecoderConfig
+
+SMALL = dict(vocab_size=100, n_ctx=32, d_model=32, n_head=4, n_layer=1, d_mlp=64, eos_token_ids=(0,))
+
+
+def test_derived_fields_are_resolved_once():
+    gpt2 = DecoderConfig(**SMALL)
+    assert (gpt2.n_kv_head, gpt2.head_dim, gpt2.d_head, gpt2.architecture, gpt2.eos_token_id) == (4, 8, 8, GPT2_ARCH, 0)
+    llama = DecoderConfig(model_type="qwen2", **{**SMALL, "eos_token_ids": ()}, n_kv_head=2, head_dim=16)
+    assert (llama.architecture, llama.n_kv_head, llama.head_dim, llama.eos_token_id) == (LLAMA_ARCH, 2, 16, None)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(model_type="falcon"), "unsupported model_type 'falcon'"),
+    (dict(n_layer=0), "DecoderConfig.n_layer must be positive"),
+    (dict(n_head=5), r"d_model \(32\) is not divisible by n_head \(5\)"),
+    (dict(n_kv_head=2), "DecoderConfig.n_kv_head is a Llama-family setting"),
+    (dict(model_type="llama", n_kv_head=3), r"n_head \(4\) is not a multiple of n_kv_head \(3\)"),
+    (dict(model_type="llama", head_dim=7), r"head_dim \(7\) must be even"),
+    (dict(eos_token_ids=(100,)), "eos_token_id 100 is outside the vocabulary"),
+])
+def test_a_config_that_cannot_describe_a_model_is_refused_by_name(fields, message):
+    with pytest.raises(ValueError, match=message):
+        DecoderConfig(**{**SMALL, **fields})
