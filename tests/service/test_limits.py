@@ -97,6 +97,18 @@ def test_grpc_and_http_refuse_the_same_request_over_a_limit(tight, case):
     assert reply.status_code == 400 and reply.json()["error"]["param"] == param, reply.text
 
 
+def test_grpc_and_http_take_the_same_request_at_each_limit(tight):
+    server, stub = tight
+    events = list(stub.Generate(pb.GenerateRequest(text="Hi", max_new_tokens=2, n=2, return_logprobs=True, top_logprobs=3,
+                                                   sampling=pb.SamplingParams(logit_bias={1: 1.0, 2: 1.0}), stop_sequences=["a", "b"]),
+                                timeout=30))
+    assert sum(event.HasField("finish") for event in events) == 2
+    reply = httpx.post(f"http://127.0.0.1:{server.app.http_port}/v1/chat/completions", timeout=30, json={
+        "model": "tiny-chat", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "n": 2, "logprobs": True,
+        "top_logprobs": 3, "logit_bias": {"1": 1, "2": 1}, "stop": ["a", "b"]})
+    assert reply.status_code == 200 and len(reply.json()["choices"]) == 2, reply.text
+
+
 def test_a_role_longer_than_the_limit_is_refused_over_both(tight):
     server, stub = tight
     conversation = pb.Conversation(messages=[pb.ChatMessage(role="narrator", content="x"), pb.ChatMessage(role="moderator", content="y")])
