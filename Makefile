@@ -13,14 +13,19 @@ PORT   ?= 50051
 help: ## list the targets
 	@sed -nE 's/^([a-z-]+):.*## (.*)$$/make \1|\2/p' $(MAKEFILE_LIST) | awk -F'|' '{ printf "%-24s %s\n", $$1, $$2 }'
 
-# The virtual environment, installed from pyproject.toml pinned by constraints.txt (torch is the CPU wheel).
+# The virtual environment, installed from pyproject.toml pinned by constraints.txt (torch is the CPU wheel): the demo
+# needs the package and export's extra; the tests add theirs (transformers, pytest, openai, ...) on top.
 $(BIN)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e '.[export]' grpcio-tools  # the stubs' compiler, pinned by constraints.txt
+	touch $@
+
+$(BIN)/.installed-test: $(BIN)/.installed
 	$(PIP) install -q -c constraints.txt -e '.[test]'
 	touch $@
 
-setup: $(BIN)/.installed proto tools ## the virtual environment, the stubs and the test tools
+setup: $(BIN)/.installed $(BIN)/.installed-test proto tools ## the virtual environment, the stubs and the test tools
 
 # buf (proto lint) comes from the npm registry, pinned exactly in package.json.
 node_modules/.bin/buf: package.json package-lock.json

@@ -190,8 +190,8 @@ def format_report(report: ParityReport) -> str:
         t = tol.text
         lines.append(f"held-out text tolerance: top-1 >= {t.top1_min:g}, mean KL <= {t.kl_mean_max:g}, "
                      f"perplexity ratio <= {t.perplexity_ratio_max:g}, mean greedy prefix >= {t.greedy_prefix_min}")
-    if report.provider != "CUDAExecutionProvider":
-        lines.append(f"note: ran on the CPU provider, not CUDA{f' ({report.provider_note})' if report.provider_note else ''}")
+    if report.provider_note:  # CUDA is here but did not start
+        lines.append(f"note: ran on the CPU provider, not CUDA ({report.provider_note})")
     lines.append(f"result: {'PASS' if report.passed else 'FAIL: ' + '; '.join(report.failures)}")
     return "\n".join(lines)
 

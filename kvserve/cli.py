@@ -1,18 +1,51 @@
-"""`kvserve`: the command line. Each subcommand imports only what it needs, so `serve` and `generate`
-never load torch (the serving image does not have it)."""
+"""`kvserve`: the command line. Each subcommand imports only what it needs, so `serve` and `generate` never load torch
+(the serving image does not have it), and `export` and `verify` check their paths before they load it."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import signal
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
+import kvserve
 from kvserve.contract.io_contract import QUANTIZATIONS
 from kvserve.errors import JobFailed, UserError
 
+DESCRIPTION = ("Export a transformer decoder (GPT-2, Llama, Qwen2, Mistral) to ONNX with its KV cache as graph inputs and "
+               "outputs, check it against the eager PyTorch model, and serve it over gRPC and an OpenAI-compatible HTTP API.")
+BYTE_VOCABULARY = 257  # 256 bytes and an end-of-sequence id: what an artifact without tokenizer.json reads text as
+
+
+def _check_export_paths(args) -> None:
+    """What export can refuse before torch loads (a second or more): a missing checkpoint, a checkpoint whose text would be
+    read one byte a token, an existing --out."""
+    if args.checkpoint is not None:
+        checkpoint = Path(args.checkpoint)
+        if not checkpoint.is_dir():
+            raise UserError(f"{checkpoint}: checkpoint directory not found")
+        config = checkpoint / "config.json"
+        if not config.is_file():
+            raise UserError(f"{config}: missing (a transformers checkpoint directory holds config.json and its weights)")
+        try:
+            vocab_size = json.loads(config.read_text()).get("vocab_size")
+        except (ValueError, AttributeError):
+            vocab_size = None  # the loader names what is wrong with it
+        if not (checkpoint / "tokenizer.json").is_file() and not args.no_tokenizer and isinstance(vocab_size, int) \
+                and vocab_size > BYTE_VOCABULARY:
+            raise UserError(f"{checkpoint} has no tokenizer.json: served, its {vocab_size:,}-token model would read text one byte "
+                            "a token and answer garbage; copy the checkpoint's tokenizer.json there, or pass --no-tokenizer to "
+                            "export it for token-id requests only")
+    if Path(args.out).exists() and not args.overwrite:
+        raise UserError(f"{args.out} already exists; pass --overwrite to replace it")
+
 
 def _export(args) -> int:
+    _check_export_paths(args)
     from kvserve.export.parity import format_report
     from kvserve.export.pipeline import export_artifact, load_source
 
@@ -27,9 +60,11 @@ def _export(args) -> int:
 
 
 def _verify(args) -> int:
-    from pathlib import Path
+    from kvserve.contract.artifact import PARITY_FILE, open_artifact
 
-    from kvserve.contract.artifact import PARITY_FILE
+    open_artifact(args.artifact, check_files=False)  # a wrong path is refused before torch loads
+    if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
+        raise UserError(f"{args.checkpoint}: checkpoint directory not found")
     from kvserve.export.parity import format_report, verify, write_report
     from kvserve.export.pipeline import reference_for
 
@@ -43,6 +78,10 @@ def _verify(args) -> int:
 
 def _serve(args) -> int:
     import asyncio
+
+    # gRPC's own log lines (a taken port's `add_port.cc` error among them) would precede kvserve's one line saying the
+    # same; set GRPC_VERBOSITY to see them.
+    os.environ.setdefault("GRPC_VERBOSITY", "NONE")
 
     from kvserve.service.app import serve
     from kvserve.service.limits import EngineLimits, declarations, out_of_bounds
@@ -138,6 +177,19 @@ def _on_off(value: str) -> bool:
     return parsed
 
 
+@dataclass(frozen=True)
+class FromEnv:
+    """A `serve` flag's default, read from KVSERVE_<name> only once `serve` is the command: a bad variable for `serve`
+    never breaks `--help`, `export` or `generate`."""
+
+    name: str
+    default: object
+    kind: type = str
+
+    def resolve(self):
+        return _env(self.name, self.default, self.kind)
+
+
 def _env(name: str, default, kind=str):
     """Defaults for `serve` come from KVSERVE_<FLAG> environment variables (how containers configure it)."""
     value = os.environ.get(f"KVSERVE_{name}")
@@ -173,8 +225,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.service.limits import declarations  # plain Python: no runtime loaded
 
-    parser = _Parser(prog="kvserve", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="kvserve", description=DESCRIPTION, epilog="kvserve COMMAND --help says more of each command.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
+    parser.add_argument("--version", action="version", version=f"kvserve {kvserve.__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     export = commands.add_parser("export", help="export a checkpoint or preset to a verified ONNX artifact")
@@ -182,7 +235,8 @@ def build_parser() -> argparse.ArgumentParser:
     source.add_argument("--preset", help="a built-in config with seeded random weights (tiny, gpt2, tiny-llama, llama-135m)")
     source.add_argument("--checkpoint", help="a transformers checkpoint directory (config.json + safetensors or .bin weights; model_type gpt2, llama, qwen2 or mistral)")
     export.add_argument("--out", required=True, help="the artifact directory to write")
-    export.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    export.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                        help="the graph's compute and K/V type: float32 (default; the CPU), float16 (GPU serving)")
     export.add_argument(
         "--kv-cache", choices=("slots", "concat"), default="slots",
         help="KV cache layout: slots (default, what kvserve serves: a row per sequence, chunked prefill) or concat "
@@ -202,7 +256,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
-    export.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto", help="for the parity check")
+    export.add_argument("--no-tokenizer", action="store_true",
+                        help="export a checkpoint that has no tokenizer.json anyway: its artifact takes token ids, and reads "
+                        "text one byte a token")
+    export.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where the parity check runs the graph (default auto: CUDA if it works, else the CPU)")
     export.set_defaults(run=_export)
 
     verify = commands.add_parser("verify", help="check an artifact against the eager reference; non-zero on failure")
@@ -213,46 +271,47 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("--report", help="where to write the JSON report (default: ARTIFACT/parity.json)")
     verify.set_defaults(run=_verify)
 
-    serve = commands.add_parser("serve", help="serve an artifact over gRPC (flags default to KVSERVE_* env vars)")
-    serve.add_argument("--model", default=_env("MODEL", None), required=_env("MODEL", None) is None, help="the artifact directory [KVSERVE_MODEL]")
-    serve.add_argument("--host", default=_env("HOST", "127.0.0.1"), help="address to bind [KVSERVE_HOST] (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=_env("PORT", 50051, int), help="port, 0 picks a free one [KVSERVE_PORT] (default 50051)")
-    serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=_env("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
-    serve.add_argument("--cuda-graph", action="store_true", default=_env("CUDA_GRAPH", False, bool),
+    serve = commands.add_parser("serve", help="serve an artifact over gRPC, and the OpenAI-compatible HTTP API with --http-port "
+                                "(every flag defaults to its KVSERVE_* variable)")
+    serve.add_argument("--model", default=FromEnv("MODEL", None), required=_env("MODEL", None) is None, help="the artifact directory [KVSERVE_MODEL]")
+    serve.add_argument("--host", default=FromEnv("HOST", "127.0.0.1"), help="address to bind [KVSERVE_HOST] (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=FromEnv("PORT", 50051, int), help="port, 0 picks a free one [KVSERVE_PORT] (default 50051)")
+    serve.add_argument("--provider", choices=("auto", "cuda", "cpu"), default=FromEnv("PROVIDER", "auto"), help="[KVSERVE_PROVIDER] (default auto: CUDA if it works)")
+    serve.add_argument("--cuda-graph", action="store_true", default=FromEnv("CUDA_GRAPH", False, bool),
                        help="capture decode steps as CUDA graphs, one per (rows, width) shape, at load (standard slots "
                        "graphs on the CUDA provider; elsewhere the server says why not and runs uncaptured) [KVSERVE_CUDA_GRAPH]")
-    serve.add_argument("--drain-seconds", type=float, default=_env("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
-    serve.add_argument("--allow-parity-failure", action="store_true", default=_env("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
-    serve.add_argument("--metrics-port", type=int, default=_env("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
+    serve.add_argument("--drain-seconds", type=float, default=FromEnv("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
+    serve.add_argument("--allow-parity-failure", action="store_true", default=FromEnv("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
+    serve.add_argument("--metrics-port", type=int, default=FromEnv("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
     for limit in declarations():  # every limit, declared once in service/limits.py
         bounds = f"[{limit.low}, {limit.high}]"
         kind = _on_off if limit.is_switch else _bounded(int, limit.low, limit.high, bounds)
-        default = _env(limit.name.upper(), limit.default, bool if limit.is_switch else int)
+        default = FromEnv(limit.name.upper(), limit.default, bool if limit.is_switch else int)
         shown = ("on" if limit.default else "off") if limit.is_switch else f"{limit.default}, in {bounds}"
         serve.add_argument(limit.flag, type=kind, default=default, metavar="on|off" if limit.is_switch else "N",
                            help=f"{limit.help} [{limit.variable}] (default {shown})")
     positive = _bounded(int, 1, 2**31 - 1)
-    serve.add_argument("--max-context", type=positive, default=_env("MAX_CONTEXT", None, int),
+    serve.add_argument("--max-context", type=positive, default=FromEnv("MAX_CONTEXT", None, int),
                        help="prompt + generated tokens one sequence may hold, at most the model's context; sizes every row's "
                        "KV cache [KVSERVE_MAX_CONTEXT] (default: the model's context)")
-    serve.add_argument("--tls-cert", default=_env("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")
-    serve.add_argument("--tls-key", default=_env("TLS_KEY", None), help="its PEM private key [KVSERVE_TLS_KEY]")
-    serve.add_argument("--tls-client-ca", default=_env("TLS_CLIENT_CA", None),
+    serve.add_argument("--tls-cert", default=FromEnv("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")
+    serve.add_argument("--tls-key", default=FromEnv("TLS_KEY", None), help="its PEM private key [KVSERVE_TLS_KEY]")
+    serve.add_argument("--tls-client-ca", default=FromEnv("TLS_CLIENT_CA", None),
                        help="PEM CA bundle: require client certificates it signed (mTLS) [KVSERVE_TLS_CLIENT_CA]")
-    serve.add_argument("--auth-tokens", default=_env("AUTH_TOKENS", None),
+    serve.add_argument("--auth-tokens", default=FromEnv("AUTH_TOKENS", None),
                        help="file of bearer tokens, one per line, reloaded on SIGHUP: every RPC but health needs one [KVSERVE_AUTH_TOKENS]")
-    serve.add_argument("--health-port", type=int, default=_env("HEALTH_PORT", None, int),
+    serve.add_argument("--health-port", type=int, default=FromEnv("HEALTH_PORT", None, int),
                        help="also serve the health service alone, plaintext, on HOST:PORT: for probes that cannot speak TLS "
                        "(Kubernetes' gRPC probes) [KVSERVE_HEALTH_PORT] (default off)")
-    serve.add_argument("--http-port", type=int, default=_env("HTTP_PORT", None, int),
+    serve.add_argument("--http-port", type=int, default=FromEnv("HTTP_PORT", None, int),
                        help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on "
                        "HOST:PORT, with the same tokens, TLS and limits [KVSERVE_HTTP_PORT] (default off)")
-    serve.add_argument("--no-reflection", action="store_true", default=_env("NO_REFLECTION", False, bool),
+    serve.add_argument("--no-reflection", action="store_true", default=FromEnv("NO_REFLECTION", False, bool),
                        help="do not serve gRPC reflection [KVSERVE_NO_REFLECTION]")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")
-    generate.add_argument("prompt")
+    generate.add_argument("prompt", help="the text to continue (with --chat: the user's message)")
     generate.add_argument("--target", type=_target, default="127.0.0.1:50051", help="HOST:PORT of the server (default 127.0.0.1:50051)")
     generate.add_argument("--max-new-tokens", type=_bounded(int, 0, 2**32 - 1), default=64, help="0 = as many as fit (default 64)")
     generate.add_argument("--temperature", type=_bounded(float, 0.0, 1e6), default=0.0, help="0 = greedy (default)")
@@ -277,8 +336,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+_interrupted = False  # Ctrl-C arrived: whatever a library made of its KeyboardInterrupt, the command ends with 130
+
+
+def _on_interrupt(signum, frame):
+    global _interrupted
+    _interrupted = True
+    raise KeyboardInterrupt
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, and serve's KVSERVE_* variables read for the flags not given, now that serve is the command."""
     args = build_parser().parse_args(argv)
+    for name, value in vars(args).items():
+        if isinstance(value, FromEnv):
+            setattr(args, name, value.resolve())
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGINT, _on_interrupt)  # serve's event loop installs its own
     # Our own loggers speak at INFO; libraries (the exporter's passes, grpc) only when something is wrong.
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("kvserve").setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -286,12 +364,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KeyboardInterrupt:
         return 130
-    except UserError as exc:
-        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    except OSError as exc:  # unreadable or unwritable paths: the OS message names the file
-        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)
-        return UserError.exit_code
+    except Exception as exc:
+        if _interrupted:  # torch's exporter once turned Ctrl-C into an AttributeError with a 108-line traceback
+            return 130
+        if not isinstance(exc, (UserError, OSError)):  # a bug: its traceback
+            raise
+        print(f"kvserve {args.command}: error: {exc}", file=sys.stderr)  # an OSError's message names the file
+        return exc.exit_code if isinstance(exc, UserError) else UserError.exit_code
 
 
 if __name__ == "__main__":

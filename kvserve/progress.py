@@ -1,6 +1,6 @@
-"""What a long command is doing, on a terminal: each stage as it starts and how long it took, and a progress bar
-for a loop that runs long. Written to stderr, and only when stderr is a terminal, so logs, pipes and tests see
-nothing of it."""
+"""What a long command is doing: on a terminal, each stage as it starts and how long it took, and a progress bar for
+a loop that runs long; elsewhere (a log, a pipe, CI), one line a stage as it ends, so a silent minute still says what
+ran. Written to stderr."""
 
 from __future__ import annotations
 
@@ -19,15 +19,14 @@ def _terminal(out) -> bool:
 def stage(name: str, out=None):
     """`with stage("verify parity"):` prints the stage, then its elapsed time and the command's so far."""
     out = sys.stderr if out is None else out
-    if not _terminal(out):
-        yield
-        return
+    terminal = _terminal(out)
     start = time.perf_counter()
-    out.write(f"== {name} ...\n")
-    out.flush()
+    if terminal:
+        out.write(f"== {name} ...\n")
+        out.flush()
     yield
     now = time.perf_counter()
-    out.write(f"   {name}: {now - start:.1f} s (total {now - _started:.1f} s)\n")
+    out.write(f"{'   ' if terminal else '== '}{name}: {now - start:.1f} s (total {now - _started:.1f} s)\n")
     out.flush()
 
 

@@ -63,7 +63,7 @@ def cuda_available() -> bool:
 class OpenedSession:
     session: ort.InferenceSession
     provider: str  # the provider that runs the graph
-    fallback_reason: str | None  # why CUDA was not used where "auto" would have used it
+    fallback_reason: str | None  # why CUDA was not used on a machine that has it (None on one without CUDA)
     captures_decode: bool  # the session captures CUDA graphs (enable_cuda_graph on the CUDA provider)
     cuda_graph_note: str | None  # why CUDA graphs were asked for and are off
 
@@ -86,8 +86,7 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
             providers = [(CUDA, {"use_tf32": "0" if dtype == "float32" else "1"}), CPU]
         elif provider == "cuda":
             raise ProviderUnavailable(f"CUDA requested but unavailable: {reason}")
-        else:
-            fallback_reason = reason
+        # else: no CUDA on this machine and none asked for: the CPU, said nowhere (a CPU host is not a fault)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line

@@ -22,7 +22,18 @@ echo "== 2/6 start the server on 127.0.0.1:$PORT"
 "$BIN/kvserve" serve --model "$ARTIFACT" --port "$PORT" &
 server=$!
 trap 'kill -TERM $server 2>/dev/null || true' EXIT
-"$BIN/kvserve" health --target "127.0.0.1:$PORT" --wait 60 >/dev/null
+# Ready when its health service says SERVING; a server that exits first (a taken port, say) ends the demo at once.
+for _ in $(seq 300); do
+  if ! kill -0 "$server" 2>/dev/null; then
+    wait "$server" || true
+    echo "the server did not start (its error is above); to use another port: make demo PORT=50052" >&2
+    trap - EXIT
+    exit 2
+  fi
+  if "$BIN/kvserve" health --target "127.0.0.1:$PORT" >/dev/null 2>&1; then break; fi
+  sleep 0.2
+done
+"$BIN/kvserve" health --target "127.0.0.1:$PORT" >/dev/null
 
 echo "== 3/6 stream a continuation of: $PROMPT"
 "$BIN/kvserve" generate --target "127.0.0.1:$PORT" --max-new-tokens 48 --temperature 0.8 --seed 7 "$PROMPT"

@@ -38,6 +38,14 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 TRANSPORT_METADATA = [("grpc.max_metadata_size", TRANSPORT_METADATA_BYTES), ("grpc.absolute_max_metadata_size", TRANSPORT_METADATA_BYTES)]
 
 
+def connection_bounds(limits) -> list[tuple[str, int]]:
+    """gRPC's channel arguments for the declared waits: a connection's handshake within the header timeout, and one with
+    no call in flight closed after the idle timeout (a stream in flight is never cut). No SO_REUSEPORT: a second server
+    on a taken port must fail, not silently share its traffic."""
+    return [("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", 1000 * limits.header_timeout_seconds),
+            ("grpc.max_connection_idle_ms", 1000 * limits.idle_timeout_seconds), *TRANSPORT_METADATA]
+
+
 class ListenFailed(UserError):
     """A port (gRPC, HTTP, health or metrics) could not be bound."""
 
@@ -108,10 +116,11 @@ class App:
             except OSError as exc:
                 raise ListenFailed(f"cannot serve metrics on {self.options.host}:{self.options.metrics_port} ({exc.strerror or exc})") from None
         self.health = health.aio.HealthServicer()
-        # No SO_REUSEPORT: a second server on a taken port must fail, not silently share its traffic.
+        limits = self.options.limits
         self.server = grpc.aio.server(
             interceptors=[MetadataLimitInterceptor(self.metrics), TokenAuthInterceptor(self.tokens, self.metrics), ErrorInterceptor(self.metrics)],
-            options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", self.options.limits.max_message_bytes), *TRANSPORT_METADATA],
+            options=[("grpc.max_receive_message_length", limits.max_message_bytes), *connection_bounds(limits)],
+            maximum_concurrent_rpcs=limits.max_connections,
         )
         pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(self), self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -137,7 +146,7 @@ class App:
                 self.metrics.close()
                 raise ListenFailed(f"cannot serve HTTP on {self.options.host}:{self.options.http_port} ({exc.strerror or exc})") from None
         if self.options.health_port is not None:
-            self.health_server = grpc.aio.server(interceptors=[MetadataLimitInterceptor()], options=[("grpc.so_reuseport", 0), *TRANSPORT_METADATA])
+            self.health_server = grpc.aio.server(interceptors=[MetadataLimitInterceptor()], options=connection_bounds(limits))
             health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_server)
             health_address = f"{self.options.host}:{self.options.health_port}"
             try:

@@ -59,12 +59,22 @@ def call_metadata(security: ClientSecurity) -> tuple[tuple[str, str], ...]:
 
 
 class RequestFailed(UserError):
-    """The server refused or failed the request; the message carries its status code and details."""
+    """The server refused or failed the request, or nothing answered: the message says which, with the status code.
+    Exit 2 where the user can fix it (a bad request, a wrong or silent target), 1 where the server failed."""
 
-    def __init__(self, error: grpc.RpcError):
-        super().__init__(f"{error.code().name}: {error.details()}")
-        self.code = error.code()
-        self.exit_code = 2 if self.code == grpc.StatusCode.INVALID_ARGUMENT else 1
+    def __init__(self, error: grpc.RpcError, target: str = ""):
+        code, details = error.code(), error.details() or ""
+        message = f"{code.name}: {details}"
+        self.exit_code = 2 if code == grpc.StatusCode.INVALID_ARGUMENT else 1
+        if code == grpc.StatusCode.UNAVAILABLE and "HTTP/2" in details:
+            message = (f"{target} does not speak gRPC (is it the HTTP API's port? `generate` and `health` use the gRPC port, "
+                       f"--port of kvserve serve, 50051 by default)")
+            self.exit_code = 2
+        elif code == grpc.StatusCode.UNAVAILABLE and any(word in details for word in ("connect", "Connection refused", "resolve")):
+            message = f"nothing answers at {target} (is kvserve serve running there? `kvserve health --target {target} --wait 60` waits for it)"
+            self.exit_code = 2
+        super().__init__(message)
+        self.code = code
 
 
 def stream_generation(
@@ -110,8 +120,9 @@ def stream_generation(
                 if response.HasField("finish"):
                     finish = response.finish
         except grpc.RpcError as error:
-            out.write("\n")
-            raise RequestFailed(error) from None
+            if tokens:
+                out.write("\n")  # end the text streamed so far before the error's line
+            raise RequestFailed(error, target) from None
     elapsed = time.perf_counter() - start
     decode = elapsed - (first - start) if first else 0.0
     summary = {
@@ -150,5 +161,5 @@ def check_health(
                 break
             time.sleep(0.2)
     if last_error is not None and status == "UNKNOWN":
-        raise RequestFailed(last_error)
+        raise RequestFailed(last_error, target)
     return status

@@ -11,7 +11,7 @@ class EngineError(Exception):
 class InvalidArgument(EngineError):
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
-        self.field = field_name
+        self.field, self.message = field_name, message
 
 
 class QueueFull(EngineError):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import socket
 import ssl
@@ -30,12 +31,13 @@ from pathlib import Path
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from .engine import Engine
 from .engine_errors import EngineError, Unavailable
+from .http_connections import bounded_protocol
 from .metrics import Metrics
 from .openai_protocol import (
     STATUS_CODES,
@@ -43,9 +45,11 @@ from .openai_protocol import (
     ApiError,
     Parsed,
     api_error,
+    check_body,
     object_name,
     opening_choices,
     parse,
+    shown,
     sse,
     token_choice,
     usage,
@@ -53,6 +57,8 @@ from .openai_protocol import (
 )
 from .options import ServerOptions
 from .security import TokenFile
+
+log = logging.getLogger("kvserve.http")
 
 
 class HttpApi:
@@ -93,7 +99,12 @@ class HttpApi:
             tls = dict(ssl_certfile=options.tls_cert, ssl_keyfile=options.tls_key)
             if options.tls_client_ca:
                 tls.update(ssl_ca_certs=options.tls_client_ca, ssl_cert_reqs=ssl.CERT_REQUIRED)
-        config = uvicorn.Config(self.asgi, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=1, **tls)
+        limits = options.limits
+        config = uvicorn.Config(
+            self.asgi, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=1,
+            http=bounded_protocol(limits.header_timeout_seconds, limits.body_timeout_seconds, limits.max_connections),
+            timeout_keep_alive=limits.idle_timeout_seconds, **tls,
+        )
         self._server = _QuietServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]), name="kvserve-http")
         while not self._server.started:
@@ -151,28 +162,42 @@ class HttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat", "ChatCompletions")
 
-    async def _body(self, request: Request) -> dict:
-        limit = self.options.limits.max_message_bytes
+    async def _body(self, request: Request, limits) -> dict:
+        """The request's JSON body, read whole within --max-message-bytes and checked (openai_protocol.check_body).
+        Only application/json is read: a browser sends that cross-origin only after a preflight this API never answers,
+        so a web page cannot spend the server's compute through its visitors."""
+        media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if media_type != "application/json":
+            raise ApiError(415, f"the request body must be JSON sent as Content-Type: application/json, not {shown(media_type or 'none')}",
+                           code="unsupported_media_type")
+        limit = limits.max_message_bytes
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"the request body has {declared} bytes; at most {limit} (--max-message-bytes)", code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body has more than {limit} bytes (--max-message-bytes)", code="request_too_large")
-            chunks.append(chunk)
         try:
-            return json.loads(b"".join(chunks))
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"the request body has more than {limit} bytes (--max-message-bytes)", code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise ClientGone() from None
+        try:
+            body = json.loads(b"".join(chunks))
+        except RecursionError:
+            raise ApiError(400, f"the request body nests deeper than {limits.max_json_depth} (--max-json-depth)") from None
         except (ValueError, UnicodeDecodeError) as exc:
             raise ApiError(400, f"the request body is not JSON: {exc}") from None
+        check_body(body, limits)
+        return body
 
     async def _generate(self, request: Request, kind: str, method: str) -> Response:
         events = None
         try:
             self._authorized(request)
             engine = self.ready_engine()
-            parsed = parse(await self._body(request), kind, self.model_name, engine.limits)
+            parsed = parse(await self._body(request, engine.limits), kind, self.model_name, engine.limits)
             events = engine.generate_n(parsed.request, parsed.n)
             # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
             first = await _unless_disconnected(request, anext(events))
@@ -182,7 +207,8 @@ class HttpApi:
             return self._refusal(method, api_error(exc))
         except StopAsyncIteration:  # the engine ended the stream without a token: not expected
             return self._refusal(method, ApiError(500, "the generation ended without a token", code="internal_error"))
-        except ClientGone:  # before its first token (waiting for a row, or prefilling): the sequences are cancelled
+        except ClientGone:  # mid-body, or before its first token (waiting for a row, or prefilling): nothing left running
+            log.info("%s: the client left before its answer started", method)
             self.metrics.on_request(method, "CANCELLED")
             return Response(status_code=499)
         ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{secrets.token_hex(12)}"

@@ -50,8 +50,17 @@ class EngineLimits:
     max_role_length: int = declared(64, "characters of a chat message's role", 1, 4096)
     max_response_format_bytes: int = declared(64 * 1024, "UTF-8 bytes of a response_format's schema, pattern or grammar", 1, INT_MAX)
     max_schema_depth: int = declared(32, "nested arrays and objects in a response_format's JSON schema", 1, 256)
+    max_json_depth: int = declared(64, "nested arrays and objects in an HTTP request body (a response_format schema's included)",
+                                   8, 512)
     max_message_bytes: int = declared(4 * 2**20, "bytes of one request message or HTTP body (gRPC: RESOURCE_EXHAUSTED; "
                                       "HTTP: 413)", 1, INT_MAX)
+    # Every wait on a client is bounded, so a connection that stalls is closed, not held (docs/serving.md, "Limits").
+    header_timeout_seconds: int = declared(10, "seconds a new connection has to send its request's headers (HTTP) or "
+                                           "finish its handshake (gRPC)", 1, 3600)
+    body_timeout_seconds: int = declared(30, "seconds an HTTP request has to send its whole body once its headers are in", 1, 3600)
+    idle_timeout_seconds: int = declared(60, "seconds a connection with no request in flight stays open", 1, 86400)
+    max_connections: int = declared(512, "HTTP connections open at once (more are answered 503 and closed); gRPC calls in "
+                                    "flight at once (more are refused RESOURCE_EXHAUSTED)", 1, 1_000_000)
     max_n: int = declared(8, "completions of one prompt a request (n): each a sequence with its own row", 1, 64)
     max_top_logprobs: int = declared(20, "alternatives reported with each token (top_logprobs; /v1/completions' logprobs)", 0, 1000)
     max_logit_bias: int = declared(300, "tokens one request may bias (logit_bias entries)", 0, 1_000_000)

@@ -3,8 +3,9 @@ refusal an ApiError naming the parameter), engine errors as OpenAI error objects
 bodies of /v1/completions and /v1/chat/completions (vLLM's entrypoints keep their protocol module the same way).
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad or unsupported parameter
-(named), 401, 404 for another model or path, 405, 413 for a body over --max-message-bytes, 429 when the queue is
-full, 503 while loading or draining.
+(named), a body nested too deep or holding invalid Unicode; 401; 404 for another model or path; 405; 413 for a body
+over --max-message-bytes; 415 for a body not sent as application/json; 429 when the queue is full; 503 while loading
+or draining.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop"}
 # The status each refusal gets, and the gRPC code name the request metric counts it under (one label set for both APIs).
 STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
-                413: "RESOURCE_EXHAUSTED", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
+                413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error", 405: "invalid_request_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
+               413: "invalid_request_error", 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
+               503: "server_error"}
 # Parameters the API defines that kvserve does not implement yet: refused by name with 400 when set to anything but
 # their no-op value, never silently ignored.
 NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None}
@@ -55,7 +57,8 @@ PARAMS = {"max_new_tokens": "max_tokens", "prompt.text": "prompt", "prompt.token
 def api_error(exc: EngineError) -> ApiError:
     """The OpenAI error an engine error is answered with, naming the OpenAI parameter the engine's field came from."""
     if isinstance(exc, InvalidArgument):
-        return ApiError(400, str(exc), PARAMS.get(exc.field, exc.field.split("[")[0].replace("prompt.messages", "messages")), "invalid_value")
+        param = PARAMS.get(exc.field) or exc.field.replace("prompt.messages", "messages").replace("sampling.", "")
+        return ApiError(400, f"{param}: {exc.message}", param.split("[")[0] if exc.field not in PARAMS else param, "invalid_value")
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, Unavailable):
@@ -74,15 +77,70 @@ class Parsed:
     n: int  # completions of the prompt, each its own sequence (seeds seed, seed + 1, ... when a seed is given)
 
 
-def _number(body: dict, name: str, default, low: float, high: float, kind=float):
+def shown(value) -> str:
+    """A client's value as an error message quotes it: JSON, at most 40 characters, never a lone surrogate."""
+    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, str) else json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _number(body: dict, name: str, default, low: float, high: float, kind=float, param: str | None = None):
+    """body[name] (default when absent or null) as kind, within [low, high]; refused naming param (default: name).
+    Integers of any size compare exactly: none is turned into a float on the way."""
     value = body.get(name, default)
     if value is None:
         value = default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and not float(value).is_integer()):
-        raise ApiError(400, f"{name} must be a{'n integer' if kind is int else ' number'}, got {json.dumps(value)}", name)
-    if not low <= value <= high:
-        raise ApiError(400, f"{name} must be in [{low:g}, {high:g}], got {value}", name)
+    param = param or name
+    wrong_type = isinstance(value, bool) or not isinstance(value, (int, float))
+    if wrong_type or (kind is int and isinstance(value, float) and not value.is_integer()):
+        raise ApiError(400, f"{param} must be a{'n integer' if kind is int else ' number'}, got {shown(value)}", param)
+    if not low <= value <= high:  # NaN fails too
+        raise ApiError(400, f"{param} must be in [{low:g}, {high:g}], got {shown(value)}", param)
     return kind(value)
+
+
+def _flag(body: dict, name: str, param: str | None = None) -> bool:
+    """body[name] as a boolean: true, false, or absent/null (false); anything else (1, "false") refused by name."""
+    value = body.get(name)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{param or name} must be true or false, got {shown(value)}", param or name)
+    return value
+
+
+def check_body(body, limits: EngineLimits) -> None:
+    """The whole parsed body, before any field is read: nested at most limits.max_json_depth deep, and every string and
+    key valid Unicode (JSON's escapes and CESU-8 bytes can spell lone surrogates, which no tokenizer or response
+    encodes). Walked without recursion, so no nesting can exhaust the stack."""
+    stack = [(body, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if isinstance(value, (dict, list)):
+            if depth > limits.max_json_depth:
+                raise ApiError(400, f"the request body nests deeper than {limits.max_json_depth} (--max-json-depth) at {where or 'its top'}",
+                               where.split(".")[0].split("[")[0] or None)
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str) and not _encodable(key):
+                    raise ApiError(400, f"a key under {where or 'the top level'} is not valid Unicode (a lone surrogate)",
+                                   where.split(".")[0].split("[")[0] or None)
+                inner = f"{where}[{key}]" if isinstance(value, list) else (f"{where}.{key}" if where else str(key))
+                stack.append((item, depth + 1, inner))
+        elif isinstance(value, str) and not _encodable(value):
+            raise ApiError(400, f"{where or 'the body'} is not valid Unicode (a lone surrogate)", where.split(".")[0].split("[")[0] or None)
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _same(value, no_op) -> bool:
+    """value is the parameter's no-op value itself: equal and of the same type (1 is not true, 0 is not false)."""
+    return value is None or (type(value) is type(no_op) and value == no_op) or value == {} or value == []
 
 
 def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
@@ -92,15 +150,15 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
         raise ApiError(400, "the request body must be a JSON object")
     unknown = sorted(set(body) - ALLOWED[kind])
     if unknown:
-        raise ApiError(400, f"unsupported parameter: {unknown[0]}", unknown[0], "unsupported_parameter")
+        raise ApiError(400, f"unsupported parameter: {shown(unknown[0])}", unknown[0], "unsupported_parameter")
     for name, no_op in NOT_YET.items():
-        if name in body and body[name] not in (no_op, None) and body[name] != {} and body[name] != []:
+        if name in body and not _same(body[name], no_op):
             raise ApiError(400, f"{name} is not supported by kvserve yet", name, "unsupported_parameter")
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise ApiError(400, "model is required: the name GET /v1/models lists", "model")
     if model != model_name:
-        raise ApiError(404, f"the model {model!r} does not exist here; this server serves {model_name!r}", "model", "model_not_found")
+        raise ApiError(404, f"the model {shown(model)} does not exist here; this server serves {shown(model_name)}", "model", "model_not_found")
     n = _number(body, "n", 1, 1, limits.max_n, int)
     if kind == "chat":
         if "top_logprobs" in body and body["top_logprobs"] is not None and body.get("logprobs") is not True:
@@ -113,11 +171,11 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
     seed = body.get("seed")  # any int; the engine's 0 means "choose one", so a given seed maps to 1 .. 2^63 - 1
     seed = 0 if seed is None else _number(body, "seed", 0, -(2**63), 2**64 - 1, int) % MAX_SEED + 1
     bias = body.get("logit_bias") or {}
-    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isdigit() for k in bias):
-        raise ApiError(400, "logit_bias must map token ids (as strings) to numbers", "logit_bias")
-    logit_bias = tuple(sorted((int(k), _number(bias, k, 0.0, -MAX_BIAS, MAX_BIAS)) for k in bias)) if len(bias) <= limits.max_logit_bias else None
-    if logit_bias is None:
+    if not isinstance(bias, dict) or not all(isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 10 for k in bias):
+        raise ApiError(400, "logit_bias must map token ids (decimal digits, as strings) to numbers", "logit_bias")
+    if len(bias) > limits.max_logit_bias:
         raise ApiError(400, f"logit_bias has {len(bias)} entries; at most {limits.max_logit_bias}", "logit_bias")
+    logit_bias = tuple(sorted((int(k), _number(bias, k, 0.0, -MAX_BIAS, MAX_BIAS, param="logit_bias")) for k in bias))
     sampling = SamplingParams(
         temperature=_number(body, "temperature", 1.0, 0.0, OPENAI_MAX_TEMPERATURE), top_p=top_p, seed=seed, logit_bias=logit_bias,
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
@@ -128,18 +186,15 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ApiError(400, "stop must be a string or a list of non-empty strings", "stop")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "stream must be true or false", "stream")
+    stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict) or set(options) - {"include_usage"}:
         raise ApiError(400, "stream_options takes include_usage only", "stream_options")
+    include_usage = _flag(options, "include_usage", "stream_options.include_usage")
     logprobs = body.get("logprobs")
     if kind == "chat":
-        if logprobs not in (None, True, False):
-            raise ApiError(400, "logprobs must be true or false", "logprobs")
+        logprobs = _flag(body, "logprobs")
         top = _number(body, "top_logprobs", 0, 0, limits.max_top_logprobs, int)
-        logprobs = bool(logprobs)
     else:  # an int: the sampled token's log-probability and this many alternatives
         top = 0 if logprobs is None else _number(body, "logprobs", 0, 0, limits.max_top_logprobs, int)
         logprobs = logprobs is not None
@@ -157,7 +212,7 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
             request = GenerationRequest(prompt_ids=tuple(prompt), **common)
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
-    return Parsed(request, stream, bool(options.get("include_usage")), logprobs, n)
+    return Parsed(request, stream, include_usage, logprobs, n)
 
 
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}
@@ -188,9 +243,12 @@ def _response_format(value) -> ResponseFormat | None:
     name = spec.get("name")
     if name is not None and not (isinstance(name, str) and 0 < len(name) <= MAX_SCHEMA_NAME):
         raise ApiError(400, f"response_format.json_schema.name must be 1 to {MAX_SCHEMA_NAME} characters", "response_format.json_schema.name")
-    if spec.get("strict") not in (None, True, False):
-        raise ApiError(400, "response_format.json_schema.strict must be true or false", "response_format.json_schema.strict")
+    _flag(spec, "strict", "response_format.json_schema.strict")  # enforced either way: only its type is checked
     return ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(spec["schema"]))
+
+
+MESSAGE_KEYS = {"role", "content"}  # what a message may carry: tool calls, names and the rest are refused by name
+PART_KEYS = {"type", "text"}
 
 
 def _messages(messages) -> list[ChatMessage]:
@@ -198,18 +256,24 @@ def _messages(messages) -> list[ChatMessage]:
         raise ApiError(400, "messages must be a non-empty list", "messages")
     out = []
     for index, message in enumerate(messages):
+        where = f"messages[{index}]"
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise ApiError(400, f"messages[{index}] must be an object with a role", f"messages[{index}]")
+            raise ApiError(400, f"{where} must be an object with a role", where)
+        unknown = sorted(set(message) - MESSAGE_KEYS)
+        if unknown:
+            raise ApiError(400, f"{where}.{unknown[0]} is not supported by kvserve (a message carries a role and its content)",
+                           f"{where}.{unknown[0]}", "unsupported_parameter")
         content = message.get("content")
         if isinstance(content, list):  # content parts: text only
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
-                raise ApiError(400, f"messages[{index}].content: only text parts are supported", f"messages[{index}].content")
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and set(p) <= PART_KEYS
+                       for p in content):
+                raise ApiError(400, f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are supported",
+                               f"{where}.content")
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
-            raise ApiError(400, f"messages[{index}].content must be a string", f"messages[{index}].content")
+            raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
         out.append(ChatMessage(message["role"], content))
     return out
-
 
 def logprobs_object(kind: str, events: list[StepEvent], pieces: Callable[[list[int]], list[str]]) -> dict:
     """A choice's logprobs object for events (a whole answer's, or one streamed token's); pieces: the tokenizer's text of ids."""

@@ -114,3 +114,66 @@ def test_max_context_beyond_the_models_is_refused_in_one_line(tiny_artifact):
 def test_an_on_off_variable_that_is_neither_is_refused_in_one_line(variable, monkeypatch):
     monkeypatch.setenv(variable, "maybe")
     one_line_error(run_cli("serve", "--model", "does-not-matter"), f"{variable}='maybe' is not a valid on/off value")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_bad_serve_variable_breaks_only_serve(monkeypatch):
+    monkeypatch.setenv("KVSERVE_PORT", "abc")
+    for args in (["--help"], ["export", "--help"], ["generate", "--help"], ["--version"]):
+        result = run_cli(*args)
+        assert result.returncode == 0 and "Traceback" not in result.stderr, (args, result.stderr)
+    one_line_error(run_cli("serve", "--model", "x"), "KVSERVE_PORT='abc' is not a valid int")
+
+
+def test_help_is_written_for_users_and_version_is_there():
+    import kvserve
+
+    top = run_cli("--help").stdout
+    assert "Export a transformer decoder" in top and "OpenAI-compatible HTTP API" in top and "imports only what it needs" not in top
+    assert run_cli("--version").stdout.strip() == f"kvserve {kvserve.__version__}"
+    assert "OpenAI-compatible HTTP API" in top and "the text to continue" in run_cli("generate", "--help").stdout
+    export = run_cli("export", "--help").stdout
+    assert "compute and K/V type" in export and "--no-tokenizer" in export
+    assert "where the parity check runs" in export
+
+
+def test_export_refuses_a_wrong_path_before_torch_loads(tmp_path):
+    import time
+
+    start = time.perf_counter()
+    result = run_cli("export", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "a"))
+    elapsed = time.perf_counter() - start
+    one_line_error(result, "checkpoint directory not found")
+    assert elapsed < 0.5 + 0.4, elapsed  # the interpreter's own start-up (~0.3 s here) is in it; torch alone takes 2-3 s
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused_unless_asked_for(tmp_path, make_hf_checkpoint):
+    _, checkpoint = make_hf_checkpoint(vocab_size=300, n_positions=64, n_embd=32, n_head=2, n_layer=1)
+    one_line_error(run_cli("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "a")),
+                   "has no tokenizer.json", "--no-tokenizer")
+    assert not (tmp_path / "a").exists()
+    result = run_cli("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "a"), "--no-tokenizer", "--provider", "cpu")
+    assert result.returncode == 0 and "result: PASS" in result.stdout, result.stderr
+    assert "== parity: " in result.stderr  # its stages, one line each, though no terminal reads them
+
+
+def test_generate_and_health_against_nothing_or_the_wrong_port_say_so():
+    import http.server
+    import threading
+
+    silent = f"127.0.0.1:{free_port()}"
+    for command in (["generate", "x"], ["health"]):
+        result = run_cli(*command, "--target", silent, "--timeout" if command[0] == "generate" else "--wait", "1")
+        one_line_error(result, f"nothing answers at {silent}")
+        assert not result.stdout.strip()
+    web = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.BaseHTTPRequestHandler)  # HTTP/1, as the HTTP API's port
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    try:
+        one_line_error(run_cli("generate", "x", "--target", f"127.0.0.1:{web.server_port}", "--timeout", "5"), "does not speak gRPC")
+    finally:
+        web.shutdown()

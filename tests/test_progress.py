@@ -1,4 +1,4 @@
-"""Long commands show their stages, elapsed times and progress on a terminal, and nothing anywhere else."""
+"""Long commands show their stages, elapsed times and progress on a terminal, and one line a finished stage anywhere else."""
 
 import io
 
@@ -21,8 +21,15 @@ def test_stages_and_a_progress_bar_are_drawn_on_a_terminal():
     assert "   verify parity: " in text and " s (total " in text
 
 
-def test_nothing_is_written_when_the_output_is_not_a_terminal():
+def test_a_log_gets_one_line_a_finished_stage_and_no_progress_bar():
     out = io.StringIO()
     with stage("verify parity", out=out):
         assert list(progress(iter("abc"), 3, "windows", out=out)) == ["a", "b", "c"]
-    assert out.getvalue() == ""
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("== verify parity: ") and " s (total " in lines[0]
+    try:
+        with stage("export", out=out):
+            raise ValueError("refused")
+    except ValueError:
+        pass
+    assert out.getvalue().count("\n") == 1  # a stage that fails says nothing: the error is the one line

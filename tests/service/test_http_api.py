@@ -125,7 +125,7 @@ def test_a_seed_repeats_its_tokens_and_stop_ends_the_text(client):
 @pytest.mark.parametrize("options, param", [
     ({"temperature": 3}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"), ({"n": 9}, "n"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"logit_bias": {"5": 101}}, "5"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"extra_body": {"min_p": 2}}, "min_p"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"), ({"response_format": {"type": "xml"}}, "response_format"), ({"tools": [{"type": "function"}]}, "tools"),
     ({"max_tokens": 10**6}, "max_tokens"), ({"messages": [{"role": "", "content": "x"}]}, "messages"),

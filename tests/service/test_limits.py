@@ -8,7 +8,7 @@ import grpc
 import httpx2 as httpx
 import pytest
 
-from kvserve.cli import build_parser
+from kvserve.cli import parse_args
 from kvserve.service.limits import EngineLimits, declarations, markdown_table
 from kvserve.v1 import generation_pb2 as pb
 
@@ -19,7 +19,7 @@ TIGHT = {"max_n": 2, "max_top_logprobs": 3, "max_logit_bias": 2, "max_role_lengt
 
 
 def parsed_serve(*args: str):
-    return build_parser().parse_args(["serve", "--model", "x", *args])
+    return parse_args(["serve", "--model", "x", *args])
 
 
 def test_every_declared_limit_is_a_flag_with_its_default_and_a_variable(monkeypatch):

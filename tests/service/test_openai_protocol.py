@@ -33,7 +33,7 @@ def test_a_chat_body_becomes_the_engine_request_it_describes():
     ({**CHAT, "logprobs": True, "top_logprobs": 4}, "chat", 400, "top_logprobs"),
     ({"model": "m", "prompt": "x", "logprobs": 4}, "completions", 400, "logprobs"),  # the same limit for completions
     ({**CHAT, "logit_bias": {"1": 1, "2": 1, "3": 1}}, "chat", 400, "logit_bias"),
-    ({**CHAT, "logit_bias": {"1": 101}}, "chat", 400, "1"),
+    ({**CHAT, "logit_bias": {"1": 101}}, "chat", 400, "logit_bias"),
     ({**CHAT, "temperature": 2.5}, "chat", 400, "temperature"),
     ({**CHAT, "presence_penalty": -3}, "chat", 400, "presence_penalty"),
     ({**CHAT, "tools": [{"type": "function"}]}, "chat", 400, "tools"),
