@@ -139,7 +139,7 @@ class App:
             raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
         http_socket = None
         if self.options.http_port is not None:
-            self.http = HttpApi(self.ready_engine, self.options, self.tokens, self.metrics)
+            self.http = HttpApi(self.ready_engine, self.ready_tokenizing, self.options, self.tokens, self.metrics)
             try:
                 http_socket = self.http.bind(self.options.host, self.options.http_port)
             except OSError as exc:
@@ -185,7 +185,7 @@ class App:
         self.runtime, self.gate, self.steps = loaded.runtime, loaded.gate, loaded.steps
         self.tokenizing = TokenizeProcess(self.artifact.tokenizer_path)
         engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps,
-                        chat_template=loaded.chat_template)
+                        chat_template=loaded.chat_template, encoder=self.tokenizing.encode_within)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -24,7 +24,7 @@ from .sampling import nth_seed
 from .scheduler import Scheduler
 from .sequence import GenerationRequest
 from .structured import FormatError
-from .validation import RequestValidator
+from .validation import Encoder, RequestValidator
 
 log = logging.getLogger(__name__)
 
@@ -34,14 +34,15 @@ class Engine:
 
     def __init__(
         self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None, batch=None,
-        step_thread=None, chat_template: ChatTemplate | None = None,
+        step_thread=None, chat_template: ChatTemplate | None = None, encoder: Encoder | None = None,
     ):
+        """encoder: where long prompts are tokenized (validation.Encoder; the server's tokenizing process)."""
         problem = out_of_bounds(limits)
         if problem is not None:
             raise ValueError(problem)
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
-        self.validator = RequestValidator(config, tokenizer, limits, chat_template)
+        self.validator = RequestValidator(config, tokenizer, limits, chat_template, encoder)
         self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._accepting = True

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 import socket
@@ -45,10 +44,9 @@ from .openai_protocol import (
     ApiError,
     Parsed,
     api_error,
-    check_body,
     object_name,
     opening_choices,
-    parse,
+    parse_body,
     shown,
     sse,
     token_choice,
@@ -57,16 +55,24 @@ from .openai_protocol import (
 )
 from .options import ServerOptions
 from .security import TokenFile
+from .tokenizing import TokenizeProcess
 
 log = logging.getLogger("kvserve.http")
+
+
+# A body up to this size is parsed on the event loop (well under a millisecond); a larger one by the input worker
+# process (tokenizing.py), whose round trip costs a small body more than its parsing.
+INLINE_BODY_BYTES = 64 * 1024
 
 
 class HttpApi:
     """The HTTP side of one server: routes bound to its engine (asked for per request: ready_engine raises Unavailable
     while loading or draining), a uvicorn server on the server's loop."""
 
-    def __init__(self, ready_engine: Callable[[], Engine], options: ServerOptions, tokens: TokenFile | None, metrics: Metrics):
-        self.ready_engine, self.options, self.tokens, self.metrics = ready_engine, options, tokens, metrics
+    def __init__(self, ready_engine: Callable[[], Engine], ready_inputs: Callable[[], TokenizeProcess], options: ServerOptions,
+                 tokens: TokenFile | None, metrics: Metrics):
+        """ready_engine, ready_inputs: the engine and the input worker (tokenizing.py), once the model is loaded."""
+        self.ready_engine, self.ready_inputs, self.options, self.tokens, self.metrics = ready_engine, ready_inputs, options, tokens, metrics
         self.model_name = Path(options.artifact).resolve().name
         self.asgi = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
@@ -162,8 +168,8 @@ class HttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._generate(request, "chat", "ChatCompletions")
 
-    async def _body(self, request: Request, limits) -> dict:
-        """The request's JSON body, read whole within --max-message-bytes and checked (openai_protocol.check_body).
+    async def _body(self, request: Request, limits) -> bytes:
+        """The request's body, read whole within --max-message-bytes (the input worker parses it: parse_body).
         Only application/json is read: a browser sends that cross-origin only after a preflight this API never answers,
         so a web page cannot spend the server's compute through its visitors."""
         media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
@@ -183,21 +189,18 @@ class HttpApi:
                 chunks.append(chunk)
         except ClientDisconnect:
             raise ClientGone() from None
-        try:
-            body = json.loads(b"".join(chunks))
-        except RecursionError:
-            raise ApiError(400, f"the request body nests deeper than {limits.max_json_depth} (--max-json-depth)") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ApiError(400, f"the request body is not JSON: {exc}") from None
-        check_body(body, limits)
-        return body
+        return b"".join(chunks)
 
     async def _generate(self, request: Request, kind: str, method: str) -> Response:
         events = None
         try:
             self._authorized(request)
             engine = self.ready_engine()
-            parsed = parse(await self._body(request, engine.limits), kind, self.model_name, engine.limits)
+            raw = await self._body(request, engine.limits)
+            if len(raw) <= INLINE_BODY_BYTES:
+                parsed = parse_body(raw, kind, self.model_name, engine.limits)
+            else:
+                parsed = await self.ready_inputs().parse_body(raw, kind, self.model_name, engine.limits)
             events = engine.generate_n(parsed.request, parsed.n)
             # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
             first = await _unless_disconnected(request, anext(events))

@@ -21,6 +21,7 @@ from .limits import MAX_BIAS, MAX_PENALTY, EngineLimits
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .structured import FormatKind, ResponseFormat
+from .validation import check_sizes
 
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_SCALE)
 
@@ -46,6 +47,9 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": ERROR_TYPES[self.status], "param": self.param, "code": self.code}}
+
+    def __reduce__(self):  # raised in the body worker's process, re-raised in the server's
+        return ApiError, (self.status, self.message, self.param, self.code)
 
 
 # The engine names gRPC's fields; an HTTP client is told the OpenAI parameter it sent.
@@ -141,6 +145,26 @@ def _encodable(text: str) -> bool:
 def _same(value, no_op) -> bool:
     """value is the parameter's no-op value itself: equal and of the same type (1 is not true, 0 is not false)."""
     return value is None or (type(value) is type(no_op) and value == no_op) or value == {} or value == []
+
+
+def parse_body(raw: bytes, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
+    """A request body's bytes to the engine request, with every check that reads the whole body: JSON, its nesting and
+    Unicode (check_body), the parameters (parse), and the sizes of its texts (validation.check_sizes). Run in the
+    server's input worker process (tokenizing.py): a 4 MiB body is ~8 ms of parsing that holds the GIL, which four
+    clients sending such bodies would otherwise take from the model steps and the event loop streaming their tokens."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise ApiError(400, f"the request body nests deeper than {limits.max_json_depth} (--max-json-depth)") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not JSON: {exc}") from None
+    check_body(body, limits)
+    parsed = parse(body, kind, model_name, limits)
+    try:
+        check_sizes(parsed.request, limits)
+    except InvalidArgument as exc:
+        raise api_error(exc) from None
+    return parsed
 
 
 def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections.abc import Callable
 
 from kvserve.contract.chat import ChatMessage, ChatTemplate, TemplateError
 from kvserve.contract.config import DecoderConfig
@@ -21,28 +22,58 @@ from .text import IncrementalDecoder, StopSequences
 # Prompt tokens the text decoder reads before the first new one: enough for a character split across byte
 # tokens and for a leading space that depends on what precedes it.
 PROMPT_CONTEXT_TOKENS = 6
+# Text longer than this is tokenized by the encoder given (the server's tokenizing process); shorter, here: a round
+# trip to another process would cost a short prompt more than its tokenizing.
+OFFLOAD_CHARACTERS = 4096
+
+# encoder(text, add_special_tokens, most): text's ids, or their count when there are more than `most`
+Encoder = Callable[[str, bool, int], "list[int] | int"]
+
+
+def check_sizes(request: GenerationRequest, limits: EngineLimits) -> None:
+    """What a request's size alone refuses, before anything reads it further: its prompt text or its conversation's
+    contents over max_text_bytes, its response_format over max_response_format_bytes. The HTTP edge's body worker makes
+    the same checks, so an oversized field never travels back into the server process."""
+    if request.prompt_text is not None:
+        check_text_size("prompt.text", request.prompt_text, limits.max_text_bytes)
+    if request.prompt_messages is not None:
+        size = sum(len(m.content.encode("utf-8", errors="replace")) for m in request.prompt_messages)
+        if size > limits.max_text_bytes:
+            raise InvalidArgument("prompt.messages", f"{size} bytes of content; at most {limits.max_text_bytes}")
+    if request.response_format is not None:
+        size = len(request.response_format.text.encode("utf-8", errors="replace"))
+        if size > limits.max_response_format_bytes:
+            raise InvalidArgument("response_format", f"{size} bytes; at most {limits.max_response_format_bytes}")
+
+
+def check_text_size(field_name: str, text: str, limit: int) -> None:
+    size = len(text.encode("utf-8", errors="replace"))
+    if size > limit:
+        raise InvalidArgument(field_name, f"{size} bytes of text; at most {limit}")
 
 
 class RequestValidator:
     """Turns GenerationRequests into Sequences for one model under one set of limits."""
 
-    def __init__(self, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, chat_template: ChatTemplate | None = None):
+    def __init__(self, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, chat_template: ChatTemplate | None = None,
+                 encoder: Encoder | None = None):
+        """encoder: where long texts are tokenized (default: here, with tokenizer)."""
         self.config, self.tokenizer, self.limits = config, tokenizer, limits
+        self.encoder = encoder
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
         self.formats = FormatCompiler(tokenizer, config.vocab_size, config.eos_token_ids, limits.max_response_format_bytes,
                                       limits.max_schema_depth)
         self._ids = itertools.count(1)
 
     def check_text(self, field_name: str, text: str) -> None:
-        size = len(text.encode("utf-8", errors="replace"))
-        if size > self.limits.max_text_bytes:
-            raise InvalidArgument(field_name, f"{size} bytes of text; at most {self.limits.max_text_bytes}")
+        check_text_size(field_name, text, self.limits.max_text_bytes)
 
     def make_sequence(self, request: GenerationRequest) -> Sequence:
         """Validate a request against the model and limits; every refusal names its field."""
         config, limits = self.config, self.limits
         if sum(p is not None for p in (request.prompt_ids, request.prompt_text, request.prompt_messages)) > 1:
             raise InvalidArgument("prompt", "give one of text, token_ids or messages")
+        check_sizes(request, limits)
         if request.prompt_ids is not None:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
@@ -50,19 +81,16 @@ class RequestValidator:
             prompt = self.render_conversation(list(request.prompt_messages))
             field_name = "prompt.messages"
         else:
-            self.check_text("prompt.text", request.prompt_text or "")
-            prompt = self.tokenizer.encode(request.prompt_text or "")
             field_name = "prompt.text"
+            prompt = self._encode(field_name, request.prompt_text or "", add_special_tokens=True)
         if not prompt:
             raise InvalidArgument(field_name, "the prompt is empty")
+        room = config.n_ctx - len(prompt)
+        if room < 1:  # first: what follows reads every id, and this bounds them by the context
+            raise self._too_long(field_name, len(prompt))
         bad = [t for t in prompt if not 0 <= t < config.vocab_size]
         if bad:
             raise InvalidArgument(field_name, f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
-        room = config.n_ctx - len(prompt)
-        if room < 1:
-            raise InvalidArgument(
-                field_name, f"the prompt has {len(prompt)} tokens; the context holds {config.n_ctx} including at least one new token"
-            )
         max_new = request.max_new_tokens or room
         if max_new > room:
             raise InvalidArgument(
@@ -139,11 +167,21 @@ class RequestValidator:
         for index, message in enumerate(messages):
             if not message.role or len(message.role) > self.limits.max_role_length:
                 raise InvalidArgument(f"{field_name}[{index}].role", f"must be 1 to {self.limits.max_role_length} characters, got {len(message.role)}")
-        size = sum(len(m.content.encode("utf-8", errors="replace")) for m in messages)
-        if size > self.limits.max_text_bytes:
-            raise InvalidArgument(field_name, f"{size} bytes of content; at most {self.limits.max_text_bytes}")
         try:
             text = self.chat_template.render(messages)
         except TemplateError as exc:
             raise InvalidArgument(field_name, str(exc)) from None
-        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+        return self._encode(field_name, text, add_special_tokens=False)  # the template wrote the special tokens
+
+    def _encode(self, field_name: str, text: str, add_special_tokens: bool) -> list[int]:
+        """text's ids; a long text by the encoder, which counts what does not fit the context instead of returning it."""
+        if self.encoder is None or len(text) <= OFFLOAD_CHARACTERS:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        ids = self.encoder(text, add_special_tokens, self.config.n_ctx - 1)
+        if isinstance(ids, int):
+            raise self._too_long(field_name, ids)
+        return ids
+
+    def _too_long(self, field_name: str, tokens: int) -> InvalidArgument:
+        return InvalidArgument(field_name, f"the prompt has {tokens} tokens; the context holds {self.config.n_ctx} including at least "
+                               "one new token")
