@@ -177,3 +177,23 @@ def test_generate_and_health_against_nothing_or_the_wrong_port_say_so():
         one_line_error(run_cli("generate", "x", "--target", f"127.0.0.1:{web.server_port}", "--timeout", "5"), "does not speak gRPC")
     finally:
         web.shutdown()
+
+
+def test_ctrl_c_during_export_ends_it_with_130_and_leaves_nothing(tmp_path):
+    """Ctrl-C wherever it lands (torch's import, the exporter, parity): exit 130, no traceback, no artifact."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from .conftest import REPO
+
+    out = tmp_path / "a"
+    for delay in (1.5, 3.0):
+        export = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "export", "--preset", "tiny", "--out", str(out), "--overwrite"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+        time.sleep(delay)
+        export.send_signal(signal.SIGINT)
+        _, stderr = export.communicate(timeout=120)
+        assert export.returncode == 130 and "Traceback" not in stderr, (delay, export.returncode, stderr[-2000:])
+        assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name != "a"]

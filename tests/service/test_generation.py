@@ -173,9 +173,9 @@ def test_tokenize_refuses_text_over_the_limit_and_runs_off_the_event_loop(stub, 
     tokenizer = server.app.engine.tokenizer
     real = tokenizer.encode
 
-    def encode(text):
+    def encode(text, **options):
         threads.add(threading.current_thread())
-        return real(text)
+        return real(text, **options)
 
     monkeypatch.setattr(tokenizer, "encode", encode)
     stub.Tokenize(pb.TokenizeRequest(text="abc"), timeout=10)
