@@ -93,6 +93,7 @@ bench: setup system-tools $(BENCH_ARTIFACTS) ## export what they read, then run 
 	$(BIN)/python bench/http_load.py --artifact $(ARTIFACTS)/gpt2
 	$(BIN)/python bench/prompt_cache.py --artifact $(ARTIFACTS)/gpt2
 	$(BIN)/python bench/structured.py --artifact $(ARTIFACTS)/gpt2 --validity $(ARTIFACTS)/$(notdir $(MODEL)) $(ARTIFACTS)/gpt2
+	$(BIN)/python bench/input_floods.py --artifact $(ARTIFACTS)/$(notdir $(MODEL))
 
 # Local version labels (torch's "+cpu") are dropped: every pin must resolve from the public index alone.
 constraints: ## re-pin constraints.txt from the virtual environment

@@ -198,9 +198,9 @@ class HttpApi:
             engine = self.ready_engine()
             raw = await self._body(request, engine.limits)
             if len(raw) <= INLINE_BODY_BYTES:
-                parsed = parse_body(raw, kind, self.model_name, engine.limits)
+                parsed = parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
             else:
-                parsed = await self.ready_inputs().parse_body(raw, kind, self.model_name, engine.limits)
+                parsed = await self.ready_inputs().parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
             events = engine.generate_n(parsed.request, parsed.n)
             # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
             first = await _unless_disconnected(request, anext(events))

@@ -147,9 +147,10 @@ def _same(value, no_op) -> bool:
     return value is None or (type(value) is type(no_op) and value == no_op) or value == {} or value == []
 
 
-def parse_body(raw: bytes, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
+def parse_body(raw: bytes, kind: str, model_name: str, limits: EngineLimits, context: int | None = None) -> Parsed:
     """A request body's bytes to the engine request, with every check that reads the whole body: JSON, its nesting and
-    Unicode (check_body), the parameters (parse), and the sizes of its texts (validation.check_sizes). Run in the
+    Unicode (check_body), the parameters (parse), and its sizes (validation.check_sizes; context: the served model's,
+    which bounds a prompt of token ids). Run in the
     server's input worker process (tokenizing.py): a 4 MiB body is ~8 ms of parsing that holds the GIL, which four
     clients sending such bodies would otherwise take from the model steps and the event loop streaming their tokens."""
     try:
@@ -161,7 +162,7 @@ def parse_body(raw: bytes, kind: str, model_name: str, limits: EngineLimits) -> 
     check_body(body, limits)
     parsed = parse(body, kind, model_name, limits)
     try:
-        check_sizes(parsed.request, limits)
+        check_sizes(parsed.request, limits, context)
     except InvalidArgument as exc:
         raise api_error(exc) from None
     return parsed

@@ -56,10 +56,10 @@ def _encode_within(text: str, add_special_tokens: bool, most: int) -> list[int] 
     return ids if len(ids) <= most else len(ids)
 
 
-def _parse_body(raw: bytes, kind: str, model_name: str, limits) -> object:
+def _parse_body(raw: bytes, kind: str, model_name: str, limits, context: int) -> object:
     from .openai_protocol import parse_body  # the HTTP protocol, loaded by the worker that parses its bodies
 
-    return parse_body(raw, kind, model_name, limits)
+    return parse_body(raw, kind, model_name, limits, context)
 
 
 def _respond(text: str) -> bytes:
@@ -90,13 +90,13 @@ class TokenizeProcess:
             self._restart()
             return await asyncio.wrap_future(self._submit(_respond, text))
 
-    async def parse_body(self, raw: bytes, kind: str, model_name: str, limits):
+    async def parse_body(self, raw: bytes, kind: str, model_name: str, limits, context: int):
         """openai_protocol.parse_body(raw, ...) in the worker: the Parsed request, or its ApiError raised here."""
         try:
-            return await asyncio.wrap_future(self._submit(_parse_body, raw, kind, model_name, limits))
+            return await asyncio.wrap_future(self._submit(_parse_body, raw, kind, model_name, limits, context))
         except BrokenProcessPool:
             self._restart()
-            return await asyncio.wrap_future(self._submit(_parse_body, raw, kind, model_name, limits))
+            return await asyncio.wrap_future(self._submit(_parse_body, raw, kind, model_name, limits, context))
 
     def encode_within(self, text: str, add_special_tokens: bool, most: int) -> list[int] | int:
         """text's ids, or their count when there are more than `most`; blocks the calling thread (a worker thread of the

@@ -30,10 +30,17 @@ OFFLOAD_CHARACTERS = 4096
 Encoder = Callable[[str, bool, int], "list[int] | int"]
 
 
-def check_sizes(request: GenerationRequest, limits: EngineLimits) -> None:
+def check_sizes(request: GenerationRequest, limits: EngineLimits, context: int | None = None) -> None:
     """What a request's size alone refuses, before anything reads it further: its prompt text or its conversation's
-    contents over max_text_bytes, its response_format over max_response_format_bytes. The HTTP edge's body worker makes
-    the same checks, so an oversized field never travels back into the server process."""
+    contents over max_text_bytes, more messages or stop sequences than the limits, its token ids beyond the context
+    (when given), its response_format over max_response_format_bytes. The HTTP edge's body worker makes the same checks,
+    so nothing oversized travels back into the server process."""
+    if request.prompt_ids is not None and context is not None and len(request.prompt_ids) >= context:
+        raise too_long("prompt.token_ids", len(request.prompt_ids), context)
+    if request.prompt_messages is not None and len(request.prompt_messages) > limits.max_chat_messages:
+        raise InvalidArgument("prompt.messages", f"{len(request.prompt_messages)} messages; at most {limits.max_chat_messages}")
+    if len(request.stop_sequences) > limits.max_stop_sequences:
+        raise InvalidArgument("stop_sequences", f"{len(request.stop_sequences)} stop sequences; at most {limits.max_stop_sequences}")
     if request.prompt_text is not None:
         check_text_size("prompt.text", request.prompt_text, limits.max_text_bytes)
     if request.prompt_messages is not None:
@@ -44,6 +51,10 @@ def check_sizes(request: GenerationRequest, limits: EngineLimits) -> None:
         size = len(request.response_format.text.encode("utf-8", errors="replace"))
         if size > limits.max_response_format_bytes:
             raise InvalidArgument("response_format", f"{size} bytes; at most {limits.max_response_format_bytes}")
+
+
+def too_long(field_name: str, tokens: int, context: int) -> InvalidArgument:
+    return InvalidArgument(field_name, f"the prompt has {tokens} tokens; the context holds {context} including at least one new token")
 
 
 def check_text_size(field_name: str, text: str, limit: int) -> None:
@@ -121,8 +132,6 @@ class RequestValidator:
             raise InvalidArgument("top_logprobs", f"must be in [0, {limits.max_top_logprobs}], got {request.top_logprobs}")
         if request.top_logprobs and not request.return_logprobs:
             raise InvalidArgument("top_logprobs", "alternatives come with the log-probabilities: set return_logprobs too")
-        if len(request.stop_sequences) > limits.max_stop_sequences:
-            raise InvalidArgument("stop_sequences", f"{len(request.stop_sequences)} stop sequences; at most {limits.max_stop_sequences}")
         longest = max((len(stop) for stop in request.stop_sequences), default=0)
         if longest > limits.max_stop_length:
             raise InvalidArgument("stop_sequences", f"a stop sequence of {longest} characters; at most {limits.max_stop_length}")
@@ -162,8 +171,6 @@ class RequestValidator:
                                   "chat_template in tokenizer_config.json): send text or token_ids")
         if not messages:
             raise InvalidArgument(field_name, "the conversation has no messages")
-        if len(messages) > self.limits.max_chat_messages:
-            raise InvalidArgument(field_name, f"{len(messages)} messages; at most {self.limits.max_chat_messages}")
         for index, message in enumerate(messages):
             if not message.role or len(message.role) > self.limits.max_role_length:
                 raise InvalidArgument(f"{field_name}[{index}].role", f"must be 1 to {self.limits.max_role_length} characters, got {len(message.role)}")
@@ -183,5 +190,4 @@ class RequestValidator:
         return ids
 
     def _too_long(self, field_name: str, tokens: int) -> InvalidArgument:
-        return InvalidArgument(field_name, f"the prompt has {tokens} tokens; the context holds {self.config.n_ctx} including at least "
-                               "one new token")
+        return too_long(field_name, tokens, self.config.n_ctx)

@@ -149,7 +149,7 @@ def test_export_refuses_a_wrong_path_before_torch_loads(tmp_path):
     result = run_cli("export", "--checkpoint", str(tmp_path / "nowhere"), "--out", str(tmp_path / "a"))
     elapsed = time.perf_counter() - start
     one_line_error(result, "checkpoint directory not found")
-    assert elapsed < 0.5 + 0.4, elapsed  # the interpreter's own start-up (~0.3 s here) is in it; torch alone takes 2-3 s
+    assert elapsed < 0.5, elapsed  # 0.07 s measured, the interpreter's start included; torch alone takes 2-3 s
 
 
 def test_a_checkpoint_without_a_tokenizer_is_refused_unless_asked_for(tmp_path, make_hf_checkpoint):
