@@ -266,13 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify", help="check an artifact against the eager reference; non-zero on failure")
     verify.add_argument("artifact", help="the artifact directory")
     verify.add_argument("--checkpoint", help="the reference weights (default: the artifact's recorded source)")
-    verify.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto")
+    verify.add_argument("--provider", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="where the graph runs for the check (default auto: CUDA if it works, else the CPU)")
     verify.add_argument("--steps", type=_bounded(int, 1, None, "[1, what the context allows]"), default=8, help="decode and greedy steps (default 8)")
     verify.add_argument("--report", help="where to write the JSON report (default: ARTIFACT/parity.json)")
     verify.set_defaults(run=_verify)
 
-    serve = commands.add_parser("serve", help="serve an artifact over gRPC, and the OpenAI-compatible HTTP API with --http-port "
-                                "(every flag defaults to its KVSERVE_* variable)")
+    serve = commands.add_parser("serve", help="serve an artifact over gRPC, the OpenAI-compatible HTTP API with --http-port and "
+                                "Prometheus metrics with --metrics-port (every flag defaults to its KVSERVE_* variable)")
     serve.add_argument("--model", default=FromEnv("MODEL", None), required=_env("MODEL", None) is None, help="the artifact directory [KVSERVE_MODEL]")
     serve.add_argument("--host", default=FromEnv("HOST", "127.0.0.1"), help="address to bind [KVSERVE_HOST] (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=FromEnv("PORT", 50051, int), help="port, 0 picks a free one [KVSERVE_PORT] (default 50051)")

@@ -140,6 +140,8 @@ def test_help_is_written_for_users_and_version_is_there():
     export = run_cli("export", "--help").stdout
     assert "compute and K/V type" in export and "--no-tokenizer" in export
     assert "where the parity check runs" in export
+    assert "where the graph runs for the check" in run_cli("verify", "--help").stdout
+    assert "Prometheus metrics" in top
 
 
 def test_export_refuses_a_wrong_path_before_torch_loads(tmp_path):
