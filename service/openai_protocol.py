@@ -62,7 +62,7 @@ def api_error(exc: EngineError) -> ApiError:
     """The OpenAI error an engine error is answered with, naming the OpenAI parameter the engine's field came from."""
     if isinstance(exc, InvalidArgument):
         param = PARAMS.get(exc.field) or exc.field.replace("prompt.messages", "messages").replace("sampling.", "")
-        return ApiError(400, f"{param}: {exc.message}", param.split("[")[0] if exc.field not in PARAMS else param, "invalid_value")
+        return ApiError(400, f"{param}: {exc.message}", param.split("[")[0], "invalid_value")
     if isinstance(exc, QueueFull):
         return ApiError(429, str(exc), code="queue_full")
     if isinstance(exc, Unavailable):
@@ -83,7 +83,7 @@ class Parsed:
 
 def shown(value) -> str:
     """A client's value as an error message quotes it: JSON, at most 40 characters, never a lone surrogate."""
-    text = json.dumps(value, ensure_ascii=True) if not isinstance(value, str) else json.dumps(value)
+    text = json.dumps(value)  # ASCII, surrogates escaped
     return text if len(text) <= 40 else text[:37] + "..."
 
 
@@ -115,23 +115,22 @@ def _flag(body: dict, name: str, param: str | None = None) -> bool:
 def check_body(body, limits: EngineLimits) -> None:
     """The whole parsed body, before any field is read: nested at most limits.max_json_depth deep, and every string and
     key valid Unicode (JSON's escapes and CESU-8 bytes can spell lone surrogates, which no tokenizer or response
-    encodes). Walked without recursion, so no nesting can exhaust the stack."""
-    stack = [(body, 1, "")]
+    encodes). Walked without recursion, so no nesting can exhaust the stack; a refusal names the top-level parameter
+    the fault is under."""
+    stack = [(body, 1, None)]
     while stack:
-        value, depth, where = stack.pop()
+        value, depth, param = stack.pop()
         if isinstance(value, (dict, list)):
             if depth > limits.max_json_depth:
-                raise ApiError(400, f"the request body nests deeper than {limits.max_json_depth} (--max-json-depth) at {where or 'its top'}",
-                               where.split(".")[0].split("[")[0] or None)
+                raise ApiError(400, f"the request body nests deeper than {limits.max_json_depth} (--max-json-depth)"
+                               f"{f' under {param}' if param else ''}", param)
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
                 if isinstance(key, str) and not _encodable(key):
-                    raise ApiError(400, f"a key under {where or 'the top level'} is not valid Unicode (a lone surrogate)",
-                                   where.split(".")[0].split("[")[0] or None)
-                inner = f"{where}[{key}]" if isinstance(value, list) else (f"{where}.{key}" if where else str(key))
-                stack.append((item, depth + 1, inner))
+                    raise ApiError(400, f"a key {f'under {param} ' if param else ''}is not valid Unicode (a lone surrogate)", param)
+                stack.append((item, depth + 1, param if param is not None else key))
         elif isinstance(value, str) and not _encodable(value):
-            raise ApiError(400, f"{where or 'the body'} is not valid Unicode (a lone surrogate)", where.split(".")[0].split("[")[0] or None)
+            raise ApiError(400, f"{param or 'the body'} is not valid Unicode (a lone surrogate)", param)
 
 
 def _encodable(text: str) -> bool:

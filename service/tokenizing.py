@@ -26,6 +26,8 @@ from pathlib import Path
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 from kvserve.v1 import generation_pb2 as pb
 
+from .openai_protocol import parse_body
+
 _tokenizer: Tokenizer | None = None  # the worker's
 # The worker's scheduling priority below the server's: on a machine with few cores a flood of Tokenize calls then
 # takes the CPU the model steps leave, not the steps' own (ONNX Runtime's threads stall when one loses its core).
@@ -56,12 +58,6 @@ def _encode_within(text: str, add_special_tokens: bool, most: int) -> list[int] 
     return ids if len(ids) <= most else len(ids)
 
 
-def _parse_body(raw: bytes, kind: str, model_name: str, limits, context: int) -> object:
-    from .openai_protocol import parse_body  # the HTTP protocol, loaded by the worker that parses its bodies
-
-    return parse_body(raw, kind, model_name, limits, context)
-
-
 def _respond(text: str) -> bytes:
     """The serialized TokenizeResponse for text, in the worker."""
     ids = _tokenizer.encode(text)
@@ -84,28 +80,28 @@ class TokenizeProcess:
 
     async def respond(self, text: str) -> bytes:
         """The serialized TokenizeResponse for text (its size already checked against the text limit)."""
-        try:
-            return await asyncio.wrap_future(self._submit(_respond, text))
-        except BrokenProcessPool:  # the worker died (killed, out of memory) with the call in it: a new one takes it
-            self._restart()
-            return await asyncio.wrap_future(self._submit(_respond, text))
+        return await self._run(_respond, text)
 
     async def parse_body(self, raw: bytes, kind: str, model_name: str, limits, context: int):
         """openai_protocol.parse_body(raw, ...) in the worker: the Parsed request, or its ApiError raised here."""
-        try:
-            return await asyncio.wrap_future(self._submit(_parse_body, raw, kind, model_name, limits, context))
-        except BrokenProcessPool:
-            self._restart()
-            return await asyncio.wrap_future(self._submit(_parse_body, raw, kind, model_name, limits, context))
+        return await self._run(parse_body, raw, kind, model_name, limits, context)
 
     def encode_within(self, text: str, add_special_tokens: bool, most: int) -> list[int] | int:
         """text's ids, or their count when there are more than `most`; blocks the calling thread (a worker thread of the
         server's: request validation), never the event loop."""
         try:
             return self._submit(_encode_within, text, add_special_tokens, most).result()
-        except BrokenProcessPool:
+        except BrokenProcessPool:  # the worker died (killed, out of memory) with the call in it: a new one takes it
             self._restart()
             return self._submit(_encode_within, text, add_special_tokens, most).result()
+
+    async def _run(self, work, *args):
+        """work(*args) in the worker, awaited; once more in a new worker if this one dies with it."""
+        try:
+            return await asyncio.wrap_future(self._submit(work, *args))
+        except BrokenProcessPool:
+            self._restart()
+            return await asyncio.wrap_future(self._submit(work, *args))
 
     def _submit(self, work, *args):
         try:
