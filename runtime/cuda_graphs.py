@@ -76,11 +76,12 @@ class FixedDecodeSteps:
     """A runtime's decode steps at fixed shapes (DecoderRuntime owns one): their buffers and bindings per (pool, rows,
     width), and whether the session still captures them as CUDA graphs."""
 
-    def __init__(self, session, device: str, kv_dtype, vocab_size: int, kv_names: tuple[list[str], list[str]],
+    def __init__(self, session, attention: str, device: str, kv_dtype, vocab_size: int, kv_names: tuple[list[str], list[str]],
                  traffic: KvTraffic, captures: bool, cuda_graph_note: str | None, uncaptured: ort.RunOptions):
         """kv_names: every layer's past and present names, in the pool's order; captures: the session captures CUDA graphs
         (cuda_graph_note: why not, when they were asked for); uncaptured: the run options of a step never captured."""
-        self.session, self.device, self.kv_dtype, self.vocab_size, self.traffic = session, device, kv_dtype, vocab_size, traffic
+        self.session, self.attention, self.device, self.kv_dtype, self.vocab_size = session, attention, device, kv_dtype, vocab_size
+        self.traffic = traffic
         self._past_names, self._present_names = kv_names
         self.captures, self.cuda_graph_note, self._uncaptured = captures, cuda_graph_note, uncaptured
         self._steps: dict[tuple, FixedDecode] = {}  # (pool, rows, width) -> its buffers
@@ -133,6 +134,9 @@ class FixedDecodeSteps:
         self.session.run_with_iobinding(step.binding, step.run_options)
 
     def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
+        """A shape's buffers and binding; the graph's kind is checked here, once a shape, not at every step."""
+        if self.attention != io.STANDARD:
+            raise ValueError("run_decode drives a standard slots graph; a fused graph's steps go through run_slots")
         if rows > pool.rows:
             raise ValueError(f"a decode step of {rows} rows on a pool of {pool.rows}")
         host = {

@@ -59,7 +59,7 @@ class DecoderRuntime:
         self._pool_binding: tuple | None = None  # (key, binding): the last step's K/V binding, reused while its key holds
         self._uncaptured = ort.RunOptions()
         self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
-        self.fixed_steps = FixedDecodeSteps(self.session, self.device, self.kv_dtype, self.vocab_size,
+        self.fixed_steps = FixedDecodeSteps(self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
                                             (self._past_names, self._present_names), self.traffic, opened.captures_decode,
                                             opened.cuda_graph_note, self._uncaptured)
 
@@ -88,8 +88,6 @@ class DecoderRuntime:
     def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
                    with_logits: bool = True, before_run: Callable[[], None] | None = None) -> Sampled:
         """A decode-only step at a fixed shape (cuda_graphs.FixedDecodeSteps.run): standard slots graphs only."""
-        if self.attention != io.STANDARD:
-            raise ValueError("run_decode drives a standard slots graph; a fused graph's steps go through run_slots")
         return self.fixed_steps.run(pool, input_ids, position_ids, attention_mask, with_logits, before_run)
 
     def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
