@@ -7,24 +7,47 @@ from dataclasses import dataclass
 
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
 GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
-MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH}
+MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH, "qwen3": LLAMA_ARCH}
+
+
+# How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
+ROPE_TYPES = ("linear", "llama3", "yarn")
 
 
 @dataclass(frozen=True)
-class Llama3RopeScaling:
-    """Llama 3.1's rotary frequency rescaling (rope_type "llama3"): long wavelengths are slowed by factor,
-    short ones kept, the band between interpolated, so a model trained at original_max_position_embeddings
-    reads longer contexts."""
+class RopeScaling:
+    """A rotary frequency rescaling, so a model trained at original_max_position_embeddings reads longer contexts.
 
+    linear  every frequency divided by factor (position interpolation).
+    llama3  Llama 3.1's: long wavelengths slowed by factor, short ones kept, the band between (low_freq_factor ..
+            high_freq_factor) blended.
+    yarn    YaRN (Peng et al., 2023): frequencies blended between interpolated and kept over the band beta_slow ..
+            beta_fast rotations, and cos/sin scaled by attention_factor (from factor, mscale and mscale_all_dim when
+            the config gives none).
+    """
+
+    rope_type: str = "llama3"
     factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int | None = 8192  # linear needs none
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn: None derives it from factor (and the mscales)
+    truncate: bool = True  # yarn: round the blended band to whole channels
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ROPE_TYPES:
+            raise ValueError(f"unsupported rope_type {self.rope_type!r} (kvserve implements 'default', {', '.join(map(repr, ROPE_TYPES))})")
+        if self.rope_type != "linear" and self.original_max_position_embeddings is None:
+            raise ValueError(f"rope_type {self.rope_type!r} needs original_max_position_embeddings")
 
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    model_type: str = "gpt2"  # config.json's model_type: gpt2, or llama / qwen2 / mistral (the Llama family)
+    model_type: str = "gpt2"  # config.json's model_type: gpt2, or llama / qwen2 / mistral / qwen3 (the Llama family)
     vocab_size: int = 50257  # rows of the token embedding (and of the LM head)
     n_ctx: int = 1024  # context length: the most positions prompt + generated may span
     d_model: int = 768  # residual stream width
@@ -40,11 +63,12 @@ class DecoderConfig:
     n_kv_head: int | None = None  # K/V heads, shared by groups of n_head // n_kv_head query heads; the cache holds these
     head_dim: int | None = None  # width of one head (Llama-family configs may set it apart from d_model // n_head)
     rope_theta: float = 10000.0  # base of the rotary embedding's frequencies
-    rope_scaling: Llama3RopeScaling | None = None  # None: plain RoPE
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     qkv_bias: bool = False  # biases on the Q, K and V projections (Qwen2; Llama's attention_bias)
     o_bias: bool = False  # a bias on the output projection (Llama's attention_bias)
     mlp_bias: bool = False  # biases on the MLP's three projections (Llama's mlp_bias)
     tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2 always; Llama when config says)
+    qk_norm: bool = False  # an RMSNorm over each head's d_k channels of Q and of K, before the rotation (Qwen3)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -63,7 +87,8 @@ class DecoderConfig:
                 raise ValueError(f"d_model ({self.d_model}) is not divisible by n_head ({self.n_head})")
             llama_only = {"n_kv_head": self.n_kv_head != self.n_head, "head_dim": self.head_dim != self.d_model // self.n_head,
                           "rope_scaling": self.rope_scaling is not None, "qkv_bias": self.qkv_bias, "o_bias": self.o_bias,
-                          "mlp_bias": self.mlp_bias, "tie_word_embeddings": not self.tie_word_embeddings}
+                          "mlp_bias": self.mlp_bias, "tie_word_embeddings": not self.tie_word_embeddings,
+                          "qk_norm": self.qk_norm}
             for name, set_apart in llama_only.items():
                 if set_apart:
                     raise ValueError(f"DecoderConfig.{name} is a Llama-family setting; GPT-2 keeps its default")

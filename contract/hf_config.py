@@ -7,9 +7,22 @@ activation, a sliding window shorter than the context), never silently approxima
 
 from __future__ import annotations
 
-from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, Llama3RopeScaling
+from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, RopeScaling
 
-HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+# The rope_scaling fields each type reads, beside rope_type and factor (written back as read).
+_ROPE_FIELDS = {
+    "linear": (),
+    "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+}
+# Types transformers implements that kvserve refuses, and why.
+_ROPE_REFUSED = {
+    "dynamic": "its frequencies change with the longest sequence of each forward call, which a server batching rows of "
+               "different lengths cannot reproduce",
+    "longrope": "not implemented yet",
+}
 
 
 def config_from_hf(hf: dict, generation: dict | None = None) -> DecoderConfig:
@@ -64,8 +77,8 @@ def config_to_hf(config: DecoderConfig) -> dict:
     rope = {"rope_type": "default", "rope_theta": config.rope_theta}
     if config.rope_scaling is not None:
         scaling = config.rope_scaling
-        rope = {"rope_type": "llama3", "rope_theta": config.rope_theta, "factor": scaling.factor, "low_freq_factor": scaling.low_freq_factor,
-                "high_freq_factor": scaling.high_freq_factor, "original_max_position_embeddings": scaling.original_max_position_embeddings}
+        rope = {"rope_type": scaling.rope_type, "rope_theta": config.rope_theta, "factor": scaling.factor}
+        rope |= {name: getattr(scaling, name) for name in _ROPE_FIELDS[scaling.rope_type] if getattr(scaling, name) is not None}
     hf = common | {
         "hidden_act": "silu",
         "hidden_size": config.d_model,
@@ -86,6 +99,8 @@ def config_to_hf(config: DecoderConfig) -> dict:
         hf |= {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
     elif config.model_type == "qwen2":
         hf |= {"use_sliding_window": False}
+    elif config.model_type == "qwen3":
+        hf |= {"attention_bias": config.qkv_bias, "use_sliding_window": False}
     else:
         hf |= {"sliding_window": None}
     return hf
@@ -124,7 +139,7 @@ def _gpt2_from_hf(hf: dict, common: dict) -> DecoderConfig:
     )
 
 
-def _rope(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
+def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
     """rope_theta and the scaling, from transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
     parameters = hf.get("rope_parameters") or {}
     if "rope_theta" in parameters or "rope_type" in parameters:
@@ -137,18 +152,30 @@ def _rope(hf: dict) -> tuple[float, Llama3RopeScaling | None]:
         raise ValueError(f"unsupported partial_rotary_factor {partial!r} (kvserve rotates every channel: 1.0)")
     if rope_type == "default":
         return float(theta), None
-    if rope_type != "llama3":
-        raise ValueError(f"unsupported rope_type {rope_type!r} (kvserve implements 'default' and 'llama3')")
-    fields = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-    missing = [f for f in fields if f not in scaling]
+    if rope_type in _ROPE_REFUSED:
+        raise ValueError(f"unsupported rope_type {rope_type!r}: {_ROPE_REFUSED[rope_type]} (kvserve implements 'default', "
+                         f"{', '.join(map(repr, _ROPE_FIELDS))})")
+    if rope_type not in _ROPE_FIELDS:
+        raise ValueError(f"unsupported rope_type {rope_type!r} (kvserve implements 'default', {', '.join(map(repr, _ROPE_FIELDS))})")
+    fields = {name: scaling[name] for name in _ROPE_FIELDS[rope_type] if scaling.get(name) is not None}
+    original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if rope_type == "yarn":
+        # transformers' yarn falls back to the config's own original_max_position_embeddings, then to the context
+        # ratio for a missing factor; a published config (Qwen3's) gives both in rope_scaling.
+        if original is None:
+            raise ValueError("rope_scaling of type 'yarn' lacks original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = int(original)
+        if scaling.get("factor") is None:
+            scaling = scaling | {"factor": _required(hf, "max_position_embeddings") / int(original)}
+    required = ("factor", *_ROPE_FIELDS["llama3"]) if rope_type == "llama3" else ("factor",)
+    missing = [name for name in required if scaling.get(name) is None]
     if missing:
-        raise ValueError(f"rope_scaling of type 'llama3' lacks {', '.join(missing)}")
-    return float(theta), Llama3RopeScaling(
-        factor=float(scaling["factor"]),
-        low_freq_factor=float(scaling["low_freq_factor"]),
-        high_freq_factor=float(scaling["high_freq_factor"]),
-        original_max_position_embeddings=int(scaling["original_max_position_embeddings"]),
-    )
+        raise ValueError(f"rope_scaling of type {rope_type!r} lacks {', '.join(missing)}")
+    kinds = {"original_max_position_embeddings": int, "truncate": bool}
+    fields = {name: kinds.get(name, float)(value) for name, value in fields.items()}
+    if rope_type == "linear":
+        fields["original_max_position_embeddings"] = None
+    return float(theta), RopeScaling(rope_type=rope_type, factor=float(scaling["factor"]), **fields)
 
 
 def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
@@ -160,9 +187,10 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
     if hf.get("pretraining_tp", 1) != 1:
         raise ValueError(f"unsupported pretraining_tp {hf['pretraining_tp']!r} (kvserve implements 1)")
     window = hf.get("sliding_window")
-    slides = hf.get("use_sliding_window", True) if model_type == "qwen2" else window is not None
+    qwen = model_type in ("qwen2", "qwen3")
+    slides = hf.get("use_sliding_window", True) if qwen else window is not None
     layer_types = hf.get("layer_types") or []
-    if model_type == "qwen2" and "sliding_attention" in layer_types:
+    if qwen and "sliding_attention" in layer_types:
         slides = True
     if slides and window is not None and int(window) < n_ctx:
         raise ValueError(
@@ -184,9 +212,10 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         head_dim=int(hf.get("head_dim") or d_model // n_head),
         rope_theta=theta,
         rope_scaling=scaling,
-        # Qwen2 always biases Q, K and V (not O); Llama biases all four when attention_bias; Mistral none.
-        qkv_bias=model_type == "qwen2" or (model_type == "llama" and attention_bias),
-        o_bias=model_type == "llama" and attention_bias,
+        # Qwen2 always biases Q, K and V (not O); Llama and Qwen3 bias all four when attention_bias; Mistral none.
+        qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
+        o_bias=model_type in ("llama", "qwen3") and attention_bias,
         mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all three
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all four
+        qk_norm=model_type == "qwen3",
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import kvserve
+from kvserve.contract.config import MODEL_TYPES
 from kvserve.contract.io_contract import QUANTIZATIONS
 from kvserve.errors import JobFailed, UserError
 
@@ -222,6 +223,10 @@ class _Parser(argparse.ArgumentParser):
         self.exit(UserError.exit_code, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# model/presets.py's names (the CLI loads no model code to say them; a test holds the two together).
+PRESET_NAMES = ("tiny", "gpt2", "tiny-llama", "llama-135m", "qwen3-0.6b", "qwen2.5-0.5b")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.service.limits import declarations  # plain Python: no runtime loaded
 
@@ -232,8 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = commands.add_parser("export", help="export a checkpoint or preset to a verified ONNX artifact")
     source = export.add_mutually_exclusive_group(required=True)
-    source.add_argument("--preset", help="a built-in config with seeded random weights (tiny, gpt2, tiny-llama, llama-135m)")
-    source.add_argument("--checkpoint", help="a transformers checkpoint directory (config.json + safetensors or .bin weights; model_type gpt2, llama, qwen2 or mistral)")
+    source.add_argument("--preset", help=f"a built-in config with seeded random weights ({', '.join(PRESET_NAMES)})")
+    source.add_argument("--checkpoint", help="a transformers checkpoint directory (config.json + safetensors or .bin weights; model_type "
+                                             f"{', '.join(MODEL_TYPES)})")
     export.add_argument("--out", required=True, help="the artifact directory to write")
     export.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                         help="the graph's compute and K/V type: float32 (default; the CPU), float16 (GPU serving)")

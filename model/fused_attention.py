@@ -33,12 +33,6 @@ def supports_fused_attention(head_dim: int) -> bool:
     return head_dim % HEAD_DIM_MULTIPLE == 0
 
 
-def rotary_tables(inv_freq: list[float], positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, each (positions, d_k / 2), computed in float32 then cast."""
-    angles = torch.arange(positions, dtype=torch.float32)[:, None] * torch.tensor(inv_freq, dtype=torch.float32)  # (P, d_k / 2)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
 class FusedSlotStep:
     """What every layer of a fused `slots` step shares: B rows of S new tokens, a row's tokens ending at its last
     position, and a chunk of T >= 0 tokens of one more row; with rotary tables (cos, sin, each (P, d_k / 2),

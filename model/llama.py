@@ -1,22 +1,22 @@
-"""The eager reference decoder for the Llama family (model_type llama, qwen2, mistral), written to be read
+"""The eager reference decoder for the Llama family (model_type llama, qwen2, mistral, qwen3), written to be read
 as gpt2.py is.
 
 References: Touvron et al., "LLaMA" (2023) and "Llama 2" (2023); Su et al., "RoFormer: rotary position
 embedding" (2021); Shazeer, "GLU variants improve transformer" (2020); Ainslie et al., "GQA" (2023). The
-arithmetic follows transformers' LlamaForCausalLM / Qwen2ForCausalLM, which the tests hold it to.
+arithmetic follows transformers' LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM, which the
+tests hold it to.
 
 What differs from GPT-2: RMSNorm instead of LayerNorm; no position table, but Q and K rotated by their
 position (RoPE, from position_ids); a SwiGLU MLP; n_kv_head K/V heads shared by groups of query heads (the
 cache holds the K/V heads only); an LM head that may be its own matrix. The forward signatures, the cache
-layouts and the attention over them are GPT-2's (attention.py), so export and serving treat both alike.
+layouts and the attention over them are GPT-2's (attention.py), so export and serving treat both alike. Qwen3 adds an
+RMSNorm of each Q and K head before the rotation; the rotary frequencies and their rescalings are in rope.py.
 
 Projections are fused as GPT-2's c_attn is: Q, K and V in one matrix, the MLP's gate and up in another, so
 a step runs one matrix product where a checkpoint stores three or two (checkpoint.py splits and joins them).
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +25,8 @@ from torch import nn
 from kvserve.contract.config import DecoderConfig
 
 from .attention import LayerKV, SlotStep, attention_allowed, attention_bias, cached_attention, query_columns, slots_attention
-from .fused_attention import FusedSlotStep, rotary_tables
+from .fused_attention import FusedSlotStep
+from .rope import RotaryEmbedding, rotary_tables, rotate
 
 
 class RMSNorm(nn.Module):
@@ -47,51 +48,6 @@ class RMSNorm(nn.Module):
         return self.weight * (h * torch.rsqrt(variance + self.eps)).to(x.dtype)
 
 
-def rope_frequencies(config: DecoderConfig) -> list[float]:
-    """The rotary embedding's inverse frequencies, one per pair of channels (d_k / 2 of them), float32-exact as
-    transformers computes them, with Llama 3.1's rescaling when the config asks for it."""
-    d_k = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d_k, 2, dtype=torch.int64).float() / d_k))  # (d_k / 2,)
-    scaling = config.rope_scaling
-    if scaling is not None:
-        old = scaling.original_max_position_embeddings
-        low_wavelen, high_wavelen = old / scaling.low_freq_factor, old / scaling.high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        # Long wavelengths slow down by factor, short ones stay, the band between blends the two.
-        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
-        smooth = (old / wavelen - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)
-        blended = (1 - smooth) * scaled / scaling.factor + smooth * scaled
-        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
-        inv_freq = torch.where(medium, blended, scaled)
-    return inv_freq.tolist()
-
-
-class RotaryEmbedding(nn.Module):
-    """The angles of each position, as (cos, signed sin) for rotate(). The frequencies stay float32 constants,
-    not a buffer: a buffer would follow the model to float16, and a float16 frequency is off by radians a
-    thousand positions in."""
-
-    def __init__(self, config: DecoderConfig):
-        super().__init__()
-        self.inv_freq = rope_frequencies(config)
-
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (..., T) -> cos, signed sin (..., T, d_k) in dtype. Channel i and i + d_k / 2 share an
-        angle; the first half's sine is negated here, once a step, instead of the rotated half in every layer."""
-        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=position_ids.device)  # (d_k / 2,)
-        angles = position_ids[..., None].float() * inv_freq  # (..., T, d_k / 2)
-        sin = angles.sin()
-        return torch.cat([angles, angles], dim=-1).cos().to(dtype), torch.cat([-sin, sin], dim=-1).to(dtype)  # (..., T, d_k)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x (..., d_k) rotated pairwise by the angles: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), transformers'
-    rotate_half arithmetic exactly (negating a product's factor is exact). The halves swap with one gather."""
-    half = x.shape[-1] // 2
-    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(x.device)  # (d_k,): (x2, x1)
-    return x * cos + x.index_select(-1, swap) * signed_sin
-
-
 class GroupedQueryAttention(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -99,12 +55,22 @@ class GroupedQueryAttention(nn.Module):
         q_width, kv_width = self.n_head * self.d_head, self.n_kv_head * self.d_head
         self.qkv_proj = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.qkv_bias)  # fused Q, K, V
         self.o_proj = nn.Linear(q_width, config.d_model, bias=config.o_bias)  # W_O: mixes the concatenated heads
+        # Qwen3's per-head norms: each head's d_k channels of Q (and of K) RMS-normalised, one weight shared by the heads.
+        self.q_norm = RMSNorm(self.d_head, config.layer_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.d_head, config.layer_norm_eps) if config.qk_norm else None
+
+    def normed(self, qk: torch.Tensor) -> torch.Tensor:
+        """qk (..., H + H_kv, d_k) with the per-head norms applied (as it is without them)."""
+        if self.q_norm is None:
+            return qk
+        q, k = qk.split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
+        return torch.cat([self.q_norm(q), self.k_norm(k)], dim=-2)  # (..., H + H_kv, d_k)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x (..., C) -> q (..., H, d_k), k and v (..., H_kv, d_k), q and k rotated (together: one rotation a layer)."""
         qkv = self.qkv_proj(x).unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.d_head))  # (..., H + 2 H_kv, d_k)
         qk, v = qkv.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (..., H + H_kv, d_k), (..., H_kv, d_k)
-        q, k = rotate(qk, cos, sin).split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
+        q, k = rotate(self.normed(qk), cos, sin).split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
         return q, k, v
 
     def forward(self, x, cos, sin, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
@@ -126,6 +92,9 @@ class GroupedQueryAttention(nn.Module):
         chunk_row (1, H_kv, C_cap, d_k) the cache rows they are written into. Rotation, cache write and attention are
         one operator for the rows and one for the chunk (none when T is 0)."""
         qkv = self.qkv_proj(x)  # (B S + T, (H + 2 H_kv) d_k): unrotated
+        if self.q_norm is not None:  # the operator rotates what it is given: the norms come first
+            qk, v = qkv.unflatten(-1, (-1, self.d_head)).split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (N, H + H_kv, d_k), (N, H_kv, d_k)
+            qkv = torch.cat([self.normed(qk), v], dim=-2).flatten(-2)  # (N, (H + 2 H_kv) d_k)
         y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head)  # (B S + T, H d_k)
         return self.o_proj(y), present, chunk_present  # (B S + T, C)
 
@@ -255,7 +224,7 @@ class Llama(nn.Module):
         graph fixes no order between the two operators. Logits at logits_index of the B S row tokens (row by row), then
         the T chunk tokens."""
         dtype = self.model.embed_tokens.weight.dtype
-        tables = rotary_tables(self.rotary.inv_freq, self.config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2) each
+        tables = rotary_tables(self.rotary, self.config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2) each
         step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, dtype)
         x = self.model.embed_tokens(step.token_ids)  # (B S + T, C): a slots step needs no batch axis
         x, presents, chunk_presents = step.run_layers(self.model.layers, x, past_key_values, chunk_key_values)

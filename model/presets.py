@@ -23,6 +23,18 @@ PRESETS: dict[str, DecoderConfig] = {
         model_type="llama", vocab_size=49152, n_ctx=2048, d_model=576, n_head=9, n_kv_head=3, n_layer=30, d_mlp=1536,
         eos_token_ids=(0,), rope_theta=100000.0, layer_norm_eps=1e-5, initializer_range=0.02,
     ),
+    # Qwen3-0.6B's published config (28 layers of 1,024, 16 query and 8 K/V heads of 128, per-head Q/K norms, tied
+    # 151,936-token head, 40,960-token context) with random weights: the shape most deployed on CPUs in 2026.
+    "qwen3-0.6b": DecoderConfig(
+        model_type="qwen3", vocab_size=151936, n_ctx=40960, d_model=1024, n_head=16, n_kv_head=8, head_dim=128, n_layer=28, d_mlp=3072,
+        eos_token_ids=(151645, 151643), bos_token_id=151643, rope_theta=1000000.0, layer_norm_eps=1e-6, qk_norm=True,
+    ),
+    # Qwen2.5-0.5B-Instruct's published config (24 layers of 896, 14 query and 2 K/V heads of 64, Q/K/V biases, tied
+    # 151,936-token head, 32,768-token context) with random weights.
+    "qwen2.5-0.5b": DecoderConfig(
+        model_type="qwen2", vocab_size=151936, n_ctx=32768, d_model=896, n_head=14, n_kv_head=2, n_layer=24, d_mlp=4864,
+        eos_token_ids=(151645, 151643), bos_token_id=151643, rope_theta=1000000.0, layer_norm_eps=1e-6, qkv_bias=True,
+    ),
 }
 
 

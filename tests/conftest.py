@@ -187,18 +187,28 @@ LLAMA_CONFIGS = {
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         head_dim=32, max_position_embeddings=128, sliding_window=None, tie_word_embeddings=False,
     )),
+    "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied": ("qwen3", dict(
+        vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, max_position_embeddings=160, rope_theta=1000000.0, tie_word_embeddings=True, use_sliding_window=False,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 40},
+    )),
+    "qwen3 multi-head head_dim 16 qk-norm biased linear-rope untied": ("qwen3", dict(
+        vocab_size=300, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3,
+        head_dim=16, max_position_embeddings=128, attention_bias=True, tie_word_embeddings=False, use_sliding_window=False,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+    )),
 }
 
 
 @pytest.fixture(scope="session")
 def make_hf_llama(tmp_path_factory):
-    """Factory: a transformers Llama-family model (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM) with random
+    """Factory: a transformers Llama-family model (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM) with random
     weights from a config, saved locally as save_pretrained writes it: optionally in bfloat16, optionally sharded.
     Returns the model in float32 (the reference: exactly the saved weights) and the directory."""
     import torch
     import transformers
 
-    classes = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+    classes = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3"}
 
     def make(model_type: str, seed: int = 0, dtype=None, max_shard_size=None, generation=None, **config):
         torch.manual_seed(seed)
@@ -210,6 +220,10 @@ def make_hf_llama(tmp_path_factory):
         prefix = classes[model_type]
         hf_config = getattr(transformers, f"{prefix}Config")(**config, attn_implementation="eager")
         hf = getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval()
+        with torch.no_grad():  # norms drawn around 1, not left at it: a norm applied in the wrong place then shows
+            for name, param in hf.named_parameters():
+                if "norm" in name:
+                    param.normal_(1.0, 0.3)
         if dtype is not None:
             hf = hf.to(dtype)
         directory = tmp_path_factory.mktemp(f"hf-{model_type}")

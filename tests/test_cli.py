@@ -199,3 +199,14 @@ def test_ctrl_c_during_export_ends_it_with_130_and_leaves_nothing(tmp_path):
         _, stderr = export.communicate(timeout=120)
         assert export.returncode == 130 and "Traceback" not in stderr, (delay, export.returncode, stderr[-2000:])
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name != "a"]
+
+
+def test_export_help_names_every_preset_and_model_type():
+    """The CLI names the presets without loading model code; this holds its list to model/presets.py's."""
+    from kvserve.cli import PRESET_NAMES
+    from kvserve.contract.config import MODEL_TYPES
+    from kvserve.model.presets import PRESETS
+
+    assert PRESET_NAMES == tuple(PRESETS)
+    export = " ".join(run_cli("export", "--help").stdout.split())
+    assert all(name in export for name in (*PRESETS, *MODEL_TYPES))

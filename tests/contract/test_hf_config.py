@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.contract.config import DecoderConfig
 from kvserve.contract.hf_config import config_from_hf, config_to_hf
-from kvserve.model.presets import preset
+from kvserve.model.presets import PRESETS, preset
 
 
 def test_hf_config_round_trip():
@@ -15,7 +15,7 @@ def test_hf_config_round_trip():
     assert config_from_hf(config_to_hf(config)) == config
 
 
-@pytest.mark.parametrize("name", ["tiny", "gpt2", "tiny-llama", "llama-135m"])
+@pytest.mark.parametrize("name", list(PRESETS))
 def test_every_preset_survives_config_json(name):
     """An artifact's config.json is how export and serve agree on the model: every preset must read back as itself."""
     assert config_from_hf(json.loads(json.dumps(config_to_hf(preset(name))))) == preset(name)
@@ -35,9 +35,38 @@ def test_a_llama_config_maps_its_fields_and_generation_configs_eos_list_wins():
 
 @pytest.mark.parametrize("edit, message", [
     ({"model_type": "falcon"}, "unsupported architecture: model_type 'falcon'"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic': its frequencies change with the longest"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "rope_type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "su"}}, "unsupported rope_type 'su'"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' lacks original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "'llama3' lacks low_freq_factor, high_freq_factor, original_max"),
+    ({"rope_scaling": {"rope_type": "linear"}}, "'linear' lacks factor"),
+    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
     ({"sliding_window": 16, "use_sliding_window": True, "model_type": "qwen2"}, "sliding"),
 ])
 def test_what_kvserve_does_not_implement_is_refused_by_name(edit, message):
     with pytest.raises(ValueError, match=message):
         config_from_hf({**LLAMA, **edit})
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 16.0, "mscale": 0.7, "mscale_all_dim": 1.0,
+     "truncate": False},
+], ids=["linear", "llama3", "yarn", "yarn mscale"])
+def test_each_rope_scaling_reads_back_as_itself_in_both_spellings(scaling):
+    """transformers 4's rope_scaling and 5's rope_parameters name the same fields; what is written reads back unchanged."""
+    old = config_from_hf({**LLAMA, "rope_theta": 5e5, "rope_scaling": scaling})
+    new = config_from_hf({**LLAMA, "rope_parameters": {"rope_theta": 5e5, **scaling}})
+    assert old == new and old.rope_scaling.rope_type == scaling["rope_type"] and old.rope_scaling.factor == scaling["factor"]
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(old)))) == old
+
+
+def test_a_qwen3_config_reads_its_norms_and_biases():
+    qwen3 = {**LLAMA, "model_type": "qwen3", "head_dim": 64, "attention_bias": True, "use_sliding_window": False, "sliding_window": 16}
+    config = config_from_hf(qwen3)
+    assert config.qk_norm and config.qkv_bias and config.o_bias and config.head_dim == 64  # head_dim apart from hidden_size / heads
+    assert config_from_hf(config_to_hf(config)) == config
+    assert not config_from_hf({**LLAMA, "model_type": "qwen2"}).qk_norm

@@ -43,6 +43,14 @@ def test_greedy_generation_matches_transformers_token_for_token(pair):
     np.testing.assert_array_equal(mine, hf_greedy(hf, PROMPTS, 40))
 
 
+def test_rotary_frequencies_and_attention_factor_equal_transformers(pair):
+    """Bit for bit: a frequency off in its last place turns into a visible angle error thousands of positions in."""
+    hf, ours = pair
+    rotary = hf.model.rotary_emb
+    assert ours.rotary.inv_freq == rotary.inv_freq.tolist()
+    assert ours.rotary.scale == rotary.attention_scaling
+
+
 @torch.no_grad()
 def test_every_cache_layout_gives_the_same_logits(pair):
     """concat decode steps and a slots step (decode rows beside a prompt chunk) both equal a

@@ -16,7 +16,8 @@ from ..hf_reference import hf_greedy
 from .conftest import collect, start_server
 
 NAME = "llama gqa 4:1 head_dim 24 untied"  # standard attention (head_dim 24 cannot be fused)
-FUSED = "mistral gqa 2:1 head_dim 32 untied"  # exported with fused attention, in float16 under CUDA
+# exported with fused attention, in float16 under CUDA; Qwen3's per-head norms run before the operator rotates
+FUSED = ["mistral gqa 2:1 head_dim 32 untied", "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied"]
 PROMPTS = [[(11 * i + 5 * j) % 290 + 3 for j in range(length)] for i, length in enumerate((1, 4, 7, 12, 19, 26, 40, 55))]
 STEPS = 34
 
@@ -36,9 +37,9 @@ def llama_server(llama_artifact):
     yield from serve(llama_artifact, NAME)
 
 
-@pytest.fixture(scope="module")
-def llama_fused_server(llama_artifact):
-    yield from serve(llama_artifact, FUSED, dtype=FUSED_DTYPES[0], attention="fused")
+@pytest.fixture(scope="module", params=FUSED)
+def llama_fused_server(llama_artifact, request):
+    yield from serve(llama_artifact, request.param, dtype=FUSED_DTYPES[0], attention="fused")
 
 
 def greedy(ids, n, **extra):
