@@ -8,6 +8,8 @@ from dataclasses import dataclass
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
 GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
 MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH, "qwen3": LLAMA_ARCH}
+# Those whose config.json can ask for sliding-window layers.
+SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3")
 
 
 # How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
@@ -69,6 +71,10 @@ class DecoderConfig:
     mlp_bias: bool = False  # biases on the MLP's three projections (Llama's mlp_bias)
     tie_word_embeddings: bool = True  # the LM head is the token embedding (GPT-2 always; Llama when config says)
     qk_norm: bool = False  # an RMSNorm over each head's d_k channels of Q and of K, before the rotation (Qwen3)
+    # Sliding-window attention: in the layers listed, a query sees only the sliding_window most recent positions (itself
+    # included), as transformers' sliding mask has it. None (and no layers) when every layer sees the whole context.
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -79,6 +85,13 @@ class DecoderConfig:
         if self.head_dim is None and self.n_head > 0:
             object.__setattr__(self, "head_dim", self.d_model // self.n_head)
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
+        object.__setattr__(self, "sliding_layers", tuple(sorted({int(i) for i in self.sliding_layers})))
+        if self.sliding_window is not None and (self.sliding_window <= 0 or not self.sliding_layers):
+            raise ValueError(f"DecoderConfig.sliding_window {self.sliding_window} needs a positive window and the layers it applies to")
+        if self.sliding_window is not None and self.model_type not in SLIDING_MODEL_TYPES:
+            raise ValueError(f"DecoderConfig.sliding_window: model_type {self.model_type!r} has no sliding window ({', '.join(SLIDING_MODEL_TYPES)} do)")
+        if self.sliding_layers and (self.sliding_window is None or not 0 <= self.sliding_layers[0] <= self.sliding_layers[-1] < self.n_layer):
+            raise ValueError(f"DecoderConfig.sliding_layers {self.sliding_layers} needs a sliding_window and layers 0 .. {self.n_layer - 1}")
         for name in ("vocab_size", "n_ctx", "d_model", "n_head", "n_layer", "d_mlp", "n_kv_head", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DecoderConfig.{name} must be positive, got {getattr(self, name)}")
@@ -88,7 +101,7 @@ class DecoderConfig:
             llama_only = {"n_kv_head": self.n_kv_head != self.n_head, "head_dim": self.head_dim != self.d_model // self.n_head,
                           "rope_scaling": self.rope_scaling is not None, "qkv_bias": self.qkv_bias, "o_bias": self.o_bias,
                           "mlp_bias": self.mlp_bias, "tie_word_embeddings": not self.tie_word_embeddings,
-                          "qk_norm": self.qk_norm}
+                          "qk_norm": self.qk_norm, "sliding_window": self.sliding_window is not None}
             for name, set_apart in llama_only.items():
                 if set_apart:
                     raise ValueError(f"DecoderConfig.{name} is a Llama-family setting; GPT-2 keeps its default")
@@ -104,6 +117,10 @@ class DecoderConfig:
     def architecture(self) -> str:
         """The decoder family that implements this config: GPT2_ARCH or LLAMA_ARCH."""
         return MODEL_TYPES[self.model_type]
+
+    def window(self, layer: int) -> int | None:
+        """How many recent positions layer's queries see (themselves included); None: the whole context."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
     @property
     def d_head(self) -> int:

@@ -2,7 +2,7 @@
 torch-free server reads an artifact's config.json through it too.
 
 Whatever a config.json asks for that kvserve does not implement is refused by name (a rope type, an
-activation, a sliding window shorter than the context), never silently approximated.
+activation, a partial rotation), never silently approximated.
 """
 
 from __future__ import annotations
@@ -97,12 +97,16 @@ def config_to_hf(config: DecoderConfig) -> dict:
     }
     if config.model_type == "llama":
         hf |= {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
-    elif config.model_type == "qwen2":
-        hf |= {"use_sliding_window": False}
-    elif config.model_type == "qwen3":
-        hf |= {"attention_bias": config.qkv_bias, "use_sliding_window": False}
+    elif config.model_type in ("qwen2", "qwen3"):
+        layer_types = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
+        hf |= {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
+               "max_window_layers": config.n_layer if config.sliding_window is None else min(config.sliding_layers), "layer_types": layer_types}
+        if config.model_type == "qwen3":
+            hf |= {"attention_bias": config.qkv_bias}
     else:
-        hf |= {"sliding_window": None}
+        if config.sliding_window is not None and len(config.sliding_layers) != config.n_layer:
+            raise ValueError("a Mistral config.json slides every layer or none; this config slides some")
+        hf |= {"sliding_window": config.sliding_window}
     return hf
 
 
@@ -186,17 +190,8 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         raise ValueError(f"unsupported hidden_act {act!r} (kvserve implements the SwiGLU MLP: 'silu')")
     if hf.get("pretraining_tp", 1) != 1:
         raise ValueError(f"unsupported pretraining_tp {hf['pretraining_tp']!r} (kvserve implements 1)")
-    window = hf.get("sliding_window")
-    qwen = model_type in ("qwen2", "qwen3")
-    slides = hf.get("use_sliding_window", True) if qwen else window is not None
-    layer_types = hf.get("layer_types") or []
-    if qwen and "sliding_attention" in layer_types:
-        slides = True
-    if slides and window is not None and int(window) < n_ctx:
-        raise ValueError(
-            f"unsupported sliding_window {window} < max_position_embeddings {n_ctx} (kvserve attends to the whole context; "
-            "a window that covers it is accepted)"
-        )
+    n_layer = _required(hf, "num_hidden_layers")
+    window, sliding_layers = _sliding_window(hf, n_ctx, n_layer)
     theta, scaling = _rope(hf)
     d_model, n_head = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
     attention_bias = bool(hf.get("attention_bias", False))
@@ -205,7 +200,7 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         n_ctx=n_ctx,
         d_model=d_model,
         n_head=n_head,
-        n_layer=_required(hf, "num_hidden_layers"),
+        n_layer=n_layer,
         d_mlp=_required(hf, "intermediate_size"),
         layer_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         n_kv_head=int(hf.get("num_key_value_heads") or n_head),
@@ -218,4 +213,34 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all four
         qk_norm=model_type == "qwen3",
+        sliding_window=window,
+        sliding_layers=sliding_layers,
     )
+
+
+def _sliding_window(hf: dict, n_ctx: int, n_layer: int) -> tuple[int | None, tuple[int, ...]]:
+    """The window and the layers it applies to, as transformers reads them: Mistral's applies to every layer; Qwen2's and
+    Qwen3's only with use_sliding_window, to the layers layer_types calls sliding_attention (by default those from
+    max_window_layers on). A window covering the whole context is no window."""
+    window = hf.get("sliding_window")
+    if window is None:
+        return None, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
+        raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
+    if hf["model_type"] == "mistral":
+        layers = tuple(range(n_layer))
+    elif hf["model_type"] in ("qwen2", "qwen3"):
+        if not hf.get("use_sliding_window", False):
+            return None, ()
+        layer_types = hf.get("layer_types")
+        if layer_types is None:
+            first = int(hf.get("max_window_layers", 28))
+            layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
+        if len(layer_types) != n_layer or set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name each of the {n_layer} layers sliding_attention or full_attention")
+        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    else:  # Llama's config has no window; one written there anyway is read by nothing in transformers either
+        return None, ()
+    if window >= n_ctx or not layers:
+        return None, ()
+    return int(window), layers

@@ -43,33 +43,38 @@ def declare_operators() -> None:
               param("seqlens_k", "M"), param("total_sequence_length", "M"),
               param("cos_cache", "T", param_option=optional), param("sin_cache", "T", param_option=optional)]
     outputs = [param("output", "T"), param("present_key", "T"), param("present_value", "T")]
-    rotary = OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, "rotate Q and K by position", required=False)
+    rotary = [OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, "rotate Q and K by position", required=False),
+              OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, "sliding window: positions a query sees, -1 all",
+                                 required=False)]
     onnx.defs.register_schema(OpSchema("GroupQueryAttention", MICROSOFT, 1, inputs=inputs, outputs=outputs,
-                                       type_constraints=types, attributes=heads + [rotary]))
+                                       type_constraints=types, attributes=heads + rotary))
     inputs = [param(name, kind) for name, kind in (
         ("qkv", "T"), ("rows_key", "T"), ("rows_value", "T"), ("chunk_key", "T"), ("chunk_value", "T"), ("rows_last", "M"),
         ("rows_total", "M"), ("chunk_last", "M"), ("chunk_total", "M"), ("cos", "T"), ("sin", "T"), ("row_tokens", "I"),
         ("chunk_tokens", "I"))]
     outputs = [param(name, "T") for name in ("output", "rows_key_out", "rows_value_out", "chunk_key_out", "chunk_value_out")]
     onnx.defs.register_schema(OpSchema(PLACEHOLDER, PLACEHOLDER_DOMAIN, 1, inputs=inputs, outputs=outputs,
-                                       type_constraints=types + [("I", ["tensor(int64)"], "token ids")], attributes=heads + [rotary]))
+                                       type_constraints=types + [("I", ["tensor(int64)"], "token ids")], attributes=heads + rotary))
 
 
 def rows_and_chunk_placeholder(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos,
-                               sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int, rotary: bool):
-    """kvserve::rows_and_chunk_attention as the placeholder node expand_rows_and_chunk_attention replaces."""
+                               sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int, rotary: bool, window: int):
+    """kvserve::rows_and_chunk_attention as the placeholder node expand_rows_and_chunk_attention replaces. A window of w
+    positions (the query's own included, as transformers counts) is the operator's local_window_size w: ONNX Runtime
+    1.31's CPU kernel reads it so (the sliding-window parity tests fail at w - 1)."""
     return _KVSERVE.RowsAndChunkAttention(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last,
                                           chunk_total, cos, sin, row_tokens, chunk_tokens, num_heads=n_head, kv_num_heads=n_kv_head,
-                                          do_rotary=int(rotary))
+                                          do_rotary=int(rotary), local_window_size=-1 if window < 0 else window)
 
 
 def _group_query_attention(query: str, past_key: str, past_value: str, last: str, total: str, cos: str, sin: str, outputs: list[str],
-                           n_head: int, n_kv_head: int, rotary: int) -> onnx.NodeProto:
+                           n_head: int, n_kv_head: int, rotary: int, local_window_size: int) -> onnx.NodeProto:
     """The operator with packed unrotated QKV (B, S, (H + 2 H_kv) d_k), the rows as a shared past/present buffer,
-    seqlens_k = each row's last position, rotary on (cos/sin tables given) or off (none)."""
+    seqlens_k = each row's last position, rotary on (cos/sin tables given) or off (none), a sliding window or none (-1)."""
     tables = [cos, sin] if rotary else ["", ""]
+    window = {"local_window_size": local_window_size} if local_window_size >= 0 else {}
     return helper.make_node("GroupQueryAttention", [query, "", "", past_key, past_value, last, total, *tables], outputs,
-                            domain=MICROSOFT, name=outputs[0], num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=rotary)
+                            domain=MICROSOFT, name=outputs[0], num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=rotary, **window)
 
 
 def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
@@ -87,6 +92,7 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
         attrs = {a.name: a.i for a in node.attribute}
         n_head, n_kv_head = attrs["num_heads"], attrs["kv_num_heads"]
         rotary = attrs.get("do_rotary", 1)
+        local_window_size = attrs.get("local_window_size", -1)
         for i, name in enumerate(inputs):
             if name in initializers and (rotary or i not in _TABLE_INPUTS):  # referenced from the branches only, an initializer looks unused to graph tools
                 if name not in passed:  # (onnxruntime.quantization drops such): a main-graph Identity keeps it in use
@@ -100,7 +106,7 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
         shapes = shared[(row_tokens, chunk_tokens)][1]
         y, pk, pv, ck, cv = node.output
         p = f"{y}/"  # the If's own value names
-        heads = (n_head, n_kv_head, rotary)
+        heads = (n_head, n_kv_head, rotary, local_window_size)
 
         def flat(name: str, out: str) -> onnx.NodeProto:  # (B, S, H d_k) -> (B S, H d_k)
             return helper.make_node("Flatten", [name], [out], axis=2)

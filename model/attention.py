@@ -22,15 +22,23 @@ import torch
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
 
-def attention_allowed(attention_mask: torch.Tensor, query_columns: torch.Tensor) -> torch.Tensor:
-    """Which keys each query may attend to: causal by cache column, and never padding.
+def attention_allowed(attention_mask: torch.Tensor, query_columns: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """Which keys each query may attend to: causal by cache column, within the window when there is one, and never
+    padding.
 
     attention_mask: (B, S) over the cache columns, 1 for real tokens and 0 for padding. query_columns: (T,)
-    the column each query's own K/V occupy. Returns a bool (B, 1, T, S).
+    the column each query's own K/V occupy. window: how many columns up to its own a query sees, as transformers'
+    sliding mask counts them (cache columns, padding included). Returns a bool (B, 1, T, S).
     """
     key_columns = torch.arange(attention_mask.shape[1], device=attention_mask.device)  # (S,)
-    causal = key_columns[None, :] <= query_columns[:, None]  # (T, S)
+    causal = within_window(key_columns[None, :], query_columns[:, None], window)  # (T, S)
     return causal[None, None, :, :] & (attention_mask[:, None, None, :] > 0)  # (B, 1, T, S)
+
+
+def within_window(key_columns: torch.Tensor, query_columns: torch.Tensor, window: int | None) -> torch.Tensor:
+    """key <= query, and key > query - window when there is a window (broadcast; transformers' sliding overlay)."""
+    causal = key_columns <= query_columns
+    return causal if window is None else causal & (key_columns > query_columns - window)
 
 
 def query_columns(attention_mask: torch.Tensor, steps: int) -> torch.Tensor:
@@ -115,8 +123,10 @@ class SlotStep:
     rows their first W columns, the chunk its own row's first W_c. (Slicing the pool's column axis cost ONNX
     Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.)"""
 
-    def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV):
-        """The slots inputs (see GPT2.forward_slots, contract/io_contract.py) and a layer's row pool."""
+    def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV,
+                 window: int | None = None):
+        """The slots inputs (see GPT2.forward_slots, contract/io_contract.py), a layer's row pool, and the sliding window
+        of the layers that have one (their biases are built beside the others')."""
         B, T = position_ids.shape[0], chunk_position_ids.shape[1]
         n_kv_head, capacity = pool[0].shape[1], pool[0].shape[2]
         device = position_ids.device
@@ -137,12 +147,18 @@ class SlotStep:
         self.chunk_cells = ((chunk_slot * n_kv_head + heads)[:, None] * capacity + chunk_columns[None, :])[:, None]  # (H_kv, 1, W_c)
         causal = chunk_columns[None, :] <= chunk_position_ids.reshape(T)[:, None]  # (T, W_c)
         self.chunk_bias = attention_bias(causal & (chunk_attention_mask > 0))  # (T, W_c)
+        if window is not None:  # a row's columns are its positions: the window counts back from each query's own
+            recent = within_window(decode_columns[None, :], position_ids.reshape(B)[:, None], window)  # (B, W)
+            self.decode_bias_local = attention_bias((recent & (attention_mask > 0))[:, None, None, :])  # (B, 1, 1, W)
+            recent = within_window(chunk_columns[None, :], chunk_position_ids.reshape(T)[:, None], window)  # (T, W_c)
+            self.chunk_bias_local = attention_bias(recent & (chunk_attention_mask > 0))  # (T, W_c)
         self.positions = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
 
 
-def slots_attention(q, k, v, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False) -> tuple[torch.Tensor, LayerKV]:
     """A `slots` step's q (N, H, d_k) and new k, v (N, H_kv, d_k), decode rows first, against the row pool
-    past (each (S, H_kv, C_cap, d_k)). Returns the attention output (N, H * d_k) and the pool, written."""
+    past (each (S, H_kv, C_cap, d_k)); local: a sliding-window layer's. Returns the attention output (N, H * d_k) and
+    the pool, written."""
     N, H, d_k = q.shape
     B = step.n_decode
     # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
@@ -152,8 +168,8 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV) -> tuple[torch.Tenso
     k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
     k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
     q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
-    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias)  # (B, H * d_k)
+    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias_local if local else step.decode_bias)  # (B, H * d_k)
     k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
-    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias)  # (T, H * d_k)
+    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias)  # (T, H * d_k)
     y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
     return y, (k, v)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import attention_bias, scaled_dot_product_attention
+from .attention import attention_bias, scaled_dot_product_attention, within_window
 
 # ONNX Runtime 1.31's CPU kernel refuses other head widths.
 HEAD_DIM_MULTIPLE = 16
@@ -63,11 +63,12 @@ class FusedSlotStep:
         return x, presents, chunk_presents
 
     def attend(self, qkv: torch.Tensor, rows: "tuple[torch.Tensor, torch.Tensor]", chunk_row: "tuple[torch.Tensor, torch.Tensor]", n_head: int,
-               n_kv_head: int):
-        """A layer's packed qkv (B S + T, (H + 2 H_kv) d_k) against its rows and the chunk's row: the attention output
-        (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V), written."""
+               n_kv_head: int, window: int | None = None):
+        """A layer's packed qkv (B S + T, (H + 2 H_kv) d_k) against its rows and the chunk's row (within the window
+        when the layer slides): the attention output (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V), written."""
         y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, self.rows_last, self.rows_total, self.chunk_last, self.chunk_total,
-                                               self.cos, self.sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary)
+                                               self.cos, self.sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary,
+                                               -1 if window is None else window)
         return y, tuple(present[:2]), tuple(present[2:])
 
 
@@ -81,6 +82,7 @@ def row_attention(
     n_head: int,
     n_kv_head: int,
     rotary: bool,
+    window: int,  # -1: the whole row; else how many positions up to its own a query sees
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the attention output (B, S, H d_k) and the rows' K and V with the new tokens written."""
     B, S, _ = qkv.shape
@@ -100,7 +102,7 @@ def row_attention(
     present_key, present_value = past_key.clone(), past_value.clone()
     present_key[rows, :, positions] = rotate(k)  # each (B, S, H_kv, d_k) at (row, column)
     present_value[rows, :, positions] = v
-    allowed = torch.arange(C, device=qkv.device)[None, None, :] <= positions[:, :, None]  # (B, S, C): causal, within the row
+    allowed = within_window(torch.arange(C, device=qkv.device)[None, None, :], positions[:, :, None], None if window < 0 else window)  # (B, S, C)
     y = scaled_dot_product_attention(rotate(q).transpose(1, 2), present_key, present_value, attention_bias(allowed[:, None]))  # (B, H, S, d_k)
     return y.transpose(1, 2).reshape(B, S, n_head * d_k), present_key, present_value
 
@@ -123,10 +125,11 @@ def rows_and_chunk_attention(
     n_head: int,
     n_kv_head: int,
     rotary: bool,
+    window: int,  # -1: none; a sliding-window layer's window
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written."""
     (B, S), T = row_tokens.shape, chunk_tokens.shape[1]
-    tables = (cos, sin, n_head, n_kv_head, rotary)
+    tables = (cos, sin, n_head, n_kv_head, rotary, window)
     y_rows, rows_key, rows_value = row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, *tables)  # (B, S, H d_k)
     y_rows = y_rows.reshape(B * S, -1)  # (B S, H d_k)
     if T == 0:
@@ -137,6 +140,6 @@ def rows_and_chunk_attention(
 
 @rows_and_chunk_attention.register_fake
 def _(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens,
-      n_head, n_kv_head, rotary):
+      n_head, n_kv_head, rotary, window):
     y = qkv.new_empty(qkv.shape[0], n_head * rows_key.shape[3])
     return y, torch.empty_like(rows_key), torch.empty_like(rows_value), torch.empty_like(chunk_key), torch.empty_like(chunk_value)

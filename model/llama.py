@@ -49,9 +49,10 @@ class RMSNorm(nn.Module):
 
 
 class GroupedQueryAttention(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, layer: int):
         super().__init__()
         self.n_head, self.n_kv_head, self.d_head = config.n_head, config.n_kv_head, config.head_dim
+        self.window = config.window(layer)  # None: the whole context
         q_width, kv_width = self.n_head * self.d_head, self.n_kv_head * self.d_head
         self.qkv_proj = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.qkv_bias)  # fused Q, K, V
         self.o_proj = nn.Linear(q_width, config.d_model, bias=config.o_bias)  # W_O: mixes the concatenated heads
@@ -84,7 +85,7 @@ class GroupedQueryAttention(nn.Module):
     def forward_slots(self, x, cos, sin, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         """x (N, C): the step's tokens, decode rows first; cos, sin (N, 1, d_k). past: the row pool."""
         q, k, v = self.project(x, cos, sin)  # (N, H, d_k), 2 x (N, H_kv, d_k)
-        y, present = slots_attention(q, k, v, step, past)  # (N, H * d_k)
+        y, present = slots_attention(q, k, v, step, past, local=self.window is not None)  # (N, H * d_k)
         return self.o_proj(y), present
 
     def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
@@ -95,7 +96,7 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None:  # the operator rotates what it is given: the norms come first
             qk, v = qkv.unflatten(-1, (-1, self.d_head)).split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (N, H + H_kv, d_k), (N, H_kv, d_k)
             qkv = torch.cat([self.normed(qk), v], dim=-2).flatten(-2)  # (N, (H + 2 H_kv) d_k)
-        y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head)  # (B S + T, H d_k)
+        y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head, self.window)  # (B S + T, H d_k)
         return self.o_proj(y), present, chunk_present  # (B S + T, C)
 
 
@@ -114,10 +115,10 @@ class SwiGLU(nn.Module):
 class LlamaBlock(nn.Module):
     """Pre-norm block: residual + attention, residual + MLP."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.self_attn = GroupedQueryAttention(config)
+        self.self_attn = GroupedQueryAttention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.d_model, config.layer_norm_eps)
         self.mlp = SwiGLU(config)
 
@@ -147,7 +148,7 @@ class Llama(nn.Module):
         self.model = nn.ModuleDict(
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.d_model),
-                layers=nn.ModuleList(LlamaBlock(config) for _ in range(config.n_layer)),
+                layers=nn.ModuleList(LlamaBlock(config, layer) for layer in range(config.n_layer)),
                 norm=RMSNorm(config.d_model, config.layer_norm_eps),
             )
         )
@@ -189,13 +190,14 @@ class Llama(nn.Module):
         past_key_values: list[LayerKV],  # per layer (K, V), each (B, H_kv, P, d_k)
     ) -> tuple[torch.Tensor, list[LayerKV]]:
         columns = query_columns(attention_mask, input_ids.shape[1])  # (T,)
-        bias = attention_bias(attention_allowed(attention_mask, columns))  # (B, 1, T, S)
+        window = self.config.sliding_window
+        biases = {w: attention_bias(attention_allowed(attention_mask, columns, w)) for w in {None, window}}  # each (B, 1, T, S)
         x = self.model.embed_tokens(input_ids)  # (B, T, C)
         cos, sin = self.rotary(position_ids, x.dtype)  # (B, T, d_k)
         cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, d_k): the same angles for every head
         presents = []
         for block, past in zip(self.model.layers, past_key_values):
-            x, present = block(x, cos, sin, bias, past)
+            x, present = block(x, cos, sin, biases[block.self_attn.window], past)
             presents.append(present)
         return self.logits(x), presents  # (B, T, V)
 
@@ -203,7 +205,8 @@ class Llama(nn.Module):
                       logits_index, past_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV]]:
         """One `slots` step, with GPT2.forward_slots's inputs and meaning: every row decodes one token and one row's
         prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k)."""
-        step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0])
+        step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0],
+                        self.config.sliding_window)
         x = self.model.embed_tokens(step.token_ids)  # (N, C): a slots step needs no batch axis
         cos, sin = self.rotary(step.positions, x.dtype)  # (N, d_k)
         cos, sin = cos[:, None], sin[:, None]  # (N, 1, d_k): the same angles for every head

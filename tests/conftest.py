@@ -197,6 +197,14 @@ LLAMA_CONFIGS = {
         head_dim=16, max_position_embeddings=128, attention_bias=True, tie_word_embeddings=False, use_sliding_window=False,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
     )),
+    "mistral sliding window 7 head_dim 16": ("mistral", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=128, sliding_window=7, tie_word_embeddings=False,
+    )),
+    "qwen2 sliding window 5 from layer 1 of 3": ("qwen2", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, use_sliding_window=True, sliding_window=5, max_window_layers=1, tie_word_embeddings=True,
+    )),
 }
 
 
