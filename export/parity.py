@@ -29,7 +29,7 @@ from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.progress import stage
 from kvserve.runtime import DecoderRuntime
 
-from .parity_drivers import artifact_greedy, driver_for
+from .parity_drivers import DRIVEN_COLUMNS, artifact_greedy, driver_for
 from .parity_report import (
     ArgmaxResult,
     CheckResult,
@@ -163,7 +163,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     config = artifact.config
     if reference.config != config:
         raise ArtifactError(f"{artifact.directory}: the reference checkpoint's config differs from the artifact's config.json")
-    most_steps = config.n_ctx - max(DECODE_PROMPTS) - 1  # the decode check feeds its longest prompt this many tokens
+    most_steps = min(config.n_ctx, DRIVEN_COLUMNS) - max(DECODE_PROMPTS) - 1  # the decode check feeds its longest prompt this many tokens
     if not 1 <= steps <= most_steps:
         raise VerifyRefused(f"--steps must be in [1, {most_steps}] for this model (context {config.n_ctx}), got {steps}")
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)

@@ -68,6 +68,19 @@ def test_eight_concurrent_streams_through_fused_attention_generate_what_transfor
     np.testing.assert_array_equal(np.array(together), expected)
 
 
+def test_a_prompt_cache_hit_longer_than_the_window_generates_what_transformers_generates(llama_fused_server):
+    """Rows keep every column's K/V (windowed layers included), so a cached prefix reaching past the window is reused
+    whole, and the continuation is the one a cold prompt gets."""
+    hf, _, stub = llama_fused_server
+    first = PROMPTS[4]  # 19 tokens: longer than the sliding window
+    ids, _, finish = collect(stub, greedy(first, 12))
+    longer = first + ids + [7, 8, 9]
+    ids, _, finish = collect(stub, greedy(longer, 16))
+    assert finish.cached_prompt_tokens >= len(first)
+    if stub.GetModelInfo(pb.GetModelInfoRequest()).dtype == "float32":
+        assert ids == hf_greedy(hf, [longer], 16)[0].tolist()
+
+
 def test_model_info_names_the_architecture_and_its_kv_heads(llama_server):
     hf, _, stub = llama_server
     _, config = LLAMA_CONFIGS[NAME]
