@@ -19,6 +19,8 @@ from pathlib import Path
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# What render() itself gives a template; a caller's extra variables (chat_template_kwargs) may not replace them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKEN_NAMES})
 
 
 class TemplateError(ValueError):
@@ -39,11 +41,16 @@ class ChatTemplate:
     def __post_init__(self):
         object.__setattr__(self, "_compiled", _compile(self.source))
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> str:
-        """The prompt text for messages, ending with the assistant's turn opened when add_generation_prompt."""
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        """The prompt text for messages, ending with the assistant's turn opened when add_generation_prompt; variables are
+        the template's extra ones (transformers' apply_chat_template **kwargs: Qwen3's enable_thinking, say), none of
+        RESERVED_TEMPLATE_VARIABLES."""
         conversation = [{"role": m.role, "content": m.content} for m in messages]
+        extra = dict(variables or {})
+        if set(extra) & RESERVED_TEMPLATE_VARIABLES:
+            raise TemplateError(f"{sorted(set(extra) & RESERVED_TEMPLATE_VARIABLES)[0]!r} is not a variable a caller may set")
         try:
-            return self._compiled.render(messages=conversation, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            return self._compiled.render(**extra, messages=conversation, add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except TemplateError:
             raise
         except Exception as exc:  # the sandbox refusing an attribute, a type error in the template's logic, ...

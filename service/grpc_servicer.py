@@ -99,6 +99,7 @@ def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
         prompt_text=request.text if prompt == "text" else None,
         prompt_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
         prompt_messages=tuple(ChatMessage(m.role, m.content) for m in request.messages.messages) if prompt == "messages" else None,
+        chat_template_kwargs=request.messages.chat_template_kwargs or None if prompt == "messages" else None,
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(
             temperature=sampling.temperature,

@@ -37,7 +37,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
           "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"}
-ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs"} | set(NOT_YET)}
+ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"} | set(NOT_YET)}
 
 
 class ApiError(Exception):
@@ -225,7 +225,8 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
     common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top,
                   response_format=_response_format(body.get("response_format")))
     if kind == "chat":
-        request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))), **common)
+        request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))),
+                                    chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -269,6 +270,15 @@ def _response_format(value) -> ResponseFormat | None:
         raise ApiError(400, f"response_format.json_schema.name must be 1 to {MAX_SCHEMA_NAME} characters", "response_format.json_schema.name")
     _flag(spec, "strict", "response_format.json_schema.strict")  # enforced either way: only its type is checked
     return ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(spec["schema"]))
+
+
+def _template_kwargs(kwargs) -> str | None:
+    """chat_template_kwargs (vLLM's name): a JSON object of the chat template's extra variables, passed on as JSON text."""
+    if kwargs is None:
+        return None
+    if not isinstance(kwargs, dict):
+        raise ApiError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    return json.dumps(kwargs, ensure_ascii=False)
 
 
 MESSAGE_KEYS = {"role", "content"}  # what a message may carry: tool calls, names and the rest are refused by name

@@ -23,6 +23,7 @@ class GenerationRequest:
     prompt_text: str | None = None
     prompt_ids: tuple[int, ...] | None = None
     prompt_messages: tuple[ChatMessage, ...] | None = None  # a conversation, rendered by the model's chat template
+    chat_template_kwargs: str | None = None  # a JSON object: extra variables for the template (with prompt_messages only)
     max_new_tokens: int = 0  # 0: as many as fit in the context
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()

@@ -5,10 +5,11 @@ that names the field (gRPC's name; the HTTP edge names the OpenAI parameter inst
 from __future__ import annotations
 
 import itertools
+import json
 import secrets
 from collections.abc import Callable
 
-from kvserve.contract.chat import ChatMessage, ChatTemplate, TemplateError
+from kvserve.contract.chat import RESERVED_TEMPLATE_VARIABLES, ChatMessage, ChatTemplate, TemplateError
 from kvserve.contract.config import DecoderConfig
 from kvserve.contract.tokenizer import Tokenizer
 
@@ -47,6 +48,10 @@ def check_sizes(request: GenerationRequest, limits: EngineLimits, context: int |
         size = sum(len(m.content.encode("utf-8", errors="replace")) for m in request.prompt_messages)
         if size > limits.max_text_bytes:
             raise InvalidArgument("prompt.messages", f"{size} bytes of content; at most {limits.max_text_bytes}")
+    if request.chat_template_kwargs is not None:
+        size = len(request.chat_template_kwargs.encode("utf-8", errors="replace"))
+        if size > limits.max_chat_template_kwargs_bytes:
+            raise InvalidArgument("chat_template_kwargs", f"{size} bytes; at most {limits.max_chat_template_kwargs_bytes}")
     if request.response_format is not None:
         size = len(request.response_format.text.encode("utf-8", errors="replace"))
         if size > limits.max_response_format_bytes:
@@ -89,7 +94,7 @@ class RequestValidator:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
         elif request.prompt_messages is not None:
-            prompt = self.render_conversation(list(request.prompt_messages))
+            prompt = self.render_conversation(list(request.prompt_messages), request.chat_template_kwargs)
             field_name = "prompt.messages"
         else:
             field_name = "prompt.text"
@@ -163,8 +168,9 @@ class RequestValidator:
             blocked_ids=tuple(config.eos_token_ids) if constraint is not None and request.ignore_eos else (),
         )
 
-    def render_conversation(self, messages: list[ChatMessage]) -> list[int]:
-        """A conversation's prompt tokens: rendered by the model's chat template, the assistant's turn opened."""
+    def render_conversation(self, messages: list[ChatMessage], template_kwargs: str | None = None) -> list[int]:
+        """A conversation's prompt tokens: rendered by the model's chat template (given template_kwargs' variables, a JSON
+        object), the assistant's turn opened."""
         field_name = "prompt.messages"
         if self.chat_template is None:
             raise InvalidArgument(field_name, "this model has no chat template (its artifact has no chat_template.jinja and no "
@@ -174,8 +180,9 @@ class RequestValidator:
         for index, message in enumerate(messages):
             if not message.role or len(message.role) > self.limits.max_role_length:
                 raise InvalidArgument(f"{field_name}[{index}].role", f"must be 1 to {self.limits.max_role_length} characters, got {len(message.role)}")
+        variables = _template_variables(template_kwargs)
         try:
-            text = self.chat_template.render(messages)
+            text = self.chat_template.render(messages, variables=variables)
         except TemplateError as exc:
             raise InvalidArgument(field_name, str(exc)) from None
         return self._encode(field_name, text, add_special_tokens=False)  # the template wrote the special tokens
@@ -191,3 +198,20 @@ class RequestValidator:
 
     def _too_long(self, field_name: str, tokens: int) -> InvalidArgument:
         return too_long(field_name, tokens, self.config.n_ctx)
+
+
+def _template_variables(template_kwargs: str | None) -> dict:
+    """chat_template_kwargs' JSON object as the template's extra variables; any other JSON, or a name the template is
+    already given, refused by name."""
+    if template_kwargs is None:
+        return {}
+    try:
+        variables = json.loads(template_kwargs)
+    except (json.JSONDecodeError, RecursionError) as exc:
+        raise InvalidArgument("chat_template_kwargs", f"not valid JSON ({type(exc).__name__})") from None
+    if not isinstance(variables, dict):
+        raise InvalidArgument("chat_template_kwargs", f"must be a JSON object, got {type(variables).__name__}")
+    reserved = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
+    if reserved:
+        raise InvalidArgument("chat_template_kwargs", f"{reserved[0]!r} is set by the server, not by chat_template_kwargs")
+    return variables

@@ -22,6 +22,16 @@ QWEN2_STYLE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+# Written in the style of Qwen3's: the system turn first, a finished assistant turn's reasoning dropped from the history,
+# and with enable_thinking false an empty reasoning block opened and closed after the assistant's header.
+QWEN3_STYLE = (
+    "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message['role'] != 'system' %}{%- set content = message['content'] %}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content %}{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
 ALTERNATING = (
     "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
@@ -31,6 +41,7 @@ SPECIAL = {
     "llama3": (LLAMA3_STYLE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>"),
     "qwen2": (QWEN2_STYLE, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>"),
     "alternating": (ALTERNATING, ["</s>"], None, "</s>"),
+    "qwen3": (QWEN3_STYLE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"], None, "<|im_end|>"),
 }
 CONVERSATION = [
     ChatMessage("system", "Answer briefly."),
@@ -89,6 +100,24 @@ def test_rendered_tokens_equal_transformers_apply_chat_template(tmp_path, gpt2_v
     got = HFTokenizer(directory / "tokenizer.json").encode(template.render(CONVERSATION, add_generation_prompt), add_special_tokens=False)
     assert got == list(want)
     assert template.special_tokens["eos_token"] == SPECIAL[style][3]
+
+
+@pytest.mark.parametrize("variables", [{}, {"enable_thinking": True}, {"enable_thinking": False}], ids=["none", "thinking", "not thinking"])
+def test_template_variables_render_as_transformers_passes_its_keyword_arguments(tmp_path, gpt2_vocabulary, variables):
+    """chat_template_kwargs: Qwen3's enable_thinking, given or not, on a conversation with a system prompt and an assistant
+    turn whose reasoning the template drops."""
+    import transformers
+
+    directory = tokenizer_directory(tmp_path, gpt2_vocabulary, "qwen3", True)
+    conversation = [ChatMessage("system", "Answer briefly."), ChatMessage("user", "Who was Moses?"),
+                    ChatMessage("assistant", "<think>\nA lawgiver.\n</think>\n\nA prophet."), ChatMessage("user", "And Aaron?")]
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    want = reference.apply_chat_template([{"role": m.role, "content": m.content} for m in conversation], add_generation_prompt=True,
+                                         tokenize=False, **variables)
+    got = load_chat_template(directory).render(conversation, variables=variables)
+    assert got == want and ("<think>\n\n</think>" in got) == (variables.get("enable_thinking") is False)
+    with pytest.raises(TemplateError, match="'messages' is not a variable a caller may set"):
+        load_chat_template(directory).render(conversation, variables={"messages": []})
 
 
 def test_a_conversation_the_template_refuses_is_refused_with_its_own_words(tmp_path, gpt2_vocabulary):
