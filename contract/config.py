@@ -7,9 +7,12 @@ from dataclasses import dataclass
 
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
 GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
-MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH, "qwen3": LLAMA_ARCH}
+MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH, "qwen3": LLAMA_ARCH,
+               "gemma2": LLAMA_ARCH, "gemma3_text": LLAMA_ARCH}
 # Those whose config.json can ask for sliding-window layers.
-SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3")
+SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+# The MLP's gate activations: SwiGLU's and GeGLU's (transformers' names).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
@@ -49,7 +52,7 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class DecoderConfig:
-    model_type: str = "gpt2"  # config.json's model_type: gpt2, or llama / qwen2 / mistral / qwen3 (the Llama family)
+    model_type: str = "gpt2"  # config.json's model_type: gpt2, or one of the Llama family (llama, qwen2, mistral, qwen3, gemma2, gemma3_text)
     vocab_size: int = 50257  # rows of the token embedding (and of the LM head)
     n_ctx: int = 1024  # context length: the most positions prompt + generated may span
     d_model: int = 768  # residual stream width
@@ -75,6 +78,15 @@ class DecoderConfig:
     # included), as transformers' sliding mask has it. None (and no layers) when every layer sees the whole context.
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
+    # Gemma's deltas from Llama (each a Llama-family setting, kept at its default by every other type):
+    hidden_act: str = "silu"  # the gate's activation: silu (SwiGLU) or gelu_pytorch_tanh (GeGLU)
+    norm_weight_offset: float = 0.0  # RMSNorms scale by (offset + weight): Gemma stores weight - 1 (offset 1)
+    embed_scale: bool = False  # embeddings multiplied by sqrt(d_model)
+    sandwich_norms: bool = False  # norms after the attention and after the MLP too (before each residual add)
+    query_pre_attn_scalar: float | None = None  # scores scaled by this ** -0.5 instead of head_dim ** -0.5
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (unscaled); None: theirs is everyone's
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -101,10 +113,19 @@ class DecoderConfig:
             llama_only = {"n_kv_head": self.n_kv_head != self.n_head, "head_dim": self.head_dim != self.d_model // self.n_head,
                           "rope_scaling": self.rope_scaling is not None, "qkv_bias": self.qkv_bias, "o_bias": self.o_bias,
                           "mlp_bias": self.mlp_bias, "tie_word_embeddings": not self.tie_word_embeddings,
-                          "qk_norm": self.qk_norm, "sliding_window": self.sliding_window is not None}
+                          "qk_norm": self.qk_norm, "sliding_window": self.sliding_window is not None, "hidden_act": self.hidden_act != "silu",
+                          "norm_weight_offset": self.norm_weight_offset != 0.0, "embed_scale": self.embed_scale,
+                          "sandwich_norms": self.sandwich_norms, "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
+                          "attn_logit_softcapping": self.attn_logit_softcapping is not None,
+                          "final_logit_softcapping": self.final_logit_softcapping is not None, "local_rope_theta": self.local_rope_theta is not None}
             for name, set_apart in llama_only.items():
                 if set_apart:
                     raise ValueError(f"DecoderConfig.{name} is a Llama-family setting; GPT-2 keeps its default")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"DecoderConfig.hidden_act {self.hidden_act!r}: kvserve implements {', '.join(ACTIVATIONS)}")
+        for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"DecoderConfig.{name} must be positive or None, got {getattr(self, name)}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head})")
         if self.head_dim % 2 and self.architecture == LLAMA_ARCH:
@@ -117,6 +138,11 @@ class DecoderConfig:
     def architecture(self) -> str:
         """The decoder family that implements this config: GPT2_ARCH or LLAMA_ARCH."""
         return MODEL_TYPES[self.model_type]
+
+    @property
+    def attention_scale(self) -> float:
+        """What Q.K is multiplied by before the softmax."""
+        return (self.query_pre_attn_scalar if self.query_pre_attn_scalar is not None else self.head_dim) ** -0.5
 
     def window(self, layer: int) -> int | None:
         """How many recent positions layer's queries see (themselves included); None: the whole context."""

@@ -10,7 +10,13 @@ from __future__ import annotations
 from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, RopeScaling
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+GEMMA_TYPES = ("gemma2", "gemma3_text")
+# transformers' defaults where a Gemma config.json leaves a field out.
+_GEMMA_DEFAULTS = {
+    "gemma2": {"rope_theta": 10000.0, "window_pattern": 2, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
+    "gemma3_text": {"rope_theta": 1000000.0, "window_pattern": 6, "final_logit_softcapping": None, "attn_logit_softcapping": None},
+}
 # The rope_scaling fields each type reads, beside rope_type and factor (written back as read).
 _ROPE_FIELDS = {
     "linear": (),
@@ -80,7 +86,7 @@ def config_to_hf(config: DecoderConfig) -> dict:
         rope = {"rope_type": scaling.rope_type, "rope_theta": config.rope_theta, "factor": scaling.factor}
         rope |= {name: getattr(scaling, name) for name in _ROPE_FIELDS[scaling.rope_type] if getattr(scaling, name) is not None}
     hf = common | {
-        "hidden_act": "silu",
+        "hidden_act": config.hidden_act,
         "hidden_size": config.d_model,
         "intermediate_size": config.d_mlp,
         "num_attention_heads": config.n_head,
@@ -95,7 +101,9 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
         "attention_dropout": config.dropout,
     }
-    if config.model_type == "llama":
+    if config.model_type in GEMMA_TYPES:
+        hf |= _gemma_to_hf(config, rope)
+    elif config.model_type == "llama":
         hf |= {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
     elif config.model_type in ("qwen2", "qwen3"):
         layer_types = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
@@ -107,6 +115,17 @@ def config_to_hf(config: DecoderConfig) -> dict:
         if config.sliding_window is not None and len(config.sliding_layers) != config.n_layer:
             raise ValueError("a Mistral config.json slides every layer or none; this config slides some")
         hf |= {"sliding_window": config.sliding_window}
+    return hf
+
+
+def _gemma_to_hf(config: DecoderConfig, rope: dict) -> dict:
+    layer_types = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
+    hf = {"hidden_activation": config.hidden_act, "attention_bias": config.qkv_bias, "query_pre_attn_scalar": config.query_pre_attn_scalar,
+          "sliding_window": config.sliding_window, "layer_types": layer_types, "final_logit_softcapping": config.final_logit_softcapping,
+          "attn_logit_softcapping": config.attn_logit_softcapping}
+    if config.model_type == "gemma3_text":  # two bases: transformers 5 nests them by layer type, 4 names the local one apart
+        local = {"rope_type": "default", "rope_theta": config.local_rope_theta}
+        hf |= {"rope_parameters": {"full_attention": rope, "sliding_attention": local}, "rope_local_base_freq": config.local_rope_theta}
     return hf
 
 
@@ -143,13 +162,15 @@ def _gpt2_from_hf(hf: dict, common: dict) -> DecoderConfig:
     )
 
 
-def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
-    """rope_theta and the scaling, from transformers 5's rope_parameters or the older rope_theta/rope_scaling."""
+def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling, from transformers 5's rope_parameters (Gemma 3's: its full_attention entry) or the
+    older rope_theta/rope_scaling."""
     parameters = hf.get("rope_parameters") or {}
+    parameters = parameters.get("full_attention") or parameters if isinstance(parameters.get("full_attention"), dict) else parameters
     if "rope_theta" in parameters or "rope_type" in parameters:
-        theta, scaling = parameters.get("rope_theta", hf.get("rope_theta", 10000.0)), parameters
+        theta, scaling = parameters.get("rope_theta", hf.get("rope_theta", default_theta)), parameters
     else:
-        theta, scaling = hf.get("rope_theta", 10000.0), hf.get("rope_scaling") or {}
+        theta, scaling = hf.get("rope_theta", default_theta), hf.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
@@ -185,14 +206,16 @@ def _rope(hf: dict) -> tuple[float, RopeScaling | None]:
 def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
     model_type = hf["model_type"]
     n_ctx = _required(hf, "max_position_embeddings")
-    act = hf.get("hidden_act", "silu")
-    if act != "silu":
-        raise ValueError(f"unsupported hidden_act {act!r} (kvserve implements the SwiGLU MLP: 'silu')")
+    gemma = model_type in GEMMA_TYPES
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+        raise ValueError(f"unsupported hidden_act {act!r} (kvserve implements {model_type}'s "
+                         f"{'GeGLU MLP: gelu_pytorch_tanh' if gemma else 'SwiGLU MLP: silu'})")
     if hf.get("pretraining_tp", 1) != 1:
         raise ValueError(f"unsupported pretraining_tp {hf['pretraining_tp']!r} (kvserve implements 1)")
     n_layer = _required(hf, "num_hidden_layers")
     window, sliding_layers = _sliding_window(hf, n_ctx, n_layer)
-    theta, scaling = _rope(hf)
+    theta, scaling = _rope(hf, _GEMMA_DEFAULTS[model_type]["rope_theta"] if gemma else 10000.0)
     d_model, n_head = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
     attention_bias = bool(hf.get("attention_bias", False))
     return DecoderConfig(
@@ -207,15 +230,35 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         head_dim=int(hf.get("head_dim") or d_model // n_head),
         rope_theta=theta,
         rope_scaling=scaling,
-        # Qwen2 always biases Q, K and V (not O); Llama and Qwen3 bias all four when attention_bias; Mistral none.
-        qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3") and attention_bias),
-        o_bias=model_type in ("llama", "qwen3") and attention_bias,
+        # Qwen2 always biases Q, K and V (not O); Llama, Qwen3 and Gemma bias all four when attention_bias; Mistral none.
+        qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3", *GEMMA_TYPES) and attention_bias),
+        o_bias=model_type in ("llama", "qwen3", *GEMMA_TYPES) and attention_bias,
         mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default for all four
-        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # transformers' defaults: Gemma's tied, the others' not
+        qk_norm=model_type in ("qwen3", "gemma3_text"),
         sliding_window=window,
         sliding_layers=sliding_layers,
+        **(_gemma_from_hf(hf) if gemma else {}),
     )
+
+
+def _gemma_from_hf(hf: dict) -> dict:
+    """What Gemma 2 and 3 add to the Llama family: (1 + weight) norms, scaled embeddings, a norm after each branch too,
+    their own attention scale, soft caps (Gemma 2) and the sliding layers' RoPE base (Gemma 3)."""
+    model_type, defaults = hf["model_type"], _GEMMA_DEFAULTS[hf["model_type"]]
+    if hf.get("use_bidirectional_attention"):
+        raise ValueError("unsupported use_bidirectional_attention: true (kvserve implements causal decoders)")
+    fields = dict(hidden_act="gelu_pytorch_tanh", norm_weight_offset=1.0, embed_scale=True, sandwich_norms=True,
+                  query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
+    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+        value = hf.get(cap, defaults[cap])
+        fields[cap] = None if value is None else float(value)
+    if model_type == "gemma3_text":
+        local = ((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
+        if local.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {local['rope_type']!r} for sliding_attention layers (kvserve turns them by 'default')")
+        fields["local_rope_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))
+    return fields
 
 
 def _sliding_window(hf: dict, n_ctx: int, n_layer: int) -> tuple[int | None, tuple[int, ...]]:
@@ -229,6 +272,12 @@ def _sliding_window(hf: dict, n_ctx: int, n_layer: int) -> tuple[int | None, tup
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
     if hf["model_type"] == "mistral":
         layers = tuple(range(n_layer))
+    elif hf["model_type"] in GEMMA_TYPES:  # every layer_types'th layer global, the others sliding, unless layer_types says
+        pattern = int(hf.get("sliding_window_pattern", _GEMMA_DEFAULTS[hf["model_type"]]["window_pattern"]))
+        layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n_layer)]
+        if len(layer_types) != n_layer or set(layer_types) - {"sliding_attention", "full_attention"}:
+            raise ValueError(f"layer_types must name each of the {n_layer} layers sliding_attention or full_attention")
+        layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     elif hf["model_type"] in ("qwen2", "qwen3"):
         if not hf.get("use_sliding_window", False):
             return None, ()

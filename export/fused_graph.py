@@ -45,7 +45,9 @@ def declare_operators() -> None:
     outputs = [param("output", "T"), param("present_key", "T"), param("present_value", "T")]
     rotary = [OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, "rotate Q and K by position", required=False),
               OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, "sliding window: positions a query sees, -1 all",
-                                 required=False)]
+                                 required=False),
+              OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "what Q.K is multiplied by; unset: head_size ** -0.5", required=False),
+              OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "scores soft-capped by tanh to this; 0: none", required=False)]
     onnx.defs.register_schema(OpSchema("GroupQueryAttention", MICROSOFT, 1, inputs=inputs, outputs=outputs,
                                        type_constraints=types, attributes=heads + rotary))
     inputs = [param(name, kind) for name, kind in (
@@ -58,21 +60,26 @@ def declare_operators() -> None:
 
 
 def rows_and_chunk_placeholder(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos,
-                               sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int, rotary: bool, window: int):
+                               sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int, rotary: bool, window: int, scale: float,
+                               softcap: float):
     """kvserve::rows_and_chunk_attention as the placeholder node expand_rows_and_chunk_attention replaces. A window of w
     positions (the query's own included, as transformers counts) is the operator's local_window_size w: ONNX Runtime
     1.31's CPU kernel reads it so (the sliding-window parity tests fail at w - 1)."""
     return _KVSERVE.RowsAndChunkAttention(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last,
                                           chunk_total, cos, sin, row_tokens, chunk_tokens, num_heads=n_head, kv_num_heads=n_kv_head,
-                                          do_rotary=int(rotary), local_window_size=-1 if window < 0 else window)
+                                          do_rotary=int(rotary), local_window_size=-1 if window < 0 else window, scale=float(scale),
+                                          softcap=float(softcap))
 
 
 def _group_query_attention(query: str, past_key: str, past_value: str, last: str, total: str, cos: str, sin: str, outputs: list[str],
-                           n_head: int, n_kv_head: int, rotary: int, local_window_size: int) -> onnx.NodeProto:
+                           n_head: int, n_kv_head: int, rotary: int, local_window_size: int, scale: float, softcap: float) -> onnx.NodeProto:
     """The operator with packed unrotated QKV (B, S, (H + 2 H_kv) d_k), the rows as a shared past/present buffer,
-    seqlens_k = each row's last position, rotary on (cos/sin tables given) or off (none), a sliding window or none (-1)."""
+    seqlens_k = each row's last position, rotary on (cos/sin tables given) or off (none), a sliding window or none (-1),
+    a scale of its own or head_size ** -0.5 (0), soft-capped scores or not (0)."""
     tables = [cos, sin] if rotary else ["", ""]
     window = {"local_window_size": local_window_size} if local_window_size >= 0 else {}
+    window |= {"scale": scale} if scale else {}
+    window |= {"softcap": softcap} if softcap else {}
     return helper.make_node("GroupQueryAttention", [query, "", "", past_key, past_value, last, total, *tables], outputs,
                             domain=MICROSOFT, name=outputs[0], num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=rotary, **window)
 
@@ -91,6 +98,7 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
         inputs = list(node.input)
         attrs = {a.name: a.i for a in node.attribute}
         n_head, n_kv_head = attrs["num_heads"], attrs["kv_num_heads"]
+        floats = {a.name: a.f for a in node.attribute if a.type == onnx.AttributeProto.FLOAT}
         rotary = attrs.get("do_rotary", 1)
         local_window_size = attrs.get("local_window_size", -1)
         for i, name in enumerate(inputs):
@@ -106,7 +114,7 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
         shapes = shared[(row_tokens, chunk_tokens)][1]
         y, pk, pv, ck, cv = node.output
         p = f"{y}/"  # the If's own value names
-        heads = (n_head, n_kv_head, rotary, local_window_size)
+        heads = (n_head, n_kv_head, rotary, local_window_size, floats.get("scale", 0.0), floats.get("softcap", 0.0))
 
         def flat(name: str, out: str) -> onnx.NodeProto:  # (B, S, H d_k) -> (B S, H d_k)
             return helper.make_node("Flatten", [name], [out], axis=2)

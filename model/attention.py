@@ -55,9 +55,19 @@ def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-def scaled_dot_product_attention(q, k, v, bias):
-    """softmax(q k^T / sqrt(d_k) + bias) v for q (B, H, T, d_k), k and v (B, H_kv, S, d_k), bias (B, 1, T, S)
-    from attention_bias; scores and softmax in float32 for fp16 safety. A query whose keys are all masked (a
+def attention_scores(qk: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
+    """q k^T as the softmax reads it before the mask: in float32, scaled (by d_k ** -0.5 unless the model says other),
+    and soft-capped to (-softcap, softcap) by tanh when the model asks (Gemma 2), in transformers' order."""
+    scores = qk.float() * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return scores
+
+
+def scaled_dot_product_attention(q, k, v, bias, scale: float | None = None, softcap: float | None = None):
+    """softmax(q k^T * scale + bias) v for q (B, H, T, d_k), k and v (B, H_kv, S, d_k), bias (B, 1, T, S)
+    from attention_bias; scale d_k ** -0.5 unless given, scores soft-capped when softcap is given (attention_scores);
+    scores and softmax in float32 for fp16 safety. A query whose keys are all masked (a
     padding position) gets uniform weights, not NaN: its output is never read, but NaN would poison nothing
     less than the whole batch's logits check.
 
@@ -67,19 +77,20 @@ def scaled_dot_product_attention(q, k, v, bias):
     """
     B, H, T, d_k = q.shape
     H_kv, S = k.shape[1], k.shape[2]
+    scale = d_k**-0.5 if scale is None else scale
     if H_kv == H:
-        scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5 + bias  # (B, H, T, S)
+        scores = attention_scores(q @ k.transpose(-2, -1), scale, softcap) + bias  # (B, H, T, S)
         weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, T, S)
         return weights @ v  # (B, H, T, d_k)
     group = H // H_kv
     q = q.reshape(B, H_kv, group * T, d_k)  # (B, H_kv, g * T, d_k): row j * T + t is query head h_kv * g + j at t
-    scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5  # (B, H_kv, g * T, S)
+    scores = attention_scores(q @ k.transpose(-2, -1), scale, softcap)  # (B, H_kv, g * T, S)
     scores = scores.view(B, H_kv, group, T, S) + bias[:, :, None]  # (B, H_kv, g, T, S): one bias for the group
     weights = torch.softmax(scores, dim=-1).to(v.dtype).view(B, H_kv, group * T, S)  # (B, H_kv, g * T, S)
     return (weights @ v).view(B, H, T, d_k)  # (B, H, T, d_k)
 
 
-def one_token_attention(q, k, v, bias):
+def one_token_attention(q, k, v, bias, scale: float | None = None, softcap: float | None = None):
     """scaled_dot_product_attention for one query a row, as a decode step has: q (B, H, d_k), k and v (B, H_kv,
     W, d_k), bias (B, 1, 1, W). A K/V head's group of query heads is a (g, d_k) matrix by a plain view, so this
     costs two reshapes where the general form needs six (a 30-layer model runs it 30 times a step).
@@ -87,12 +98,12 @@ def one_token_attention(q, k, v, bias):
     B, H, d_k = q.shape
     H_kv = k.shape[1]
     q = q.view(B, H_kv, H // H_kv, d_k)  # (B, H_kv, g, d_k): query head h_kv * g + j is row j
-    scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5 + bias  # (B, H_kv, g, W)
+    scores = attention_scores(q @ k.transpose(-2, -1), d_k**-0.5 if scale is None else scale, softcap) + bias  # (B, H_kv, g, W)
     weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H_kv, g, W)
     return (weights @ v).view(B, H * d_k)  # (B, H * d_k)
 
 
-def chunk_attention(q, k, v, bias):
+def chunk_attention(q, k, v, bias, scale: float | None = None, softcap: float | None = None):
     """scaled_dot_product_attention for one row's prompt chunk, without a batch axis: q (T, H, d_k), that row's k
     and v (H_kv, 1, W_c, d_k), bias (T, W_c). A decode step runs it on an empty chunk in every layer, so it is
     spelled in few ops. (The reshape to 4 axes also keeps ONNX Runtime from folding q's transpose into its
@@ -101,18 +112,18 @@ def chunk_attention(q, k, v, bias):
     T, H, d_k = q.shape
     H_kv = k.shape[0]
     q = q.transpose(0, 1).reshape(H_kv, H // H_kv, T, d_k)  # (H_kv, g, T, d_k): a K/V head's query heads
-    scores = (q @ k.transpose(-2, -1)).float() * d_k**-0.5 + bias  # (H_kv, g, T, W_c)
+    scores = attention_scores(q @ k.transpose(-2, -1), d_k**-0.5 if scale is None else scale, softcap) + bias  # (H_kv, g, T, W_c)
     weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (H_kv, g, T, W_c)
     return (weights @ v).view(H, T, d_k).transpose(0, 1).reshape(T, H * d_k)  # (T, H * d_k)
 
 
-def cached_attention(q, k, v, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
+def cached_attention(q, k, v, bias, past: LayerKV, scale: float | None = None, softcap: float | None = None) -> tuple[torch.Tensor, LayerKV]:
     """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat cache.
     Returns the attention output (B, H, T, d_k) and the layer's present (K, V)."""
     past_k, past_v = past
     k = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, d_k)
     v = torch.cat([past_v, v], dim=2)  # (B, H_kv, P + T, d_k)
-    return scaled_dot_product_attention(q, k, v, bias), (k, v)
+    return scaled_dot_product_attention(q, k, v, bias, scale, softcap), (k, v)
 
 
 class SlotStep:
@@ -155,7 +166,8 @@ class SlotStep:
         self.positions = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
 
 
-def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False) -> tuple[torch.Tensor, LayerKV]:
+def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False, scale: float | None = None,
+                    softcap: float | None = None) -> tuple[torch.Tensor, LayerKV]:
     """A `slots` step's q (N, H, d_k) and new k, v (N, H_kv, d_k), decode rows first, against the row pool
     past (each (S, H_kv, C_cap, d_k)); local: a sliding-window layer's. Returns the attention output (N, H * d_k) and
     the pool, written."""
@@ -168,8 +180,8 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False)
     k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
     k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
     q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
-    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias_local if local else step.decode_bias)  # (B, H * d_k)
+    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias_local if local else step.decode_bias, scale, softcap)  # (B, H * d_k)
     k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
-    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias)  # (T, H * d_k)
+    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias, scale, softcap)  # (T, H * d_k)
     y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
     return y, (k, v)

@@ -38,7 +38,8 @@ class FusedSlotStep:
     position, and a chunk of T >= 0 tokens of one more row; with rotary tables (cos, sin, each (P, d_k / 2),
     covering every column a row can have) Q and K are rotated, without them (GPT-2) they are not."""
 
-    def __init__(self, input_ids, position_ids, chunk_ids, chunk_position_ids, tables: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype):
+    def __init__(self, input_ids, position_ids, chunk_ids, chunk_position_ids, tables: tuple[torch.Tensor, torch.Tensor] | None, dtype: torch.dtype,
+                 local_tables: tuple[torch.Tensor, torch.Tensor] | None = None):
         self.row_tokens, self.chunk_tokens = input_ids, chunk_ids  # (B, S), (1, T): their shapes tell the operator
         B, S = input_ids.shape
         self.token_ids = torch.cat([input_ids.reshape(B * S), chunk_ids.reshape(-1)])  # (B S + T,): the rows' tokens, then the chunk's
@@ -51,6 +52,7 @@ class FusedSlotStep:
         self.rotary = tables is not None
         empty = torch.zeros(0, 1, dtype=dtype)  # the operator's cos/sin inputs stay unset when nothing rotates
         self.cos, self.sin = tables if tables is not None else (empty, empty)
+        self.local_cos, self.local_sin = local_tables if local_tables is not None else (self.cos, self.sin)  # sliding layers' (Gemma 3)
 
     def run_layers(self, blocks, x: torch.Tensor, past_key_values: list, chunk_key_values: list) -> tuple[torch.Tensor, list, list]:
         """x (B S + T, C) through every block's forward_fused: the last hidden states, the rows' (K, V) per layer and the
@@ -63,12 +65,16 @@ class FusedSlotStep:
         return x, presents, chunk_presents
 
     def attend(self, qkv: torch.Tensor, rows: "tuple[torch.Tensor, torch.Tensor]", chunk_row: "tuple[torch.Tensor, torch.Tensor]", n_head: int,
-               n_kv_head: int, window: int | None = None):
+               n_kv_head: int, window: int | None = None, scale: float | None = None, softcap: float | None = None):
         """A layer's packed qkv (B S + T, (H + 2 H_kv) d_k) against its rows and the chunk's row (within the window
-        when the layer slides): the attention output (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V), written."""
+        when the layer slides, turned by the sliding layers' tables then), scores scaled by scale (d_k ** -0.5 when None)
+        and soft-capped by softcap: the attention output (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V),
+        written."""
+        cos, sin = (self.cos, self.sin) if window is None else (self.local_cos, self.local_sin)
         y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, self.rows_last, self.rows_total, self.chunk_last, self.chunk_total,
-                                               self.cos, self.sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary,
-                                               -1 if window is None else window)
+                                               cos, sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary,
+                                               -1 if window is None else window, 0.0 if scale is None else scale,
+                                               0.0 if softcap is None else softcap)
         return y, tuple(present[:2]), tuple(present[2:])
 
 
@@ -83,6 +89,8 @@ def row_attention(
     n_kv_head: int,
     rotary: bool,
     window: int,  # -1: the whole row; else how many positions up to its own a query sees
+    scale: float,  # 0.0: d_k ** -0.5
+    softcap: float,  # 0.0: none
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the attention output (B, S, H d_k) and the rows' K and V with the new tokens written."""
     B, S, _ = qkv.shape
@@ -103,7 +111,8 @@ def row_attention(
     present_key[rows, :, positions] = rotate(k)  # each (B, S, H_kv, d_k) at (row, column)
     present_value[rows, :, positions] = v
     allowed = within_window(torch.arange(C, device=qkv.device)[None, None, :], positions[:, :, None], None if window < 0 else window)  # (B, S, C)
-    y = scaled_dot_product_attention(rotate(q).transpose(1, 2), present_key, present_value, attention_bias(allowed[:, None]))  # (B, H, S, d_k)
+    y = scaled_dot_product_attention(rotate(q).transpose(1, 2), present_key, present_value, attention_bias(allowed[:, None]),
+                                     scale or None, softcap or None)  # (B, H, S, d_k)
     return y.transpose(1, 2).reshape(B, S, n_head * d_k), present_key, present_value
 
 
@@ -126,10 +135,12 @@ def rows_and_chunk_attention(
     n_kv_head: int,
     rotary: bool,
     window: int,  # -1: none; a sliding-window layer's window
+    scale: float,  # 0.0: d_k ** -0.5
+    softcap: float,  # 0.0: none
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written."""
     (B, S), T = row_tokens.shape, chunk_tokens.shape[1]
-    tables = (cos, sin, n_head, n_kv_head, rotary, window)
+    tables = (cos, sin, n_head, n_kv_head, rotary, window, scale, softcap)
     y_rows, rows_key, rows_value = row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, *tables)  # (B, S, H d_k)
     y_rows = y_rows.reshape(B * S, -1)  # (B S, H d_k)
     if T == 0:
@@ -140,6 +151,6 @@ def rows_and_chunk_attention(
 
 @rows_and_chunk_attention.register_fake
 def _(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens,
-      n_head, n_kv_head, rotary, window):
+      n_head, n_kv_head, rotary, window, scale, softcap):
     y = qkv.new_empty(qkv.shape[0], n_head * rows_key.shape[3])
     return y, torch.empty_like(rows_key), torch.empty_like(rows_value), torch.empty_like(chunk_key), torch.empty_like(chunk_value)

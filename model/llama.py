@@ -18,6 +18,9 @@ a step runs one matrix product where a checkpoint stores three or two (checkpoin
 
 from __future__ import annotations
 
+from dataclasses import replace
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -30,12 +33,13 @@ from .rope import RotaryEmbedding, rotary_tables, rotate
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, with the statistics in float32 so a float16 model stays stable."""
+    """x / rms(x) * weight, with the statistics in float32 so a float16 model stays stable. Gemma's (offset 1) scales
+    by 1 + weight, in float32 before the cast back (transformers' Gemma order; Llama's casts first)."""
 
-    def __init__(self, width: int, eps: float):
+    def __init__(self, width: int, eps: float, offset: float = 0.0):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(width))
-        self.eps = eps
+        self.eps, self.offset = eps, offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.float()
@@ -44,8 +48,12 @@ class RMSNorm(nn.Module):
             # The same arithmetic spelled as ONNX Runtime's fusion expects (x / sqrt, not x * rsqrt): it becomes one
             # SimplifiedLayerNormalization instead of 7 ops, for each of a 30-layer model's 61 norms a step. The
             # eager model keeps transformers' rsqrt, whose rounding the tests hold it to; verify holds the graph to it.
-            return self.weight * (h / torch.sqrt(variance + self.eps)).to(x.dtype)
-        return self.weight * (h * torch.rsqrt(variance + self.eps)).to(x.dtype)
+            normed = h / torch.sqrt(variance + self.eps)
+        else:
+            normed = h * torch.rsqrt(variance + self.eps)
+        if self.offset:
+            return (normed * (self.offset + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
 
 
 class GroupedQueryAttention(nn.Module):
@@ -53,12 +61,13 @@ class GroupedQueryAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.d_head = config.n_head, config.n_kv_head, config.head_dim
         self.window = config.window(layer)  # None: the whole context
+        self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
         q_width, kv_width = self.n_head * self.d_head, self.n_kv_head * self.d_head
         self.qkv_proj = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.qkv_bias)  # fused Q, K, V
         self.o_proj = nn.Linear(q_width, config.d_model, bias=config.o_bias)  # W_O: mixes the concatenated heads
         # Qwen3's per-head norms: each head's d_k channels of Q (and of K) RMS-normalised, one weight shared by the heads.
-        self.q_norm = RMSNorm(self.d_head, config.layer_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.d_head, config.layer_norm_eps) if config.qk_norm else None
+        self.q_norm = RMSNorm(self.d_head, config.layer_norm_eps, config.norm_weight_offset) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.d_head, config.layer_norm_eps, config.norm_weight_offset) if config.qk_norm else None
 
     def normed(self, qk: torch.Tensor) -> torch.Tensor:
         """qk (..., H + H_kv, d_k) with the per-head norms applied (as it is without them)."""
@@ -78,14 +87,14 @@ class GroupedQueryAttention(nn.Module):
         """x (B, T, C); cos, sin (B, T, 1, d_k)."""
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, H, T, d_k), 2 x (B, H_kv, T, d_k)
-        y, present = cached_attention(q, k, v, bias, past)  # (B, H, T, d_k)
+        y, present = cached_attention(q, k, v, bias, past, self.scale, self.softcap)  # (B, H, T, d_k)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.d_head)  # (B, T, H * d_k): heads concatenated
         return self.o_proj(y), present
 
     def forward_slots(self, x, cos, sin, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         """x (N, C): the step's tokens, decode rows first; cos, sin (N, 1, d_k). past: the row pool."""
         q, k, v = self.project(x, cos, sin)  # (N, H, d_k), 2 x (N, H_kv, d_k)
-        y, present = slots_attention(q, k, v, step, past, local=self.window is not None)  # (N, H * d_k)
+        y, present = slots_attention(q, k, v, step, past, self.window is not None, self.scale, self.softcap)  # (N, H * d_k)
         return self.o_proj(y), present
 
     def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
@@ -96,49 +105,62 @@ class GroupedQueryAttention(nn.Module):
         if self.q_norm is not None:  # the operator rotates what it is given: the norms come first
             qk, v = qkv.unflatten(-1, (-1, self.d_head)).split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (N, H + H_kv, d_k), (N, H_kv, d_k)
             qkv = torch.cat([self.normed(qk), v], dim=-2).flatten(-2)  # (N, (H + 2 H_kv) d_k)
-        y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head, self.window)  # (B S + T, H d_k)
+        y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head, self.window, self.scale,
+                                                self.softcap)  # (B S + T, H d_k)
         return self.o_proj(y), present, chunk_present  # (B S + T, C)
 
 
-class SwiGLU(nn.Module):
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU with silu (Llama), GeGLU with tanh-approximated GELU (Gemma)."""
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.d_mlp = config.d_mlp
+        self.act = F.silu if config.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
         self.gate_up_proj = nn.Linear(config.d_model, 2 * config.d_mlp, bias=config.mlp_bias)  # fused gate and up
         self.down_proj = nn.Linear(config.d_mlp, config.d_model, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.d_mlp, dim=-1)  # 2 x (..., d_mlp)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
 
 
 class LlamaBlock(nn.Module):
-    """Pre-norm block: residual + attention, residual + MLP."""
+    """Pre-norm block: residual + attention, residual + MLP. With sandwich norms (Gemma) each branch's output is normed
+    too before its residual add; Gemma's checkpoints name the norms input_layernorm, post_attention_layernorm (on the
+    attention's output), pre_feedforward_layernorm and post_feedforward_layernorm, Llama's the first two (the second
+    before the MLP)."""
 
     def __init__(self, config: DecoderConfig, layer: int):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.d_model, config.layer_norm_eps)
+        norm = partial(RMSNorm, config.d_model, config.layer_norm_eps, config.norm_weight_offset)
+        self.input_layernorm = norm()
         self.self_attn = GroupedQueryAttention(config, layer)
-        self.post_attention_layernorm = RMSNorm(config.d_model, config.layer_norm_eps)
-        self.mlp = SwiGLU(config)
+        self.post_attention_layernorm = norm()
+        if config.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
+        self.sandwich = config.sandwich_norms
+        self.mlp = GatedMLP(config)
+
+    def residuals(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """The block's output from its input x and its attention's output."""
+        if not self.sandwich:
+            x = x + attn_out
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(attn_out)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
     def forward(self, x, cos, sin, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         attn_out, present = self.self_attn(self.input_layernorm(x), cos, sin, bias, past)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, present
+        return self.residuals(x, attn_out), present
 
     def forward_slots(self, x, cos, sin, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         attn_out, present = self.self_attn.forward_slots(self.input_layernorm(x), cos, sin, step, past)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, present
+        return self.residuals(x, attn_out), present
 
     def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
         attn_out, present, chunk_present = self.self_attn.forward_fused(self.input_layernorm(x), step, rows, chunk_row)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, present, chunk_present
+        return self.residuals(x, attn_out), present, chunk_present
 
 
 class Llama(nn.Module):
@@ -149,21 +171,26 @@ class Llama(nn.Module):
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.d_model),
                 layers=nn.ModuleList(LlamaBlock(config, layer) for layer in range(config.n_layer)),
-                norm=RMSNorm(config.d_model, config.layer_norm_eps),
+                norm=RMSNorm(config.d_model, config.layer_norm_eps, config.norm_weight_offset),
             )
         )
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(config)
+        # Gemma 3's sliding-window layers turn at a base of their own, unscaled; None: every layer turns alike.
+        local = None if config.local_rope_theta is None else replace(config, rope_theta=config.local_rope_theta, rope_scaling=None)
+        self.local_rotary = None if local is None else RotaryEmbedding(local)
+        self.local_layers = {layer for layer in range(config.n_layer) if config.window(layer) is not None} if local else set()
 
     def init_weights(self, seed: int) -> "Llama":
-        """Normal(0, initializer_range) matrices, zero biases, unit norms (transformers' initialisation), from a seed."""
+        """Normal(0, initializer_range) matrices, zero biases, unit norms (transformers' initialisation: a Gemma norm's
+        stored weight 0), from a seed."""
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, param in self.named_parameters():
                 if name.endswith("bias"):
                     param.zero_()
                 elif "norm" in name:
-                    param.fill_(1.0)
+                    param.fill_(1.0 - self.config.norm_weight_offset)
                 else:
                     param.copy_(torch.randn(param.shape, generator=generator) * self.config.initializer_range)
         return self
@@ -180,7 +207,22 @@ class Llama(nn.Module):
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, C)
         # F.linear, not x @ weight.T: on a slots step's (K, C) rows it exports as one Gemm reading the (V, C) matrix
         # as stored, row by row, the faster layout for a few rows on the CPU (and no transposed copy of the table).
-        return F.linear(x, weight).float()
+        logits = F.linear(x, weight).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, (..., C); Gemma's scaled by sqrt(d_model) rounded to the model's dtype, as transformers has it."""
+        x = self.model.embed_tokens(input_ids)
+        if self.config.embed_scale:
+            x = x * torch.tensor(self.config.d_model**0.5, dtype=torch.float32).to(x.dtype)
+        return x
+
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        """(cos, signed sin), each (..., T, d_k), of the global layers (key False) and, with a local base, the sliding ones
+        (key True)."""
+        global_ = self.rotary(positions, dtype)
+        return {False: global_, True: global_ if self.local_rotary is None else self.local_rotary(positions, dtype)}
 
     def forward(
         self,
@@ -192,12 +234,11 @@ class Llama(nn.Module):
         columns = query_columns(attention_mask, input_ids.shape[1])  # (T,)
         window = self.config.sliding_window
         biases = {w: attention_bias(attention_allowed(attention_mask, columns, w)) for w in {None, window}}  # each (B, 1, T, S)
-        x = self.model.embed_tokens(input_ids)  # (B, T, C)
-        cos, sin = self.rotary(position_ids, x.dtype)  # (B, T, d_k)
-        cos, sin = cos[:, :, None], sin[:, :, None]  # (B, T, 1, d_k): the same angles for every head
+        x = self.embed(input_ids)  # (B, T, C)
+        angles = {local: (cos[:, :, None], sin[:, :, None]) for local, (cos, sin) in self.angles(position_ids, x.dtype).items()}  # (B, T, 1, d_k)
         presents = []
-        for block, past in zip(self.model.layers, past_key_values):
-            x, present = block(x, cos, sin, biases[block.self_attn.window], past)
+        for layer, (block, past) in enumerate(zip(self.model.layers, past_key_values)):
+            x, present = block(x, *angles[layer in self.local_layers], biases[block.self_attn.window], past)
             presents.append(present)
         return self.logits(x), presents  # (B, T, V)
 
@@ -207,12 +248,11 @@ class Llama(nn.Module):
         prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k)."""
         step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0],
                         self.config.sliding_window)
-        x = self.model.embed_tokens(step.token_ids)  # (N, C): a slots step needs no batch axis
-        cos, sin = self.rotary(step.positions, x.dtype)  # (N, d_k)
-        cos, sin = cos[:, None], sin[:, None]  # (N, 1, d_k): the same angles for every head
+        x = self.embed(step.token_ids)  # (N, C): a slots step needs no batch axis
+        angles = {local: (cos[:, None], sin[:, None]) for local, (cos, sin) in self.angles(step.positions, x.dtype).items()}  # (N, 1, d_k)
         presents = []
-        for block, past in zip(self.model.layers, past_key_values):
-            x, present = block.forward_slots(x, cos, sin, step, past)
+        for layer, (block, past) in enumerate(zip(self.model.layers, past_key_values)):
+            x, present = block.forward_slots(x, *angles[layer in self.local_layers], step, past)
             presents.append(present)
         return self.logits(x.index_select(0, logits_index)), presents  # (K, V): only the tokens sampled from
 
@@ -228,7 +268,8 @@ class Llama(nn.Module):
         the T chunk tokens."""
         dtype = self.model.embed_tokens.weight.dtype
         tables = rotary_tables(self.rotary, self.config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2) each
-        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, dtype)
-        x = self.model.embed_tokens(step.token_ids)  # (B S + T, C): a slots step needs no batch axis
+        local_tables = None if self.local_rotary is None else rotary_tables(self.local_rotary, self.config.n_ctx + 1, dtype)
+        step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, dtype, local_tables)
+        x = self.embed(step.token_ids)  # (B S + T, C): a slots step needs no batch axis
         x, presents, chunk_presents = step.run_layers(self.model.layers, x, past_key_values, chunk_key_values)
         return self.logits(x.index_select(0, logits_index)), presents, chunk_presents  # (K, V)

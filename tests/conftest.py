@@ -205,18 +205,34 @@ LLAMA_CONFIGS = {
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=128, use_sliding_window=True, sliding_window=5, max_window_layers=1, tie_word_embeddings=True,
     )),
+    # query_pre_attn_scalar apart from head_dim, and soft caps low enough to bite on these weights; Gemma scales its
+    # embeddings by sqrt(hidden_size), so narrower weights than the others' keep its greedy tokens context-dependent
+    "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5": ("gemma2", dict(initializer_range=0.08,
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, max_position_embeddings=128, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=8.0,
+        final_logit_softcapping=12.0,
+    )),
+    "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6": ("gemma3_text", dict(initializer_range=0.08,
+        vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=32, max_position_embeddings=160, sliding_window=6, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    )),
 }
 
 
 @pytest.fixture(scope="session")
 def make_hf_llama(tmp_path_factory):
-    """Factory: a transformers Llama-family model (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM) with random
+    """Factory: a transformers Llama-family model (Llama, Qwen2, Mistral, Qwen3, Gemma 2 and Gemma 3 ForCausalLM) with random
     weights from a config, saved locally as save_pretrained writes it: optionally in bfloat16, optionally sharded.
     Returns the model in float32 (the reference: exactly the saved weights) and the directory."""
     import torch
     import transformers
 
-    classes = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral", "qwen3": "Qwen3"}
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
 
     def make(model_type: str, seed: int = 0, dtype=None, max_shard_size=None, generation=None, **config):
         torch.manual_seed(seed)
@@ -225,9 +241,9 @@ def make_hf_llama(tmp_path_factory):
         config.setdefault("initializer_range", 0.3)
         config.setdefault("bos_token_id", 1)
         config.setdefault("eos_token_id", 2)
-        prefix = classes[model_type]
-        hf_config = getattr(transformers, f"{prefix}Config")(**config, attn_implementation="eager")
-        hf = getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval()
+        config_class, model_class = (getattr(transformers, name) for name in classes[model_type])
+        hf_config = config_class(**config, attn_implementation="eager")
+        hf = model_class(hf_config).eval()
         with torch.no_grad():  # norms drawn around 1, not left at it: a norm applied in the wrong place then shows
             for name, param in hf.named_parameters():
                 if "norm" in name:
@@ -239,7 +255,7 @@ def make_hf_llama(tmp_path_factory):
         if generation is not None:
             (directory / "generation_config.json").write_text(json.dumps(generation))
         if dtype is not None:  # read back in float32: hf.float() would keep rotary frequencies rounded to dtype
-            hf = getattr(transformers, f"{prefix}ForCausalLM").from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+            hf = model_class.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
         return hf, directory
 
     return make

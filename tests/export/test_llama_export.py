@@ -36,6 +36,17 @@ def test_exported_artifact_generates_what_transformers_generates(llama_artifact,
     np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), expected)
 
 
+NEW_FAMILIES = [name for name in LLAMA_CONFIGS if name.startswith(("qwen3", "gemma", "mistral sliding", "qwen2 sliding"))]
+
+
+@pytest.mark.parametrize("name", NEW_FAMILIES)
+def test_standard_attention_generates_what_transformers_generates(llama_artifact, name):
+    """The standard graph (ONNX operators, masks for the sliding layers) of each family the fused test above runs fused."""
+    hf, _, artifact_dir = llama_artifact(name, attention="standard")
+    assert open_artifact(artifact_dir).manifest["attention"] == "standard"
+    np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), hf_greedy(hf, PROMPTS, STEPS))
+
+
 @pytest.mark.parametrize("name", ["llama gqa 4:1 head_dim 24 untied", "qwen2 gqa 3:1 qkv-bias tied"])
 def test_concat_artifact_on_a_padded_batch_generates_what_transformers_generates(llama_artifact, name):
     hf, _, artifact_dir = llama_artifact(name, kv_cache="concat")

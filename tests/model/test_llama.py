@@ -47,6 +47,11 @@ def test_rotary_frequencies_and_attention_factor_equal_transformers(pair):
     """Bit for bit: a frequency off in its last place turns into a visible angle error thousands of positions in."""
     hf, ours = pair
     rotary = hf.model.rotary_emb
+    if hasattr(rotary, "full_attention_inv_freq"):  # Gemma 3: a base per layer type
+        assert ours.rotary.inv_freq == rotary.full_attention_inv_freq.tolist()
+        assert ours.local_rotary.inv_freq == rotary.sliding_attention_inv_freq.tolist()
+        assert ours.rotary.scale == rotary.full_attention_attention_scaling
+        return
     assert ours.rotary.inv_freq == rotary.inv_freq.tolist()
     assert ours.rotary.scale == rotary.attention_scaling
 
