@@ -14,8 +14,12 @@ from kvserve.runtime.pool import SlotPool
 from kvserve.runtime.step import DecoderRuntime
 
 
+# A lone stream's row: its columns at most (a 40,960-token model's whole row would be 9.4 GB of float32 K/V).
+LONE_ROW_COLUMNS = 8192
+
+
 def one_row_pool(runtime: DecoderRuntime, config) -> SlotPool:
-    return runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
+    return runtime.new_pool(1, config.n_kv_head, config.head_dim, min(pool_capacity(config), LONE_ROW_COLUMNS + 1))
 
 
 def onnx_step(runtime: DecoderRuntime, config, past_len: int, rows: int = 1, with_logits: bool = True, chunk: int = 0,
@@ -23,9 +27,11 @@ def onnx_step(runtime: DecoderRuntime, config, past_len: int, rows: int = 1, wit
     """A callable running one decode step of rows rows, each at position past_len (reading past_len + 1 columns),
     and with chunk > 0 a prompt chunk of that many tokens in row `rows` beside them (its last token sampled too);
     with_logits=False reads back the greedy tokens alone, as a greedy server step does. pool: the rows to run in
-    (default: a pool of its own). Every call writes the same columns, which changes nothing timed."""
+    (default: a pool of its own, as wide as the step reads plus the scratch column: the server's rows are a whole context
+    wide, which the step's reads and writes do not depend on). Every call writes the same columns, which changes nothing timed."""
     if pool is None:
-        pool = runtime.new_pool(rows + (chunk > 0), config.n_kv_head, config.head_dim, pool_capacity(config))
+        columns = min(pool_capacity(config), max(past_len + 1, chunk) + 1)
+        pool = runtime.new_pool(rows + (chunk > 0), config.n_kv_head, config.head_dim, columns)
     position = np.full(rows, past_len, np.int64)  # (B,)
     mask = np.ones((rows, past_len + 1), np.int64)  # (B, W)
     tokens, chunk_ids = np.full(rows, 42, np.int64), np.full(chunk, 7, np.int64)  # (B,), (T,)

@@ -19,21 +19,20 @@ import numpy as np
 import onnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_step import best_step_seconds, onnx_step  # noqa: E402
+from decode_step import best_step_seconds, one_row_pool, onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import ArtifactError, open_artifact  # noqa: E402
 from kvserve.contract.tolerances import kl_divergence  # noqa: E402
 from kvserve.export.quantize import quantize_model  # noqa: E402
 from kvserve.export.onnx_export import save_graph  # noqa: E402
-from kvserve.runtime.pool import pool_capacity  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 PROMPT = "In the beginning God created the heaven and the earth. And the earth was without form, and void; and darkness was upon the face of the deep."
 
 
 def prompt_logits(runtime: DecoderRuntime, config, ids: np.ndarray) -> np.ndarray:
-    pool = runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
+    pool = one_row_pool(runtime, config)
     scratch = np.array([pool.capacity - 1])
     return runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), ids, 0, 0, 1 + np.arange(len(ids))).logits
 

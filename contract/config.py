@@ -8,15 +8,15 @@ from dataclasses import dataclass
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
 GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
 MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH, "qwen3": LLAMA_ARCH,
-               "gemma2": LLAMA_ARCH, "gemma3_text": LLAMA_ARCH}
+               "gemma2": LLAMA_ARCH, "gemma3_text": LLAMA_ARCH, "phi3": LLAMA_ARCH}
 # Those whose config.json can ask for sliding-window layers.
-SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
 # The MLP's gate activations: SwiGLU's and GeGLU's (transformers' names).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
-ROPE_TYPES = ("linear", "llama3", "yarn")
+ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,9 @@ class RopeScaling:
     yarn    YaRN (Peng et al., 2023): frequencies blended between interpolated and kept over the band beta_slow ..
             beta_fast rotations, and cos/sin scaled by attention_factor (from factor, mscale and mscale_all_dim when
             the config gives none).
+    longrope  LongRoPE (Phi-3, Phi-4-mini): each frequency divided by its short_factor while a sequence fits the
+            original context, by its long_factor past it; cos/sin scaled by attention_factor (from factor when the
+            config gives none). Served within the original context only (model/rope.py says why).
     """
 
     rope_type: str = "llama3"
@@ -42,12 +45,18 @@ class RopeScaling:
     mscale_all_dim: float | None = None  # yarn
     attention_factor: float | None = None  # yarn: None derives it from factor (and the mscales)
     truncate: bool = True  # yarn: round the blended band to whole channels
+    short_factor: tuple[float, ...] = ()  # longrope: one per frequency
+    long_factor: tuple[float, ...] = ()  # longrope: one per frequency
 
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r} (kvserve implements 'default', {', '.join(map(repr, ROPE_TYPES))})")
         if self.rope_type != "linear" and self.original_max_position_embeddings is None:
             raise ValueError(f"rope_type {self.rope_type!r} needs original_max_position_embeddings")
+        object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
+        object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
+        if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
+            raise ValueError("rope_type 'longrope' needs short_factor and long_factor, one per frequency each")
 
 
 @dataclass(frozen=True)
@@ -87,6 +96,7 @@ class DecoderConfig:
     attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap), before the mask
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (unscaled); None: theirs is everyone's
+    partial_rotary_factor: float = 1.0  # the share of each head's channels rotated, from the first (Phi-4-mini: 0.75)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -117,7 +127,8 @@ class DecoderConfig:
                           "norm_weight_offset": self.norm_weight_offset != 0.0, "embed_scale": self.embed_scale,
                           "sandwich_norms": self.sandwich_norms, "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
                           "attn_logit_softcapping": self.attn_logit_softcapping is not None,
-                          "final_logit_softcapping": self.final_logit_softcapping is not None, "local_rope_theta": self.local_rope_theta is not None}
+                          "final_logit_softcapping": self.final_logit_softcapping is not None, "local_rope_theta": self.local_rope_theta is not None,
+                          "partial_rotary_factor": self.partial_rotary_factor != 1.0}
             for name, set_apart in llama_only.items():
                 if set_apart:
                     raise ValueError(f"DecoderConfig.{name} is a Llama-family setting; GPT-2 keeps its default")
@@ -128,8 +139,12 @@ class DecoderConfig:
                 raise ValueError(f"DecoderConfig.{name} must be positive or None, got {getattr(self, name)}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head})")
-        if self.head_dim % 2 and self.architecture == LLAMA_ARCH:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even: rotary embeddings rotate pairs of channels")
+        if self.architecture == LLAMA_ARCH and (self.rotary_dim % 2 or self.rotary_dim <= 0):
+            raise ValueError(f"head_dim ({self.head_dim}) x partial_rotary_factor ({self.partial_rotary_factor}) = {self.rotary_dim} rotated "
+                             "channels: must be even and positive (rotary embeddings rotate pairs of channels)")
+        scaling = self.rope_scaling
+        if scaling is not None and scaling.rope_type == "longrope" and len(scaling.short_factor) != self.rotary_dim // 2:
+            raise ValueError(f"longrope's factors: {len(scaling.short_factor)} given, one per frequency ({self.rotary_dim // 2}) wanted")
         for eos in self.eos_token_ids:
             if not 0 <= eos < self.vocab_size:
                 raise ValueError(f"eos_token_id {eos} is outside the vocabulary ({self.vocab_size})")
@@ -138,6 +153,11 @@ class DecoderConfig:
     def architecture(self) -> str:
         """The decoder family that implements this config: GPT2_ARCH or LLAMA_ARCH."""
         return MODEL_TYPES[self.model_type]
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many of each head's channels the rotary embedding turns (the first ones); the rest pass through."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     @property
     def attention_scale(self) -> float:

@@ -2,7 +2,7 @@
 torch-free server reads an artifact's config.json through it too.
 
 Whatever a config.json asks for that kvserve does not implement is refused by name (a rope type, an
-activation, a partial rotation), never silently approximated.
+activation, a bidirectional Gemma), never silently approximated.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from __future__ import annotations
 from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, RopeScaling
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
+                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                    "phi3": "Phi3ForCausalLM"}
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # transformers' defaults where a Gemma config.json leaves a field out.
 _GEMMA_DEFAULTS = {
@@ -22,12 +23,12 @@ _ROPE_FIELDS = {
     "linear": (),
     "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
+    "longrope": ("original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
 }
 # Types transformers implements that kvserve refuses, and why.
 _ROPE_REFUSED = {
     "dynamic": "its frequencies change with the longest sequence of each forward call, which a server batching rows of "
                "different lengths cannot reproduce",
-    "longrope": "not implemented yet",
 }
 
 
@@ -84,7 +85,10 @@ def config_to_hf(config: DecoderConfig) -> dict:
     if config.rope_scaling is not None:
         scaling = config.rope_scaling
         rope = {"rope_type": scaling.rope_type, "rope_theta": config.rope_theta, "factor": scaling.factor}
-        rope |= {name: getattr(scaling, name) for name in _ROPE_FIELDS[scaling.rope_type] if getattr(scaling, name) is not None}
+        rope |= {name: getattr(scaling, name) for name in _ROPE_FIELDS[scaling.rope_type] if getattr(scaling, name) not in (None, ())}
+        rope = {name: list(value) if isinstance(value, tuple) else value for name, value in rope.items()}
+    if config.partial_rotary_factor != 1.0:
+        rope["partial_rotary_factor"] = config.partial_rotary_factor
     hf = common | {
         "hidden_act": config.hidden_act,
         "hidden_size": config.d_model,
@@ -101,8 +105,13 @@ def config_to_hf(config: DecoderConfig) -> dict:
         "rope_scaling": None if config.rope_scaling is None else {k: v for k, v in rope.items() if k != "rope_theta"},
         "attention_dropout": config.dropout,
     }
+    if config.partial_rotary_factor != 1.0:
+        hf["partial_rotary_factor"] = config.partial_rotary_factor
     if config.model_type in GEMMA_TYPES:
         hf |= _gemma_to_hf(config, rope)
+    elif config.model_type == "phi3":
+        original = config.rope_scaling.original_max_position_embeddings if config.rope_scaling is not None else None
+        hf |= {"sliding_window": config.sliding_window, "original_max_position_embeddings": original or config.n_ctx}
     elif config.model_type == "llama":
         hf |= {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
     elif config.model_type in ("qwen2", "qwen3"):
@@ -162,9 +171,9 @@ def _gpt2_from_hf(hf: dict, common: dict) -> DecoderConfig:
     )
 
 
-def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None]:
-    """rope_theta and the scaling, from transformers 5's rope_parameters (Gemma 3's: its full_attention entry) or the
-    older rope_theta/rope_scaling."""
+def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None, float]:
+    """rope_theta, the scaling and the partial rotary factor, from transformers 5's rope_parameters (Gemma 3's: its
+    full_attention entry) or the older rope_theta/rope_scaling."""
     parameters = hf.get("rope_parameters") or {}
     parameters = parameters.get("full_attention") or parameters if isinstance(parameters.get("full_attention"), dict) else parameters
     if "rope_theta" in parameters or "rope_type" in parameters:
@@ -172,11 +181,13 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
     else:
         theta, scaling = hf.get("rope_theta", default_theta), hf.get("rope_scaling") or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's early names for its longrope, as transformers reads them
+        rope_type = "longrope"
     partial = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
-        raise ValueError(f"unsupported partial_rotary_factor {partial!r} (kvserve rotates every channel: 1.0)")
+    if not isinstance(partial, (int, float)) or isinstance(partial, bool) or not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
     if rope_type == "default":
-        return float(theta), None
+        return float(theta), None, float(partial)
     if rope_type in _ROPE_REFUSED:
         raise ValueError(f"unsupported rope_type {rope_type!r}: {_ROPE_REFUSED[rope_type]} (kvserve implements 'default', "
                          f"{', '.join(map(repr, _ROPE_FIELDS))})")
@@ -184,6 +195,16 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
         raise ValueError(f"unsupported rope_type {rope_type!r} (kvserve implements 'default', {', '.join(map(repr, _ROPE_FIELDS))})")
     fields = {name: scaling[name] for name in _ROPE_FIELDS[rope_type] if scaling.get(name) is not None}
     original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
+    if rope_type == "longrope":
+        # Phi-3 keeps original_max_position_embeddings beside rope_scaling; a missing factor is the context's ratio to it.
+        if original is None:
+            raise ValueError("rope_scaling of type 'longrope' lacks original_max_position_embeddings")
+        fields["original_max_position_embeddings"] = int(original)
+        if scaling.get("factor") is None:  # written out, so the attention factor survives the context capped to the original
+            scaling = scaling | {"factor": _required(hf, "max_position_embeddings") / int(original)}
+        missing = [name for name in ("short_factor", "long_factor") if not isinstance(scaling.get(name), list)]
+        if missing:
+            raise ValueError(f"rope_scaling of type 'longrope' lacks {', '.join(missing)} (a list of numbers each)")
     if rope_type == "yarn":
         # transformers' yarn falls back to the config's own original_max_position_embeddings, then to the context
         # ratio for a missing factor; a published config (Qwen3's) gives both in rope_scaling.
@@ -196,16 +217,23 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
     missing = [name for name in required if scaling.get(name) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} lacks {', '.join(missing)}")
-    kinds = {"original_max_position_embeddings": int, "truncate": bool}
-    fields = {name: kinds.get(name, float)(value) for name, value in fields.items()}
+    kinds = {"original_max_position_embeddings": int, "truncate": bool, "short_factor": tuple, "long_factor": tuple}
+    try:
+        fields = {name: kinds.get(name, float)(value) for name, value in fields.items()}
+        scaling_fields = RopeScaling(rope_type=rope_type, factor=float(scaling["factor"]), **fields)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rope_scaling of type {rope_type!r}: {exc}") from None
     if rope_type == "linear":
-        fields["original_max_position_embeddings"] = None
-    return float(theta), RopeScaling(rope_type=rope_type, factor=float(scaling["factor"]), **fields)
+        scaling_fields = RopeScaling(rope_type="linear", factor=scaling_fields.factor, original_max_position_embeddings=None)
+    return float(theta), scaling_fields, float(partial)
 
 
 def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
     model_type = hf["model_type"]
     n_ctx = _required(hf, "max_position_embeddings")
+    theta, scaling, partial = _rope(hf, _GEMMA_DEFAULTS[model_type]["rope_theta"] if model_type in GEMMA_TYPES else 10000.0)
+    if scaling is not None and scaling.rope_type == "longrope":  # served within the original context (model/rope.py)
+        n_ctx = min(n_ctx, scaling.original_max_position_embeddings)
     gemma = model_type in GEMMA_TYPES
     act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
     if act != ("gelu_pytorch_tanh" if gemma else "silu"):
@@ -215,7 +243,6 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         raise ValueError(f"unsupported pretraining_tp {hf['pretraining_tp']!r} (kvserve implements 1)")
     n_layer = _required(hf, "num_hidden_layers")
     window, sliding_layers = _sliding_window(hf, n_ctx, n_layer)
-    theta, scaling = _rope(hf, _GEMMA_DEFAULTS[model_type]["rope_theta"] if gemma else 10000.0)
     d_model, n_head = _required(hf, "hidden_size"), _required(hf, "num_attention_heads")
     attention_bias = bool(hf.get("attention_bias", False))
     return DecoderConfig(
@@ -238,6 +265,7 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         qk_norm=model_type in ("qwen3", "gemma3_text"),
         sliding_window=window,
         sliding_layers=sliding_layers,
+        partial_rotary_factor=partial,
         **(_gemma_from_hf(hf) if gemma else {}),
     )
 
@@ -270,7 +298,7 @@ def _sliding_window(hf: dict, n_ctx: int, n_layer: int) -> tuple[int | None, tup
         return None, ()
     if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
         raise ValueError(f"sliding_window must be a positive integer, got {window!r}")
-    if hf["model_type"] == "mistral":
+    if hf["model_type"] in ("mistral", "phi3"):
         layers = tuple(range(n_layer))
     elif hf["model_type"] in GEMMA_TYPES:  # every layer_types'th layer global, the others sliding, unless layer_types says
         pattern = int(hf.get("sliding_window_pattern", _GEMMA_DEFAULTS[hf["model_type"]]["window_pattern"]))

@@ -13,6 +13,7 @@ from torch import nn
 from torch.export import Dim
 
 from kvserve.contract import io_contract as io
+from kvserve.contract.config import LLAMA_ARCH
 from kvserve.contract.artifact import MODEL_DATA_FILE, MODEL_FILE
 from kvserve.model.decoders import Decoder
 from kvserve.model.fused_attention import supports_fused_attention
@@ -94,6 +95,9 @@ def fused_attention_refusal(model: Decoder, kv_cache: str) -> str | None:
         return f"fused attention is not written for {config.model_type}"
     if not supports_fused_attention(config.head_dim):
         return f"fused attention needs head_dim a multiple of 16 (ONNX Runtime's GroupQueryAttention); this model's is {config.head_dim}"
+    if config.architecture == LLAMA_ARCH and not supports_fused_attention(config.head_dim, config.rotary_dim):
+        return (f"fused attention needs the rotated channels a multiple of 16 (ONNX Runtime's GroupQueryAttention); this model turns "
+                f"{config.rotary_dim} of its {config.head_dim}")
     return None
 
 

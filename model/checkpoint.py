@@ -7,7 +7,8 @@ Every tensor is checked by its checkpoint name and shape, so an error names what
 - GPT-2 stores its linear layers as Conv1D, weight (in, out); ours are nn.Linear, weight (out, in), so the
   four matrices listed in TRANSPOSED are transposed on the way in and out. Everything else is a plain copy.
 - Llama-family checkpoints store Q, K and V (and the MLP's gate and up) as separate matrices; ours are
-  fused (llama.py), so FUSED lists which checkpoint tensors are stacked into which of ours, in order.
+  fused (llama.py), so FUSED lists which checkpoint tensors are stacked into which of ours, in order. Phi-3's
+  checkpoints store them fused as ours are (STORED_FUSED), and are copied as they are.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "ml
 IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq")
 # Ours <- the checkpoint's, stacked along the output axis in this order.
 FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+STORED_FUSED = ("phi3",)  # model types whose checkpoints hold qkv_proj and gate_up_proj themselves
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 SHARD_INDEX = "model.safetensors.index.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "special_tokens_map.json", "chat_template.jinja")
@@ -106,7 +108,7 @@ def checkpoint_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
         if key.endswith(TRANSPOSED):
             shapes[key] = tuple(param.shape[::-1])
             continue
-        fused = _fused_into(key)
+        fused = _fused_into(key, config)
         if fused is None:
             shapes[key] = tuple(param.shape)
             continue
@@ -116,8 +118,11 @@ def checkpoint_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _fused_into(key: str) -> str | None:
-    """The FUSED module a parameter of ours belongs to, None for a plain one."""
+def _fused_into(key: str, config: DecoderConfig) -> str | None:
+    """The FUSED module a parameter of ours belongs to, None for a plain one (and for every one of a model whose
+    checkpoints store them fused)."""
+    if config.model_type in STORED_FUSED:
+        return None
     return next((ours for ours in FUSED if f".{ours}." in key), None)
 
 
@@ -162,7 +167,7 @@ def load_checkpoint(directory: str | Path) -> Decoder:
         raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
     state = {}
     for key, param in model.state_dict().items():
-        fused = _fused_into(key)
+        fused = _fused_into(key, config)
         if fused is not None:
             state[key] = torch.cat([found[key.replace(fused, part)] for part in FUSED[fused]])
         else:
@@ -186,7 +191,7 @@ def save_checkpoint(model: Decoder, directory: str | Path, dtype: torch.dtype = 
     (directory / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     state = {}
     for key, tensor in model.state_dict().items():
-        fused = _fused_into(key)
+        fused = _fused_into(key, model.config)
         if fused is not None:
             parts = tensor.split(_split_sizes(model.config, fused))
             state.update({key.replace(fused, name): part for name, part in zip(FUSED[fused], parts)})

@@ -25,12 +25,13 @@ import torch
 
 from .attention import attention_bias, scaled_dot_product_attention, within_window
 
-# ONNX Runtime 1.31's CPU kernel refuses other head widths.
+# ONNX Runtime 1.31's CPU kernel refuses other head widths, and rotary tables of other widths ("cos_cache dimension 1
+# must be <= head_size / 2 and a multiple of 8": a partial rotation turns a multiple of 16 channels).
 HEAD_DIM_MULTIPLE = 16
 
 
-def supports_fused_attention(head_dim: int) -> bool:
-    return head_dim % HEAD_DIM_MULTIPLE == 0
+def supports_fused_attention(head_dim: int, rotary_dim: int | None = None) -> bool:
+    return head_dim % HEAD_DIM_MULTIPLE == 0 and (rotary_dim is None or rotary_dim % HEAD_DIM_MULTIPLE == 0)
 
 
 class FusedSlotStep:
@@ -98,13 +99,14 @@ def row_attention(
     positions = last_position.long()[:, None] - S + 1 + torch.arange(S, device=qkv.device)  # (B, S)
     q, k, v = qkv.view(B, S, n_head + 2 * n_kv_head, d_k).split([n_head, n_kv_head, n_kv_head], dim=2)  # (B, S, heads, d_k)
     if rotary:
-        cos_p, sin_p = cos[positions][:, :, None], sin[positions][:, :, None]  # (B, S, 1, d_k / 2)
+        cos_p, sin_p = cos[positions][:, :, None], sin[positions][:, :, None]  # (B, S, 1, d_r / 2): the first d_r channels turn
 
-    def rotate(x):  # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+    def rotate(x):  # (x1, x2, rest) -> (x1 cos - x2 sin, x2 cos + x1 sin, rest)
         if not rotary:
             return x
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos_p - x2 * sin_p, x2 * cos_p + x1 * sin_p], dim=-1)
+        half = cos_p.shape[-1]
+        x1, x2, rest = x.split([half, half, x.shape[-1] - 2 * half], dim=-1)
+        return torch.cat([x1 * cos_p - x2 * sin_p, x2 * cos_p + x1 * sin_p, rest], dim=-1)
 
     rows = torch.arange(B, device=qkv.device)[:, None].expand(B, S)  # (B, S)
     present_key, present_value = past_key.clone(), past_value.clone()

@@ -3,7 +3,13 @@ float32-exact as transformers computes them (tests hold them to it): the inverse
 channels, and the factor cos and sin are multiplied by (YaRN's attention factor; 1 for the others).
 
 The frequencies are plain float32 constants, not buffers: a buffer would follow the model to float16, and a float16
-frequency is off by radians a thousand positions in.
+frequency is off by radians a thousand positions in. With a partial_rotary_factor (Phi-4-mini) only a head's first
+rotary_dim channels turn.
+
+LongRoPE (Phi-3) has two sets of factors: transformers turns a sequence by the short set while it fits
+original_max_position_embeddings, and once it grows past that recomputes its whole cache by the long set. kvserve serves
+a longrope model within its original context (contract/hf_config.py caps it there), where the short set is the only one
+transformers uses; the long set, and the recompute at the crossing, are not implemented (docs/models.md).
 """
 
 from __future__ import annotations
@@ -17,10 +23,15 @@ from kvserve.contract.config import DecoderConfig, RopeScaling
 
 
 def rope_frequencies(config: DecoderConfig) -> list[float]:
-    """The rotary embedding's inverse frequencies, d_k / 2 of them, rescaled as config.rope_scaling says."""
-    d_k, scaling = config.head_dim, config.rope_scaling
+    """The rotary embedding's inverse frequencies, rotary_dim / 2 of them, rescaled as config.rope_scaling says (longrope:
+    by its short factors)."""
+    d_k, scaling = config.rotary_dim, config.rope_scaling
     if scaling is not None and scaling.rope_type == "yarn":
         return _yarn_frequencies(config.rope_theta, d_k, scaling).tolist()
+    if scaling is not None and scaling.rope_type == "longrope":
+        shape = torch.arange(0, d_k, 2, dtype=torch.int64).float() / d_k  # (d_k / 2,)
+        factors = torch.tensor(scaling.short_factor, dtype=torch.float32)
+        return (1.0 / (factors * config.rope_theta**shape)).tolist()
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d_k, 2, dtype=torch.int64).float() / d_k))  # (d_k / 2,)
     if scaling is None:
         return inv_freq.tolist()
@@ -32,10 +43,13 @@ def rope_frequencies(config: DecoderConfig) -> list[float]:
 def attention_factor(config: DecoderConfig) -> float:
     """What cos and sin are multiplied by (so Q.K by its square): YaRN's attention factor, 1.0 for other types."""
     scaling = config.rope_scaling
-    if scaling is None or scaling.rope_type != "yarn":
+    if scaling is None or scaling.rope_type not in ("yarn", "longrope"):
         return 1.0
     if scaling.attention_factor is not None:
         return scaling.attention_factor
+    if scaling.rope_type == "longrope":
+        original = scaling.original_max_position_embeddings
+        return 1.0 if scaling.factor <= 1.0 else math.sqrt(1 + math.log(scaling.factor) / math.log(original))
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -83,12 +97,17 @@ class RotaryEmbedding(nn.Module):
         self.inv_freq = rope_frequencies(config)
         self.scale = attention_factor(config)
 
+    def turns(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions (...) -> each position's angles (..., rotary_dim / 2), float32."""
+        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=positions.device)  # (d_r / 2,)
+        return positions[..., None].float() * inv_freq  # (..., d_r / 2)
+
     def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (..., T) -> cos, signed sin (..., T, d_k) in dtype. Channel i and i + d_k / 2 share an
-        angle; the first half's sine is negated here, once a step, instead of the rotated half in every layer."""
-        inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=position_ids.device)  # (d_k / 2,)
-        angles = position_ids[..., None].float() * inv_freq  # (..., T, d_k / 2)
-        angles = torch.cat([angles, angles], dim=-1)  # (..., T, d_k)
+        """position_ids (..., T) -> cos, signed sin (..., T, d_r) in dtype, d_r the rotated channels. Channel i and
+        i + d_r / 2 share an angle; the first half's sine is negated here, once a step, instead of the rotated half in
+        every layer."""
+        angles = self.turns(position_ids)  # (..., T, d_r / 2)
+        angles = torch.cat([angles, angles], dim=-1)  # (..., T, d_r)
         cos, sin = angles.cos(), angles.sin()
         if self.scale != 1.0:
             cos, sin = cos * self.scale, sin * self.scale
@@ -97,17 +116,22 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x (..., d_k) rotated pairwise by the angles: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), transformers'
-    rotate_half arithmetic exactly (negating a product's factor is exact). The halves swap with one gather."""
-    half = x.shape[-1] // 2
-    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(x.device)  # (d_k,): (x2, x1)
+    """x (..., d_k) rotated pairwise by the angles (cos, signed_sin (..., d_r), d_r <= d_k: the first d_r channels turn,
+    the rest pass): (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin), transformers' rotate_half arithmetic exactly
+    (negating a product's factor is exact). The halves swap with one gather."""
+    d_r = cos.shape[-1]
+    if d_r < x.shape[-1]:
+        turned, passed = x.split([d_r, x.shape[-1] - d_r], dim=-1)  # (..., d_r), (..., d_k - d_r)
+        return torch.cat([rotate(turned, cos, signed_sin), passed], dim=-1)  # (..., d_k)
+    half = d_r // 2
+    swap = torch.cat([torch.arange(half, 2 * half), torch.arange(half)]).to(x.device)  # (d_r,): (x2, x1)
     return x * cos + x.index_select(-1, swap) * signed_sin
 
 
 def rotary_tables(rotary: RotaryEmbedding, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of every position's angles, each (positions, d_k / 2), scaled by the attention factor: the tables
+    """cos and sin of every position's angles, each (positions, d_r / 2), scaled by the attention factor: the tables
     GroupQueryAttention indexes by position. Computed in float32, then cast."""
-    angles = torch.arange(positions, dtype=torch.float32)[:, None] * torch.tensor(rotary.inv_freq, dtype=torch.float32)  # (P, d_k / 2)
+    angles = rotary.turns(torch.arange(positions))  # (P, d_r / 2)
     cos, sin = angles.cos(), angles.sin()
     if rotary.scale != 1.0:
         cos, sin = cos * rotary.scale, sin * rotary.scale

@@ -219,6 +219,18 @@ LLAMA_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     )),
+    # Phi-3.5's longrope (served within its original 64 positions: the short factors, and the attention factor of the 128
+    # it was stretched to) on Phi-4-mini's partial rotation (3/4 of each head turns)
+    "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied": ("phi3", dict(
+        vocab_size=300, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=128, original_max_position_embeddings=64, pad_token_id=0,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0 + 0.05 * i for i in range(24)], "long_factor": [1.5 + 0.4 * i for i in range(24)]},
+    )),
+    "phi3 multi-head head_dim 16 sliding 6 tied": ("phi3", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, sliding_window=6, tie_word_embeddings=True, pad_token_id=0,
+    )),
 }
 
 
@@ -232,7 +244,7 @@ def make_hf_llama(tmp_path_factory):
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM")}
+               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
 
     def make(model_type: str, seed: int = 0, dtype=None, max_shard_size=None, generation=None, **config):
         torch.manual_seed(seed)

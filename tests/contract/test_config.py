@@ -21,7 +21,13 @@ def test_derived_fields_are_resolved_once():
     (dict(n_head=5), r"d_model \(32\) is not divisible by n_head \(5\)"),
     (dict(n_kv_head=2), "DecoderConfig.n_kv_head is a Llama-family setting"),
     (dict(model_type="llama", n_kv_head=3), r"n_head \(4\) is not a multiple of n_kv_head \(3\)"),
-    (dict(model_type="llama", head_dim=7), r"head_dim \(7\) must be even"),
+    (dict(model_type="llama", head_dim=7), r"head_dim \(7\) x partial_rotary_factor \(1.0\) = 7 rotated channels: must be even"),
+    (dict(model_type="phi3", head_dim=12, partial_rotary_factor=0.25), r"= 3 rotated channels: must be even"),
+    (dict(model_type="llama", sliding_window=4, sliding_layers=(0,)), "model_type 'llama' has no sliding window"),
+    (dict(model_type="mistral", sliding_window=4, sliding_layers=(5,)), r"sliding_layers \(5,\) needs a sliding_window and layers 0 .. 0"),
+    (dict(model_type="gemma2", hidden_act="relu"), "hidden_act 'relu': kvserve implements silu, gelu_pytorch_tanh"),
+    (dict(model_type="gemma2", attn_logit_softcapping=0.0), "attn_logit_softcapping must be positive or None"),
+    (dict(qk_norm=True), "DecoderConfig.qk_norm is a Llama-family setting"),
     (dict(eos_token_ids=(100,)), "eos_token_id 100 is outside the vocabulary"),
 ])
 def test_a_config_that_cannot_describe_a_model_is_refused_by_name(fields, message):

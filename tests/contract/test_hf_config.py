@@ -36,13 +36,21 @@ def test_a_llama_config_maps_its_fields_and_generation_configs_eos_list_wins():
 @pytest.mark.parametrize("edit, message", [
     ({"model_type": "falcon"}, "unsupported architecture: model_type 'falcon'"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic': its frequencies change with the longest"),
-    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}}, "rope_type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
+     "'longrope' lacks original_max_position_embeddings"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}, "original_max_position_embeddings": 32},
+     r"longrope's factors: 3 given, one per frequency \(4\) wanted"),
+    ({"rope_scaling": {"rope_type": "longrope", "original_max_position_embeddings": 32}}, "'longrope' lacks short_factor, long_factor"),
+    ({"partial_rotary_factor": 1.5}, r"partial_rotary_factor must be in \(0, 1\], got 1.5"),
+    ({"model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu"}, "unsupported hidden_act 'gelu' \\(kvserve implements gemma2's GeGLU"),
     ({"rope_scaling": {"rope_type": "su"}}, "unsupported rope_type 'su'"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "'yarn' lacks original_max_position_embeddings"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 4.0}}, "'llama3' lacks low_freq_factor, high_freq_factor, original_max"),
     ({"rope_scaling": {"rope_type": "linear"}}, "'linear' lacks factor"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-    ({"sliding_window": 16, "use_sliding_window": True, "model_type": "qwen2"}, "sliding"),
+    ({"sliding_window": 0, "model_type": "mistral"}, "sliding_window must be a positive integer, got 0"),
+    ({"sliding_window": 8, "model_type": "qwen2", "use_sliding_window": True, "layer_types": ["sliding_attention"]},
+     "layer_types must name each of the 2 layers"),
 ])
 def test_what_kvserve_does_not_implement_is_refused_by_name(edit, message):
     with pytest.raises(ValueError, match=message):
@@ -70,3 +78,25 @@ def test_a_qwen3_config_reads_its_norms_and_biases():
     assert config.qk_norm and config.qkv_bias and config.o_bias and config.head_dim == 64  # head_dim apart from hidden_size / heads
     assert config_from_hf(config_to_hf(config)) == config
     assert not config_from_hf({**LLAMA, "model_type": "qwen2"}).qk_norm
+
+
+def test_a_phi3_longrope_config_is_served_within_its_original_context_with_its_attention_factor():
+    phi3 = {**LLAMA, "model_type": "phi3", "max_position_embeddings": 256, "original_max_position_embeddings": 64,
+            "rope_scaling": {"type": "su", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}, "partial_rotary_factor": 0.5}
+    config = config_from_hf(phi3)
+    assert config.n_ctx == 64 and config.rope_scaling.rope_type == "longrope" and config.rope_scaling.factor == 4.0  # 256 / 64, kept
+    assert config.rotary_dim == 4 and config.rope_scaling.short_factor == (1.0, 1.5)
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(config)))) == config
+
+
+@pytest.mark.parametrize("edit, layers", [
+    ({"model_type": "mistral", "sliding_window": 16}, (0, 1)),
+    ({"model_type": "mistral", "sliding_window": 64}, ()),  # the whole context: no window
+    ({"model_type": "qwen2", "sliding_window": 16, "use_sliding_window": True, "max_window_layers": 1}, (1,)),
+    ({"model_type": "qwen2", "sliding_window": 16}, ()),  # use_sliding_window defaults to false, as transformers has it
+    ({"model_type": "qwen3", "sliding_window": 16, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"]}, (0,)),
+])
+def test_sliding_windows_are_read_as_transformers_reads_them(edit, layers):
+    config = config_from_hf({**LLAMA, **edit})
+    assert config.sliding_layers == layers and (config.sliding_window is None) == (not layers)
+    assert config_from_hf(json.loads(json.dumps(config_to_hf(config)))) == config

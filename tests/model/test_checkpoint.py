@@ -148,14 +148,15 @@ def test_eos_ids_come_from_generation_config_as_a_list(make_hf_llama):
     [
         ({"model_type": "gemma"}, "unsupported architecture: model_type 'gemma'"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "unsupported rope_type 'yarn'"),
-        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}}, "unsupported partial_rotary_factor 0.5"),
-        ({"model_type": "mistral", "sliding_window": 64}, "unsupported sliding_window 64 < max_position_embeddings 128"),
-        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}, "unsupported sliding_window 32"),
+        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}, "unsupported rope_type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "'yarn' lacks original_max_position_embeddings"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.5}}, "partial_rotary_factor must be in (0, 1]"),
+        ({"model_type": "mistral", "sliding_window": -4}, "sliding_window must be a positive integer, got -4"),
+        ({"model_type": "gemma2", "hidden_act": "gelu_pytorch_tanh", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({"num_key_value_heads": 3}, "n_head (8) is not a multiple of n_kv_head (3)"),
         ({"hidden_size": None}, "lacks required field 'hidden_size'"),
     ],
-    ids=["architecture", "activation", "rope type", "partial rotary", "mistral window", "qwen2 window", "kv heads", "no width"],
+    ids=["architecture", "activation", "rope type", "rope field", "partial rotary", "mistral window", "bidirectional", "kv heads", "no width"],
 )
 def test_unsupported_llama_configs_are_named(make_hf_llama, edit, message):
     _, directory = _llama(make_hf_llama)
@@ -163,7 +164,7 @@ def test_unsupported_llama_configs_are_named(make_hf_llama, edit, message):
 
 
 def test_a_window_covering_the_context_and_older_rope_fields_are_accepted(make_hf_llama):
-    """Mistral with a sliding window as long as the context attends as Llama does; transformers 4's rope_theta and
+    """Mistral with a sliding window as long as the context attends as Llama does (no window); transformers 4's rope_theta and
     rope_scaling spelling (most published configs) read the same as transformers 5's rope_parameters."""
     _, directory = _llama(make_hf_llama)
     config = json.loads((directory / "config.json").read_text())
@@ -173,6 +174,7 @@ def test_a_window_covering_the_context_and_older_rope_fields_are_accepted(make_h
     (directory / "config.json").write_text(json.dumps(config))
     loaded = load_checkpoint(directory).config
     assert loaded.model_type == "mistral" and loaded.rope_theta == 500000.0 and loaded.rope_scaling.factor == 8.0
+    assert loaded.sliding_window is None
 
 
 @pytest.mark.parametrize(

@@ -68,3 +68,4 @@ def test_fused_steps_equal_a_full_forward(family, request):
 @pytest.mark.parametrize("head_dim, fused", [(16, True), (32, True), (64, True), (24, False), (40, False), (8, False)])
 def test_fused_attention_needs_head_dim_a_multiple_of_16(head_dim, fused):
     assert supports_fused_attention(head_dim) is fused
+    assert supports_fused_attention(head_dim, head_dim // 4 * 3) is (fused and head_dim // 4 * 3 % 16 == 0)  # a partial rotation

@@ -33,7 +33,9 @@ def test_config_is_read_as_written(pair):
 
 def test_logits_match_transformers_on_a_padded_batch(pair):
     hf, ours = pair
-    assert padded_logits_gap(hf, ours, PROMPTS) <= 1e-5
+    # Most configs agree to the bit; with one K/V head (grouped here, repeated there) the matrix products sum in
+    # another order, a few float32 ulps of the largest logit.
+    assert padded_logits_gap(hf, ours, PROMPTS, relative=True) <= 2e-6
 
 
 def test_greedy_generation_matches_transformers_token_for_token(pair):
