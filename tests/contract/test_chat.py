@@ -1,6 +1,6 @@
-"""contract/chat.py renders a conversation to the tokens transformers' apply_chat_template gives, on Llama-3- and
-Qwen2-style templates with their special tokens, refuses what a template refuses, and finds a template where
-checkpoints keep it."""
+"""contract/chat.py renders a conversation to the tokens transformers' apply_chat_template gives, on Llama-3-, Qwen2-,
+Qwen3-, Gemma- and Phi-style templates with their special tokens (and a template's own variables), refuses what a
+template refuses, and finds a template where checkpoints keep it."""
 
 import json
 
@@ -32,6 +32,20 @@ QWEN3_STYLE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
     "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
 )
+# Written in the style of Gemma's: no system role (its text opens the first user turn), the assistant called model,
+# turns trimmed.
+GEMMA_STYLE = (
+    "{{ bos_token }}{%- if messages[0]['role'] == 'system' -%}{%- set prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set turns = messages[1:] -%}{%- else -%}{%- set prefix = '' -%}{%- set turns = messages -%}{%- endif -%}"
+    "{%- for message in turns -%}{%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (prefix if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+# Written in the style of Phi-3's and Phi-4-mini's: a marker per role, each turn closed by <|end|>.
+PHI_STYLE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
 ALTERNATING = (
     "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
     "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
@@ -41,6 +55,8 @@ SPECIAL = {
     "llama3": (LLAMA3_STYLE, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>"),
     "qwen2": (QWEN2_STYLE, ["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>"),
     "alternating": (ALTERNATING, ["</s>"], None, "</s>"),
+    "gemma": (GEMMA_STYLE, ["<bos>", "<start_of_turn>", "<end_of_turn>"], "<bos>", "<end_of_turn>"),
+    "phi": (PHI_STYLE, ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>"], None, "<|endoftext|>"),
     "qwen3": (QWEN3_STYLE, ["<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|endoftext|>"], None, "<|im_end|>"),
 }
 CONVERSATION = [
@@ -87,7 +103,7 @@ def gpt2_vocabulary(tmp_path_factory):
 
 
 @pytest.mark.parametrize("as_file", [True, False], ids=["chat_template.jinja", "tokenizer_config.json"])
-@pytest.mark.parametrize("style", ["llama3", "qwen2"])
+@pytest.mark.parametrize("style", ["llama3", "qwen2", "qwen3", "gemma", "phi"])
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
 def test_rendered_tokens_equal_transformers_apply_chat_template(tmp_path, gpt2_vocabulary, style, as_file, add_generation_prompt):
     import transformers
