@@ -39,6 +39,10 @@ class Mutation:
 
 
 SO = "tests/service/test_structured.py"
+LLAMA_REF, LLAMA_EXPORT = "tests/model/test_llama.py", "tests/export/test_llama_export.py"
+GEMMA2, GEMMA3 = "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"
+QWEN3, PHI3 = "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied"
+MISTRAL_SLIDING = "mistral sliding window 7 head_dim 16"
 
 MUTATIONS = (
     Mutation(
@@ -318,6 +322,60 @@ MUTATIONS = (
         "service/scheduler.py",
         (("done = kv.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens", "done = 0 if joining else chunk.cached_tokens"),),
         ("tests/service/test_scheduler.py::test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free",),
+    ),
+    Mutation(
+        "gemma: the (1 + weight) norm written as weight",
+        "model/llama.py",
+        (("return (normed * (self.offset + self.weight.float())).to(x.dtype)", "return (normed * self.weight.float()).to(x.dtype)"),),
+        (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{GEMMA2}]",),
+    ),
+    Mutation(
+        "gemma: GeGLU computed as SwiGLU",
+        "model/llama.py",
+        (('self.act = F.silu if config.hidden_act == "silu" else partial(F.gelu, approximate="tanh")', "self.act = F.silu"),),
+        (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{GEMMA2}]",),
+    ),
+    Mutation(
+        "gemma 3: the sliding layers turn at the global base",
+        "model/llama.py",
+        (("self.local_rotary = None if local is None else RotaryEmbedding(local)", "self.local_rotary = None"),),
+        (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{GEMMA3}]",),
+    ),
+    Mutation(
+        "gemma 2: the fused graph drops the attention soft cap",
+        "export/fused_graph.py",
+        (('window |= {"softcap": softcap} if softcap else {}', "window |= {}"),),
+        (f"{LLAMA_EXPORT}::test_exported_artifact_generates_what_transformers_generates[{GEMMA2}]",),
+    ),
+    Mutation(
+        "qwen3: the Q/K norms after the rotation",
+        "model/llama.py",
+        (("q, k = rotate(self.normed(qk), cos, sin).split(", "q, k = self.normed(rotate(qk, cos, sin)).split("),),
+        (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{QWEN3}]",),
+    ),
+    Mutation(
+        "sliding window one position wider",
+        "model/attention.py",
+        (("causal & (key_columns > query_columns - window)", "causal & (key_columns >= query_columns - window)"),),
+        (f"{LLAMA_REF}::test_greedy_generation_matches_transformers_token_for_token[{MISTRAL_SLIDING}]",),
+    ),
+    Mutation(
+        "fused graph: the operator's window one short",
+        "export/fused_graph.py",
+        (("local_window_size=-1 if window < 0 else window,", "local_window_size=-1 if window < 0 else window - 1,"),),
+        (f"{LLAMA_EXPORT}::test_exported_artifact_generates_what_transformers_generates[{MISTRAL_SLIDING}]",),
+    ),
+    Mutation(
+        "phi3: a partial rotation's turned channels put after the passed ones",
+        "model/rope.py",
+        (("return torch.cat([rotate(turned, cos, signed_sin), passed], dim=-1)", "return torch.cat([passed, rotate(turned, cos, signed_sin)], dim=-1)"),),
+        (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{PHI3}]",),
+    ),
+    Mutation(
+        "chat_template_kwargs dropped by the HTTP edge",
+        "service/openai_protocol.py",
+        (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)', "chat_template_kwargs=None, **common)"),),
+        ("tests/service/test_chat.py::test_chat_template_kwargs_reach_the_template_over_grpc_and_http",),
     ),
 )
 
