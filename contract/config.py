@@ -8,9 +8,9 @@ from dataclasses import dataclass
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
 GPT2_ARCH, LLAMA_ARCH = "gpt2", "llama"
 MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mistral": LLAMA_ARCH, "qwen3": LLAMA_ARCH,
-               "gemma2": LLAMA_ARCH, "gemma3_text": LLAMA_ARCH, "phi3": LLAMA_ARCH}
+               "gemma2": LLAMA_ARCH, "gemma3_text": LLAMA_ARCH, "phi3": LLAMA_ARCH, "smollm3": LLAMA_ARCH}
 # Those whose config.json can ask for sliding-window layers.
-SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3")
+SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 # The MLP's gate activations: SwiGLU's and GeGLU's (transformers' names).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -97,6 +97,7 @@ class DecoderConfig:
     final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
     local_rope_theta: float | None = None  # the sliding-window layers' RoPE base (unscaled); None: theirs is everyone's
     partial_rotary_factor: float = 1.0  # the share of each head's channels rotated, from the first (Phi-4-mini: 0.75)
+    nope_layers: tuple[int, ...] = ()  # layers whose Q and K are not rotated at all (SmolLM3's every fourth)
 
     def __post_init__(self) -> None:
         if self.model_type not in MODEL_TYPES:
@@ -108,6 +109,9 @@ class DecoderConfig:
             object.__setattr__(self, "head_dim", self.d_model // self.n_head)
         object.__setattr__(self, "eos_token_ids", tuple(int(i) for i in self.eos_token_ids))
         object.__setattr__(self, "sliding_layers", tuple(sorted({int(i) for i in self.sliding_layers})))
+        object.__setattr__(self, "nope_layers", tuple(sorted({int(i) for i in self.nope_layers})))
+        if self.nope_layers and not 0 <= self.nope_layers[0] <= self.nope_layers[-1] < self.n_layer:
+            raise ValueError(f"DecoderConfig.nope_layers {self.nope_layers} must be layers 0 .. {self.n_layer - 1}")
         if self.sliding_window is not None and (self.sliding_window <= 0 or not self.sliding_layers):
             raise ValueError(f"DecoderConfig.sliding_window {self.sliding_window} needs a positive window and the layers it applies to")
         if self.sliding_window is not None and self.model_type not in SLIDING_MODEL_TYPES:
@@ -128,7 +132,7 @@ class DecoderConfig:
                           "sandwich_norms": self.sandwich_norms, "query_pre_attn_scalar": self.query_pre_attn_scalar is not None,
                           "attn_logit_softcapping": self.attn_logit_softcapping is not None,
                           "final_logit_softcapping": self.final_logit_softcapping is not None, "local_rope_theta": self.local_rope_theta is not None,
-                          "partial_rotary_factor": self.partial_rotary_factor != 1.0}
+                          "partial_rotary_factor": self.partial_rotary_factor != 1.0, "nope_layers": bool(self.nope_layers)}
             for name, set_apart in llama_only.items():
                 if set_apart:
                     raise ValueError(f"DecoderConfig.{name} is a Llama-family setting; GPT-2 keeps its default")

@@ -11,7 +11,7 @@ from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, RopeScaling
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                    "phi3": "Phi3ForCausalLM"}
+                    "phi3": "Phi3ForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 GEMMA_TYPES = ("gemma2", "gemma3_text")
 # transformers' defaults where a Gemma config.json leaves a field out.
 _GEMMA_DEFAULTS = {
@@ -114,12 +114,14 @@ def config_to_hf(config: DecoderConfig) -> dict:
         hf |= {"sliding_window": config.sliding_window, "original_max_position_embeddings": original or config.n_ctx}
     elif config.model_type == "llama":
         hf |= {"attention_bias": config.qkv_bias, "mlp_bias": config.mlp_bias}
-    elif config.model_type in ("qwen2", "qwen3"):
+    elif config.model_type in ("qwen2", "qwen3", "smollm3"):
         layer_types = ["sliding_attention" if config.window(i) else "full_attention" for i in range(config.n_layer)]
         hf |= {"use_sliding_window": config.sliding_window is not None, "sliding_window": config.sliding_window,
                "max_window_layers": config.n_layer if config.sliding_window is None else min(config.sliding_layers), "layer_types": layer_types}
-        if config.model_type == "qwen3":
+        if config.model_type in ("qwen3", "smollm3"):
             hf |= {"attention_bias": config.qkv_bias}
+        if config.model_type == "smollm3":
+            hf |= {"mlp_bias": config.mlp_bias, "no_rope_layers": [int(i not in config.nope_layers) for i in range(config.n_layer)]}
     else:
         if config.sliding_window is not None and len(config.sliding_layers) != config.n_layer:
             raise ValueError("a Mistral config.json slides every layer or none; this config slides some")
@@ -258,14 +260,15 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         rope_theta=theta,
         rope_scaling=scaling,
         # Qwen2 always biases Q, K and V (not O); Llama, Qwen3 and Gemma bias all four when attention_bias; Mistral none.
-        qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3", *GEMMA_TYPES) and attention_bias),
-        o_bias=model_type in ("llama", "qwen3", *GEMMA_TYPES) and attention_bias,
-        mlp_bias=model_type == "llama" and bool(hf.get("mlp_bias", False)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma)),  # transformers' defaults: Gemma's tied, the others' not
+        qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3", "smollm3", *GEMMA_TYPES) and attention_bias),
+        o_bias=model_type in ("llama", "qwen3", "smollm3", *GEMMA_TYPES) and attention_bias,
+        mlp_bias=model_type in ("llama", "smollm3") and bool(hf.get("mlp_bias", False)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", gemma or model_type == "smollm3")),  # transformers' defaults
         qk_norm=model_type in ("qwen3", "gemma3_text"),
         sliding_window=window,
         sliding_layers=sliding_layers,
         partial_rotary_factor=partial,
+        nope_layers=_nope_layers(hf, n_layer),
         **(_gemma_from_hf(hf) if gemma else {}),
     )
 
@@ -289,10 +292,23 @@ def _gemma_from_hf(hf: dict) -> dict:
     return fields
 
 
+def _nope_layers(hf: dict, n_layer: int) -> tuple[int, ...]:
+    """SmolLM3's layers without rotation: no_rope_layers says 1 for a layer that rotates (transformers' meaning), by
+    default every no_rope_layer_interval'th does not."""
+    if hf["model_type"] != "smollm3":
+        return ()
+    interval = int(hf.get("no_rope_layer_interval", 4))
+    uses_rope = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layer)]
+    if len(uses_rope) != n_layer:
+        raise ValueError(f"no_rope_layers must have one entry per layer ({n_layer}), got {len(uses_rope)}")
+    return tuple(i for i, rotates in enumerate(uses_rope) if not rotates)
+
+
 def _sliding_window(hf: dict, n_ctx: int, n_layer: int) -> tuple[int | None, tuple[int, ...]]:
-    """The window and the layers it applies to, as transformers reads them: Mistral's applies to every layer; Qwen2's and
-    Qwen3's only with use_sliding_window, to the layers layer_types calls sliding_attention (by default those from
-    max_window_layers on). A window covering the whole context is no window."""
+    """The window and the layers it applies to, as transformers reads them: Mistral's and Phi-3's apply to every layer;
+    Qwen2's, Qwen3's and SmolLM3's only with use_sliding_window, to the layers layer_types calls sliding_attention (by
+    default those from max_window_layers on; SmolLM3's, those without rotation); Gemma's to the layers layer_types
+    names. A window covering the whole context is no window."""
     window = hf.get("sliding_window")
     if window is None:
         return None, ()
@@ -306,11 +322,14 @@ def _sliding_window(hf: dict, n_ctx: int, n_layer: int) -> tuple[int | None, tup
         if len(layer_types) != n_layer or set(layer_types) - {"sliding_attention", "full_attention"}:
             raise ValueError(f"layer_types must name each of the {n_layer} layers sliding_attention or full_attention")
         layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
-    elif hf["model_type"] in ("qwen2", "qwen3"):
+    elif hf["model_type"] in ("qwen2", "qwen3", "smollm3"):
         if not hf.get("use_sliding_window", False):
             return None, ()
         layer_types = hf.get("layer_types")
-        if layer_types is None:
+        if layer_types is None and hf["model_type"] == "smollm3":  # its layers without rotation slide
+            nope = _nope_layers(hf, n_layer)
+            layer_types = ["sliding_attention" if i in nope else "full_attention" for i in range(n_layer)]
+        elif layer_types is None:
             first = int(hf.get("max_window_layers", 28))
             layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layer)]
         if len(layer_types) != n_layer or set(layer_types) - {"sliding_attention", "full_attention"}:

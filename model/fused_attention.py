@@ -66,14 +66,14 @@ class FusedSlotStep:
         return x, presents, chunk_presents
 
     def attend(self, qkv: torch.Tensor, rows: "tuple[torch.Tensor, torch.Tensor]", chunk_row: "tuple[torch.Tensor, torch.Tensor]", n_head: int,
-               n_kv_head: int, window: int | None = None, scale: float | None = None, softcap: float | None = None):
+               n_kv_head: int, window: int | None = None, scale: float | None = None, softcap: float | None = None, rotates: bool = True):
         """A layer's packed qkv (B S + T, (H + 2 H_kv) d_k) against its rows and the chunk's row (within the window
         when the layer slides, turned by the sliding layers' tables then), scores scaled by scale (d_k ** -0.5 when None)
-        and soft-capped by softcap: the attention output (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V),
-        written."""
+        and soft-capped by softcap, unrotated where the layer does not rotate: the attention output (B S + T, H d_k), the
+        rows' (K, V) and the chunk row's (K, V), written."""
         cos, sin = (self.cos, self.sin) if window is None else (self.local_cos, self.local_sin)
         y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, self.rows_last, self.rows_total, self.chunk_last, self.chunk_total,
-                                               cos, sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary,
+                                               cos, sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary and rotates,
                                                -1 if window is None else window, 0.0 if scale is None else scale,
                                                0.0 if softcap is None else softcap)
         return y, tuple(present[:2]), tuple(present[2:])

@@ -61,6 +61,7 @@ class GroupedQueryAttention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv_head, self.d_head = config.n_head, config.n_kv_head, config.head_dim
         self.window = config.window(layer)  # None: the whole context
+        self.rotates = layer not in config.nope_layers  # SmolLM3's every fourth layer turns nothing
         self.scale, self.softcap = config.attention_scale, config.attn_logit_softcapping
         q_width, kv_width = self.n_head * self.d_head, self.n_kv_head * self.d_head
         self.qkv_proj = nn.Linear(config.d_model, q_width + 2 * kv_width, bias=config.qkv_bias)  # fused Q, K, V
@@ -80,7 +81,8 @@ class GroupedQueryAttention(nn.Module):
         """x (..., C) -> q (..., H, d_k), k and v (..., H_kv, d_k), q and k rotated (together: one rotation a layer)."""
         qkv = self.qkv_proj(x).unflatten(-1, (self.n_head + 2 * self.n_kv_head, self.d_head))  # (..., H + 2 H_kv, d_k)
         qk, v = qkv.split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (..., H + H_kv, d_k), (..., H_kv, d_k)
-        q, k = rotate(self.normed(qk), cos, sin).split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
+        qk = self.normed(qk)
+        q, k = (rotate(qk, cos, sin) if self.rotates else qk).split([self.n_head, self.n_kv_head], dim=-2)  # (..., H, d_k), (..., H_kv, d_k)
         return q, k, v
 
     def forward(self, x, cos, sin, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
@@ -106,7 +108,7 @@ class GroupedQueryAttention(nn.Module):
             qk, v = qkv.unflatten(-1, (-1, self.d_head)).split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (N, H + H_kv, d_k), (N, H_kv, d_k)
             qkv = torch.cat([self.normed(qk), v], dim=-2).flatten(-2)  # (N, (H + 2 H_kv) d_k)
         y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head, self.window, self.scale,
-                                                self.softcap)  # (B S + T, H d_k)
+                                                self.softcap, self.rotates)  # (B S + T, H d_k)
         return self.o_proj(y), present, chunk_present  # (B S + T, C)
 
 

@@ -42,7 +42,7 @@ SO = "tests/service/test_structured.py"
 LLAMA_REF, LLAMA_EXPORT = "tests/model/test_llama.py", "tests/export/test_llama_export.py"
 GEMMA2, GEMMA3 = "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"
 QWEN3, PHI3 = "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied"
-MISTRAL_SLIDING = "mistral sliding window 7 head_dim 16"
+MISTRAL_SLIDING, SMOLLM3 = "mistral sliding window 7 head_dim 16", "smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied"
 
 MUTATIONS = (
     Mutation(
@@ -350,7 +350,8 @@ MUTATIONS = (
     Mutation(
         "qwen3: the Q/K norms after the rotation",
         "model/llama.py",
-        (("q, k = rotate(self.normed(qk), cos, sin).split(", "q, k = self.normed(rotate(qk, cos, sin)).split("),),
+        (("qk = self.normed(qk)\n        q, k = (rotate(qk, cos, sin) if self.rotates else qk).split(",
+          "qk = rotate(qk, cos, sin) if self.rotates else qk\n        q, k = self.normed(qk).split("),),
         (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{QWEN3}]",),
     ),
     Mutation(
@@ -370,6 +371,12 @@ MUTATIONS = (
         "model/rope.py",
         (("return torch.cat([rotate(turned, cos, signed_sin), passed], dim=-1)", "return torch.cat([passed, rotate(turned, cos, signed_sin)], dim=-1)"),),
         (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{PHI3}]",),
+    ),
+    Mutation(
+        "smollm3: its layers without rotation rotate",
+        "model/llama.py",
+        (("self.rotates = layer not in config.nope_layers", "self.rotates = True"),),
+        (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{SMOLLM3}]",),
     ),
     Mutation(
         "chat_template_kwargs dropped by the HTTP edge",

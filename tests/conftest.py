@@ -231,6 +231,11 @@ LLAMA_CONFIGS = {
         vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
         max_position_embeddings=128, sliding_window=6, tie_word_embeddings=True, pad_token_id=0,
     )),
+    # SmolLM3: every second layer (of 4) turns nothing, and slides
+    "smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied": ("smollm3", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, no_rope_layer_interval=2, use_sliding_window=True, sliding_window=5, pad_token_id=0,
+    )),
 }
 
 
@@ -244,7 +249,8 @@ def make_hf_llama(tmp_path_factory):
 
     classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
                "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM")}
+               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+               "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
 
     def make(model_type: str, seed: int = 0, dtype=None, max_shard_size=None, generation=None, **config):
         torch.manual_seed(seed)

@@ -36,7 +36,7 @@ def test_exported_artifact_generates_what_transformers_generates(llama_artifact,
     np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), expected)
 
 
-NEW_FAMILIES = [name for name in LLAMA_CONFIGS if name.startswith(("qwen3", "gemma", "phi3", "mistral sliding", "qwen2 sliding"))]
+NEW_FAMILIES = [name for name in LLAMA_CONFIGS if name.startswith(("qwen3", "gemma", "phi3", "smollm3", "mistral sliding", "qwen2 sliding"))]
 
 
 @pytest.mark.parametrize("name", NEW_FAMILIES)

@@ -20,7 +20,7 @@ NAME = "llama gqa 4:1 head_dim 24 untied"  # standard attention (head_dim 24 can
 # window is the operator's local_window_size
 FUSED = ["mistral gqa 2:1 head_dim 32 untied", "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "mistral sliding window 7 head_dim 16",
          "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6",
-         "phi3 multi-head head_dim 16 sliding 6 tied"]
+         "phi3 multi-head head_dim 16 sliding 6 tied", "smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied"]
 PROMPTS = [[(11 * i + 5 * j) % 290 + 3 for j in range(length)] for i, length in enumerate((1, 4, 7, 12, 19, 26, 40, 55))]
 STEPS = 34
 
