@@ -9,8 +9,11 @@ Schemes (chosen by measurement, bench/int8_decode.py and bench/decode_floor.py; 
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
                 (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
 Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
-Transpose(wte), which is folded into a weight of its own here (the embedding lookup keeps the float table), and
-a Gemm with a weight (a linear layer on 2-D rows, as the Llama family's slots step runs them) becomes a MatMul first.
+Transpose(wte), which is folded into a weight of its own here, and a Gemm with a weight (a linear layer on 2-D rows, as
+the Llama family's slots step runs them) becomes a MatMul first. Where the head is tied, the embedding lookup then
+reads the head's quantized blocks too (com.microsoft.GatherBlockQuantized: a row's blocks dequantized as it is
+gathered), so the table is stored once, in 8 or 4 bits, instead of a float32 copy beside the quantized head (for
+Qwen3-0.6B's 151,936 x 1,024 table, 622 MB of float32); an untied model's embedding keeps its float table.
 """
 
 from __future__ import annotations
@@ -97,6 +100,53 @@ def gemms_to_matmuls(model: onnx.ModelProto) -> int:
     return replaced
 
 
+def share_tied_table(model: onnx.ModelProto) -> int:
+    """Replace each Gather on a float table whose transposed copy became a MatMulNBits weight (the tied LM head: named
+    "<table>.<suffix>_Q<bits>" by the quantizer) with a GatherBlockQuantized reading that weight's blocks, and drop the
+    float table. Returns how many tables are now shared."""
+    graph = model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    heads = {}  # table name -> the MatMulNBits that multiplies by it
+    for node in graph.node:
+        if node.op_type == "MatMulNBits" and node.input[1] in initializers:
+            source = node.input[1].rsplit("_Q", 1)[0].rsplit(".", 1)[0]  # "<table>.matmul_Q4" -> "<table>"
+            heads[source] = node
+    shared = 0
+    for node in list(graph.node):
+        if node.op_type != "Gather" or node.input[0] not in initializers or node.input[0] not in heads:
+            continue
+        table, head = initializers[node.input[0]], heads[node.input[0]]
+        if len(table.dims) != 2:
+            continue
+        attributes = {a.name: a.i for a in head.attribute}
+        vocab, width = table.dims
+        if (attributes["N"], attributes["K"]) != (vocab, width) or len(head.input) > 3 and head.input[3]:
+            continue  # not this table's transpose, or an asymmetric head (zero points) the lookup would have to share too
+        blocks, block_size = -(-width // attributes["block_size"]), attributes["block_size"]
+        scales = initializers[head.input[2]]
+        scales_3d = numpy_helper.from_array(numpy_helper.to_array(scales).reshape(vocab, blocks, 1), f"{scales.name}.lookup")  # (V, blocks, 1)
+        graph.initializer.append(scales_3d)
+        rows = f"{node.output[0]}.blocks"
+        lookup = onnx.helper.make_node("GatherBlockQuantized", [head.input[1], node.input[1], scales_3d.name], [rows], name=f"{node.name}.quantized",
+                                       domain="com.microsoft", bits=attributes["bits"], block_size=block_size, gather_axis=0, quantize_axis=2)
+        width_shape = numpy_helper.from_array(np.array([-1, blocks * block_size], np.int64), f"{node.name}.width")
+        graph.initializer.append(width_shape)
+        flat = onnx.helper.make_node("Reshape", [rows, width_shape.name], [f"{node.output[0]}.padded" if blocks * block_size != width else node.output[0]],
+                                     name=f"{node.name}.rows")  # (N, blocks, block) -> (N, blocks * block)
+        replacement = [lookup, flat]
+        if blocks * block_size != width:  # the last block padded past the table's width: cut back to it
+            starts, ends, axes = (numpy_helper.from_array(np.array([v], np.int64), f"{node.name}.{n}") for n, v in (("start", 0), ("end", width), ("axis", 1)))
+            graph.initializer.extend([starts, ends, axes])
+            replacement.append(onnx.helper.make_node("Slice", [flat.output[0], starts.name, ends.name, axes.name], [node.output[0]], name=f"{node.name}.cut"))
+        position = list(graph.node).index(node)
+        graph.node.remove(node)
+        for offset, new in enumerate(replacement):
+            graph.node.insert(position + offset, new)
+        graph.initializer.remove(initializers[node.input[0]])
+        shared += 1
+    return shared
+
+
 def weight_matmuls(model: onnx.ModelProto) -> int:
     initializers = {init.name for init in model.graph.initializer}
     return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers)
@@ -121,7 +171,7 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
         quantizer.process()
         quantized = quantizer.model.model
         facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
-                 "accuracy_level": ACCURACY_LEVEL}
+                 "accuracy_level": ACCURACY_LEVEL, "shared_embedding": share_tied_table(quantized) > 0}
     elif scheme == "int8-dynamic":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

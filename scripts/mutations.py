@@ -367,9 +367,9 @@ MUTATIONS = (
         (f"{LLAMA_EXPORT}::test_exported_artifact_generates_what_transformers_generates[{MISTRAL_SLIDING}]",),
     ),
     Mutation(
-        "phi3: a partial rotation's turned channels put after the passed ones",
+        "phi3: a partial rotation turns the last channels, not the first",
         "model/rope.py",
-        (("return torch.cat([rotate(turned, cos, signed_sin), passed], dim=-1)", "return torch.cat([passed, rotate(turned, cos, signed_sin)], dim=-1)"),),
+        (("turned, passed = x.split([d_r, x.shape[-1] - d_r], dim=-1)", "passed, turned = x.split([x.shape[-1] - d_r, d_r], dim=-1)"),),
         (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{PHI3}]",),
     ),
     Mutation(

@@ -41,6 +41,14 @@ def test_a_quantized_export_holds_its_bits_and_says_so(quantized, trained_model)
     assert manifest["quantization"]["weight_matmuls"] == len(nbits)
     # the graph's I/O is the float artifact's: the server and the gate need nothing new
     assert [i.name for i in graph.graph.input] == list(manifest["inputs"])
+    # the tied table is stored once, as the head's blocks, which the embedding lookup reads too
+    assert manifest["quantization"]["shared_embedding"]
+    (lookup,) = [n for n in graph.graph.node if n.op_type == "GatherBlockQuantized"]
+    head = next(n for n in nbits if {a.name: a.i for a in n.attribute}["N"] == config.vocab_size)
+    assert lookup.input[0] == head.input[1]
+    table_shapes = ([config.vocab_size, config.d_model], [config.d_model, config.vocab_size])
+    tables = [i for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and list(i.dims) in table_shapes]
+    assert not tables, [t.name for t in tables]
 
 
 def test_the_quantized_artifact_stays_within_its_tolerances_on_held_out_text(quantized):
