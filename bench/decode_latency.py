@@ -1,11 +1,12 @@
-"""Decode speed of the gpt2 preset (124M): transformers' generate vs our eager model vs our ONNX graph.
+"""Decode speed of a preset (gpt2 by default; qwen3-0.6b, qwen2.5-0.5b, ...): transformers' generate vs our eager model
+vs our ONNX graph.
 
 Batch 1, greedy, a 128-token prompt, 128 new tokens, the same weights everywhere. Decode tokens/s counts
 the 127 tokens after the first (prefill excluded). Also the cost of one decode step at past 16 vs past
 1,000. The ONNX graph runs as the server runs a lone stream (the slots layout, bench/decode_step.py).
 Prints markdown tables and the machine it ran on.
 
-    python bench/decode_latency.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--repeats 3]
+    python bench/decode_latency.py [--preset gpt2] [--artifact artifacts/PRESET] [--provider auto|cpu|cuda] [--repeats 3]
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def decode_rates(repeats: int, runners: list) -> list[tuple[float, float]]:
 
 def eager_step(model, past_len: int):
     config = model.config
-    shape = (1, config.n_head, past_len, config.d_head)
+    shape = (1, config.n_kv_head, past_len, config.d_head)
     past = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.n_layer)]
     mask = torch.ones(1, past_len + 1, dtype=torch.int64)
     pos = torch.tensor([[past_len]])
@@ -85,36 +86,37 @@ def interleaved_median_ms(short, long, repeats: int = 40) -> tuple[float, float]
     return statistics.median(times[short]) * 1e3, statistics.median(times[long]) * 1e3
 
 
-def open_gpt2(path: str, provider: str, model, source) -> DecoderRuntime:
-    """A runtime over the gpt2 preset (seed 0) exported at path (the slots layout); exported there first if missing."""
+def open_preset(path: str, provider: str, model, source) -> DecoderRuntime:
+    """A runtime over the preset (seed 0) exported at path (the slots layout, float32); exported there first if missing."""
     if not Path(path).exists():
-        print(f"exporting the gpt2 preset to {path} ...", file=sys.stderr)
+        print(f"exporting the {source['name']} preset to {path} ...", file=sys.stderr)
         export_artifact(model, source, path, provider=provider)
     artifact = open_artifact(path)
-    if artifact.manifest["source"] != source or artifact.kv_cache != "slots":
-        sys.exit(f"{path} is not the gpt2 preset (seed 0) with the slots KV cache")
+    if artifact.manifest["source"] != source or artifact.kv_cache != "slots" or artifact.quantization is not None or artifact.dtype != "float32":
+        sys.exit(f"{path} is not the {source['name']} preset (seed 0), float32, with the slots KV cache")
     config = artifact.config
     return DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--artifact", default="artifacts/gpt2", help="the gpt2 preset's artifact; exported here first if missing")
+    parser.add_argument("--preset", default="gpt2", help="the preset whose random weights all three run")
+    parser.add_argument("--artifact", help="the preset's float32 artifact (default artifacts/PRESET); exported there first if missing")
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
 
-    model, source = load_source("gpt2", None, seed=0)
-    runtime = open_gpt2(args.artifact, args.provider, model, source)
+    model, source = load_source(args.preset, None, seed=0)
+    runtime = open_preset(args.artifact or f"artifacts/{args.preset}", args.provider, model, source)
     config = model.config
     pool = one_row_pool(runtime, config)
     prompt = [int(t) for t in np.random.default_rng(1).integers(0, config.vocab_size, PROMPT_LEN)]
 
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(model, tmp)
-        hf = GPT2LMHeadModel.from_pretrained(tmp).eval()
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
     hf_ids = torch.tensor([prompt])
 
     def hf_run(n):
@@ -134,7 +136,8 @@ def main() -> None:
     runners = [hf_run, lambda n: generate(model, [prompt], n), lambda n: slots_generate(runtime, pool, prompt, n)]
     rows = [(name, *rate) for name, rate in zip(names, decode_rates(args.repeats, runners))]
     hf_rate = rows[0][1]
-    print(f"## Decode, gpt2 preset (124M), batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
+    parameters = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"## Decode, {args.preset} preset ({parameters:.0f}M parameters, float32), batch 1, greedy, prompt {PROMPT_LEN}, {NEW_TOKENS} new tokens\n")
     print("| implementation | decode tokens/s | ms/step | vs transformers |")
     print("|---|---:|---:|---:|")
     for name, rate, ms in rows:

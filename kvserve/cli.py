@@ -224,7 +224,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # model/presets.py's names (the CLI loads no model code to say them; a test holds the two together).
-PRESET_NAMES = ("tiny", "gpt2", "tiny-llama", "llama-135m", "qwen3-0.6b", "qwen2.5-0.5b")
+PRESET_NAMES = ("tiny", "gpt2", "tiny-llama", "llama-135m", "qwen3-0.6b", "qwen2.5-0.5b", "gemma3-1b", "phi4-mini-6l")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -35,6 +35,21 @@ PRESETS: dict[str, DecoderConfig] = {
         model_type="qwen2", vocab_size=151936, n_ctx=32768, d_model=896, n_head=14, n_kv_head=2, n_layer=24, d_mlp=4864,
         eos_token_ids=(151645, 151643), bos_token_id=151643, rope_theta=1000000.0, layer_norm_eps=1e-6, qkv_bias=True,
     ),
+    # Gemma-3-1B's published config (26 layers of 1,152, 4 query heads and 1 K/V head of 256, five sliding layers of 512
+    # positions to a global one, two RoPE bases, tied 262,144-token head, 32,768-token context) with random weights.
+    "gemma3-1b": DecoderConfig(
+        model_type="gemma3_text", vocab_size=262144, n_ctx=32768, d_model=1152, n_head=4, n_kv_head=1, head_dim=256, n_layer=26, d_mlp=6912,
+        eos_token_ids=(1, 106), bos_token_id=2, rope_theta=1000000.0, layer_norm_eps=1e-6, qk_norm=True, sliding_window=512,
+        sliding_layers=tuple(i for i in range(26) if (i + 1) % 6), hidden_act="gelu_pytorch_tanh", norm_weight_offset=1.0, embed_scale=True,
+        sandwich_norms=True, query_pre_attn_scalar=256.0, local_rope_theta=10000.0,
+    ),
+    # Phi-4-mini's layer shape (3,072 wide, 24 query and 8 K/V heads of 128, 96 of each head's channels turned, tied
+    # 200,064-token head) with 6 of its 32 layers, so that float32 export fits 24 GiB; plain RoPE at its original
+    # 4,096-token context (where a longrope model is served, contract/hf_config.py), random weights.
+    "phi4-mini-6l": DecoderConfig(
+        model_type="phi3", vocab_size=200064, n_ctx=4096, d_model=3072, n_head=24, n_kv_head=8, n_layer=6, d_mlp=8192,
+        eos_token_ids=(200020, 199999), bos_token_id=199999, layer_norm_eps=1e-5, partial_rotary_factor=0.75,
+    ),
 }
 
 
