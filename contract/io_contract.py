@@ -102,6 +102,15 @@ DTYPES = ("float32", "float16")
 QUANTIZATIONS = ("int8", "int4")
 
 
+def quantize_block_refusal(scheme: str | None, block_size: int | None) -> str | None:
+    """Why `--quantize-block block_size` cannot go with `--quantize scheme`, or None when it can (or none is given)."""
+    if block_size is None:
+        return None
+    if scheme is None or block_size < 16 or block_size & (block_size - 1):
+        return f"--quantize-block {block_size}: give a power of 2 from 16, with --quantize {' or '.join(QUANTIZATIONS)}"
+    return None
+
+
 def past_names(layer: int) -> tuple[str, str]:
     return f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"
 

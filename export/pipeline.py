@@ -82,10 +82,12 @@ def record_golden(model: Decoder) -> art.GoldenRecord:
     )
 
 
-def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str, attention: str = io.STANDARD) -> tuple[onnx.ModelProto, dict]:
-    """The graph with scheme's 8-bit weights, and the manifest's facts about them."""
+def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str, attention: str = io.STANDARD,
+                   block_size: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    """The graph with scheme's 8- or 4-bit weights (in blocks of block_size, or the scheme's default), and the manifest's
+    facts about them."""
     try:
-        quantized, facts = quantize_model(graph, scheme)
+        quantized, facts = quantize_model(graph, scheme, block_size)
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
     if kv_cache == io.SLOTS:
@@ -96,6 +98,15 @@ def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: 
 
 
 AUTO = "auto"
+FINEST_BLOCK = 32  # llama.cpp's q4_0 and q8_0 share a scale over 32 weights
+
+
+def _finer_blocks_hint(quantization: dict | None) -> str:
+    """What to try when quantized weights moved the numbers past their bounds: blocks that follow the weights closer."""
+    if not quantization or quantization.get("block_size", 0) <= FINEST_BLOCK:
+        return ""
+    return (f"\nquantized in blocks of {quantization['block_size']}: finer blocks follow the weights more closely, at some decode speed "
+            f"(docs/parity.md, \"Block sizes\"): try --quantize-block {FINEST_BLOCK}")
 
 
 def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, requested: str = AUTO) -> str:
@@ -124,6 +135,7 @@ def export_artifact(
     kv_cache: str = io.DEFAULT_KV_CACHE,
     quantize: str | None = None,
     attention: str = AUTO,
+    quantize_block: int | None = None,
 ) -> dict:
     """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
     out = Path(out).resolve()
@@ -133,6 +145,8 @@ def export_artifact(
         raise ExportError(f"unknown quantization {quantize!r}; choose one of: {', '.join(SCHEMES)}")
     if quantize is not None and dtype != "float32":
         raise ExportError(f"--quantize {quantize} quantizes a float32 graph's weights; drop --dtype {dtype}")
+    if io.quantize_block_refusal(quantize, quantize_block):
+        raise ExportError(io.quantize_block_refusal(quantize, quantize_block))
     attention = choose_attention(model, kv_cache, dtype, provider, attention)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
@@ -147,7 +161,7 @@ def export_artifact(
                 graph["fused_operators"] = fuse_operators(proto)
         if quantize is not None:
             with stage(f"quantize the weights ({quantize})"):
-                proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention)
+                proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block)
                 graph["fused_operators"] = graph["quantization"].pop("fused_operators")
         with stage("check and save the graph"):
             graph["external_data"] = save_graph(proto, staging)
@@ -194,7 +208,7 @@ def export_artifact(
         for path in staging.iterdir():
             path.chmod(0o644)  # onnx writes its external data file 0600; every file is as readable as the rest
         if not report.passed:
-            raise ParityFailed("parity failed, nothing written:\n" + format_report(report))
+            raise ParityFailed("parity failed, nothing written:\n" + format_report(report) + _finer_blocks_hint(graph.get("quantization")))
         if out.exists():
             retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
             out.rename(retired / out.name)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import kvserve
 from kvserve.contract.config import MODEL_TYPES
-from kvserve.contract.io_contract import QUANTIZATIONS
+from kvserve.contract.io_contract import QUANTIZATIONS, quantize_block_refusal
 from kvserve.errors import JobFailed, UserError
 
 DESCRIPTION = ("Export a transformer decoder (GPT-2, Llama, Qwen2, Mistral) to ONNX with its KV cache as graph inputs and "
@@ -24,7 +24,9 @@ BYTE_VOCABULARY = 257  # 256 bytes and an end-of-sequence id: what an artifact w
 
 def _check_export_paths(args) -> None:
     """What export can refuse before torch loads (a second or more): a missing checkpoint, a checkpoint whose text would be
-    read one byte a token, an existing --out."""
+    read one byte a token, an existing --out, a --quantize-block that cannot be."""
+    if quantize_block_refusal(args.quantize, args.quantize_block):
+        raise UserError(quantize_block_refusal(args.quantize, args.quantize_block))
     if args.checkpoint is not None:
         checkpoint = Path(args.checkpoint)
         if not checkpoint.is_dir():
@@ -54,6 +56,7 @@ def _export(args) -> int:
     report = export_artifact(
         model, source, args.out, dtype=args.dtype, overwrite=args.overwrite, provider=args.provider,
         tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache, quantize=args.quantize, attention=args.attention,
+        quantize_block=args.quantize_block,
     )
     print(format_report(report))
     print(f"artifact written to {args.out}")
@@ -257,9 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--quantize", choices=QUANTIZATIONS, default=None,
-        help="8- or 4-bit weights (MatMulNBits, blocks of 256; float32 graph only), verified against the float32 eager "
-        "model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
+        help="8- or 4-bit weights (MatMulNBits, blocks of 256 unless --quantize-block; float32 graph only), verified against "
+        "the float32 eager model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
     )
+    export.add_argument("--quantize-block", type=int, default=None, metavar="N",
+                        help="weights sharing a scale in --quantize's blocks: a power of 2 from 16 (default 256; 32 follows the "
+                        "weights more closely, as llama.cpp's q4_0 does, and decodes slower: docs/parity.md, \"Block sizes\")")
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
     export.add_argument("--no-tokenizer", action="store_true",

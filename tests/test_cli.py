@@ -210,3 +210,11 @@ def test_export_help_names_every_preset_and_model_type():
     assert PRESET_NAMES == tuple(PRESETS)
     export = " ".join(run_cli("export", "--help").stdout.split())
     assert all(name in export for name in (*PRESETS, *MODEL_TYPES))
+
+
+@pytest.mark.parametrize("args", [["--quantize-block", "48", "--quantize", "int4"], ["--quantize-block", "8", "--quantize", "int8"],
+                                  ["--quantize-block", "32"]])
+def test_a_quantize_block_that_cannot_be_is_refused_before_export_starts(tmp_path, args):
+    result = run_cli("export", "--preset", "tiny", "--out", str(tmp_path / "out"), *args)
+    one_line_error(result, f"--quantize-block {args[1]}: give a power of 2 from 16, with --quantize int8 or int4")
+    assert not (tmp_path / "out").exists()

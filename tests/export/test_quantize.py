@@ -186,3 +186,39 @@ def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(m
     nodes = onnx.load(str(tmp_path / "int8" / "model.onnx")).graph.node
     assert sum(n.op_type == "MatMulNBits" for n in nodes) == 4 * model.config.n_layer + 1
     assert sum(n.op_type == "If" for n in nodes) == model.config.n_layer  # each layer's attention (export/fused_graph.py)
+
+
+# Gemma 3's test model is left out: its Q/K norms rescale a small random projection's K to unit RMS and its scores run
+# peaked, so 8-bit weight noise alone moves its K/V past the int8 bound (0.11 of 0.1 at 64 wide, mean KL 5e-4; 0.20 at
+# 256 wide), while its float32 graphs equal transformers exactly (test_llama_export.py). docs/parity.md says so.
+@pytest.mark.parametrize("name, scheme, block", [
+    ("qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "int4", 32),
+    ("gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "int8", None),
+    ("phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied", "int8", None),
+    ("smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied", "int4", 64),
+])
+def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, name, scheme, block):
+    """Qwen3, Gemma 2, Phi-3 and SmolLM3 at 8 and 4 bits (finer blocks where asked), fused attention, tied tables shared
+    with the head's blocks."""
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.model.checkpoint import load_checkpoint
+
+    from ..conftest import LLAMA_CONFIGS
+
+    model_type, config = LLAMA_CONFIGS[name]
+    _, checkpoint = make_hf_llama(model_type, **(config | {"initializer_range": 0.02}))
+    model = load_checkpoint(checkpoint)
+    out = tmp_path / scheme
+    report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, out, provider=PROVIDER, quantize=scheme, quantize_block=block)
+    assert report.passed and report.quantization == scheme
+    quantization = open_artifact(out).manifest["quantization"]
+    assert quantization["block_size"] == (block or 256) and quantization["shared_embedding"] == model.config.tie_word_embeddings
+    nodes = onnx.load(str(out / "model.onnx")).graph.node
+    assert {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"} == {block or 256}
+
+
+def test_a_failed_quantized_export_says_to_try_finer_blocks():
+    from kvserve.export.pipeline import _finer_blocks_hint
+
+    assert _finer_blocks_hint({"block_size": 256}).endswith("try --quantize-block 32")
+    assert _finer_blocks_hint({"block_size": 32}) == "" and _finer_blocks_hint(None) == ""
