@@ -260,12 +260,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--quantize", choices=QUANTIZATIONS, default=None,
-        help="8- or 4-bit weights (MatMulNBits, blocks of 256 unless --quantize-block; float32 graph only), verified against "
+        help="8- or 4-bit weights (MatMulNBits, blocks of 256 (int8) or 32 (int4) unless --quantize-block; float32 graph only), verified against "
         "the float32 eager model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
     )
     export.add_argument("--quantize-block", type=int, default=None, metavar="N",
-                        help="weights sharing a scale in --quantize's blocks: a power of 2 from 16 (default 256; 32 follows the "
-                        "weights more closely, as llama.cpp's q4_0 does, and decodes slower: docs/parity.md, \"Block sizes\")")
+                        help="weights sharing a scale in --quantize's blocks: a power of 2 from 16 (default 256 for int8, 32 for "
+                        "int4; smaller follows the weights more closely, larger decodes faster: docs/parity.md, \"Block sizes\")")
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
     export.add_argument("--no-tokenizer", action="store_true",

@@ -16,10 +16,8 @@ def test_every_initializer_byte_is_read_whole_or_looked_up_by_row(fixture, reque
     footprint = step_footprint(artifact.model_path, column)
     graph = onnx.load(str(artifact.model_path)).graph
     assert footprint.whole_bytes + footprint.lookup_table_bytes == sum(numpy_helper.to_array(t).nbytes for t in graph.initializer)
-    # The position table is only gathered, a row a token; so is the float32 token table of an int8 graph (its LM head
-    # reads an 8-bit copy); a float32 graph's token table is tied to its LM head, read whole.
-    token_table = config.vocab_size * config.d_model * 4
-    looked_up = config.n_ctx * config.d_model * 4 + (token_table if artifact.manifest.get("quantization") else 0)
-    assert footprint.lookup_table_bytes == looked_up
-    assert footprint.lookup_row_bytes == config.d_model * 4 * (2 if artifact.manifest.get("quantization") else 1)
+    # The position table is only gathered, a row a token; the token table is tied to the LM head and read whole, in a
+    # float32 graph as the head's matrix, in a quantized one as the head's 8-bit blocks, which the lookup shares.
+    assert footprint.lookup_table_bytes == config.n_ctx * config.d_model * 4
+    assert footprint.lookup_row_bytes == config.d_model * 4
     assert footprint.decode_bytes(3, 10) == footprint.whole_bytes + 3 * (footprint.lookup_row_bytes + 10 * column)

@@ -14,6 +14,7 @@ from onnx import numpy_helper
 from kvserve.contract.artifact import open_artifact, sha256_file
 from kvserve.contract.tolerances import TOLERANCES
 from kvserve.export.parity import verify
+from kvserve.export.quantize import BLOCKS
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER, run_cli
 from ..test_cli import one_line_error
@@ -192,10 +193,11 @@ def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(m
 # peaked, so 8-bit weight noise alone moves its K/V past the int8 bound (0.11 of 0.1 at 64 wide, mean KL 5e-4; 0.20 at
 # 256 wide), while its float32 graphs equal transformers exactly (test_llama_export.py). docs/parity.md says so.
 @pytest.mark.parametrize("name, scheme, block", [
-    ("qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "int4", 32),
+    ("qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "int4", None),
     ("gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "int8", None),
     ("phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied", "int8", None),
     ("smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied", "int4", 64),
+    ("llama gqa 2:1 llama3-rope tied", "int8", 32),
 ])
 def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, name, scheme, block):
     """Qwen3, Gemma 2, Phi-3 and SmolLM3 at 8 and 4 bits (finer blocks where asked), fused attention, tied tables shared
@@ -212,13 +214,14 @@ def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, na
     report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, out, provider=PROVIDER, quantize=scheme, quantize_block=block)
     assert report.passed and report.quantization == scheme
     quantization = open_artifact(out).manifest["quantization"]
-    assert quantization["block_size"] == (block or 256) and quantization["shared_embedding"] == model.config.tie_word_embeddings
+    expected_block = block or BLOCKS[scheme][1]
+    assert quantization["block_size"] == expected_block and quantization["shared_embedding"] == model.config.tie_word_embeddings
     nodes = onnx.load(str(out / "model.onnx")).graph.node
-    assert {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"} == {block or 256}
+    assert {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"} == {expected_block}
 
 
 def test_a_failed_quantized_export_says_to_try_finer_blocks():
     from kvserve.export.pipeline import _finer_blocks_hint
 
-    assert _finer_blocks_hint({"block_size": 256}).endswith("try --quantize-block 32")
+    assert _finer_blocks_hint({"block_size": 256}).endswith("try --quantize-block 32")  # an int8 export's default
     assert _finer_blocks_hint({"block_size": 32}) == "" and _finer_blocks_hint(None) == ""
