@@ -235,7 +235,9 @@ def save_graph(model_proto: onnx.ModelProto, directory: Path) -> bool:
     """Write directory/model.onnx (weights in model.onnx.data when large) and check it; True when external."""
     model_proto.ir_version = IR_VERSION
     model_proto.producer_name = "kvserve"
-    weight_bytes = sum(t.ByteSize() for t in model_proto.graph.initializer)
+    # From the raw bytes, not ByteSize(): protobuf refuses to size a message past 2 GB, and one table can be (Phi-4-mini's
+    # 200,064 x 3,072 float32 embedding is 2.46 GB); external data is what lets such a graph be saved at all.
+    weight_bytes = sum(len(t.raw_data) or t.ByteSize() for t in model_proto.graph.initializer)
     external = weight_bytes > EXTERNAL_DATA_THRESHOLD
     path = directory / MODEL_FILE
     onnx.save_model(
