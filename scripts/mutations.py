@@ -379,6 +379,18 @@ MUTATIONS = (
         (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{SMOLLM3}]",),
     ),
     Mutation(
+        "quantized: the float table kept beside the head's shared blocks",
+        "export/quantize.py",
+        (("        graph.initializer.remove(initializers[node.input[0]])\n", ""),),
+        ("tests/export/test_quantize.py::test_a_quantized_export_holds_its_bits_and_says_so",),
+    ),
+    Mutation(
+        "export: --quantize-block ignored",
+        "export/pipeline.py",
+        (("quantized, facts = quantize_model(graph, scheme, block_size)", "quantized, facts = quantize_model(graph, scheme)"),),
+        (f"tests/export/test_quantize.py::test_each_new_family_quantizes_and_passes_parity[{SMOLLM3}-int4-64]",),
+    ),
+    Mutation(
         "chat_template_kwargs dropped by the HTTP edge",
         "service/openai_protocol.py",
         (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)', "chat_template_kwargs=None, **common)"),),
