@@ -1,16 +1,21 @@
-"""The eager reference decoder for the Llama family (model_type llama, qwen2, mistral, qwen3), written to be read
-as gpt2.py is.
+"""The eager reference decoder for the Llama family (model_type llama, qwen2, mistral, qwen3, gemma2, gemma3_text, phi3,
+smollm3), written to be read as gpt2.py is.
 
 References: Touvron et al., "LLaMA" (2023) and "Llama 2" (2023); Su et al., "RoFormer: rotary position
 embedding" (2021); Shazeer, "GLU variants improve transformer" (2020); Ainslie et al., "GQA" (2023). The
-arithmetic follows transformers' LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM / Qwen3ForCausalLM, which the
-tests hold it to.
+arithmetic follows transformers' LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, Qwen3ForCausalLM,
+Gemma2ForCausalLM, Gemma3ForCausalLM, Phi3ForCausalLM and SmolLM3ForCausalLM, which the tests hold it to.
 
 What differs from GPT-2: RMSNorm instead of LayerNorm; no position table, but Q and K rotated by their
-position (RoPE, from position_ids); a SwiGLU MLP; n_kv_head K/V heads shared by groups of query heads (the
+position (RoPE, from position_ids); a gated MLP; n_kv_head K/V heads shared by groups of query heads (the
 cache holds the K/V heads only); an LM head that may be its own matrix. The forward signatures, the cache
-layouts and the attention over them are GPT-2's (attention.py), so export and serving treat both alike. Qwen3 adds an
-RMSNorm of each Q and K head before the rotation; the rotary frequencies and their rescalings are in rope.py.
+layouts and the attention over them are GPT-2's (attention.py), so export and serving treat both alike.
+
+The other families are deltas of Llama's, each a DecoderConfig field read here: Qwen3's RMSNorm of each Q and K head
+before the rotation (qk_norm); Gemma's (1 + weight) norms, scaled embeddings, GeGLU, norms after each branch, own
+attention scale and soft caps; Gemma 3's sliding layers' own RoPE base (local_rotary); Phi-3's partial rotation;
+SmolLM3's layers without rotation; sliding windows (attention.py's masks). The rotary frequencies and their
+rescalings are in rope.py.
 
 Projections are fused as GPT-2's c_attn is: Q, K and V in one matrix, the MLP's gate and up in another, so
 a step runs one matrix product where a checkpoint stores three or two (checkpoint.py splits and joins them).
