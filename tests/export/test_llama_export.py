@@ -47,7 +47,8 @@ def test_standard_attention_generates_what_transformers_generates(llama_artifact
     np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), hf_greedy(hf, PROMPTS, STEPS))
 
 
-@pytest.mark.parametrize("name", ["llama gqa 4:1 head_dim 24 untied", "qwen2 gqa 3:1 qkv-bias tied"])
+@pytest.mark.parametrize("name", ["llama gqa 4:1 head_dim 24 untied", "qwen2 gqa 3:1 qkv-bias tied", "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5",
+                                  "smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied"])
 def test_concat_artifact_on_a_padded_batch_generates_what_transformers_generates(llama_artifact, name):
     hf, _, artifact_dir = llama_artifact(name, kv_cache="concat")
     assert open_artifact(artifact_dir).manifest["outputs"]["present.0.key"]["shape"][1] == hf.config.num_key_value_heads
