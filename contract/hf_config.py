@@ -197,36 +197,31 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
         raise ValueError(f"unsupported rope_type {rope_type!r} (kvserve implements 'default', {', '.join(map(repr, _ROPE_FIELDS))})")
     fields = {name: scaling[name] for name in _ROPE_FIELDS[rope_type] if scaling.get(name) is not None}
     original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
-    if rope_type == "longrope":
-        # Phi-3 keeps original_max_position_embeddings beside rope_scaling; a missing factor is the context's ratio to it.
+    if rope_type in ("yarn", "longrope"):
+        # Both fall back to the config's own original_max_position_embeddings (Phi-3 keeps it beside rope_scaling), and a
+        # missing factor is the context's ratio to it: written out, so the attention factor survives a context capped to
+        # the original (longrope).
         if original is None:
-            raise ValueError("rope_scaling of type 'longrope' lacks original_max_position_embeddings")
-        fields["original_max_position_embeddings"] = int(original)
-        if scaling.get("factor") is None:  # written out, so the attention factor survives the context capped to the original
-            scaling = scaling | {"factor": _required(hf, "max_position_embeddings") / int(original)}
-        missing = [name for name in ("short_factor", "long_factor") if not isinstance(scaling.get(name), list)]
-        if missing:
-            raise ValueError(f"rope_scaling of type 'longrope' lacks {', '.join(missing)} (a list of numbers each)")
-    if rope_type == "yarn":
-        # transformers' yarn falls back to the config's own original_max_position_embeddings, then to the context
-        # ratio for a missing factor; a published config (Qwen3's) gives both in rope_scaling.
-        if original is None:
-            raise ValueError("rope_scaling of type 'yarn' lacks original_max_position_embeddings")
+            raise ValueError(f"rope_scaling of type {rope_type!r} lacks original_max_position_embeddings")
         fields["original_max_position_embeddings"] = int(original)
         if scaling.get("factor") is None:
             scaling = scaling | {"factor": _required(hf, "max_position_embeddings") / int(original)}
+    if rope_type == "longrope":
+        missing = [name for name in ("short_factor", "long_factor") if not isinstance(scaling.get(name), list)]
+        if missing:
+            raise ValueError(f"rope_scaling of type 'longrope' lacks {', '.join(missing)} (a list of numbers each)")
+    if rope_type == "linear":
+        fields["original_max_position_embeddings"] = None  # linear needs none (RopeScaling's default is llama3's)
     required = ("factor", *_ROPE_FIELDS["llama3"]) if rope_type == "llama3" else ("factor",)
     missing = [name for name in required if scaling.get(name) is None]
     if missing:
         raise ValueError(f"rope_scaling of type {rope_type!r} lacks {', '.join(missing)}")
     kinds = {"original_max_position_embeddings": int, "truncate": bool, "short_factor": tuple, "long_factor": tuple}
     try:
-        fields = {name: kinds.get(name, float)(value) for name, value in fields.items()}
+        fields = {name: value if value is None else kinds.get(name, float)(value) for name, value in fields.items()}
         scaling_fields = RopeScaling(rope_type=rope_type, factor=float(scaling["factor"]), **fields)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"rope_scaling of type {rope_type!r}: {exc}") from None
-    if rope_type == "linear":
-        scaling_fields = RopeScaling(rope_type="linear", factor=scaling_fields.factor, original_max_position_embeddings=None)
     return float(theta), scaling_fields, float(partial)
 
 

@@ -55,10 +55,10 @@ def attention_bias(allowed: torch.Tensor) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=torch.float32, device=allowed.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
 
 
-def attention_scores(qk: torch.Tensor, scale: float | None, softcap: float | None) -> torch.Tensor:
+def attention_scores(qk: torch.Tensor, d_k: int, scale: float | None, softcap: float | None) -> torch.Tensor:
     """q k^T as the softmax reads it before the mask: in float32, scaled (by d_k ** -0.5 unless the model says other),
     and soft-capped to (-softcap, softcap) by tanh when the model asks (Gemma 2), in transformers' order."""
-    scores = qk.float() * scale
+    scores = qk.float() * (d_k**-0.5 if scale is None else scale)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     return scores
@@ -77,14 +77,13 @@ def scaled_dot_product_attention(q, k, v, bias, scale: float | None = None, soft
     """
     B, H, T, d_k = q.shape
     H_kv, S = k.shape[1], k.shape[2]
-    scale = d_k**-0.5 if scale is None else scale
     if H_kv == H:
-        scores = attention_scores(q @ k.transpose(-2, -1), scale, softcap) + bias  # (B, H, T, S)
+        scores = attention_scores(q @ k.transpose(-2, -1), d_k, scale, softcap) + bias  # (B, H, T, S)
         weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H, T, S)
         return weights @ v  # (B, H, T, d_k)
     group = H // H_kv
     q = q.reshape(B, H_kv, group * T, d_k)  # (B, H_kv, g * T, d_k): row j * T + t is query head h_kv * g + j at t
-    scores = attention_scores(q @ k.transpose(-2, -1), scale, softcap)  # (B, H_kv, g * T, S)
+    scores = attention_scores(q @ k.transpose(-2, -1), d_k, scale, softcap)  # (B, H_kv, g * T, S)
     scores = scores.view(B, H_kv, group, T, S) + bias[:, :, None]  # (B, H_kv, g, T, S): one bias for the group
     weights = torch.softmax(scores, dim=-1).to(v.dtype).view(B, H_kv, group * T, S)  # (B, H_kv, g * T, S)
     return (weights @ v).view(B, H, T, d_k)  # (B, H, T, d_k)
@@ -98,7 +97,7 @@ def one_token_attention(q, k, v, bias, scale: float | None = None, softcap: floa
     B, H, d_k = q.shape
     H_kv = k.shape[1]
     q = q.view(B, H_kv, H // H_kv, d_k)  # (B, H_kv, g, d_k): query head h_kv * g + j is row j
-    scores = attention_scores(q @ k.transpose(-2, -1), d_k**-0.5 if scale is None else scale, softcap) + bias  # (B, H_kv, g, W)
+    scores = attention_scores(q @ k.transpose(-2, -1), d_k, scale, softcap) + bias  # (B, H_kv, g, W)
     weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (B, H_kv, g, W)
     return (weights @ v).view(B, H * d_k)  # (B, H * d_k)
 
@@ -112,7 +111,7 @@ def chunk_attention(q, k, v, bias, scale: float | None = None, softcap: float | 
     T, H, d_k = q.shape
     H_kv = k.shape[0]
     q = q.transpose(0, 1).reshape(H_kv, H // H_kv, T, d_k)  # (H_kv, g, T, d_k): a K/V head's query heads
-    scores = attention_scores(q @ k.transpose(-2, -1), d_k**-0.5 if scale is None else scale, softcap) + bias  # (H_kv, g, T, W_c)
+    scores = attention_scores(q @ k.transpose(-2, -1), d_k, scale, softcap) + bias  # (H_kv, g, T, W_c)
     weights = torch.softmax(scores, dim=-1).to(v.dtype)  # (H_kv, g, T, W_c)
     return (weights @ v).view(H, T, d_k).transpose(0, 1).reshape(T, H * d_k)  # (T, H * d_k)
 
