@@ -34,8 +34,9 @@ def test_config_is_read_as_written(pair):
 def test_logits_match_transformers_on_a_padded_batch(pair):
     hf, ours = pair
     # Most configs agree to the bit; with one K/V head (grouped here, repeated there) the matrix products sum in
-    # another order, a few float32 ulps of the largest logit.
-    assert padded_logits_gap(hf, ours, PROMPTS, relative=True) <= 2e-6
+    # another order: 1.2e-6 of the largest logit on an AMD EPYC with AVX2 only. The bound leaves 4x for CPUs whose
+    # kernels sum otherwise (AVX-512, AMX); any arithmetic that differs moves logits by 1e-3 and more (the mutations).
+    assert padded_logits_gap(hf, ours, PROMPTS, relative=True) <= 5e-6
 
 
 def test_greedy_generation_matches_transformers_token_for_token(pair):
