@@ -6,7 +6,8 @@ the artifact. It is rendered as transformers' `apply_chat_template` renders it: 
 template can read the conversation it is given and nothing else), blocks trimmed, loop controls, a `tojson` filter
 that keeps non-ASCII text, `raise_exception` for the template's own checks, and the tokenizer's special tokens
 (bos_token, eos_token, ...) as variables; the text is then tokenized without adding special tokens (the template
-writes them).
+writes them). Tools reach the template as transformers passes them (`tools`: OpenAI's function entries), and a
+conversation's tool calls as its messages carry them (`tool_calls` with arguments as an object, `tool_call_id`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
 # What render() itself gives a template; a caller's extra variables (chat_template_kwargs) may not replace them.
-RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", *SPECIAL_TOKEN_NAMES})
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "tools", *SPECIAL_TOKEN_NAMES})
 
 
 class TemplateError(ValueError):
@@ -28,9 +29,34 @@ class TemplateError(ValueError):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call an assistant turn made: its id, the function's name and its arguments (a JSON object, as text)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()  # an assistant turn's calls
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+    name: str | None = None  # a tool turn: the function that answered (older templates read it)
+
+    def as_template_reads_it(self) -> dict:
+        """The message as a client hands it to transformers' apply_chat_template: keys only where set (templates test
+        `'tool_calls' in message`), arguments parsed to an object (templates write them with tojson)."""
+        message = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                                     for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
 
 
 @dataclass(frozen=True)
@@ -39,16 +65,24 @@ class ChatTemplate:
     special_tokens: dict[str, str] = field(default_factory=dict)  # bos_token, eos_token, ...: their text
 
     def __post_init__(self):
-        object.__setattr__(self, "_compiled", _compile(self.source))
+        from jinja2 import meta
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True, variables: dict | None = None) -> str:
+        compiled = _compile(self.source)
+        object.__setattr__(self, "_compiled", compiled)
+        # Whether the template reads a `tools` variable: one that does not would drop them from the prompt.
+        object.__setattr__(self, "knows_tools", "tools" in meta.find_undeclared_variables(compiled.environment.parse(self.source)))
+
+    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True, variables: dict | None = None,
+               tools: list[dict] | None = None) -> str:
         """The prompt text for messages, ending with the assistant's turn opened when add_generation_prompt; variables are
         the template's extra ones (transformers' apply_chat_template **kwargs: Qwen3's enable_thinking, say), none of
-        RESERVED_TEMPLATE_VARIABLES."""
-        conversation = [{"role": m.role, "content": m.content} for m in messages]
+        RESERVED_TEMPLATE_VARIABLES; tools: OpenAI's tool entries ({"type": "function", "function": {...}}), or None."""
+        conversation = [m.as_template_reads_it() for m in messages]
         extra = dict(variables or {})
         if set(extra) & RESERVED_TEMPLATE_VARIABLES:
             raise TemplateError(f"{sorted(set(extra) & RESERVED_TEMPLATE_VARIABLES)[0]!r} is not a variable a caller may set")
+        if tools:
+            extra["tools"] = tools
         try:
             return self._compiled.render(**extra, messages=conversation, add_generation_prompt=add_generation_prompt, **self.special_tokens)
         except TemplateError:

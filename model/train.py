@@ -180,11 +180,20 @@ def train(config: TrainConfig, out: Path) -> dict:
 
 # The model learned plain text, not conversations; so that a chat client can still talk to it (serve renders a
 # conversation with the artifact's template, contract/chat.py), a turn becomes a line "Role: content" after the system
-# message, and the reply follows "Assistant:".
+# message, and the reply follows "Assistant:". Tools a request offers are listed first, with the hermes call format
+# (<tool_call> blocks, service/tool_calls.py), so a request can hold the reply to calls of them.
 CHAT_TEMPLATE = """{#- kvserve's default model (the trained KJV GPT-2) learned plain text, not conversations: a system message stands
-    first as it is, each other turn is a line 'Role: content', and the assistant's turn is opened for the reply. -#}
+    first as it is, each other turn is a line 'Role: content', and the assistant's turn is opened for the reply. Tools,
+    when offered, come first, one JSON line each, with how a call is written; a turn's calls follow its content. -#}
+{% if tools %}
+{{ 'Tools:\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}
+{{- 'A call is written <tool_call>\\n{"name": <name>, "arguments": <arguments>}\\n</tool_call>\\n\\n' }}
+{%- endif %}
 {% for message in messages %}
-{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}{% else %}{{ message['role'] | capitalize + ': ' + message['content'] + '\\n' }}{% endif %}
+{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}{% else %}{{ message['role'] | capitalize + ': ' + message['content'] }}
+{%- if message['tool_calls'] is defined %}{% for call in message['tool_calls'] %}
+{{- '<tool_call>\\n' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson + '\\n</tool_call>' }}
+{%- endfor %}{% endif %}{{ '\\n' }}{% endif %}
 {% endfor %}
 {% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"""
 

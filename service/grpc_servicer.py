@@ -8,7 +8,7 @@ from typing import Protocol
 
 import grpc
 
-from kvserve.contract.chat import ChatMessage
+from kvserve.contract.chat import ChatMessage, ToolCall
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -19,12 +19,14 @@ from .model_info import ModelInfo
 from .sampling import SamplingParams
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .structured import FormatKind, ResponseFormat
+from .tool_calls import ToolChoice, ToolRequest
 from .tokenizing import TokenizeProcess
 
 FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.STOP_SEQUENCE: pb.FINISH_REASON_STOP_SEQUENCE,
     FinishReason.END_OF_SEQUENCE: pb.FINISH_REASON_END_OF_SEQUENCE,
+    FinishReason.TOOL_CALLS: pb.FINISH_REASON_TOOL_CALLS,
 }
 
 
@@ -98,8 +100,9 @@ def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
     return GenerationRequest(
         prompt_text=request.text if prompt == "text" else None,
         prompt_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
-        prompt_messages=tuple(ChatMessage(m.role, m.content) for m in request.messages.messages) if prompt == "messages" else None,
+        prompt_messages=tuple(_message(m) for m in request.messages.messages) if prompt == "messages" else None,
         chat_template_kwargs=request.messages.chat_template_kwargs or None if prompt == "messages" else None,
+        tools=_tools(request.messages) if prompt == "messages" else None,
         max_new_tokens=request.max_new_tokens,
         sampling=SamplingParams(
             temperature=sampling.temperature,
@@ -121,6 +124,29 @@ def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
     )
 
 
+def _message(message: pb.ChatMessage) -> ChatMessage:
+    return ChatMessage(message.role, message.content, tuple(ToolCall(c.id, c.name, c.arguments) for c in message.tool_calls),
+                       message.tool_call_id or None, message.name or None)
+
+
+TOOL_CHOICES = {pb.TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoice.AUTO, pb.TOOL_CHOICE_MODE_AUTO: ToolChoice.AUTO,
+                pb.TOOL_CHOICE_MODE_NONE: ToolChoice.NONE, pb.TOOL_CHOICE_MODE_REQUIRED: ToolChoice.REQUIRED}
+
+
+def _tools(conversation: pb.Conversation) -> ToolRequest | None:
+    choice = conversation.tool_choice
+    if not conversation.tools:
+        if choice.WhichOneof("choice") == "function" or choice.mode == pb.TOOL_CHOICE_MODE_REQUIRED:
+            raise InvalidArgument("tool_choice", "needs tools")
+        return None
+    parallel = conversation.parallel_tool_calls if conversation.HasField("parallel_tool_calls") else True
+    if choice.WhichOneof("choice") == "function":
+        return ToolRequest(conversation.tools, ToolChoice.FUNCTION, choice.function, parallel)
+    if choice.mode not in TOOL_CHOICES:
+        raise InvalidArgument("tool_choice.mode", f"unknown mode {choice.mode}")
+    return ToolRequest(conversation.tools, TOOL_CHOICES[choice.mode], "", parallel)
+
+
 FORMAT_KINDS = {"json_schema": FormatKind.JSON_SCHEMA, "json_object": FormatKind.JSON_OBJECT, "regex": FormatKind.REGEX,
                 "lark_grammar": FormatKind.GRAMMAR}
 
@@ -133,7 +159,8 @@ def _response_format(message: pb.ResponseFormat) -> ResponseFormat:
 
 
 def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob))
+    response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob,
+                                                  tool_call_delta=event.call_text))
     if event.top_logprobs:
         pieces = tokenizer.pieces([token for token, _ in event.top_logprobs])
         response.token.top_logprobs.extend(
@@ -145,6 +172,7 @@ def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
                 reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
                 time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
                 cached_prompt_tokens=finish.cached_prompt_tokens,
+                tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in finish.tool_calls],
             )
         )
     return response

@@ -49,6 +49,8 @@ class EngineLimits:
     max_chat_messages: int = declared(256, "messages in one conversation", 1, INT_MAX)
     max_role_length: int = declared(64, "characters of a chat message's role", 1, 4096)
     max_chat_template_kwargs_bytes: int = declared(4096, "UTF-8 bytes of a conversation's chat_template_kwargs (as JSON)", 2, INT_MAX)
+    max_tools: int = declared(128, "tools (functions) a chat request may offer", 1, 4096)
+    max_tools_bytes: int = declared(64 * 1024, "UTF-8 bytes of a chat request's tools (as JSON)", 2, INT_MAX)
     max_response_format_bytes: int = declared(64 * 1024, "UTF-8 bytes of a response_format's schema, pattern or grammar", 1, INT_MAX)
     max_schema_depth: int = declared(32, "nested arrays and objects in a response_format's JSON schema", 1, 256)
     max_json_depth: int = declared(64, "nested arrays and objects in an HTTP request body (a response_format schema's included)",

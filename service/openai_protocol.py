@@ -14,18 +14,20 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvserve.contract.chat import ChatMessage
+from kvserve.contract.chat import ChatMessage, ToolCall
 
 from .engine_errors import EngineError, InvalidArgument, QueueFull, Unavailable
 from .limits import MAX_BIAS, MAX_PENALTY, EngineLimits
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .structured import FormatKind, ResponseFormat
+from .tool_calls import CallDelta, ToolChoice, ToolRequest
 from .validation import check_sizes
 
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_SCALE)
 
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop"}
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop",
+                  FinishReason.TOOL_CALLS: "tool_calls"}
 # The status each refusal gets, and the gRPC code name the request metric counts it under (one label set for both APIs).
 STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
                 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
@@ -34,10 +36,12 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                503: "server_error"}
 # Parameters the API defines that kvserve does not implement yet: refused by name with 400 when set to anything but
 # their no-op value, never silently ignored.
-NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "tools": None, "tool_choice": None, "functions": None}
+# (functions and function_call: the API's older spelling of tools and tool_choice.)
+NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "function_call": None}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
           "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"}
-ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"} | set(NOT_YET)}
+CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"}
+ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | CHAT | set(NOT_YET)}
 
 
 class ApiError(Exception):
@@ -226,7 +230,7 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
                   response_format=_response_format(body.get("response_format")))
     if kind == "chat":
         request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))),
-                                    chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)
+                                    chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), tools=_tools(body), **common)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -281,7 +285,31 @@ def _template_kwargs(kwargs) -> str | None:
     return json.dumps(kwargs, ensure_ascii=False)
 
 
-MESSAGE_KEYS = {"role", "content"}  # what a message may carry: tool calls, names and the rest are refused by name
+def _tools(body: dict) -> ToolRequest | None:
+    """tools, tool_choice and parallel_tool_calls; the tools themselves are checked by the engine (tool_calls.py), which
+    names the field at fault."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise ApiError(400, f"parallel_tool_calls must be true or false, got {shown(parallel)}", "parallel_tool_calls")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise ApiError(400, "tool_choice needs tools", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "tools must be a list of tools", "tools")
+    function = ""
+    if choice is None or choice in ("none", "auto", "required"):
+        mode = ToolChoice(choice or "auto")
+    elif (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+          and isinstance(choice["function"].get("name"), str) and set(choice) == {"type", "function"} and set(choice["function"]) == {"name"}):
+        mode, function = ToolChoice.FUNCTION, choice["function"]["name"]
+    else:
+        raise ApiError(400, 'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}', "tool_choice")
+    return ToolRequest(json.dumps(tools, ensure_ascii=False), mode, function, True if parallel is None else parallel)
+
+
+MESSAGE_KEYS = {"role", "content", "tool_calls", "tool_call_id", "name"}  # what a message may carry: the rest is refused by name
 PART_KEYS = {"type", "text"}
 
 
@@ -298,6 +326,9 @@ def _messages(messages) -> list[ChatMessage]:
             raise ApiError(400, f"{where}.{unknown[0]} is not supported by kvserve (a message carries a role and its content)",
                            f"{where}.{unknown[0]}", "unsupported_parameter")
         content = message.get("content")
+        calls = _message_calls(message.get("tool_calls"), where)
+        if content is None and calls:  # an assistant turn of calls alone
+            content = ""
         if isinstance(content, list):  # content parts: text only
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) and set(p) <= PART_KEYS
                        for p in content):
@@ -306,8 +337,28 @@ def _messages(messages) -> list[ChatMessage]:
             content = "".join(p["text"] for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"{where}.content must be a string or a list of text parts", f"{where}.content")
-        out.append(ChatMessage(message["role"], content))
+        for key in ("tool_call_id", "name"):
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise ApiError(400, f"{where}.{key} must be a string", f"{where}.{key}")
+        out.append(ChatMessage(message["role"], content, calls, message.get("tool_call_id"), message.get("name")))
     return out
+
+
+def _message_calls(calls, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's tool_calls: [{"id", "type": "function", "function": {"name", "arguments": JSON text}}]."""
+    if calls is None:
+        return ()
+    if not isinstance(calls, list):
+        raise ApiError(400, f"{where}.tool_calls must be a list", f"{where}.tool_calls")
+    out = []
+    for number, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and isinstance(call.get("id"), str) and call.get("type", "function") == "function"
+                and isinstance(function.get("name"), str) and isinstance(function.get("arguments"), str)):
+            raise ApiError(400, f'{where}.tool_calls[{number}] must be {{"id": ..., "type": "function", "function": {{"name": ..., '
+                           f'"arguments": "<JSON text>"}}}}', f"{where}.tool_calls")
+        out.append(ToolCall(call["id"], function["name"], function["arguments"]))
+    return tuple(out)
 
 def logprobs_object(kind: str, events: list[StepEvent], pieces: Callable[[list[int]], list[str]]) -> dict:
     """A choice's logprobs object for events (a whole answer's, or one streamed token's); pieces: the tokenizer's text of ids."""
@@ -343,9 +394,18 @@ def whole_body(ids: str, kind: str, model: str, created: int, completions: list[
     choices = []
     for index, completion in enumerate(completions):
         text = "".join(event.text for event in completion)
+        finish = completion[-1].finish
         choice = {"index": index, "logprobs": logprobs_object(kind, completion, pieces) if parsed.logprobs else None,
-                  "finish_reason": FINISH_REASONS[completion[-1].finish.reason]}
-        choice.update({"message": {"role": "assistant", "content": text}} if kind == "chat" else {"text": text})
+                  "finish_reason": FINISH_REASONS[finish.reason]}
+        if kind == "chat":
+            message = {"role": "assistant", "content": text}
+            if finish.tool_calls:
+                message["content"] = text or None
+                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                                         for c in finish.tool_calls]
+            choice["message"] = message
+        else:
+            choice["text"] = text
         choices.append(choice)
     return {"id": ids, "object": object_name(kind, False), "created": created, "model": model, "choices": choices,
             "usage": usage([c[-1].finish for c in completions])}
@@ -355,8 +415,25 @@ def token_choice(kind: str, index: int, event: StepEvent, parsed: Parsed, pieces
     """One streamed token of completion index, as a chunk's choice (with its finish reason on the last)."""
     reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
     choice = {"index": index, "logprobs": logprobs_object(kind, [event], pieces) if parsed.logprobs else None, "finish_reason": reason}
-    choice.update({"delta": {"content": event.text}} if kind == "chat" else {"text": event.text})
+    if kind == "chat":
+        choice["delta"] = {"content": event.text} if event.text or not event.call_deltas else {}
+        if event.call_deltas:
+            choice["delta"]["tool_calls"] = call_deltas(event.call_deltas)
+    else:
+        choice["text"] = event.text
     return choice
+
+
+def call_deltas(deltas: tuple[CallDelta, ...]) -> list[dict]:
+    """A step's pieces of tool calls as OpenAI streams them: one entry a call, its id and name first."""
+    merged: dict[int, dict] = {}
+    for delta in deltas:
+        entry = merged.setdefault(delta.index, {"index": delta.index, "function": {"arguments": ""}})
+        if delta.name is not None:
+            entry.update(id=delta.id, type="function")
+            entry["function"]["name"] = delta.name
+        entry["function"]["arguments"] += delta.arguments
+    return list(merged.values())
 
 
 def opening_choices(n: int) -> list[dict]:

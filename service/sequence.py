@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvserve.contract.chat import ChatMessage
+from kvserve.contract.chat import ChatMessage, ToolCall
 
 from .sampling import SamplingParams, choose, log_probability, top_log_probabilities
 from .structured import Constraint, FormatError, ResponseFormat
 from .text import IncrementalDecoder, StopSequences
+from .tool_calls import CallDelta, ToolCallSplit, ToolRequest
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class GenerationRequest:
     prompt_ids: tuple[int, ...] | None = None
     prompt_messages: tuple[ChatMessage, ...] | None = None  # a conversation, rendered by the model's chat template
     chat_template_kwargs: str | None = None  # a JSON object: extra variables for the template (with prompt_messages only)
+    tools: ToolRequest | None = None  # functions the reply may call (with prompt_messages only): tool_calls.py
     max_new_tokens: int = 0  # 0: as many as fit in the context
     sampling: SamplingParams = SamplingParams()
     stop_sequences: tuple[str, ...] = ()
@@ -38,6 +40,7 @@ class FinishReason(enum.Enum):
     LENGTH = "length"
     STOP_SEQUENCE = "stop_sequence"
     END_OF_SEQUENCE = "end_of_sequence"
+    TOOL_CALLS = "tool_calls"  # the reply ended with whole tool calls
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class Finish:
     total_ns: int
     stop_sequence: str = ""
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V were reused from the prompt cache, not computed
+    tool_calls: tuple[ToolCall, ...] = ()  # the reply's calls, parsed whole (with FinishReason.TOOL_CALLS)
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,8 @@ class StepEvent:
     logprob: float | None
     finish: Finish | None
     top_logprobs: list[tuple[int, float]] | None = None  # (id, log-probability) of the likeliest tokens, when asked
+    call_text: str = ""  # with tools: this step's text of the reply's tool calls, as the model wrote it (text: content only)
+    call_deltas: tuple[CallDelta, ...] = ()  # and what it adds to each call: a name, then pieces of its arguments
 
 
 @dataclass(eq=False)
@@ -88,6 +94,7 @@ class Sequence:
     events: asyncio.Queue | None = None
     constraint: Constraint | None = None  # a response_format's grammar state: which tokens may come next
     blocked_ids: tuple[int, ...] = ()  # with a constraint: ids never taken though the format allows them (ignore_eos)
+    tool_calls: ToolCallSplit | None = None  # with tools: splits the reply into content and calls (and constrains the calls)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -150,6 +157,13 @@ class Sequence:
                 reason = FinishReason.STOP_SEQUENCE
             else:
                 text += self.stops.flush()
+        call_text, deltas, calls = "", (), ()
+        if self.tool_calls is not None:
+            text, call_text, deltas = self.tool_calls.split(self, token, text, finishing=reason is not None)
+            if reason is not None:
+                calls = self.tool_calls.parser.complete_calls()
+                if calls and reason is FinishReason.END_OF_SEQUENCE:
+                    reason = FinishReason.TOOL_CALLS
         finish = None
         if reason is not None:
             self.finished = True
@@ -161,8 +175,10 @@ class Sequence:
                 total_ns=now - self.arrival_ns,
                 stop_sequence=stop or "",
                 cached_prompt_tokens=self.reused_prompt_tokens,
+                tool_calls=calls,
             )
-        return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top)
+        return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top, call_text=call_text,
+                         call_deltas=tuple(deltas))
 
     def _allowed_ids(self, allowed: np.ndarray | None) -> np.ndarray:
         """The ids this sequence may take next, ascending: its mask's (allowed), less the blocked ones."""

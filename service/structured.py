@@ -71,12 +71,13 @@ class FormatError(Exception):
 class Constraint:
     """One sequence's grammar state. The step's mask thread computes its masks; the step thread feeds it the tokens."""
 
-    def __init__(self, matcher: llguidance.LLMatcher):
+    def __init__(self, matcher: llguidance.LLMatcher, field_name: str = "response_format"):
         self.matcher = matcher
+        self.field = field_name  # what a failure names: the request's response_format, or its tools
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise FormatError("response_format", f"failed during generation: {self.matcher.get_error().splitlines()[0]}")
+            raise FormatError(self.field, f"failed during generation: {self.matcher.get_error().splitlines()[0]}")
 
     @property
     def finished(self) -> bool:
@@ -85,7 +86,7 @@ class Constraint:
 
     def check(self) -> None:
         if self.matcher.is_error():
-            raise FormatError("response_format", f"failed during generation: {self.matcher.get_error().splitlines()[0]}")
+            raise FormatError(self.field, f"failed during generation: {self.matcher.get_error().splitlines()[0]}")
 
 
 def schema_depth(value) -> int:
@@ -123,7 +124,7 @@ class FormatCompiler:
         self.max_schema_depth = max_schema_depth  # nested arrays and objects in a JSON schema document
         self._tokenizer: llguidance.LLTokenizer | None = None  # built on first use: ~0.2 s for GPT-2's 50,257 tokens
         self._limits = llguidance.LLParserLimits(**PARSER_LIMITS, verbose_errors=False)
-        self._compiled: OrderedDict[ResponseFormat, llguidance.LLMatcher] = OrderedDict()
+        self._compiled: OrderedDict[object, llguidance.LLMatcher] = OrderedDict()  # by ResponseFormat, or (field, grammar)
         self._lock = threading.Lock()
         self.compiles = self.cache_hits = 0
 
@@ -171,13 +172,21 @@ class FormatCompiler:
 
     def compile(self, fmt: ResponseFormat) -> Constraint:
         """A fresh Constraint for fmt, at its start; FormatError names what is wrong with fmt."""
+        return self._compile(fmt, lambda: self.grammar(fmt), f"response_format.{fmt.kind.value}")
+
+    def compile_grammar(self, lark: str, field_name: str) -> Constraint:
+        """A fresh Constraint for a grammar the server wrote (a request's tool calls: tool_calls.py), whose size the
+        request's own limits bound; failures name field_name."""
+        return self._compile((field_name, lark), lambda: lark, field_name)  # cached apart from clients' own grammars
+
+    def _compile(self, key, grammar_of, field_name: str) -> Constraint:
         with self._lock:
-            compiled = self._compiled.get(fmt)
+            compiled = self._compiled.get(key)
             if compiled is not None:
-                self._compiled.move_to_end(fmt)
+                self._compiled.move_to_end(key)
                 self.cache_hits += 1
         if compiled is None:
-            grammar = self.grammar(fmt)
+            grammar = grammar_of()
             tokenizer = self._grammar_tokenizer()
             compiled = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)  # releases the GIL
             # The first mask builds the lexer's start: a pattern that explodes does so here, before admission.
@@ -185,15 +194,15 @@ class FormatCompiler:
             if not compiled.is_error():
                 compiled.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
             if compiled.is_error():
-                raise FormatError(f"response_format.{fmt.kind.value}", compiled.get_error().splitlines()[0])
+                raise FormatError(field_name, compiled.get_error().splitlines()[0])
             if not mask.any():
-                raise FormatError(f"response_format.{fmt.kind.value}", "no output satisfies it")
+                raise FormatError(field_name, "no output satisfies it")
             with self._lock:
                 self.compiles += 1
-                self._compiled[fmt] = compiled
+                self._compiled[key] = compiled
                 while len(self._compiled) > COMPILED_CACHE_SIZE:
                     self._compiled.popitem(last=False)
-        return Constraint(compiled.deep_copy())
+        return Constraint(compiled.deep_copy(), field_name.split(".")[0])
 
 
 class TokenMasks:

@@ -19,6 +19,7 @@ from .sampling import SamplingParams
 from .sequence import GenerationRequest, Sequence
 from .structured import FormatCompiler, FormatError
 from .text import IncrementalDecoder, StopSequences
+from .tool_calls import ToolCalling, ToolChoice
 
 # Prompt tokens the text decoder reads before the first new one: enough for a character split across byte
 # tokens and for a leading space that depends on what precedes it.
@@ -45,7 +46,8 @@ def check_sizes(request: GenerationRequest, limits: EngineLimits, context: int |
     if request.prompt_text is not None:
         check_text_size("prompt.text", request.prompt_text, limits.max_text_bytes)
     if request.prompt_messages is not None:
-        size = sum(len(m.content.encode("utf-8", errors="replace")) for m in request.prompt_messages)
+        size = sum(len(text.encode("utf-8", errors="replace")) for m in request.prompt_messages
+                   for text in (m.content, *(c.arguments + c.name + c.id for c in m.tool_calls)))  # a call's arguments are content too
         if size > limits.max_text_bytes:
             raise InvalidArgument("prompt.messages", f"{size} bytes of content; at most {limits.max_text_bytes}")
     if request.chat_template_kwargs is not None:
@@ -56,6 +58,10 @@ def check_sizes(request: GenerationRequest, limits: EngineLimits, context: int |
         size = len(request.response_format.text.encode("utf-8", errors="replace"))
         if size > limits.max_response_format_bytes:
             raise InvalidArgument("response_format", f"{size} bytes; at most {limits.max_response_format_bytes}")
+    if request.tools is not None:
+        size = len(request.tools.tools.encode("utf-8", errors="replace"))
+        if size > limits.max_tools_bytes:
+            raise InvalidArgument("tools", f"{size} bytes of JSON; at most {limits.max_tools_bytes}")
 
 
 def too_long(field_name: str, tokens: int, context: int) -> InvalidArgument:
@@ -79,6 +85,7 @@ class RequestValidator:
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
         self.formats = FormatCompiler(tokenizer, config.vocab_size, config.eos_token_ids, limits.max_response_format_bytes,
                                       limits.max_schema_depth)
+        self.tool_calling = ToolCalling(chat_template, tokenizer, self.formats, limits)
         self._ids = itertools.count(1)
 
     def check_text(self, field_name: str, text: str) -> None:
@@ -90,11 +97,12 @@ class RequestValidator:
         if sum(p is not None for p in (request.prompt_ids, request.prompt_text, request.prompt_messages)) > 1:
             raise InvalidArgument("prompt", "give one of text, token_ids or messages")
         check_sizes(request, limits)
+        tools, split, tools_constraint = self._tools(request)
         if request.prompt_ids is not None:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
         elif request.prompt_messages is not None:
-            prompt = self.render_conversation(list(request.prompt_messages), request.chat_template_kwargs)
+            prompt = self.render_conversation(list(request.prompt_messages), request.chat_template_kwargs, tools)
             field_name = "prompt.messages"
         else:
             field_name = "prompt.text"
@@ -146,7 +154,7 @@ class RequestValidator:
         stop_ids = set(request.stop_token_ids)
         if not request.ignore_eos:
             stop_ids.update(config.eos_token_ids)
-        constraint = None
+        constraint = tools_constraint
         if request.response_format is not None:
             try:
                 constraint = self.formats.compile(request.response_format)
@@ -166,11 +174,24 @@ class RequestValidator:
             stops=StopSequences(request.stop_sequences),
             constraint=constraint,
             blocked_ids=tuple(config.eos_token_ids) if constraint is not None and request.ignore_eos else (),
+            tool_calls=split,
         )
 
-    def render_conversation(self, messages: list[ChatMessage], template_kwargs: str | None = None) -> list[int]:
+    def _tools(self, request: GenerationRequest):
+        """(the tools the template renders, the sequence's content/calls split, the constraint it starts with)."""
+        if request.tools is None:
+            return None, None, None
+        if request.prompt_messages is None:
+            raise InvalidArgument("tools", "tools come with a conversation (messages), which the chat template renders them into")
+        if request.response_format is not None and request.tools.choice is not ToolChoice.NONE:
+            raise InvalidArgument("tools", "a reply held to tool calls cannot also follow response_format: send one, or tool_choice none")
+        tools, functions = self.tool_calling.read(request.tools)
+        split, constraint = self.tool_calling.start(request.tools, functions)
+        return tools, split, constraint
+
+    def render_conversation(self, messages: list[ChatMessage], template_kwargs: str | None = None, tools: list[dict] | None = None) -> list[int]:
         """A conversation's prompt tokens: rendered by the model's chat template (given template_kwargs' variables, a JSON
-        object), the assistant's turn opened."""
+        object, and the tools the reply may call), the assistant's turn opened."""
         field_name = "prompt.messages"
         if self.chat_template is None:
             raise InvalidArgument(field_name, "this model has no chat template (its artifact has no chat_template.jinja and no "
@@ -180,9 +201,16 @@ class RequestValidator:
         for index, message in enumerate(messages):
             if not message.role or len(message.role) > self.limits.max_role_length:
                 raise InvalidArgument(f"{field_name}[{index}].role", f"must be 1 to {self.limits.max_role_length} characters, got {len(message.role)}")
+            for number, call in enumerate(message.tool_calls):
+                try:
+                    arguments = json.loads(call.arguments)
+                except (ValueError, RecursionError):
+                    arguments = None
+                if not isinstance(arguments, dict):
+                    raise InvalidArgument(f"{field_name}[{index}].tool_calls[{number}].arguments", "must be a JSON object (as text)")
         variables = _template_variables(template_kwargs)
         try:
-            text = self.chat_template.render(messages, variables=variables)
+            text = self.chat_template.render(messages, variables=variables, tools=tools)
         except TemplateError as exc:
             raise InvalidArgument(field_name, str(exc)) from None
         return self._encode(field_name, text, add_special_tokens=False)  # the template wrote the special tokens

@@ -324,3 +324,71 @@ def pki(tmp_path_factory):
         run("req", *KEY, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
         run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", *ext)
     return d
+
+
+# Chat templates that render tools, written here in the style of each family's own (nothing copied): the format a
+# reply's calls take is the family's (service/tool_calls.py reads it from the template).
+QWEN_TOOLS_STYLE = r"""{%- if tools %}
+{{- '<|im_start|>system\n' }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}
+{{- '# Tools\n\nFunctions you may call:\n<tools>' }}{% for tool in tools %}{{ '\n' + tool | tojson }}{% endfor %}
+{{- '\n</tools>\n\nCall one by writing its name and arguments as JSON between tags:\n<tool_call>\n{"name": <name>, "arguments": <object>}\n</tool_call><|im_end|>\n' }}
+{%- elif messages[0]['role'] == 'system' %}{{ '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}{% endif %}
+{%- for message in messages %}
+{%- if message['role'] == 'user' or (message['role'] == 'assistant' and message.tool_calls is not defined) %}
+{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+{%- elif message['role'] == 'assistant' %}
+{{- '<|im_start|>assistant' }}{% if message['content'] %}{{ '\n' + message['content'] }}{% endif %}
+{%- for call in message.tool_calls %}{{ '\n<tool_call>\n{"name": "' + call.function.name + '", "arguments": ' + call.function.arguments | tojson + '}\n</tool_call>' }}{% endfor %}
+{{- '<|im_end|>\n' }}
+{%- elif message['role'] == 'tool' %}
+{%- if messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}
+{{- '\n<tool_response>\n' + message['content'] + '\n</tool_response>' }}
+{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\n' }}{% endif %}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"""
+LLAMA3_TOOLS_STYLE = r"""{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] %}{% set turns = messages[1:] %}{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' }}{% if tools %}{{ 'Environment: ipython\n' }}{% endif %}{{ system + '<|eot_id|>' }}
+{%- for message in turns %}
+{%- if loop.first and tools %}
+{{- '<|start_header_id|>user<|end_header_id|>\n\nTo use a function, answer with JSON alone: {"name": <function>, "parameters": <object of its arguments>}.\n\n' }}
+{%- for tool in tools %}{{ tool | tojson(indent=4) + '\n\n' }}{% endfor %}{{ message['content'] | trim + '<|eot_id|>' }}
+{%- elif 'tool_calls' in message %}
+{%- for call in message['tool_calls'] %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + call.function.name + '", "parameters": ' + call.function.arguments | tojson + '}<|eot_id|>' }}{% endfor %}
+{%- elif message['role'] == 'tool' %}{{ '<|start_header_id|>ipython<|end_header_id|>\n\n' + message['content'] + '<|eot_id|>' }}
+{%- else %}{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"""
+MISTRAL_TOOLS_STYLE = r"""{{- bos_token }}
+{%- if messages[0]['role'] == 'system' %}{% set system = messages[0]['content'] + '\n\n' %}{% set turns = messages[1:] %}{% else %}{% set system = '' %}{% set turns = messages %}{% endif %}
+{%- for message in turns %}
+{%- if message['role'] == 'user' %}
+{%- if loop.first and tools %}{{ '[AVAILABLE_TOOLS]' + tools | tojson + '[/AVAILABLE_TOOLS]' }}{% endif %}
+{{- '[INST]' + (system if loop.first else '') + message['content'] + '[/INST]' }}
+{%- elif message['role'] == 'assistant' and message.tool_calls is defined %}
+{{- '[TOOL_CALLS][' }}{% for call in message.tool_calls %}
+{%- if call.id | length != 9 %}{{ raise_exception('a tool call id is 9 letters or digits') }}{% endif %}
+{{- {'name': call.function.name, 'arguments': call.function.arguments, 'id': call.id} | tojson }}{% if not loop.last %}{{ ', ' }}{% endif %}
+{%- endfor %}{{ ']' + eos_token }}
+{%- elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}
+{%- elif message['role'] == 'tool' %}{{ '[TOOL_RESULTS]' + {'content': message['content'], 'call_id': message['tool_call_id']} | tojson + '[/TOOL_RESULTS]' }}
+{%- endif %}
+{%- endfor %}"""
+TOOL_TEMPLATES = {"hermes": QWEN_TOOLS_STYLE, "llama3_json": LLAMA3_TOOLS_STYLE, "mistral": MISTRAL_TOOLS_STYLE}
+
+
+@pytest.fixture(scope="session")
+def long_tiny_artifact(tmp_path_factory) -> Path:
+    """The tiny preset with a 2,048-token context (a conversation with tools takes room), exported and verified once."""
+    import dataclasses
+
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.model.decoders import build
+    from kvserve.model.presets import preset
+
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-long"
+    export_artifact(build(dataclasses.replace(preset("tiny"), n_ctx=2048), seed=0), {"kind": "preset", "name": "tiny", "seed": 0}, out,
+                    provider=PROVIDER)
+    return out

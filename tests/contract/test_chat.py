@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvserve.contract.chat import ChatMessage, TemplateError, load_chat_template
+from kvserve.contract.chat import ChatMessage, TemplateError, ToolCall, load_chat_template
 from kvserve.contract.tokenizer import HFTokenizer
 
 # Written in the style of the Llama 3 and Qwen2 templates: special tokens, header markers, a default system message,
@@ -67,12 +67,12 @@ CONVERSATION = [
 ]
 
 
-def tokenizer_directory(tmp_path, gpt2_vocabulary, style: str, as_file: bool):
+def tokenizer_directory(tmp_path, gpt2_vocabulary, style: str, as_file: bool, spec: tuple | None = None):
     """GPT-2's BPE with the style's special tokens added (and BOS put first by its post-processor), its template in chat_template.jinja (as_file) or in
     tokenizer_config.json (as older checkpoints keep it)."""
     from tokenizers import Tokenizer
 
-    template, special, bos, eos = SPECIAL[style]
+    template, special, bos, eos = spec or SPECIAL[style]  # spec: (template, special tokens, bos, eos) of a style not in SPECIAL
     directory = tmp_path / f"{style}-{as_file}"
     directory.mkdir()
     tokenizer = Tokenizer.from_file(str(gpt2_vocabulary))
@@ -174,3 +174,41 @@ def test_the_default_models_template_is_documented_plain_text():
     template = load_chat_template(DEFAULT_CHECKPOINT)
     text = template.render([ChatMessage("system", "Be brief."), ChatMessage("user", "Who was Moses?")])
     assert text == "Be brief.\n\nUser: Who was Moses?\nAssistant:"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Today's weather in a city — «météo»",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
+TOOL_SPECIAL = {
+    "hermes": (["<|im_start|>", "<|im_end|>", "<|endoftext|>"], None, "<|im_end|>"),
+    "llama3_json": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>", "<|eot_id|>"),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                 "[/TOOL_RESULTS]"], "<s>", "</s>"),
+}
+
+
+@pytest.mark.parametrize("style", ["hermes", "llama3_json", "mistral"])
+def test_tools_and_tool_turns_render_as_transformers_passes_them(tmp_path, gpt2_vocabulary, style):
+    """tools (as transformers' apply_chat_template(tools=...) passes OpenAI's entries), an assistant turn's tool_calls (with
+    their arguments as an object) and a tool turn's result, on a conversation with a system prompt."""
+    import transformers
+
+    from ..conftest import TOOL_TEMPLATES
+
+    directory = tokenizer_directory(tmp_path, gpt2_vocabulary, style, True, (TOOL_TEMPLATES[style], *TOOL_SPECIAL[style]))
+    call = ToolCall("a1B2c3D4e", "get_weather", json.dumps({"city": "Zürich"}, ensure_ascii=False))
+    conversation = [ChatMessage("system", "Use the tools."), ChatMessage("user", "Weather in Zürich?"),
+                    ChatMessage("assistant", "", (call,)), ChatMessage("tool", '{"celsius": 21}', tool_call_id=call.id, name="get_weather"),
+                    ChatMessage("user", "And now?")]
+    reference = transformers.AutoTokenizer.from_pretrained(directory)
+    as_client_sends = [{"role": m.role, "content": m.content} for m in conversation]
+    as_client_sends[2]["tool_calls"] = [{"id": call.id, "type": "function", "function": {"name": call.name, "arguments": {"city": "Zürich"}}}]
+    as_client_sends[3].update(tool_call_id=call.id, name="get_weather")
+    want = reference.apply_chat_template(as_client_sends, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    template = load_chat_template(directory)
+    got = template.render(conversation, tools=TOOLS)
+    assert got == want and "get_weather" in got and "Zürich" in got
+    assert template.knows_tools
+    assert template.render(conversation[:2]) == reference.apply_chat_template(as_client_sends[:2], add_generation_prompt=True, tokenize=False)

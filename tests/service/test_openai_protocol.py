@@ -36,7 +36,7 @@ def test_a_chat_body_becomes_the_engine_request_it_describes():
     ({**CHAT, "logit_bias": {"1": 101}}, "chat", 400, "logit_bias"),
     ({**CHAT, "temperature": 2.5}, "chat", 400, "temperature"),
     ({**CHAT, "presence_penalty": -3}, "chat", 400, "presence_penalty"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "chat", 400, "tools"),
+    ({**CHAT, "tools": "get_weather"}, "chat", 400, "tools"), ({**CHAT, "functions": [{"name": "f"}]}, "chat", 400, "functions"),
     ({**CHAT, "frobnicate": 1}, "chat", 400, "frobnicate"),
     ({**CHAT, "model": "other"}, "chat", 404, "model"),
     ({"model": "m", "messages": []}, "chat", 400, "messages"),

@@ -1,0 +1,341 @@
+"""Tool calls (service/tool_calls.py): tools rendered by the model's chat template, calls generated under a grammar
+(tool_choice required or a named function) or opened by the model (auto), read back whole and streamed as OpenAI's
+deltas, over HTTP with the official client and over gRPC, in the hermes, Llama 3 JSON and Mistral formats; bad tools
+and choices refused by name."""
+
+import dataclasses
+import json
+import shutil
+
+import grpc
+import jsonschema
+import numpy as np
+import openai
+import pytest
+
+from kvserve.contract.chat import ChatMessage, ChatTemplate, ToolCall, load_chat_template
+from kvserve.contract.tokenizer import ByteTokenizer, HFTokenizer
+from kvserve.model.presets import preset
+from kvserve.service.limits import EngineLimits
+from kvserve.service.sampling import SamplingParams
+from kvserve.service.sequence import FinishReason, GenerationRequest
+from kvserve.service.structured import TokenMasks
+from kvserve.service.tool_calls import RULES, CallFormat, CallParser, ToolCalling, ToolChoice, ToolRequest
+from kvserve.service.validation import RequestValidator
+from kvserve.v1 import generation_pb2 as pb
+
+from ..conftest import TOOL_TEMPLATES
+from .conftest import collect, serving, stub_of
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "A city's forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "clock", "parameters": CLOCK}}]
+SCHEMAS = {"get_weather": WEATHER, "clock": CLOCK}
+QUESTION = [{"role": "system", "content": "Use tools."}, {"role": "user", "content": "Weather in Paris?"}]
+SPECIAL = {"hermes": {"eos_token": "<|im_end|>"}, "llama3_json": {"bos_token": "<s>", "eos_token": "</s>"},
+           "mistral": {"bos_token": "<s>", "eos_token": "</s>"}}
+
+
+def artifact_with_template(long_tiny_artifact, tmp_path_factory, style: str):
+    """The long-context tiny model (one token a byte) with a chat template of style's call format."""
+    directory = tmp_path_factory.mktemp("tools") / f"tiny-{style}"
+    shutil.copytree(long_tiny_artifact, directory)
+    (directory / "chat_template.jinja").write_text(TOOL_TEMPLATES[style])
+    (directory / "tokenizer_config.json").write_text(json.dumps(SPECIAL[style]))
+    return directory
+
+
+@pytest.fixture(scope="module", params=sorted(TOOL_TEMPLATES))
+def tool_server(request, long_tiny_artifact, tmp_path_factory):
+    directory = artifact_with_template(long_tiny_artifact, tmp_path_factory, request.param)
+    with serving(directory, http_port=0, max_batch_size=4) as running:
+        yield request.param, running, directory
+
+
+@pytest.fixture(scope="module")
+def limited_server(long_tiny_artifact, tmp_path_factory):
+    """The hermes-format model with low tool limits (the edge's checks are the same whatever the format)."""
+    with serving(artifact_with_template(long_tiny_artifact, tmp_path_factory, "hermes"), http_port=0, max_batch_size=2, max_tools=3,
+                 max_tools_bytes=2048) as running:
+        yield running
+
+
+def client_of(running) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{running.app.http_port}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def streamed_calls(chunks) -> tuple[str, list[dict], str]:
+    """(content, calls, finish reason) put together from a stream's deltas, as an OpenAI client does."""
+    content, calls, reason = "", {}, None
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = delta.id or call["id"]
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+        reason = choice.finish_reason or reason
+    return content, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": {"name": "get_weather"}}, "required"], ids=["named", "required"])
+def test_held_calls_parse_and_validate_streamed_and_not(tool_server, choice):
+    style, running, _ = tool_server
+    client = client_of(running)
+    # Sampled replies make one call (parallel calls off): with them on, a random model may call until max_tokens cuts it.
+    for sampling in [dict(temperature=0), dict(temperature=1.0, seed=3, parallel_tool_calls=False),
+                     dict(temperature=0.8, seed=11, parallel_tool_calls=False)]:
+        whole = client.chat.completions.create(model=running.app.http.model_name, messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                                               max_tokens=300, **sampling)
+        answer = whole.choices[0]
+        assert answer.finish_reason in ("tool_calls", "length" if "seed" not in sampling else None), answer
+        assert answer.message.tool_calls and not answer.message.content
+        for call in answer.message.tool_calls:
+            assert call.type == "function" and call.function.name in SCHEMAS
+            if isinstance(choice, dict):
+                assert call.function.name == "get_weather"
+            jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+            assert len(call.id) == (9 if style == "mistral" else 29)
+        content, calls, reason = streamed_calls(client.chat.completions.create(
+            model=running.app.http.model_name, messages=QUESTION, tools=TOOLS, tool_choice=choice, max_tokens=300, stream=True, **sampling))
+        assert reason == answer.finish_reason and not content
+        if reason == "length":  # the call it was writing streamed in part; the whole answer lists the calls made whole
+            calls = [c for c in calls if parses(c["arguments"])]
+        assert [(c["name"], c["arguments"]) for c in calls] == [(c.function.name, c.function.arguments) for c in answer.message.tool_calls]
+        assert all(c["id"] for c in calls)
+
+
+def test_one_call_when_parallel_calls_are_off(tool_server):
+    style, running, _ = tool_server
+    for seed in range(3):
+        answer = client_of(running).chat.completions.create(
+            model=running.app.http.model_name, messages=QUESTION, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+            max_tokens=300, temperature=1.0, seed=seed).choices[0]
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1
+
+
+def test_a_tool_result_goes_back_into_the_conversation(tool_server):
+    """The reply's calls and a tool turn answering one, sent back as an OpenAI client sends them, render through the
+    template exactly as the template renders them itself."""
+    style, running, directory = tool_server
+    client = client_of(running)
+    first = client.chat.completions.create(model=running.app.http.model_name, messages=QUESTION, tools=TOOLS,
+                                           tool_choice={"type": "function", "function": {"name": "clock"}}, max_tokens=200, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    history = QUESTION + [first.choices[0].message.model_dump(exclude_none=True),
+                          {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'}]
+    second = client.chat.completions.create(model=running.app.http.model_name, messages=history, tools=TOOLS, tool_choice="none",
+                                            max_tokens=5, temperature=0)
+    assert second.choices[0].message.tool_calls is None and second.choices[0].finish_reason == "length"
+    template = load_chat_template(directory)
+    rendered = template.render([ChatMessage(m["role"], m["content"]) for m in QUESTION] + [
+        ChatMessage("assistant", "", tuple(ToolCall(c.id, c.function.name, c.function.arguments) for c in first.choices[0].message.tool_calls)),
+        ChatMessage("tool", '{"time": "12:00"}', tool_call_id=call.id)], tools=TOOLS)
+    assert second.usage.prompt_tokens == len(rendered.encode()) and "12:00" in rendered
+
+
+def test_grpc_conversations_carry_tools_and_return_the_calls(tool_server):
+    style, running, _ = tool_server
+    conversation = pb.Conversation(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in QUESTION], tools=json.dumps(TOOLS),
+                                   tool_choice=pb.ToolChoice(function="clock"), parallel_tool_calls=False)
+    with stub_of(running) as stub:
+        responses = list(stub.Generate(pb.GenerateRequest(messages=conversation, max_new_tokens=200), timeout=60))
+        finish = responses[-1].finish
+        assert finish.reason == pb.FINISH_REASON_TOOL_CALLS and [c.name for c in finish.tool_calls] == ["clock"]
+        jsonschema.validate(json.loads(finish.tool_calls[0].arguments), CLOCK)
+        raw = "".join(r.token.tool_call_delta for r in responses)
+        assert finish.tool_calls[0].arguments in raw and not "".join(r.token.text_delta for r in responses)
+        with pytest.raises(grpc.RpcError) as error:
+            list(stub.Generate(pb.GenerateRequest(messages=pb.Conversation(messages=conversation.messages, tool_choice=pb.ToolChoice(
+                mode=pb.TOOL_CHOICE_MODE_REQUIRED)), max_new_tokens=2), timeout=60))
+        assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details() == "tool_choice: needs tools"
+
+
+def parses(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
+def tool(name, parameters=None, **extra):
+    function = {"name": name, **({"parameters": parameters} if parameters is not None else {})}
+    return {"type": "function", "function": function, **extra}
+
+
+BAD = [
+    (dict(tools={"a": 1}), "tools", "tools must be a list"),
+    (dict(tools=[]), "tools", "tools: must be a non-empty list"),
+    (dict(tools=[{"type": "retrieval"}]), "tools", 'tools[0]: must be {"type": "function"'),
+    (dict(tools=[tool("bad name")]), "tools", "tools[0].function.name: must be 1 to 64 letters"),
+    (dict(tools=[tool("a"), tool("a")]), "tools", "tools[1].function.name: 'a' is named twice"),
+    (dict(tools=[{"type": "function", "function": {"name": "a", "returns": {}}}]), "tools", "tools[0].function.returns: is not a field"),
+    (dict(tools=[tool("a", [])]), "tools", "tools[0].function.parameters: must be a JSON schema object"),
+    (dict(tools=[tool("a", {"type": "integer", "minimum": 2, "maximum": 1})], tool_choice="required"), "tools", "tools:"),
+    (dict(tools=[tool("a")] * 4), "tools", "tools: 4 tools; at most 3"),
+    (dict(tools=[tool("a", {"description": "x" * 3000})]), "tools", "bytes of JSON; at most 2048"),
+    (dict(tools=[tool("a")], tool_choice={"type": "function", "function": {"name": "b"}}), "tool_choice", "names the function 'b'"),
+    (dict(tool_choice="required"), "tool_choice", "tool_choice needs tools"),
+    (dict(tools=[tool("a")], tool_choice="sometimes"), "tool_choice", "tool_choice must be"),
+    (dict(tools=[tool("a")], parallel_tool_calls="yes"), "parallel_tool_calls", "parallel_tool_calls must be true or false"),
+    (dict(tools=[tool("a")], response_format={"type": "json_object"}), "tools", "cannot also follow response_format"),
+    (dict(functions=[{"name": "a"}]), "functions", "functions is not supported"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function",
+                                                                         "function": {"name": "a", "arguments": "{nope"}}]}]),
+     "messages", "messages[0].tool_calls[0].arguments: must be a JSON object"),
+    (dict(messages=[{"role": "assistant", "tool_calls": "x"}]), "messages[0].tool_calls", "messages[0].tool_calls must be a list"),
+]
+
+
+@pytest.mark.parametrize("body, param, message", BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)])
+def test_bad_tools_and_choices_are_refused_by_name(limited_server, body, param, message):
+    request = {"model": limited_server.app.http.model_name, "messages": QUESTION, "max_tokens": 2, **body}
+    with pytest.raises(openai.BadRequestError) as error:
+        client_of(limited_server).post("/chat/completions", body=request, cast_to=object)
+    assert error.value.body["param"] == param and message in error.value.body["message"], error.value.body
+
+
+def test_the_tool_limits_are_reported(limited_server):
+    with stub_of(limited_server) as stub:
+        limits = stub.GetModelInfo(pb.GetModelInfoRequest()).limits
+    assert (limits.max_tools, limits.max_tools_bytes) == (3, 2048)
+
+
+def test_tools_need_a_template_that_renders_them(tiny_artifact, server):
+    """A model without a template, or whose template reads no tools, refuses tools by name; completions take none."""
+    with serving(tiny_artifact, http_port=0, max_batch_size=1) as running:
+        client = client_of(running)
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=running.app.http.model_name, messages=QUESTION, tools=[tool("a")], max_tokens=2)
+        assert error.value.body["param"] == "tools" and "does not render tools" in error.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as error:
+            client.completions.create(model=running.app.http.model_name, prompt="x", max_tokens=2, extra_body={"tools": [tool("a")]})
+        assert error.value.body["param"] == "tools"
+
+
+# The auto choice, step by step: a reply forced token by token (one-hot logits) through the real validator and sequence.
+AUTO_REPLIES = {
+    "hermes": ('Let me look. <tool_call>\n{"name": "clock", "arguments": {"zone": "UTC"}}\n</tool_call>', "Let me look. "),
+    "llama3_json": ('  {"name": "clock", "parameters": {"zone": "UTC"}}', "  "),
+    "mistral": ('[TOOL_CALLS][{"name": "clock", "arguments": {"zone": "UTC"}}]', ""),
+}
+
+
+def validator_for(style: str, tokenizer=None, config=None) -> RequestValidator:
+    config = config or dataclasses.replace(preset("tiny"), n_ctx=2048)
+    return RequestValidator(config, tokenizer or ByteTokenizer(), EngineLimits(), ChatTemplate(TOOL_TEMPLATES[style], SPECIAL[style]))
+
+
+def force(seq, token: int, masks: TokenMasks):
+    """One step that takes token (greedy over one-hot logits), under the sequence's mask when it has one; the mask's
+    allowed ids come back too."""
+    allowed = masks.start([seq]).result()[seq] if seq.constraint is not None else None
+    logits = np.full(257, -10.0, dtype=np.float32)
+    logits[token] = 10.0
+    return seq.advance(logits, allowed=allowed), allowed
+
+
+@pytest.mark.parametrize("style", sorted(AUTO_REPLIES))
+def test_auto_leaves_text_free_until_a_call_opens_then_holds_the_rest(style):
+    reply, content = AUTO_REPLIES[style]
+    validator = validator_for(style)
+    request = GenerationRequest(prompt_messages=(ChatMessage("user", "Time?"),), tools=ToolRequest(json.dumps(TOOLS)),
+                                sampling=SamplingParams(temperature=0), max_new_tokens=200)
+    seq = validator.make_sequence(request)
+    masks = TokenMasks(257)
+    events, opened_at = [], None
+    try:
+        for position, byte in enumerate(reply.encode()):
+            event, allowed = force(seq, byte, masks)
+            events.append(event)
+            if seq.constraint is not None and opened_at is None:
+                opened_at = position
+            if allowed is not None and reply[position - 1:position + 1] == '"c':  # the name's first letter: a function's only
+                assert sorted(chr(t) for t in allowed) == ["c", "g"]
+        assert opened_at is not None and opened_at <= len(content) + len(RULES[CallFormat(style)].marker)
+        event, allowed = force(seq, 256, masks)  # end of sequence: the grammar allows it once the calls are whole
+        assert 256 in allowed
+        events.append(event)
+    finally:
+        masks.close()
+    finish = events[-1].finish
+    assert finish.reason is FinishReason.TOOL_CALLS and [(c.name, json.loads(c.arguments)) for c in finish.tool_calls] == [("clock", {"zone": "UTC"})]
+    assert "".join(e.text for e in events) == content
+    assert "".join(e.call_text for e in events) == reply[len(content):]
+
+
+def test_auto_text_without_a_call_is_all_content():
+    validator = validator_for("hermes")
+    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),), tools=ToolRequest(json.dumps(TOOLS)),
+                                                    sampling=SamplingParams(temperature=0), max_new_tokens=200))
+    masks = TokenMasks(257)
+    try:
+        events = [force(seq, byte, masks)[0] for byte in "a < b <tool".encode()] + [force(seq, 256, masks)[0]]
+    finally:
+        masks.close()
+    assert "".join(e.text for e in events) == "a < b <tool" and seq.constraint is None
+    assert events[-1].finish.reason is FinishReason.END_OF_SEQUENCE and not events[-1].finish.tool_calls
+
+
+CALL_TEXTS = {
+    "hermes": '<tool_call>\n{"name": "a\\"b", "arguments": {"x": "}{", "y": [1, {"z": "\\\\"}]}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "c", "arguments": {}}\n</tool_call>',
+    "llama3_json": '{"name": "a\\"b", "parameters": {"x": "}{", "y": [1, {"z": "\\\\"}]}}; {"name": "c", "parameters": {}}',
+    "mistral": '[TOOL_CALLS][{"name": "a\\"b", "arguments": {"x": "}{", "y": [1, {"z": "\\\\"}]}}, {"name": "c", "arguments": {}}]',
+}
+
+
+@pytest.mark.parametrize("style", sorted(CALL_TEXTS))
+def test_calls_stream_as_they_read_whole(style):
+    """Fed a character at a time or all at once, the parser reads the same calls, and the streamed argument pieces add up
+    to each call's arguments (braces and quotes inside strings included)."""
+    text = CALL_TEXTS[style]
+    whole = CallParser(RULES[CallFormat(style)].ids)
+    whole.push(text)
+    streamed = CallParser(RULES[CallFormat(style)].ids)
+    deltas = [d for ch in text for d in streamed.push(ch)]
+    want = [("a\"b", '{"x": "}{", "y": [1, {"z": "\\\\"}]}'), ("c", "{}")]
+    assert [(c.name, c.arguments) for c in whole.complete_calls()] == want == [(c.name, c.arguments) for c in streamed.complete_calls()]
+    for index, (name, arguments) in enumerate(want):
+        mine = [d for d in deltas if d.index == index]
+        assert mine[0].name == name and mine[0].id and "".join(d.arguments for d in mine) == arguments
+
+
+def test_a_special_marker_token_is_the_grammars_own(tmp_path):
+    """Where the marker is one special token (Mistral's [TOOL_CALLS], which decodes to no text), the grammar names the
+    token, and a reply that opens with it is held to the calls from there."""
+    from tokenizers import Tokenizer
+
+    from kvserve.model.vocabulary import write_preset_tokenizer
+
+    write_preset_tokenizer("gpt2", tmp_path)
+    base = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    base.add_special_tokens(["[TOOL_CALLS]"])
+    base.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
+    marker = tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)
+    config = dataclasses.replace(preset("gpt2"), vocab_size=base.get_vocab_size(), eos_token_ids=(50256,))
+    validator = validator_for("mistral", tokenizer, config)
+    assert validator.tool_calling.marker_id == marker[0] and f"<[{marker[0]}]>" in validator.tool_calling.grammar(
+        [validator.tool_calling.read(ToolRequest(json.dumps(TOOLS)))[1][1]], True)
+    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Time?"),), tools=ToolRequest(json.dumps(TOOLS)),
+                                                    sampling=SamplingParams(temperature=0), max_new_tokens=50))
+    logits = np.zeros(config.vocab_size, dtype=np.float32)
+    logits[marker[0]] = 1.0
+    event = seq.advance(logits)
+    assert seq.constraint is not None and event.text == "" and not seq.constraint.matcher.is_error()
+    for token in tokenizer.encode('[{"name": "clock", "arguments": {"zone": "CET"}}]', add_special_tokens=False):
+        seq.constraint.accept(token)
+    assert seq.constraint.finished
+
+
+def test_tool_choice_none_renders_the_tools_and_holds_nothing():
+    validator = validator_for("hermes")
+    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),),
+                                                    tools=ToolRequest(json.dumps(TOOLS), ToolChoice.NONE)))
+    assert seq.constraint is None and seq.tool_calls is None and b"get_weather" in bytes(seq.prompt_ids)
