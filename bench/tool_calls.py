@@ -4,8 +4,10 @@
 (bounded, enums, patterns), integers and numbers with ranges, booleans, bounded arrays, nested objects, optional
 fields. Each is offered as the one tool of a conversation and named by tool_choice, with parallel calls off, greedy
 and 2 sampled seeds, on each --artifacts model served by `kvserve serve` over gRPC (artifacts whose chat template renders no
-tools get the default model's, whose calls are hermes blocks). Every call is read back from FinishDetails.tool_calls,
-parsed and validated with jsonschema; its text streamed in Token.tool_call_delta must hold those arguments.
+tools get the default model's, whose calls are hermes blocks), at most --max-new-tokens new tokens. Every call is read back
+from FinishDetails.tool_calls, parsed and validated with jsonschema; its text streamed in Token.tool_call_delta must
+hold those arguments (a model whose context is at most twice that budget gets what its context leaves). A prompt the context cannot hold is refused (counted), and a generation the token budget cuts
+before its call closes has no call (counted: random weights write a number's fraction digits until cut).
 
     python bench/tool_calls.py [--artifacts artifacts/kjv-gpt2 artifacts/gpt2 artifacts/gpt2-int8] [--schemas 50]
 """
@@ -80,10 +82,11 @@ def with_template(artifact: str, scratch: Path) -> str:
     return str(copy)
 
 
-def run(artifact: str, parameter_schemas: list[dict], provider: str) -> dict:
-    counts = {"calls": 0, "parsed": 0, "valid": 0, "streamed": 0, "refused": 0}
+def run(artifact: str, parameter_schemas: list[dict], provider: str, max_new_tokens: int) -> dict:
+    counts = {"generations": 0, "calls": 0, "parsed": 0, "valid": 0, "streamed": 0, "refused": 0, "cut": 0}
     reasons: dict[str, int] = {}
     room = open_artifact(artifact).config.n_ctx
+    budget = 0 if room <= 2 * max_new_tokens else max_new_tokens  # 0: what the context leaves after the prompt
     with Server("tools", artifact, provider, sys.executable, []) as server, grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         for number, schema in enumerate(parameter_schemas):
@@ -94,15 +97,18 @@ def run(artifact: str, parameter_schemas: list[dict], provider: str) -> dict:
             for sampling in SAMPLINGS:
                 try:
                     responses = list(stub.Generate(pb.GenerateRequest(messages=conversation, sampling=sampling,
-                                                                      max_new_tokens=0), timeout=600))
+                                                                      max_new_tokens=budget), timeout=600))
                 except grpc.RpcError as error:  # the prompt does not fit the context: said, and counted apart
                     counts["refused"] += 1
+                    counts["generations"] += 1
                     print(f"<!-- {Path(artifact).name} {name}: refused: {error.details()[:120]} -->")
                     continue
                 finish = responses[-1].finish
                 reason = pb.FinishReason.Name(finish.reason).removeprefix("FINISH_REASON_").lower()
                 reasons[reason] = reasons.get(reason, 0) + 1
-                counts["calls"] += 1
+                counts["generations"] += 1
+                counts["calls"] += len(finish.tool_calls[:1])
+                counts["cut"] += not finish.tool_calls and reason == "length"
                 streamed = "".join(r.token.tool_call_delta for r in responses)
                 for call in finish.tool_calls[:1]:
                     try:
@@ -113,7 +119,7 @@ def run(artifact: str, parameter_schemas: list[dict], provider: str) -> dict:
                     except (ValueError, jsonschema.ValidationError) as exc:
                         print(f"<!-- {Path(artifact).name} {name}: {str(exc)[:160]!r} -->")
                     counts["streamed"] += call.arguments in streamed
-                if not finish.tool_calls:
+                if not finish.tool_calls and reason != "length":
                     print(f"<!-- {Path(artifact).name} {name}: no call ({reason}, {finish.generated_tokens} tokens of {room}): {streamed[-80:]!r} -->")
     return {**counts, "reasons": reasons}
 
@@ -124,19 +130,20 @@ def main() -> None:
     parser.add_argument("--schemas", type=int, default=50)
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--provider", default="cpu", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args()
     print(f"# Tool calls: a named function's calls against its schema\n\n{describe()}\n")
     parameter_schemas = schemas(args.schemas, args.seed)
     print(f"{len(parameter_schemas)} schemas (seed {args.seed}), {len(SAMPLINGS)} generations each (greedy, 2 sampled), one call a reply\n")
-    print("| model | generations | refused (prompt too long) | with a call | arguments parse | validate | streamed text holds them | finish reasons |")
-    print("|---|---:|---:|---:|---:|---:|---:|---|")
+    print("| model | generations | prompt too long | cut before the call closed | calls | arguments parse | validate | "
+          "streamed text holds them | finish reasons |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as scratch:
         for artifact in args.artifacts:
-            result = run(with_template(artifact, Path(scratch)), parameter_schemas, args.provider)
-            with_call = result["calls"] - result["reasons"].get("length", 0) - result["reasons"].get("end_of_sequence", 0)
+            result = run(with_template(artifact, Path(scratch)), parameter_schemas, args.provider, args.max_new_tokens)
             reasons = ", ".join(f"{k} {v}" for k, v in sorted(result["reasons"].items()))
-            print(f"| {Path(artifact).name} | {result['calls'] + result['refused']} | {result['refused']} | {with_call} | {result['parsed']} | "
-                  f"{result['valid']} | {result['streamed']} | {reasons} |")
+            print(f"| {Path(artifact).name} | {result['generations']} | {result['refused']} | {result['cut']} | {result['calls']} | "
+                  f"{result['parsed']} | {result['valid']} | {result['streamed']} | {reasons} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -186,6 +186,7 @@ class App:
         self.tokenizing = TokenizeProcess(self.artifact.tokenizer_path)
         engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps,
                         chat_template=loaded.chat_template, encoder=self.tokenizing.encode_within)
+        self.metrics.set_rows(options.limits.max_batch_size)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -76,6 +76,7 @@ class HttpApi:
         self.model_name = Path(options.artifact).resolve().name
         self.asgi = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.prometheus_metrics, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -153,6 +154,11 @@ class HttpApi:
         except Unavailable as exc:
             return JSONResponse({"status": "not serving", "reason": str(exc)}, status_code=503)
         return JSONResponse({"status": "serving"})
+
+    async def prometheus_metrics(self, request: Request) -> Response:
+        """The server's metrics on the API port too: where the inference gateway's endpoint picker scrapes them (its
+        InferencePool's target port; docs/deployment.md). Unauthenticated, as /health and the metrics port are."""
+        return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
 
     async def models(self, request: Request) -> Response:
         try:

@@ -1,8 +1,13 @@
-"""Prometheus metrics. One registry per server, so several servers can share a process (the tests do)."""
+"""Prometheus metrics. One registry per server, so several servers can share a process (the tests do).
+
+Three gauges are the Kubernetes inference gateway's model-server protocol (gateway-api-inference-extension, proposal
+003): its endpoint picker scrapes them from every replica, every 50 ms by default, to route each request. They carry
+the names the protocol recommends (vLLM's), which are the picker's defaults, so it needs no flags to read them.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
 
 # Latency buckets in seconds: decode steps take ~1 ms on a GPU and tens of ms on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -36,6 +41,24 @@ class Metrics:
         self.execution_provider = Gauge(
             "kvserve_execution_provider", "1 for the ONNX Runtime execution provider in use", ["provider"], registry=self.registry
         )
+        # The inference gateway's gauges (the module's docstring).
+        self.requests_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a batch row (inference gateway protocol)",
+                                      registry=self.registry)
+        self.requests_running = Gauge("vllm:num_requests_running", "Requests holding a batch row (inference gateway protocol)",
+                                      registry=self.registry)
+        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the batch's K/V rows holding a running sequence, 0 to 1 "
+                                    "(inference gateway protocol)", registry=self.registry)
+        self._rows = 1
+
+    content_type = CONTENT_TYPE_LATEST
+
+    def exposition(self) -> bytes:
+        """The registry in Prometheus' text format (what /metrics answers)."""
+        return generate_latest(self.registry)
+
+    def set_rows(self, rows: int) -> None:
+        """The batch's rows: what a full K/V cache holds (a row is a whole context of K/V for one sequence)."""
+        self._rows = max(1, rows)
 
     def serve_http(self, host: str, port: int) -> int:
         """Start the /metrics endpoint; returns the port it listens on."""
@@ -69,6 +92,9 @@ class Metrics:
             self.batch_size.observe(stepped)
         self.queue_depth.set(queued)
         self.kv_slots_in_use.set(running)
+        self.requests_waiting.set(queued)
+        self.requests_running.set(running)
+        self.kv_cache_usage.set(min(1.0, running / self._rows))
         self.kv_cache_bytes.set(kv_bytes)
         self.cached_rows.set(cached_rows)
 
