@@ -89,7 +89,16 @@ def _serve(args) -> int:
 
     from kvserve.service.app import serve
     from kvserve.service.limits import EngineLimits, declarations, out_of_bounds
-    from kvserve.service.options import ServerOptions
+    from kvserve.service.options import TRACE_PROTOCOLS, ServerOptions, TraceExport
+
+    def _trace_export(endpoint: str | None, protocol: str):
+        if not endpoint:
+            return None
+        if protocol not in TRACE_PROTOCOLS:  # a KVSERVE_* value is not checked by argparse's choices
+            raise UserError(f"--otlp-traces-protocol must be one of {', '.join(TRACE_PROTOCOLS)}, got {protocol!r}")
+        if not endpoint.startswith(("http://", "https://")):
+            raise UserError(f"--otlp-traces-endpoint must be an http:// or https:// URL, got {endpoint!r}")
+        return TraceExport(endpoint, protocol)
 
     limits = EngineLimits(**{d.name: getattr(args, d.name) for d in declarations()})
     problem = out_of_bounds(limits)  # a KVSERVE_* value is not checked by argparse, which checks the flags
@@ -100,6 +109,7 @@ def _serve(args) -> int:
         allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         health_port=args.health_port, max_context=args.max_context, cuda_graph=args.cuda_graph, http_port=args.http_port,
+        traces=_trace_export(args.otlp_traces_endpoint, args.otlp_traces_protocol),
     )
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port, "--http-port": options.http_port}
     if not all(p is None or 0 <= p < 65536 for p in ports.values()):
@@ -232,6 +242,7 @@ PRESET_NAMES = ("tiny", "gpt2", "tiny-llama", "llama-135m", "qwen3-0.6b", "qwen2
 
 def build_parser() -> argparse.ArgumentParser:
     from kvserve.service.limits import declarations  # plain Python: no runtime loaded
+    from kvserve.service.options import TRACE_PROTOCOLS
 
     parser = _Parser(prog="kvserve", description=DESCRIPTION, epilog="kvserve COMMAND --help says more of each command.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -321,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "HOST:PORT, with the same tokens, TLS and limits [KVSERVE_HTTP_PORT] (default off)")
     serve.add_argument("--no-reflection", action="store_true", default=FromEnv("NO_REFLECTION", False, bool),
                        help="do not serve gRPC reflection [KVSERVE_NO_REFLECTION]")
+    serve.add_argument("--otlp-traces-endpoint", default=FromEnv("OTLP_TRACES_ENDPOINT", None), metavar="URL",
+                       help="export a trace per request (queue, prefill, decode) to this OpenTelemetry collector: "
+                       "http://HOST:4318/v1/traces, or with --otlp-traces-protocol grpc http://HOST:4317 [KVSERVE_OTLP_TRACES_ENDPOINT] "
+                       "(default off)")
+    serve.add_argument("--otlp-traces-protocol", choices=TRACE_PROTOCOLS, default=FromEnv("OTLP_TRACES_PROTOCOL", "http/protobuf"),
+                       help="OTLP's transport for --otlp-traces-endpoint [KVSERVE_OTLP_TRACES_PROTOCOL] (default http/protobuf)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -67,6 +68,7 @@ class App:
         self.health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         self.metrics = Metrics()
+        self.tracer = None  # tracing.RequestTracer with --otlp-traces-endpoint
         self.metrics_port: int | None = None
         self.tokens: TokenFile | None = None
         self.http: HttpApi | None = None  # the OpenAI-compatible API, when options.http_port is set
@@ -184,8 +186,13 @@ class App:
         loaded = await load_model(options, self.artifact, self._noted_provider)
         self.runtime, self.gate, self.steps = loaded.runtime, loaded.gate, loaded.steps
         self.tokenizing = TokenizeProcess(self.artifact.tokenizer_path)
+        if options.traces is not None:
+            from .tracing import RequestTracer  # OpenTelemetry's SDK is imported only when traces are on
+
+            self.tracer = RequestTracer(options.traces)
         engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps,
-                        chat_template=loaded.chat_template, encoder=self.tokenizing.encode_within)
+                        chat_template=loaded.chat_template, encoder=self.tokenizing.encode_within, tracer=self.tracer,
+                        model_name=Path(options.artifact).resolve().name)
         self.metrics.set_rows(options.limits.max_batch_size)
         engine.start()
         self.engine = engine
@@ -225,6 +232,8 @@ class App:
             self.tokenizing.close()
         if self.steps is not None:
             self.steps.shutdown(wait=False)  # a load cancelled by a signal may still be running a gate or warm-up step
+        if self.tracer is not None:
+            await asyncio.to_thread(self.tracer.close)  # the spans still buffered are exported first
         self.metrics.close()
         log.info("stopped")
 

@@ -34,9 +34,10 @@ class Engine:
 
     def __init__(
         self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None, batch=None,
-        step_thread=None, chat_template: ChatTemplate | None = None, encoder: Encoder | None = None,
+        step_thread=None, chat_template: ChatTemplate | None = None, encoder: Encoder | None = None, tracer=None, model_name: str = "",
     ):
-        """encoder: where long prompts are tokenized (validation.Encoder; the server's tokenizing process)."""
+        """encoder: where long prompts are tokenized (validation.Encoder; the server's tokenizing process); tracer: a
+        tracing.RequestTracer, or None (traces off: nothing is done for them)."""
         problem = out_of_bounds(limits)
         if problem is not None:
             raise ValueError(problem)
@@ -48,6 +49,7 @@ class Engine:
         self._accepting = True
         self._task: asyncio.Task | None = None
         self.metrics = metrics  # service.metrics.Metrics or None
+        self.tracer, self.model_name = tracer, model_name
 
     # lifecycle
 
@@ -100,22 +102,30 @@ class Engine:
             )
         seq.events = asyncio.Queue()
         self.scheduler.submit(seq)
+        finish, failure = None, None
         try:
             while True:
                 event = await seq.events.get()
                 if isinstance(event, EngineError):  # ended by the server (see stop_streams): its own status
+                    failure = event
                     raise event
                 if isinstance(event, FormatError):  # the request's format failed during generation
-                    raise InvalidArgument(event.field, event.message)
+                    failure = InvalidArgument(event.field, event.message)
+                    raise failure
                 if isinstance(event, BaseException):
-                    raise SequenceFailed(f"generation failed: {type(event).__name__}: {event}") from event
+                    failure = SequenceFailed(f"generation failed: {type(event).__name__}: {event}")
+                    raise failure from event
                 yield event
                 if event.finish is not None:
+                    finish = event.finish
                     return
         finally:
             if not seq.finished:
                 seq.cancelled = True
                 self.scheduler.withdraw(seq)
+            if self.tracer is not None:
+                self.tracer.record(seq, finish, self.tracer.caller_context(request.traceparent, request.tracestate), self.model_name,
+                                   failure)
 
     async def generate_n(self, request: GenerationRequest, n: int):
         """n completions of request, each its own sequence (seeds seed, seed + 1, ...): yields (index, StepEvent) as the
@@ -124,6 +134,11 @@ class Engine:
         later ends the stream with its error. Closing the stream cancels every sequence still running."""
         if not 1 <= n <= self.limits.max_n:
             raise InvalidArgument("n", f"must be in [1, {self.limits.max_n}], got {n}")
+        request_span = None
+        if self.tracer is not None and n > 1:  # one trace: the n sequences' spans under one of the request's
+            request_span, (parent, state) = self.tracer.start_request(
+                self.tracer.caller_context(request.traceparent, request.tracestate), n, self.model_name)
+            request = dataclasses.replace(request, traceparent=parent, tracestate=state)
         streams = [self.generate(dataclasses.replace(request, sampling=nth_seed(request.sampling, i))) for i in range(n)]
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -158,6 +173,8 @@ class Engine:
             await asyncio.gather(*firsts, *pumps, return_exceptions=True)  # each out of its stream before it closes
             for stream in streams:
                 await stream.aclose()
+            if request_span is not None:
+                request_span.end()
 
     def live(self) -> LiveCounts:
         rows = list(self.batch.kv.rows)

@@ -48,12 +48,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.serving.ready_engine()
+        domain = _to_domain(request, context.invocation_metadata())
         if request.n <= 1:
-            async with contextlib.aclosing(engine.generate(_to_domain(request))) as events:
+            async with contextlib.aclosing(engine.generate(domain)) as events:
                 async for event in events:
                     yield _to_proto(event, engine.tokenizer)
             return
-        async with contextlib.aclosing(engine.generate_n(_to_domain(request), request.n)) as events:
+        async with contextlib.aclosing(engine.generate_n(domain, request.n)) as events:
             async for index, event in events:
                 response = _to_proto(event, engine.tokenizer)
                 response.index = index
@@ -94,10 +95,14 @@ def _model_info_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
     )
 
 
-def _to_domain(request: pb.GenerateRequest) -> GenerationRequest:
+def _to_domain(request: pb.GenerateRequest, metadata=()) -> GenerationRequest:
+    """The engine's request; metadata: the call's, whose W3C trace context (traceparent, tracestate) it carries."""
     sampling = request.sampling
     prompt = request.WhichOneof("prompt")
+    trace = {key: value for key, value in metadata or () if key in ("traceparent", "tracestate") and isinstance(value, str)}
     return GenerationRequest(
+        traceparent=trace.get("traceparent"),
+        tracestate=trace.get("tracestate"),
         prompt_text=request.text if prompt == "text" else None,
         prompt_ids=tuple(request.token_ids.ids) if prompt == "token_ids" else None,
         prompt_messages=tuple(_message(m) for m in request.messages.messages) if prompt == "messages" else None,

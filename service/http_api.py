@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import socket
@@ -207,6 +208,9 @@ class HttpApi:
                 parsed = parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
             else:
                 parsed = await self.ready_inputs().parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
+            if "traceparent" in request.headers:  # the caller's W3C trace context, for --otlp-traces-endpoint
+                parsed = dataclasses.replace(parsed, request=dataclasses.replace(
+                    parsed.request, traceparent=request.headers["traceparent"], tracestate=request.headers.get("tracestate")))
             events = engine.generate_n(parsed.request, parsed.n)
             # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
             first = await _unless_disconnected(request, anext(events))

@@ -8,6 +8,18 @@ from dataclasses import dataclass
 
 from .limits import EngineLimits
 
+TRACE_PROTOCOLS = ("http/protobuf", "grpc")  # OTLP's transports, as OTEL_EXPORTER_OTLP_PROTOCOL names them
+
+
+@dataclass(frozen=True)
+class TraceExport:
+    """Where request traces go (tracing.py): an OTLP collector (http/protobuf: its URL, .../v1/traces; grpc: its
+    host:port, with http:// for plaintext)."""
+
+    endpoint: str
+    protocol: str = "http/protobuf"
+    service_name: str = "kvserve"
+
 
 @dataclass(frozen=True)
 class ServerOptions:
@@ -35,3 +47,4 @@ class ServerOptions:
     cuda_graph: bool = False
     # The OpenAI-compatible HTTP API (http_api.py) on host:http_port, beside gRPC; None: off, 0: any free port.
     http_port: int | None = None
+    traces: TraceExport | None = None  # a span per request over OTLP; None: off

@@ -163,6 +163,7 @@ class Scheduler:
         joining = []
         if not prefilling and self.waiting and kv.free_rows() > 0:
             joining = [self.waiting.popleft()]
+            joining[0].admitted_ns = time.monotonic_ns()
             prefilling = joining
         if not prefilling:
             return StepPlan(decode=decode)

@@ -34,6 +34,8 @@ class GenerationRequest:
     top_logprobs: int = 0  # with return_logprobs: this many likeliest alternatives each token
     ignore_eos: bool = False
     response_format: ResponseFormat | None = None  # the output's structure (structured.py); None: free text
+    traceparent: str | None = None  # the caller's W3C trace context (HTTP headers, gRPC metadata), read when tracing is on
+    tracestate: str | None = None
 
 
 class FinishReason(enum.Enum):
@@ -86,6 +88,7 @@ class Sequence:
     cached_tokens: int = 0  # tokens whose K/V are in the batch cache
     reused_prompt_tokens: int = 0  # of those, the prompt tokens found in the cache when it joined (prompt_cache.py)
     slot: int | None = None  # slots layout: the cache row this sequence holds
+    admitted_ns: int = 0  # when it got a batch row (its wait in the queue ended)
     first_token_ns: int = 0
     cancelled: bool = False  # set from the event loop when the client goes away
     finished: bool = False
