@@ -2,8 +2,10 @@
 --refresh-metrics-interval) while 16 streams decode, against the same load unscraped, alternating.
 
 Per round and mode: 16 gRPC streams (prompt 32, --new-tokens new, greedy, ignore_eos) started together; aggregate
-tokens/s; in the scraped mode, each scrape's latency (a fresh connection per scrape, as a cold scraper's; p50, p99,
-max) and whether the three gauges the picker reads were present in every answer.
+tokens/s; in the scraped mode, each scrape's latency (p50, p99, max) over one kept-alive connection, as the picker's
+Go HTTP client scrapes (--fresh-connections: a new one each time), and whether the three gauges the picker reads were
+present in every answer. The scraper is a process of its own, as the picker is: in this one its thread would wait for
+the GIL behind the 16 streams' client and count that wait as the server's.
 
     python bench/metrics_scrape.py [--artifact artifacts/gpt2-int8] [--rounds 3] [--new-tokens 128]
 """
@@ -12,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import http.client
+import json
+import signal
 import statistics
+import subprocess
 import sys
-import threading
+import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -32,19 +37,37 @@ STREAMS, INTERVAL_S = 16, 0.05
 GAUGES = (b"vllm:num_requests_waiting", b"vllm:num_requests_running", b"vllm:kv_cache_usage_perc")
 
 
-class Scraper(threading.Thread):
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url, self.latencies, self.complete, self.stop = url, [], 0, threading.Event()
+def scrape_until_interrupted(port: int, fresh: bool) -> None:
+    """The scraper process: GET /metrics every INTERVAL_S until SIGINT, then print its latencies and counts as JSON."""
+    stopped = []
+    signal.signal(signal.SIGINT, lambda *_: stopped.append(True))
+    latencies, complete, connection = [], 0, None
+    while not stopped:
+        started = time.perf_counter()
+        if connection is None or fresh:
+            connection = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        connection.request("GET", "/metrics")
+        body = connection.getresponse().read()
+        if fresh:
+            connection.close()
+        latencies.append(time.perf_counter() - started)
+        complete += all(gauge in body for gauge in GAUGES)
+        time.sleep(max(0.0, INTERVAL_S - (time.perf_counter() - started)))
+    print(json.dumps({"latencies": latencies, "complete": complete}))
 
-    def run(self):
-        while not self.stop.is_set():
-            started = time.perf_counter()
-            with urllib.request.urlopen(self.url, timeout=5) as response:
-                body = response.read()
-            self.latencies.append(time.perf_counter() - started)
-            self.complete += all(gauge in body for gauge in GAUGES)
-            self.stop.wait(max(0.0, INTERVAL_S - (time.perf_counter() - started)))
+
+class Scraper:
+    def __init__(self, port: int, fresh: bool):
+        self.port, self.fresh = port, fresh
+
+    def start(self):
+        self.process = subprocess.Popen([sys.executable, __file__, "--scrape", str(self.port), *(["--fresh-connections"] if self.fresh else [])],
+                                        stdout=subprocess.PIPE, text=True)
+
+    def finish(self):
+        self.process.send_signal(signal.SIGINT)
+        result = json.loads(self.process.communicate(timeout=30)[0])
+        self.latencies, self.complete = result["latencies"], result["complete"]
 
 
 async def load(target: str, vocab: int, new_tokens: int, seed: int) -> float:
@@ -62,32 +85,52 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--provider", default="cpu", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--fresh-connections", action="store_true", help="a new connection a scrape (default: one kept alive)")
+    parser.add_argument("--port", choices=("api", "metrics", "stand-in"), default="api",
+                        help="scrape the HTTP API's /metrics (the pool's target port: the picker's default), --metrics-port's, or a "
+                        "stand-in: a static file server answering the same bytes, which is what the scraper costs this machine alone")
+    parser.add_argument("--scrape", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the scraper process's own entry
     args = parser.parse_args()
+    if args.scrape:
+        return scrape_until_interrupted(args.scrape, args.fresh_connections)
     vocab = open_artifact(args.artifact).config.vocab_size
-    http_port = free_port()
+    http_port, metrics_port = free_port(), free_port()
     print(f"# /metrics scraped every {INTERVAL_S * 1e3:.0f} ms under {STREAMS} decoding streams\n\n{describe()}\n")
-    print(f"{Path(args.artifact).name}, {args.new_tokens} new tokens a stream, {args.rounds} rounds alternating\n")
+    connections = "a new connection a scrape" if args.fresh_connections else "one connection kept alive"
+    print(f"{Path(args.artifact).name}, {args.new_tokens} new tokens a stream, {args.rounds} rounds alternating, {connections}, "
+          f"scraping {({'api': 'the HTTP API port', 'metrics': 'the metrics port', 'stand-in': 'a stand-in static server'})[args.port]}\n")
     print("| round | mode | tokens/s | scrapes | scrape p50 ms | p99 ms | max ms | with the 3 gauges |\n|---:|---|---:|---:|---:|---:|---:|---:|")
     rates = {"unscraped": [], "scraped": []}
     every_latency = []
-    with Server("metrics", args.artifact, args.provider, sys.executable, ["--http-port", str(http_port)]) as server:
+    scraped_port = {"api": http_port, "metrics": metrics_port, "stand-in": free_port()}[args.port]
+    stand_in = None
+    if args.port == "stand-in":
+        directory = tempfile.mkdtemp()
+        Path(directory, "metrics").write_bytes(b"".join(b"# TYPE %s gauge\n%s 0.0\n" % (g, g) for g in GAUGES))
+        stand_in = subprocess.Popen([sys.executable, "-m", "http.server", str(scraped_port), "--bind", "127.0.0.1", "--directory", directory],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1)
+    with Server("metrics", args.artifact, args.provider, sys.executable,
+                ["--http-port", str(http_port), "--metrics-port", str(metrics_port)]) as server:
         for round_number in range(args.rounds):
             for mode in ("unscraped", "scraped") if round_number % 2 == 0 else ("scraped", "unscraped"):
-                scraper = Scraper(f"http://127.0.0.1:{http_port}/metrics") if mode == "scraped" else None
+                scraper = Scraper(scraped_port, args.fresh_connections) if mode == "scraped" else None
                 if scraper:
                     scraper.start()
-                rate = asyncio.run(load(server.target, vocab, args.new_tokens, 100 * round_number))
+                # prompts of their own: the prompt cache would speed up a run whose prompts an earlier one sent
+                rate = asyncio.run(load(server.target, vocab, args.new_tokens, 1000 * round_number + (500 if mode == "scraped" else 0)))
                 rates[mode].append(rate)
                 if scraper is None:
                     print(f"| {round_number + 1} | {mode} | {rate:.1f} | | | | | |")
                     continue
-                scraper.stop.set()
-                scraper.join()
+                scraper.finish()
                 ms = sorted(x * 1e3 for x in scraper.latencies)
                 every_latency += ms
                 p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
                 print(f"| {round_number + 1} | {mode} | {rate:.1f} | {len(ms)} | {statistics.median(ms):.2f} | {p99:.2f} | {ms[-1]:.2f} | "
                       f"{scraper.complete}/{len(ms)} |")
+    if stand_in is not None:
+        stand_in.terminate()
     every_latency.sort()
     p99 = every_latency[min(len(every_latency) - 1, int(0.99 * len(every_latency)))]
     ratio = statistics.mean(rates["scraped"]) / statistics.mean(rates["unscraped"])

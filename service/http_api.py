@@ -157,9 +157,10 @@ class HttpApi:
         return JSONResponse({"status": "serving"})
 
     async def prometheus_metrics(self, request: Request) -> Response:
-        """The server's metrics on the API port too: where the inference gateway's endpoint picker scrapes them (its
-        InferencePool's target port; docs/deployment.md). Unauthenticated, as /health and the metrics port are."""
-        return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
+        """The inference gateway's gauges on the API port: where its endpoint picker scrapes them (its InferencePool's
+        target port; docs/deployment.md). The whole set is on --metrics-port. Unauthenticated, as /health and the
+        metrics port are."""
+        return Response(self.metrics.gateway_exposition(), media_type=self.metrics.content_type)
 
     async def models(self, request: Request) -> Response:
         try:
