@@ -39,6 +39,7 @@ class Mutation:
 
 
 SO = "tests/service/test_structured.py"
+TOOLS = "tests/service/test_tool_calls.py"
 LLAMA_REF, LLAMA_EXPORT = "tests/model/test_llama.py", "tests/export/test_llama_export.py"
 GEMMA2, GEMMA3 = "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"
 QWEN3, PHI3 = "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied"
@@ -395,6 +396,42 @@ MUTATIONS = (
         "service/openai_protocol.py",
         (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)', "chat_template_kwargs=None, **common)"),),
         ("tests/service/test_chat.py::test_chat_template_kwargs_reach_the_template_over_grpc_and_http",),
+    ),
+    Mutation(
+        "tool calls: a function's parameter schema left out of the calls grammar",
+        "service/tool_calls.py",
+        (('{"name": {"const": f.name}, self.rules.arguments_key: f.parameters}', '{"name": {"const": f.name}, self.rules.arguments_key: {"type": "object"}}'),),
+        (f"{TOOLS}::test_held_calls_parse_and_validate_streamed_and_not[hermes-required]",),
+    ),
+    Mutation(
+        "tool calls: auto never holds a call it opened",
+        "service/tool_calls.py",
+        (("            sequence.constraint = constraint\n", ""),),
+        (f"{TOOLS}::test_auto_leaves_text_free_until_a_call_opens_then_holds_the_rest[hermes]",),
+    ),
+    Mutation(
+        "tool calls: an escaped quote in the arguments ends their string",
+        "service/tool_calls.py",
+        (("                elif ch == \"\\\\\":\n                    self._escaped = True\n", ""),),
+        (f"{TOOLS}::test_calls_stream_as_they_read_whole[hermes]",),
+    ),
+    Mutation(
+        "tool calls: the tools never reach the template",
+        "service/validation.py",
+        (("text = self.chat_template.render(messages, variables=variables, tools=tools)", "text = self.chat_template.render(messages, variables=variables)"),),
+        (f"{TOOLS}::test_tool_choice_none_renders_the_tools_and_holds_nothing",),
+    ),
+    Mutation(
+        "the gateway's K/V use reported as a percent",
+        "service/metrics.py",
+        (("self.kv_cache_usage.set(min(1.0, running / self._rows))", "self.kv_cache_usage.set(100.0 * running / self._rows)"),),
+        ("tests/service/test_gateway_contract.py::test_the_picker_reads_waiting_running_and_kv_use_on_the_api_port",),
+    ),
+    Mutation(
+        "traces: a caller's traceparent ignored",
+        "service/tracing.py",
+        (("        if not traceparent:\n            return None", "        return None"),),
+        ("tests/service/test_tracing.py::test_a_trace_per_request_with_the_callers_context[http/protobuf]",),
     ),
 )
 

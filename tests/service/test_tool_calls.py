@@ -110,6 +110,21 @@ def test_held_calls_parse_and_validate_streamed_and_not(tool_server, choice):
         assert all(c["id"] for c in calls)
 
 
+@pytest.mark.parametrize("choice", ["auto", "none"])
+def test_auto_and_none_stream_what_they_answer_whole(tool_server, choice):
+    """The model's own choice (auto) and text only (none): the streamed content and calls add up to the whole answer's."""
+    style, running, _ = tool_server
+    client = client_of(running)
+    request = dict(model=running.app.http.model_name, messages=QUESTION, tools=TOOLS, tool_choice=choice, max_tokens=60, temperature=0)
+    whole = client.chat.completions.create(**request).choices[0]
+    content, calls, reason = streamed_calls(client.chat.completions.create(stream=True, **request))
+    assert reason == whole.finish_reason and content == (whole.message.content or "")
+    assert [(c["name"], c["arguments"]) for c in calls if parses(c["arguments"])] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
+    if choice == "none":
+        assert whole.message.tool_calls is None and reason in ("stop", "length")
+
+
 def test_one_call_when_parallel_calls_are_off(tool_server):
     style, running, _ = tool_server
     for seed in range(3):
@@ -282,11 +297,11 @@ def test_auto_text_without_a_call_is_all_content():
     assert events[-1].finish.reason is FinishReason.END_OF_SEQUENCE and not events[-1].finish.tool_calls
 
 
+ARGUMENTS = json.dumps({"x": '}"{', "y": [1, {"z": "\\"}]})  # braces, an escaped quote and an escaped backslash in strings
 CALL_TEXTS = {
-    "hermes": '<tool_call>\n{"name": "a\\"b", "arguments": {"x": "}{", "y": [1, {"z": "\\\\"}]}}\n</tool_call>\n'
-              '<tool_call>\n{"name": "c", "arguments": {}}\n</tool_call>',
-    "llama3_json": '{"name": "a\\"b", "parameters": {"x": "}{", "y": [1, {"z": "\\\\"}]}}; {"name": "c", "parameters": {}}',
-    "mistral": '[TOOL_CALLS][{"name": "a\\"b", "arguments": {"x": "}{", "y": [1, {"z": "\\\\"}]}}, {"name": "c", "arguments": {}}]',
+    "hermes": f'<tool_call>\n{{"name": "a\\"b", "arguments": {ARGUMENTS}}}\n</tool_call>\n<tool_call>\n{{"name": "c", "arguments": {{}}}}\n</tool_call>',
+    "llama3_json": f'{{"name": "a\\"b", "parameters": {ARGUMENTS}}}; {{"name": "c", "parameters": {{}}}}',
+    "mistral": f'[TOOL_CALLS][{{"name": "a\\"b", "arguments": {ARGUMENTS}}}, {{"name": "c", "arguments": {{}}}}]',
 }
 
 
@@ -299,7 +314,7 @@ def test_calls_stream_as_they_read_whole(style):
     whole.push(text)
     streamed = CallParser(RULES[CallFormat(style)].ids)
     deltas = [d for ch in text for d in streamed.push(ch)]
-    want = [("a\"b", '{"x": "}{", "y": [1, {"z": "\\\\"}]}'), ("c", "{}")]
+    want = [("a\"b", ARGUMENTS), ("c", "{}")]
     assert [(c.name, c.arguments) for c in whole.complete_calls()] == want == [(c.name, c.arguments) for c in streamed.complete_calls()]
     for index, (name, arguments) in enumerate(want):
         mine = [d for d in deltas if d.index == index]
