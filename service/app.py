@@ -104,6 +104,7 @@ class App:
             provider_note="; ".join(note for note in (runtime.fallback_reason, runtime.cuda_graph_note) if note),
             limits=engine.limits, live=engine.live(), gate=self.gate, tokenizer=engine.tokenizer.name,
             chat=engine.chat_template is not None,
+            tool_call_format=engine.validator.tool_calling.format.value if engine.validator.tool_calling.format else "",
         )
 
     async def start(self) -> int:

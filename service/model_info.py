@@ -42,3 +42,4 @@ class ModelInfo:
     gate: GateResult
     tokenizer: str
     chat: bool  # the model has a chat template
+    tool_call_format: str = ""  # the format its template teaches for tool calls (tool_calls.CallFormat); "": tools refused

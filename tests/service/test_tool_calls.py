@@ -217,13 +217,14 @@ def test_bad_tools_and_choices_are_refused_by_name(limited_server, body, param, 
 
 def test_the_tool_limits_are_reported(limited_server):
     with stub_of(limited_server) as stub:
-        limits = stub.GetModelInfo(pb.GetModelInfoRequest()).limits
-    assert (limits.max_tools, limits.max_tools_bytes) == (3, 2048)
+        info = stub.GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.limits.max_tools, info.limits.max_tools_bytes, info.tool_call_format) == (3, 2048, "hermes")
 
 
-def test_tools_need_a_template_that_renders_them(tiny_artifact, server):
+def test_tools_need_a_template_that_renders_them(tiny_artifact):
     """A model without a template, or whose template reads no tools, refuses tools by name; completions take none."""
-    with serving(tiny_artifact, http_port=0, max_batch_size=1) as running:
+    with serving(tiny_artifact, http_port=0, max_batch_size=1) as running, stub_of(running) as stub:
+        assert stub.GetModelInfo(pb.GetModelInfoRequest()).tool_call_format == ""
         client = client_of(running)
         with pytest.raises(openai.BadRequestError) as error:
             client.chat.completions.create(model=running.app.http.model_name, messages=QUESTION, tools=[tool("a")], max_tokens=2)
