@@ -16,6 +16,8 @@ class Tokenizer(Protocol):
 
     def pieces(self, ids: list[int]) -> list[str]: ...
 
+    def added_tokens(self) -> dict[str, int]: ...
+
 
 _BYTE_PIECES = [bytes([i]).decode("utf-8", errors="replace") for i in range(256)]
 
@@ -34,6 +36,9 @@ class ByteTokenizer:
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's own text, as decode([id]) gives it (a byte of a multi-byte character alone is U+FFFD)."""
         return [_BYTE_PIECES[i] if i < 256 else "" for i in ids]
+
+    def added_tokens(self) -> dict[str, int]:
+        return {}
 
 
 class HFTokenizer:
@@ -58,6 +63,10 @@ class HFTokenizer:
     def to_json(self) -> str:
         """The tokenizer.json text (structured output builds its grammar tokenizer from it)."""
         return self._tokenizer.to_str()
+
+    def added_tokens(self) -> dict[str, int]:
+        """The tokens added to the vocabulary whole (special or not: Qwen's <tool_call> is not), by their text."""
+        return {token.content: id_ for id_, token in self._tokenizer.get_added_tokens_decoder().items()}
 
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's own text, in one call into the tokenizers library (which releases the GIL for a batch): a

@@ -219,9 +219,10 @@ class ToolCallSplit:
         """(content, call text): the calls open at a marker token, a marker in the text, or (llama3_json) a reply starting
         with "{"; a tail that may begin a marker is held back."""
         marker = self.rules.marker
-        if self.marker_id is not None and token == self.marker_id:
+        if self.marker_id is not None and token == self.marker_id:  # its text, if it decodes to any, ends pending
             self._held = ""
-            return self._open(sequence, pending, "", [self.marker_id])
+            at = pending.rfind(marker) if marker else -1
+            return self._open(sequence, pending if at < 0 else pending[:at], "" if at < 0 else pending[at:], [self.marker_id])
         if not marker:
             if self._content_seen:
                 return pending, ""
@@ -269,11 +270,10 @@ class ToolCalling:
         self.template, self.tokenizer, self.formats, self.limits = template, tokenizer, formats, limits
         self.format = call_format(template)
         self.rules = RULES.get(self.format)
-        self.marker_id = None  # the marker as one special token (Mistral's [TOOL_CALLS]), which decodes to no text
-        if self.rules is not None and self.rules.marker:
-            ids = tokenizer.encode(self.rules.marker, add_special_tokens=False)
-            if len(ids) == 1 and not tokenizer.decode(ids):
-                self.marker_id = ids[0]
+        # Texts the vocabulary holds as one added token (Qwen's <tool_call> and </tool_call>, Mistral's [TOOL_CALLS]):
+        # the grammar names them as tokens, since llguidance reads every added token as special, never as its bytes.
+        self._added = tokenizer.added_tokens()
+        self.marker_id = self._added.get(self.rules.marker) if self.rules is not None and self.rules.marker else None
 
     def read(self, request: ToolRequest) -> tuple[list[dict], list[Function]]:
         """The tools as the template reads them, and their functions; every fault named by its field."""
@@ -328,16 +328,20 @@ class ToolCalling:
         call = {"type": "object", "properties": None, "required": ["name", self.rules.arguments_key], "additionalProperties": False}
         choices = [{**call, "properties": {"name": {"const": f.name}, self.rules.arguments_key: f.parameters}} for f in functions]
         one_call = choices[0] if len(choices) == 1 else {"anyOf": choices}
-        marker = f"<[{self.marker_id}]>" if self.marker_id is not None else json.dumps(self.rules.marker)
+        marker = self._literal(self.rules.marker)
         if self.format is CallFormat.MISTRAL:
             calls = {"type": "array", "items": one_call, "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": CALL_JSON_STYLE}
             return f"start: {marker} calls\ncalls: %json {json.dumps(calls)}\n"
         body = f"call_json: %json {json.dumps({**one_call, 'x-guidance': CALL_JSON_STYLE})}\n"
         if self.format is CallFormat.HERMES:
             more = f' ("\\n" call)*' if parallel else ""
-            return f'start: call{more}\ncall: {marker} "\\n" call_json "\\n</tool_call>"\n' + body
+            return f'start: call{more}\ncall: {marker} "\\n" call_json "\\n" {self._literal("</tool_call>")}\n' + body
         more = f" ({json.dumps(self.rules.separator)} call_json)*" if parallel else ""
         return f"start: call_json{more}\n" + body
+
+    def _literal(self, text: str) -> str:
+        """text in the grammar: the added token that is exactly text, or the text itself."""
+        return f"<[{self._added[text]}]>" if text in self._added else json.dumps(text)
 
     def start(self, request: ToolRequest, functions: list[Function]):
         """(the sequence's split, the constraint it starts with): None for both under tool_choice none."""

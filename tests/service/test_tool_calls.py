@@ -322,32 +322,69 @@ def test_calls_stream_as_they_read_whole(style):
         assert mine[0].name == name and mine[0].id and "".join(d.arguments for d in mine) == arguments
 
 
-def test_a_special_marker_token_is_the_grammars_own(tmp_path):
-    """Where the marker is one special token (Mistral's [TOOL_CALLS], which decodes to no text), the grammar names the
-    token, and a reply that opens with it is held to the calls from there."""
-    from tokenizers import Tokenizer
+def gpt2_with_added(directory, added: list[str], special: bool) -> HFTokenizer:
+    """GPT-2's BPE with tokens added whole, as Qwen's tokenizer adds <tool_call> (not special) and Mistral's [TOOL_CALLS]
+    (special)."""
+    from tokenizers import AddedToken, Tokenizer
 
     from kvserve.model.vocabulary import write_preset_tokenizer
 
-    write_preset_tokenizer("gpt2", tmp_path)
-    base = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
-    base.add_special_tokens(["[TOOL_CALLS]"])
-    base.save(str(tmp_path / "tokenizer.json"))
-    tokenizer = HFTokenizer(tmp_path / "tokenizer.json")
-    marker = tokenizer.encode("[TOOL_CALLS]", add_special_tokens=False)
-    config = dataclasses.replace(preset("gpt2"), vocab_size=base.get_vocab_size(), eos_token_ids=(50256,))
-    validator = validator_for("mistral", tokenizer, config)
-    assert validator.tool_calling.marker_id == marker[0] and f"<[{marker[0]}]>" in validator.tool_calling.grammar(
+    write_preset_tokenizer("gpt2", directory)
+    base = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    base.add_tokens([AddedToken(text, special=special, normalized=False) for text in added])
+    base.save(str(directory / "tokenizer.json"))
+    return HFTokenizer(directory / "tokenizer.json")
+
+
+def run_forced(validator, config, tokenizer, reply: str, request: ToolRequest):
+    """The reply forced token by token (its own tokenization, then end of sequence) through a sequence with tools: each
+    token must be one its mask allows once a constraint holds it. The events."""
+    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Time?"),), tools=request,
+                                                    sampling=SamplingParams(temperature=0), max_new_tokens=80))
+    masks, events = TokenMasks(config.vocab_size), []
+    try:
+        for token in tokenizer.encode(reply, add_special_tokens=False) + [config.eos_token_ids[0]]:
+            allowed = masks.start([seq]).result()[seq] if seq.constraint is not None else None
+            assert allowed is None or token in allowed, (token, tokenizer.decode([token]))
+            logits = np.full(config.vocab_size, -10.0, dtype=np.float32)
+            logits[token] = 10.0
+            events.append(seq.advance(logits, allowed=allowed))
+    finally:
+        masks.close()
+    return seq, events
+
+
+@pytest.mark.parametrize("choice", [ToolChoice.AUTO, ToolChoice.REQUIRED])
+def test_qwens_added_call_tokens_are_the_grammars_own(tmp_path, choice):
+    """Qwen's <tool_call> and </tool_call> are added tokens that are not special (they decode to their text): llguidance
+    reads every added token as special, so the grammar names them as tokens; a reply writing them as the tokenizer does
+    passes its mask, opens its call (auto), and is read back."""
+    tokenizer = gpt2_with_added(tmp_path, ["<tool_call>", "</tool_call>"], special=False)
+    config = dataclasses.replace(preset("gpt2"), vocab_size=50259, eos_token_ids=(50256,))
+    validator = validator_for("hermes", tokenizer, config)
+    assert validator.tool_calling.marker_id == 50257 and "<[50257]>" in validator.tool_calling.grammar(
+        [validator.tool_calling.read(ToolRequest(json.dumps(TOOLS)))[1][1]], True) and "<[50258]>" in validator.tool_calling.grammar(
         [validator.tool_calling.read(ToolRequest(json.dumps(TOOLS)))[1][1]], True)
-    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Time?"),), tools=ToolRequest(json.dumps(TOOLS)),
-                                                    sampling=SamplingParams(temperature=0), max_new_tokens=50))
-    logits = np.zeros(config.vocab_size, dtype=np.float32)
-    logits[marker[0]] = 1.0
-    event = seq.advance(logits)
-    assert seq.constraint is not None and event.text == "" and not seq.constraint.matcher.is_error()
-    for token in tokenizer.encode('[{"name": "clock", "arguments": {"zone": "CET"}}]', add_special_tokens=False):
-        seq.constraint.accept(token)
-    assert seq.constraint.finished
+    content = "Let me see. " if choice is ToolChoice.AUTO else ""
+    call = '<tool_call>\n{"name": "clock", "arguments": {"zone": "CET"}}\n</tool_call>'
+    seq, events = run_forced(validator, config, tokenizer, content + call, ToolRequest(json.dumps(TOOLS), choice))
+    assert "".join(e.text for e in events) == content and "".join(e.call_text for e in events) == call
+    finish = events[-1].finish
+    assert finish.reason is FinishReason.TOOL_CALLS and [(c.name, c.arguments) for c in finish.tool_calls] == [("clock", '{"zone": "CET"}')]
+
+
+def test_mistrals_special_marker_is_the_grammars_own(tmp_path):
+    """Mistral's [TOOL_CALLS] is a special token, which decodes to no text: the grammar names it, a reply that opens with
+    it is held to the calls from there, and its calls are read from the text after it."""
+    tokenizer = gpt2_with_added(tmp_path, ["[TOOL_CALLS]"], special=True)
+    config = dataclasses.replace(preset("gpt2"), vocab_size=50258, eos_token_ids=(50256,))
+    validator = validator_for("mistral", tokenizer, config)
+    assert validator.tool_calling.marker_id == 50257
+    seq, events = run_forced(validator, config, tokenizer, '[TOOL_CALLS][{"name": "clock", "arguments": {"zone": "UTC"}}]',
+                             ToolRequest(json.dumps(TOOLS)))
+    assert seq.constraint is not None and events[0].text == "" and "".join(e.call_text for e in events) == (
+        '[{"name": "clock", "arguments": {"zone": "UTC"}}]')
+    assert [(c.name, c.arguments) for c in events[-1].finish.tool_calls] == [("clock", '{"zone": "UTC"}')]
 
 
 def test_tool_choice_none_renders_the_tools_and_holds_nothing():
