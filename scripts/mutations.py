@@ -405,13 +405,13 @@ MUTATIONS = (
     ),
     Mutation(
         "tool calls: auto never holds a call it opened",
-        "service/tool_calls.py",
+        "service/tool_call_text.py",
         (("            sequence.constraint = constraint\n", ""),),
         (f"{TOOLS}::test_auto_leaves_text_free_until_a_call_opens_then_holds_the_rest[hermes]",),
     ),
     Mutation(
         "tool calls: an escaped quote in the arguments ends their string",
-        "service/tool_calls.py",
+        "service/tool_call_text.py",
         (("                elif ch == \"\\\\\":\n                    self._escaped = True\n", ""),),
         (f"{TOOLS}::test_calls_stream_as_they_read_whole[hermes]",),
     ),

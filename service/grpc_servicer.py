@@ -92,6 +92,7 @@ def _model_info_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
         kv_cache=info.kv_cache,
         attention=info.attention,
         chat=info.chat,
+        tool_call_format=info.tool_call_format,
     )
 
 

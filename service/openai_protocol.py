@@ -21,7 +21,8 @@ from .limits import MAX_BIAS, MAX_PENALTY, EngineLimits
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .structured import FormatKind, ResponseFormat
-from .tool_calls import CallDelta, ToolChoice, ToolRequest
+from .tool_call_text import CallDelta
+from .tool_calls import ToolChoice, ToolRequest
 from .validation import check_sizes
 
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_SCALE)

@@ -16,7 +16,8 @@ from kvserve.contract.chat import ChatMessage, ToolCall
 from .sampling import SamplingParams, choose, log_probability, top_log_probabilities
 from .structured import Constraint, FormatError, ResponseFormat
 from .text import IncrementalDecoder, StopSequences
-from .tool_calls import CallDelta, ToolCallSplit, ToolRequest
+from .tool_call_text import CallDelta, ToolCallSplit
+from .tool_calls import ToolRequest
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from kvserve.service.limits import EngineLimits
 from kvserve.service.sampling import SamplingParams
 from kvserve.service.sequence import FinishReason, GenerationRequest
 from kvserve.service.structured import TokenMasks
-from kvserve.service.tool_calls import RULES, CallFormat, CallParser, ToolCalling, ToolChoice, ToolRequest
+from kvserve.service.tool_call_text import RULES, CallFormat, CallParser
+from kvserve.service.tool_calls import ToolChoice, ToolRequest
 from kvserve.service.validation import RequestValidator
 from kvserve.v1 import generation_pb2 as pb
 
