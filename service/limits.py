@@ -44,8 +44,8 @@ class EngineLimits:
                                       "0: no limit (a prompt is prefilled whole)", 0, INT_MAX)
     max_stop_sequences: int = declared(16, "stop sequences of one request", 1, INT_MAX)
     max_stop_length: int = declared(256, "characters of one stop sequence", 1, INT_MAX)
-    max_text_bytes: int = declared(256 * 1024, "UTF-8 bytes of a prompt's text, a conversation's contents together, or a "
-                                   "Tokenize request's text", 1, INT_MAX)
+    max_text_bytes: int = declared(256 * 1024, "UTF-8 bytes of a prompt's text, a conversation's contents together (its tool "
+                                   "calls and tool turns' ids included), or a Tokenize request's text", 1, INT_MAX)
     max_chat_messages: int = declared(256, "messages in one conversation", 1, INT_MAX)
     max_role_length: int = declared(64, "characters of a chat message's role", 1, 4096)
     max_chat_template_kwargs_bytes: int = declared(4096, "UTF-8 bytes of a conversation's chat_template_kwargs (as JSON)", 2, INT_MAX)

@@ -46,8 +46,9 @@ def check_sizes(request: GenerationRequest, limits: EngineLimits, context: int |
     if request.prompt_text is not None:
         check_text_size("prompt.text", request.prompt_text, limits.max_text_bytes)
     if request.prompt_messages is not None:
+        # A turn's calls and a tool turn's call id and name are content too.
         size = sum(len(text.encode("utf-8", errors="replace")) for m in request.prompt_messages
-                   for text in (m.content, *(c.arguments + c.name + c.id for c in m.tool_calls)))  # a call's arguments are content too
+                   for text in (m.content, m.tool_call_id or "", m.name or "", *(c.arguments + c.name + c.id for c in m.tool_calls)))
         if size > limits.max_text_bytes:
             raise InvalidArgument("prompt.messages", f"{size} bytes of content; at most {limits.max_text_bytes}")
     if request.chat_template_kwargs is not None:

@@ -205,6 +205,10 @@ BAD = [
                                                                          "function": {"name": "a", "arguments": "{nope"}}]}]),
      "messages", "messages[0].tool_calls[0].arguments: must be a JSON object"),
     (dict(messages=[{"role": "assistant", "tool_calls": "x"}]), "messages[0].tool_calls", "messages[0].tool_calls must be a list"),
+    (dict(messages=[{"role": "tool", "content": "{}", "tool_call_id": "x" * 300_000}]), "messages", "bytes of content; at most"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "a", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": "y" * 300_000})}}]}]), "messages",
+     "bytes of content; at most"),
 ]
 
 
