@@ -61,7 +61,7 @@ MUTATIONS = (
     Mutation(
         "sequences of one format share its compiled state",
         "service/structured.py",
-        (("        return Constraint(compiled.deep_copy())", "        return Constraint(compiled)"),),
+        (('        return Constraint(compiled.deep_copy(), field_name.split(".")[0])', '        return Constraint(compiled, field_name.split(".")[0])'),),
         (f"{SO}::test_compiled_formats_are_cached_and_each_sequence_gets_its_own_state",),
     ),
     Mutation(
@@ -394,7 +394,7 @@ MUTATIONS = (
     Mutation(
         "chat_template_kwargs dropped by the HTTP edge",
         "service/openai_protocol.py",
-        (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), **common)', "chat_template_kwargs=None, **common)"),),
+        (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), tools=', "chat_template_kwargs=None, tools="),),
         ("tests/service/test_chat.py::test_chat_template_kwargs_reach_the_template_over_grpc_and_http",),
     ),
     Mutation(
