@@ -128,6 +128,7 @@ def test_a_seed_repeats_its_tokens_and_stop_ends_the_text(client):
     ({"logit_bias": {"5": 101}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"), ({"extra_body": {"min_p": 2}}, "min_p"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"extra_body": {"mirostat": 1}}, "mirostat"), ({"stop": [""]}, "stop"), ({"response_format": {"type": "xml"}}, "response_format"), ({"tools": [{"type": "function"}]}, "tools"),
+    ({"extra_body": {"functions": [{"name": "f"}]}}, "functions"),
     ({"max_tokens": 10**6}, "max_tokens"), ({"messages": [{"role": "", "content": "x"}]}, "messages"),
 ])
 def test_each_bad_or_unsupported_option_is_a_400_naming_it(client, options, param):

@@ -397,3 +397,32 @@ def test_tool_choice_none_renders_the_tools_and_holds_nothing():
     seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),),
                                                     tools=ToolRequest(json.dumps(TOOLS), ToolChoice.NONE)))
     assert seq.constraint is None and seq.tool_calls is None and b"get_weather" in bytes(seq.prompt_ids)
+
+
+def test_auto_opens_a_call_mid_stream_through_the_server(tool_server, monkeypatch):
+    """A reply that writes content and then a call, scripted into the real server (sampling picks the script's next
+    token; each must be one the sequence's mask allows once it has one): the scheduler moves the sequence from free to
+    masked steps mid-stream, and both edges get content, then the call."""
+    import kvserve.service.sequence as sequence_module
+
+    style, running, _ = tool_server
+    script, content = AUTO_REPLIES[style]
+    reply = script.encode()  # its bytes, then the end of sequence
+    real_choose = sequence_module.choose
+
+    def scripted(logits, params, rng, seen, generated, allowed):
+        if params.seed != 4242:  # other requests sample as they would
+            return real_choose(logits, params, rng, seen, generated, allowed)
+        token = reply[len(generated)] if len(generated) < len(reply) else 256
+        assert allowed is None or token in allowed, (bytes([token]) if token < 256 else token, len(generated))
+        return token
+
+    monkeypatch.setattr(sequence_module, "choose", scripted)
+    client = client_of(running)
+    request = dict(model=running.app.http.model_name, messages=QUESTION, tools=TOOLS, max_tokens=200, temperature=1.0, seed=4241)
+    whole = client.chat.completions.create(**request).choices[0]  # OpenAI's seed s is the engine's s + 1 (openai_protocol.parse)
+    assert whole.finish_reason == "tool_calls" and (whole.message.content or "") == content
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.message.tool_calls] == [("clock", {"zone": "UTC"})]
+    streamed_content, calls, reason = streamed_calls(client.chat.completions.create(stream=True, **request))
+    assert (streamed_content, reason) == (content, "tool_calls") and [c["name"] for c in calls] == ["clock"]
+    assert calls[0]["arguments"] == whole.message.tool_calls[0].function.arguments
