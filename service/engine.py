@@ -125,7 +125,7 @@ class Engine:
                 self.scheduler.withdraw(seq)
             if self.tracer is not None:
                 self.tracer.record(seq, finish, self.tracer.caller_context(request.traceparent, request.tracestate), self.model_name,
-                                   failure)
+                                   request.prompt_messages is not None, failure)
 
     async def generate_n(self, request: GenerationRequest, n: int):
         """n completions of request, each its own sequence (seeds seed, seed + 1, ...): yields (index, StepEvent) as the

@@ -52,12 +52,12 @@ class RequestTracer:
         self._propagator.inject(carrier, trace.set_span_in_context(span))
         return span, (carrier.get("traceparent"), carrier.get("tracestate"))
 
-    def record(self, seq, finish, context, model: str, error: BaseException | None = None) -> None:
+    def record(self, seq, finish, context, model: str, chat: bool, error: BaseException | None = None) -> None:
         """seq's spans, from its own times: arrival, a row (admitted_ns), first token, end (now); finish: its Finish
-        (None: cancelled or failed)."""
+        (None: cancelled or failed); chat: whether its prompt was a conversation."""
         offset, end = self._epoch_offset_ns, time.monotonic_ns()
         attributes = {
-            "gen_ai.operation.name": "chat" if seq.tool_calls is not None else "text_completion",
+            "gen_ai.operation.name": "chat" if chat else "text_completion",
             "gen_ai.request.model": model,
             "gen_ai.request.max_tokens": seq.max_new_tokens,
             "gen_ai.request.temperature": seq.params.temperature,

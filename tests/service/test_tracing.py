@@ -92,7 +92,7 @@ def attributes(span) -> dict:
     return out
 
 
-def check_request_spans(spans: list, prompt_tokens: int, new_tokens: int, finish: str):
+def check_request_spans(spans: list, prompt_tokens: int, new_tokens: int, finish: str, operation: str = "text_completion"):
     """One kvserve.generate span with queue, prefill and decode below it, in order, inside it."""
     (root,) = [s for s in spans if s.name == "kvserve.generate"]
     children = {s.name: s for s in spans if s.parent_span_id == root.span_id}
@@ -103,14 +103,15 @@ def check_request_spans(spans: list, prompt_tokens: int, new_tokens: int, finish
     values = attributes(root)
     assert values["gen_ai.usage.input_tokens"] == prompt_tokens and values["gen_ai.usage.output_tokens"] == new_tokens
     assert values["gen_ai.response.finish_reasons"] == [finish] and values["kvserve.cached_prompt_tokens"] >= 0
+    assert values["gen_ai.operation.name"] == operation
     assert root.kind == root.SPAN_KIND_SERVER
     return root
 
 
 @pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
-def test_a_trace_per_request_with_the_callers_context(tiny_artifact, http_collector, grpc_collector, protocol):
+def test_a_trace_per_request_with_the_callers_context(tiny_chat_artifact, http_collector, grpc_collector, protocol):
     collector, endpoint = http_collector if protocol == "http/protobuf" else grpc_collector
-    with serving(tiny_artifact, http_port=0, max_batch_size=2, traces=TraceExport(endpoint, protocol)) as running:
+    with serving(tiny_chat_artifact, http_port=0, max_batch_size=2, traces=TraceExport(endpoint, protocol)) as running:
         with stub_of(running) as stub:
             collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]), max_new_tokens=5, ignore_eos=True))
             list(stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[4, 5]), max_new_tokens=3, ignore_eos=True),
@@ -119,10 +120,13 @@ def test_a_trace_per_request_with_the_callers_context(tiny_artifact, http_collec
         model = running.app.http.model_name
         client.completions.create(model=model, prompt="abcd", max_tokens=4, extra_headers={"traceparent": TRACEPARENT})
         client.completions.create(model=model, prompt="xy", max_tokens=2, n=2, seed=1)
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     traces = by_trace(collector)  # the server's stop exported what it still held
-    assert len(traces) == 3 and all(service == "kvserve" for _, service in collector.spans)
-    plain = [t for trace_id, t in traces.items() if trace_id != CALLER_TRACE and len(t) == 4]
+    assert len(traces) == 4 and all(service == "kvserve" for _, service in collector.spans)
+    plain = sorted((t for trace_id, t in traces.items() if trace_id != CALLER_TRACE and len(t) == 4),
+                   key=lambda t: min(s.start_time_unix_nano for s in t))
     check_request_spans(plain[0], 3, 5, "length")
+    check_request_spans(plain[1], len("User: Hi\nAssistant:"), 2, "length", "chat")
     (caller,) = [t for trace_id, t in traces.items() if trace_id == CALLER_TRACE]
     roots = [check_request_spans([s for s in caller if s.trace_id == r.trace_id and (s.span_id == r.span_id or s.parent_span_id == r.span_id)],
                                  *counts, "length") for r, counts in zip(sorted((s for s in caller if s.name == "kvserve.generate"),
