@@ -184,10 +184,11 @@ def train(config: TrainConfig, out: Path) -> dict:
 # (<tool_call> blocks, service/tool_calls.py), so a request can hold the reply to calls of them.
 CHAT_TEMPLATE = """{#- kvserve's default model (the trained KJV GPT-2) learned plain text, not conversations: a system message stands
     first as it is, each other turn is a line 'Role: content', and the assistant's turn is opened for the reply. Tools,
-    when offered, come first, one JSON line each, with how a call is written; a turn's calls follow its content. -#}
+    when offered, come first, one JSON line each (the function: its name, description and parameters), with how a call
+    is written (the model's context is 256 tokens: every one counts); a turn's calls follow its content. -#}
 {% if tools %}
-{{ 'Tools:\\n' }}{% for tool in tools %}{{ tool | tojson + '\\n' }}{% endfor %}
-{{- 'A call is written <tool_call>\\n{"name": <name>, "arguments": <arguments>}\\n</tool_call>\\n\\n' }}
+{{ 'Tools:\\n' }}{% for tool in tools %}{{ tool['function'] | tojson + '\\n' }}{% endfor %}
+{{- 'Call one as <tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>\\n\\n' }}
 {%- endif %}
 {% for message in messages %}
 {% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}{% else %}{{ message['role'] | capitalize + ': ' + message['content'] }}

@@ -176,6 +176,20 @@ def test_the_default_models_template_is_documented_plain_text():
     assert text == "Be brief.\n\nUser: Who was Moses?\nAssistant:"
 
 
+def test_the_default_models_template_lists_tools_and_writes_calls_as_hermes_blocks():
+    """Tools first, a function a line; a turn's calls as <tool_call> blocks after its content; a tool turn a line."""
+    from ..conftest import DEFAULT_CHECKPOINT
+
+    template = load_chat_template(DEFAULT_CHECKPOINT)
+    tools = [{"type": "function", "function": {"name": "find", "parameters": {"type": "object"}}}]
+    conversation = [ChatMessage("user", "Flood?"), ChatMessage("assistant", "", (ToolCall("c1", "find", '{"book": "Genesis"}'),)),
+                    ChatMessage("tool", "Genesis 7", tool_call_id="c1")]
+    assert template.knows_tools and template.render(conversation, tools=tools) == (
+        'Tools:\n{"name": "find", "parameters": {"type": "object"}}\n'
+        'Call one as <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>\n\n'
+        'User: Flood?\nAssistant: <tool_call>\n{"name": "find", "arguments": {"book": "Genesis"}}\n</tool_call>\nTool: Genesis 7\nAssistant:')
+
+
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Today's weather in a city — «météo»",
                                       "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}},
