@@ -165,7 +165,7 @@ class Sequence:
         if self.tool_calls is not None:
             text, call_text, deltas = self.tool_calls.split(self, token, text, finishing=reason is not None)
             if reason is not None:
-                calls = self.tool_calls.parser.complete_calls()
+                calls = self.tool_calls.calls
                 if calls and reason is FinishReason.END_OF_SEQUENCE:
                     reason = FinishReason.TOOL_CALLS
         finish = None

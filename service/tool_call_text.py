@@ -163,6 +163,7 @@ class ToolCallSplit:
         self.parser = CallParser(rules.ids)
         self._held = ""
         self._content_seen = False  # non-blank content came first: llama3_json then writes no call
+        self.calls: tuple[ToolCall, ...] = ()  # once the reply ends: its whole calls
 
     def split(self, sequence, token: int, text: str, finishing: bool) -> tuple[str, str, list[CallDelta]]:
         """(content, call text, call deltas) of a step's text; opens the calls (and their constraint) when the reply does."""
@@ -175,8 +176,10 @@ class ToolCallSplit:
         else:
             text, call_text = "", text
         deltas = self.parser.push(call_text) if call_text else []
-        if finishing and not self.parser.complete_calls():  # no call came of it: the text is the reply's content
-            return text + self.parser.text, "", []
+        if finishing:
+            self.calls = self.parser.complete_calls()
+            if not self.calls:  # no call came of it: the text is the reply's content
+                return text + self.parser.text, "", []
         return text, call_text, deltas
 
     def _find_opening(self, sequence, token: int, pending: str) -> tuple[str, str]:

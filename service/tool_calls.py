@@ -81,10 +81,7 @@ class ToolCalling:
         if self.format is None:
             raise InvalidArgument("tools", "this model's chat template renders tools, but writes calls in a format kvserve does not "
                                   "read (known: hermes <tool_call>, Llama 3 JSON, Mistral [TOOL_CALLS])")
-        size = len(request.tools.encode("utf-8", errors="replace"))
-        if size > limits.max_tools_bytes:
-            raise InvalidArgument("tools", f"{size} bytes of JSON; at most {limits.max_tools_bytes}")
-        try:
+        try:  # (its size was held to max_tools_bytes with the request's other sizes: validation.check_sizes)
             tools = json.loads(request.tools)
         except (ValueError, RecursionError) as exc:
             raise InvalidArgument("tools", f"not JSON ({type(exc).__name__})") from None
@@ -114,8 +111,9 @@ class ToolCalling:
             parameters = function.get("parameters", NO_PARAMETERS)
             if not isinstance(parameters, dict):
                 raise InvalidArgument(f"{where}.function.parameters", "must be a JSON schema object")
-            if schema_depth(parameters) > limits.max_schema_depth:
-                raise InvalidArgument(f"{where}.function.parameters", f"nested {schema_depth(parameters)} deep; at most {limits.max_schema_depth}")
+            depth = schema_depth(parameters)
+            if depth > limits.max_schema_depth:
+                raise InvalidArgument(f"{where}.function.parameters", f"nested {depth} deep; at most {limits.max_schema_depth}")
             functions.append(Function(name, parameters))
         if request.choice is ToolChoice.FUNCTION and request.function not in names:
             raise InvalidArgument("tool_choice", f"names the function {request.function!r}, which is not among the tools")
