@@ -4,7 +4,8 @@
 Per round and mode: 16 gRPC streams (prompt 32, --new-tokens new, greedy, ignore_eos) started together; aggregate
 tokens/s; in the scraped mode, each scrape's latency (p50, p99, max) over one kept-alive connection, as the picker's
 Go HTTP client scrapes (--fresh-connections: a new one each time), and whether the three gauges the picker reads were
-present in every answer. The scraper is a process of its own, as the picker is: in this one its thread would wait for
+present in every answer. First, in this process, what rendering each exposition costs: the gateway's three gauges (the
+API port's /metrics) and the whole registry (the metrics port's), after a load's worth of samples. The scraper is a process of its own, as the picker is: in this one its thread would wait for
 the GIL behind the 16 streams' client and count that wait as the server's.
 
     python bench/metrics_scrape.py [--artifact artifacts/gpt2-int8] [--rounds 3] [--new-tokens 128]
@@ -25,6 +26,7 @@ import time
 from pathlib import Path
 
 import grpc
+from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
@@ -35,6 +37,32 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 STREAMS, INTERVAL_S = 16, 0.05
 GAUGES = (b"vllm:num_requests_waiting", b"vllm:num_requests_running", b"vllm:kv_cache_usage_perc")
+
+
+def render_costs() -> dict[str, float]:
+    """Median ms to render the gateway's gauges and the whole registry, each filled as after a busy minute."""
+    from kvserve.service.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.set_rows(STREAMS)
+    for method in ("Generate", "Completions", "ChatCompletions", "GetModelInfo"):
+        for code in ("OK", "CANCELLED", "INVALID_ARGUMENT"):
+            metrics.on_request(method, code)
+    for i in range(1000):
+        metrics.on_token(0, None if i % 64 == 0 else 1, 2_000_000)
+        metrics.on_step(STREAMS, STREAMS, 3, 1 << 30, 2)
+    metrics.on_prompt(32, 32)
+    metrics.execution_provider.labels(provider="CPUExecutionProvider").set(1)
+
+    def median_ms(render) -> float:
+        times = []
+        for _ in range(2000):
+            started = time.perf_counter()
+            render()
+            times.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(times)
+
+    return {"gateway": median_ms(metrics.gateway_exposition), "whole": median_ms(lambda: generate_latest(metrics.registry))}
 
 
 def scrape_until_interrupted(port: int, fresh: bool) -> None:
@@ -99,6 +127,9 @@ def main() -> None:
     connections = "a new connection a scrape" if args.fresh_connections else "one connection kept alive"
     print(f"{Path(args.artifact).name}, {args.new_tokens} new tokens a stream, {args.rounds} rounds alternating, {connections}, "
           f"scraping {({'api': 'the HTTP API port', 'metrics': 'the metrics port', 'stand-in': 'a stand-in static server'})[args.port]}\n")
+    costs = render_costs()
+    print(f"render, median of 2,000 in this process: the gateway's three gauges {costs['gateway']:.3f} ms, the whole registry "
+          f"{costs['whole']:.3f} ms\n")
     print("| round | mode | tokens/s | scrapes | scrape p50 ms | p99 ms | max ms | with the 3 gauges |\n|---:|---|---:|---:|---:|---:|---:|---:|")
     rates = {"unscraped": [], "scraped": []}
     every_latency = []
