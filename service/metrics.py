@@ -4,8 +4,8 @@ Three gauges are the Kubernetes inference gateway's model-server protocol (gatew
 003): its endpoint picker scrapes them from every replica, every 50 ms by default, to route each request. They carry
 the names the protocol recommends (vLLM's), which are the picker's defaults, so it needs no flags to read them. They
 live in a registry of their own, served alone on the HTTP API's /metrics (the picker's default target) and with the
-rest on the metrics port: the whole set takes ~0.7 ms to render (its histograms' buckets), too much for every 50 ms
-on the event loop the streams share (bench/metrics_scrape.py).
+rest on the metrics port: the whole set takes ~13 times as long to render (its histograms' buckets), too much for every
+50 ms on the event loop the streams share (bench/metrics_scrape.py measures both).
 """
 
 from __future__ import annotations
