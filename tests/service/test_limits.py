@@ -33,6 +33,11 @@ def test_every_declared_limit_is_a_flag_with_its_default_and_a_variable(monkeypa
         monkeypatch.delenv(declaration.variable)
 
 
+def test_the_readmes_serve_synopsis_names_every_declared_limit():
+    synopsis = (REPO / "README.md").read_text().split("kvserve serve --model ARTIFACT", 1)[1].split("kvserve generate", 1)[0]
+    assert [d.flag for d in declarations() if d.flag not in synopsis] == []
+
+
 def test_a_flag_outside_its_declared_bounds_is_one_line_and_exit_2(capsys):
     for declaration in (d for d in declarations() if not d.is_switch):
         with pytest.raises(SystemExit) as exited:
