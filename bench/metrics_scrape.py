@@ -1,14 +1,16 @@
-"""The inference gateway's scrape under load: /metrics on the API port every 50 ms (the endpoint picker's default
---refresh-metrics-interval) while 16 streams decode, against the same load unscraped, alternating.
+"""The inference gateway's scrape under load: /metrics every 50 ms (the endpoint picker's default
+--refresh-metrics-interval) while 16 streams decode, against the same load unscraped, in one run, the modes' order
+rotated each round: the HTTP API port, the gauges' own process (--gateway-metrics-port) and a stand-in static server,
+which is what scraping costs this machine whatever answers (--ports picks).
 
 Per round and mode: 16 gRPC streams (prompt 32, --new-tokens new, greedy, ignore_eos) started together; aggregate
-tokens/s; in the scraped mode, each scrape's latency (p50, p99, max) over one kept-alive connection, as the picker's
+tokens/s; in a scraped mode, each scrape's latency (p50, p99, max) over one kept-alive connection, as the picker's
 Go HTTP client scrapes (--fresh-connections: a new one each time), and whether the three gauges the picker reads were
 present in every answer. First, in this process, what rendering each exposition costs: the gateway's three gauges (the
 API port's /metrics) and the whole registry (the metrics port's), after a load's worth of samples. The scraper is a process of its own, as the picker is: in this one its thread would wait for
 the GIL behind the 16 streams' client and count that wait as the server's.
 
-    python bench/metrics_scrape.py [--artifact artifacts/gpt2-int8] [--rounds 3] [--new-tokens 128]
+    python bench/metrics_scrape.py [--artifact artifacts/gpt2-int8] [--rounds 3] [--new-tokens 128] [--ports api,gateway,stand-in]
 """
 
 from __future__ import annotations
@@ -107,6 +109,17 @@ async def load(target: str, vocab: int, new_tokens: int, seed: int) -> float:
         return sum(len(r) - 1 for r in runs) / (time.perf_counter() - started)
 
 
+PORTS = {"api": "the HTTP API's /metrics (the pool's target port: the picker's default)",
+         "gateway": "--gateway-metrics-port's (the gauges' own process)",
+         "metrics": "--metrics-port's (the whole registry)",
+         "stand-in": "a static file server answering the same bytes: what the scraper and a minimal server cost this machine"}
+
+
+def percentile_99(ms: list[float]) -> float:
+    ms = sorted(ms)
+    return ms[min(len(ms) - 1, int(0.99 * len(ms)))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifact", default="artifacts/gpt2-int8")
@@ -114,58 +127,63 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--provider", default="cpu", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--fresh-connections", action="store_true", help="a new connection a scrape (default: one kept alive)")
-    parser.add_argument("--port", choices=("api", "metrics", "stand-in"), default="api",
-                        help="scrape the HTTP API's /metrics (the pool's target port: the picker's default), --metrics-port's, or a "
-                        "stand-in: a static file server answering the same bytes, which is what the scraper costs this machine alone")
+    parser.add_argument("--ports", default="api,gateway,stand-in",
+                        help="what to scrape, comma-separated, each a mode of its own in every round beside the unscraped load: "
+                        + "; ".join(f"{name}: {what}" for name, what in PORTS.items()))
     parser.add_argument("--scrape", type=int, metavar="PORT", help=argparse.SUPPRESS)  # the scraper process's own entry
     args = parser.parse_args()
     if args.scrape:
         return scrape_until_interrupted(args.scrape, args.fresh_connections)
+    scraped = args.ports.split(",")
+    if not scraped or any(name not in PORTS for name in scraped):
+        parser.error(f"--ports: each of {', '.join(PORTS)}")
     vocab = open_artifact(args.artifact).config.vocab_size
-    http_port, metrics_port = free_port(), free_port()
+    ports = {name: free_port() for name in PORTS}
+    ports["http"] = ports.pop("api")
     print(f"# /metrics scraped every {INTERVAL_S * 1e3:.0f} ms under {STREAMS} decoding streams\n\n{describe()}\n")
     connections = "a new connection a scrape" if args.fresh_connections else "one connection kept alive"
-    print(f"{Path(args.artifact).name}, {args.new_tokens} new tokens a stream, {args.rounds} rounds alternating, {connections}, "
-          f"scraping {({'api': 'the HTTP API port', 'metrics': 'the metrics port', 'stand-in': 'a stand-in static server'})[args.port]}\n")
+    print(f"{Path(args.artifact).name}, {args.new_tokens} new tokens a stream, {args.rounds} rounds, the modes' order rotated each "
+          f"round, {connections}; scraped: " + "; ".join(f"{name}, {PORTS[name]}" for name in scraped) + "\n")
     costs = render_costs()
     print(f"render, median of 2,000 in this process: the gateway's three gauges {costs['gateway']:.3f} ms, the whole registry "
           f"{costs['whole']:.3f} ms\n")
     print("| round | mode | tokens/s | scrapes | scrape p50 ms | p99 ms | max ms | with the 3 gauges |\n|---:|---|---:|---:|---:|---:|---:|---:|")
-    rates = {"unscraped": [], "scraped": []}
-    every_latency = []
-    scraped_port = {"api": http_port, "metrics": metrics_port, "stand-in": free_port()}[args.port]
+    modes = ["unscraped", *scraped]
+    rates = {mode: [] for mode in modes}
+    latencies = {mode: [] for mode in scraped}
     stand_in = None
-    if args.port == "stand-in":
+    if "stand-in" in scraped:
         directory = tempfile.mkdtemp()
         Path(directory, "metrics").write_bytes(b"".join(b"# TYPE %s gauge\n%s 0.0\n" % (g, g) for g in GAUGES))
-        stand_in = subprocess.Popen([sys.executable, "-m", "http.server", str(scraped_port), "--bind", "127.0.0.1", "--directory", directory],
+        stand_in = subprocess.Popen([sys.executable, "-m", "http.server", str(ports["stand-in"]), "--bind", "127.0.0.1", "--directory", directory],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         time.sleep(1)
-    with Server("metrics", args.artifact, args.provider, sys.executable,
-                ["--http-port", str(http_port), "--metrics-port", str(metrics_port)]) as server:
+    served = ["--http-port", str(ports["http"]), "--metrics-port", str(ports["metrics"]), "--gateway-metrics-port", str(ports["gateway"])]
+    with Server("metrics", args.artifact, args.provider, sys.executable, served) as server:
         for round_number in range(args.rounds):
-            for mode in ("unscraped", "scraped") if round_number % 2 == 0 else ("scraped", "unscraped"):
-                scraper = Scraper(scraped_port, args.fresh_connections) if mode == "scraped" else None
+            shift = round_number % len(modes)
+            for index, mode in enumerate(modes[shift:] + modes[:shift]):
+                scraper = None if mode == "unscraped" else Scraper(ports["http" if mode == "api" else mode], args.fresh_connections)
                 if scraper:
                     scraper.start()
                 # prompts of their own: the prompt cache would speed up a run whose prompts an earlier one sent
-                rate = asyncio.run(load(server.target, vocab, args.new_tokens, 1000 * round_number + (500 if mode == "scraped" else 0)))
+                rate = asyncio.run(load(server.target, vocab, args.new_tokens, 1000 * round_number + 100 * index))
                 rates[mode].append(rate)
                 if scraper is None:
                     print(f"| {round_number + 1} | {mode} | {rate:.1f} | | | | | |")
                     continue
                 scraper.finish()
                 ms = sorted(x * 1e3 for x in scraper.latencies)
-                every_latency += ms
-                p99 = ms[min(len(ms) - 1, int(0.99 * len(ms)))]
-                print(f"| {round_number + 1} | {mode} | {rate:.1f} | {len(ms)} | {statistics.median(ms):.2f} | {p99:.2f} | {ms[-1]:.2f} | "
-                      f"{scraper.complete}/{len(ms)} |")
+                latencies[mode] += ms
+                print(f"| {round_number + 1} | {mode} | {rate:.1f} | {len(ms)} | {statistics.median(ms):.2f} | {percentile_99(ms):.2f} | "
+                      f"{ms[-1]:.2f} | {scraper.complete}/{len(ms)} |")
     if stand_in is not None:
         stand_in.terminate()
-    every_latency.sort()
-    p99 = every_latency[min(len(every_latency) - 1, int(0.99 * len(every_latency)))]
-    ratio = statistics.mean(rates["scraped"]) / statistics.mean(rates["unscraped"])
-    print(f"\nscraped / unscraped tokens/s: {ratio:.3f} (target >= 0.98); scrape p99 over all rounds: {p99:.2f} ms (target < 5)")
+    unscraped = statistics.mean(rates["unscraped"])
+    print("\n| scraped | tokens/s scraped / unscraped (target >= 0.98) | scrape p50 ms | p99 ms, all rounds (target < 5) |\n|---|---:|---:|---:|")
+    for mode in scraped:
+        print(f"| {mode} | {statistics.mean(rates[mode]) / unscraped:.3f} | {statistics.median(latencies[mode]):.2f} | "
+              f"{percentile_99(latencies[mode]):.2f} |")
 
 
 if __name__ == "__main__":

@@ -106,14 +106,16 @@ def _serve(args) -> int:
         raise UserError(problem)
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
-        allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
+        allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port,
+        gateway_metrics_port=args.gateway_metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         health_port=args.health_port, max_context=args.max_context, cuda_graph=args.cuda_graph, http_port=args.http_port,
         traces=_trace_export(args.otlp_traces_endpoint, args.otlp_traces_protocol),
     )
-    ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--health-port": options.health_port, "--http-port": options.http_port}
+    ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--gateway-metrics-port": options.gateway_metrics_port,
+             "--health-port": options.health_port, "--http-port": options.http_port}
     if not all(p is None or 0 <= p < 65536 for p in ports.values()):
-        raise UserError("--port, --metrics-port, --health-port and --http-port must be in [0, 65535]")
+        raise UserError(f"{', '.join(ports)} must be in [0, 65535]")
     taken: dict[int, str] = {}
     for flag, port in ports.items():
         if port:  # 0 picks a free port, so zeros never collide
@@ -307,6 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-seconds", type=float, default=FromEnv("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=FromEnv("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=FromEnv("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
+    serve.add_argument("--gateway-metrics-port", type=int, default=FromEnv("GATEWAY_METRICS_PORT", None, int),
+                       help="serve the inference gateway's three gauges alone on HOST:PORT/metrics, plaintext, from a process of "
+                       "their own: the port for its endpoint picker's --model-server-metrics-port [KVSERVE_GATEWAY_METRICS_PORT] (default off)")
     for limit in declarations():  # every limit, declared once in service/limits.py
         bounds = f"[{limit.low}, {limit.high}]"
         kind = _on_off if limit.is_switch else _bounded(int, limit.low, limit.high, bounds)

@@ -70,6 +70,7 @@ class App:
         self.metrics = Metrics()
         self.tracer = None  # tracing.RequestTracer with --otlp-traces-endpoint
         self.metrics_port: int | None = None
+        self.gateway_metrics_port: int | None = None
         self.tokens: TokenFile | None = None
         self.http: HttpApi | None = None  # the OpenAI-compatible API, when options.http_port is set
         self.http_port: int | None = None
@@ -118,6 +119,14 @@ class App:
                 self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
             except OSError as exc:
                 raise ListenFailed(f"cannot serve metrics on {self.options.host}:{self.options.metrics_port} ({exc.strerror or exc})") from None
+        if self.options.gateway_metrics_port is not None:
+            limits = self.options.limits
+            try:
+                self.gateway_metrics_port = await asyncio.to_thread(self.metrics.serve_gateway, self.options.host, self.options.gateway_metrics_port,
+                                                                    limits.idle_timeout_seconds, limits.max_connections)
+            except OSError as exc:
+                raise ListenFailed(f"cannot serve the gateway's gauges on {self.options.host}:{self.options.gateway_metrics_port} "
+                                   f"({exc.strerror or exc})") from None
         self.health = health.aio.HealthServicer()
         limits = self.options.limits
         self.server = grpc.aio.server(
@@ -173,6 +182,8 @@ class App:
         )
         if self.metrics_port is not None:
             log.info("metrics on http://%s:%d/metrics", self.options.host, self.metrics_port)
+        if self.gateway_metrics_port is not None:
+            log.info("the inference gateway's gauges on http://%s:%d/metrics", self.options.host, self.gateway_metrics_port)
         if self.health_port is not None:
             log.info("health only, plaintext, on %s:%d", self.options.host, self.health_port)
         if self.http_port is not None:

@@ -5,12 +5,16 @@ Three gauges are the Kubernetes inference gateway's model-server protocol (gatew
 the names the protocol recommends (vLLM's), which are the picker's defaults, so it needs no flags to read them. They
 live in a registry of their own, served alone on the HTTP API's /metrics (the picker's default target) and with the
 rest on the metrics port: the whole set takes ~13 times as long to render (its histograms' buckets), too much for every
-50 ms on the event loop the streams share (bench/metrics_scrape.py measures both).
+50 ms on the event loop the streams share (bench/metrics_scrape.py measures both). With --gateway-metrics-port a process
+of its own answers them off the server's event loop and GIL (gateway_gauges.py), where a busy server's scrapes cost the
+streams least.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+from .gateway_gauges import GAUGES, GatewayGaugeServer
 
 # Latency buckets in seconds: decode steps take ~1 ms on a GPU and tens of ms on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -46,14 +50,12 @@ class Metrics:
         )
         # The inference gateway's gauges (the module's docstring), in the whole registry too.
         self.gateway_registry = CollectorRegistry()
-        self.requests_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting for a batch row (inference gateway protocol)",
-                                      registry=self.gateway_registry)
-        self.requests_running = Gauge("vllm:num_requests_running", "Requests holding a batch row (inference gateway protocol)",
-                                      registry=self.gateway_registry)
-        self.kv_cache_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of the batch's K/V rows holding a running sequence, 0 to 1 "
-                                    "(inference gateway protocol)", registry=self.gateway_registry)
+        self.requests_waiting, self.requests_running, self.kv_cache_usage = (
+            Gauge(name, help_text, registry=self.gateway_registry) for name, help_text in GAUGES)
         self.registry.register(self.gateway_registry)
         self._rows = 1
+        self._http = None
+        self._gateway_server: GatewayGaugeServer | None = None
 
     content_type = CONTENT_TYPE_LATEST
 
@@ -70,11 +72,19 @@ class Metrics:
         self._http, _ = start_http_server(port, addr=host, registry=self.registry)
         return self._http.server_port
 
+    def serve_gateway(self, host: str, port: int, idle_timeout: float, max_connections: int) -> int:
+        """Start the gauges' own process (gateway_gauges.py) on host:port; returns the port it listens on."""
+        self._gateway_server = GatewayGaugeServer(host, port, idle_timeout, max_connections)
+        return self._gateway_server.port
+
     def close(self) -> None:
-        if getattr(self, "_http", None) is not None:
+        if self._http is not None:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+        if self._gateway_server is not None:
+            self._gateway_server.close()
+            self._gateway_server = None
 
     # the scheduler's hooks (event loop thread)
 
@@ -97,9 +107,12 @@ class Metrics:
             self.batch_size.observe(stepped)
         self.queue_depth.set(queued)
         self.kv_slots_in_use.set(running)
+        usage = min(1.0, running / self._rows)
         self.requests_waiting.set(queued)
         self.requests_running.set(running)
-        self.kv_cache_usage.set(min(1.0, running / self._rows))
+        self.kv_cache_usage.set(usage)
+        if self._gateway_server is not None:
+            self._gateway_server.board.write(queued, running, usage)
         self.kv_cache_bytes.set(kv_bytes)
         self.cached_rows.set(cached_rows)
 

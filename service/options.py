@@ -30,6 +30,8 @@ class ServerOptions:
     drain_seconds: float = 30.0
     allow_parity_failure: bool = False
     metrics_port: int | None = None  # Prometheus endpoint on host:metrics_port; None: off, 0: any free port
+    # The inference gateway's three gauges alone, answered by a process of their own (gateway_gauges.py); None: off.
+    gateway_metrics_port: int | None = None
     limits: EngineLimits = EngineLimits()  # what requests may ask and how the batch runs (limits.py)
     tls_cert: str | None = None  # PEM certificate chain: TLS on the gRPC port
     tls_key: str | None = None  # its PEM private key

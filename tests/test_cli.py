@@ -90,18 +90,24 @@ def test_serve_refuses_a_concat_artifact_in_one_line_saying_how_to_re_export(tin
     assert "listening" not in result.stderr
 
 
-def test_metrics_port_equal_to_the_grpc_port_or_taken(tiny_artifact):
-    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", "--metrics-port", "50999"),
-                   "--port and --metrics-port are both 50999")
-    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", "--health-port", "50999"),
-                   "--port and --health-port are both 50999")
+@pytest.mark.parametrize("flag, refusal", [("--metrics-port", "cannot serve metrics on"),
+                                           ("--gateway-metrics-port", "cannot serve the gateway's gauges on")])
+def test_a_metrics_port_equal_to_the_grpc_port_out_of_range_or_taken(flag, refusal, tiny_artifact):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", flag, "50999"), f"--port and {flag} are both 50999")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), flag, "70000"),
+                   "--port, --metrics-port, --gateway-metrics-port, --health-port, --http-port must be in [0, 65535]")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--metrics-port", str(port), "--provider", "cpu")
-    one_line_error(result, f"cannot serve metrics on 127.0.0.1:{port}")
+        result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", flag, str(port), "--provider", "cpu")
+    one_line_error(result, f"{refusal} 127.0.0.1:{port}")
     assert "listening" not in result.stderr
+
+
+def test_a_health_port_equal_to_the_grpc_port(tiny_artifact):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", "--health-port", "50999"),
+                   "--port and --health-port are both 50999")
 
 
 def test_max_context_beyond_the_models_is_refused_in_one_line(tiny_artifact):

@@ -2,7 +2,8 @@
 validate against the Kubernetes schemas and pass checkov, its custom resources (InferencePool, Gateway, HTTPRoute,
 BackendTLSPolicy: no schema offline) hold the fields their API references require, and every reference between them
 points at something real: the pool at the servers' labels and HTTP port, at the picker's Service; the picker at the
-pool, reading gauges the server exports; the route at the pool; the network policies open exactly those paths."""
+pool, reading gauges the server exports on the port the servers give them; the route at the pool; the network
+policies open exactly those paths."""
 
 from __future__ import annotations
 
@@ -101,7 +102,11 @@ def test_the_pool_points_at_the_servers_api_port_and_at_the_picker(rendered):
     assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "kvserve"}]
     tls = named(objects, "BackendTLSPolicy", "kvserve")["spec"]
     assert tls["targetRefs"] == backends and "TLS_CERT" in " ".join(env)  # the servers' API port speaks TLS
-    assert args["--model-server-metrics-scheme"] == "https" and args["--model-server-metrics-path"] == "/metrics"
+    # the gauges' own port (plaintext, the picker alone may reach it), which the servers open
+    assert args["--model-server-metrics-scheme"] == "http" and args["--model-server-metrics-path"] == "/metrics"
+    gauges_port = int(args["--model-server-metrics-port"])
+    assert int(env["KVSERVE_GATEWAY_METRICS_PORT"]) == gauges_port
+    assert {"name": "gauges", "containerPort": gauges_port, "protocol": "TCP"} in server["ports"]
 
 
 def test_the_picker_reads_gauges_the_server_exports(rendered):
@@ -125,11 +130,14 @@ def test_the_network_policies_open_the_pools_paths_and_no_more(rendered):
     assert [p["port"] for rule in picker["ingress"] for p in rule["ports"]] == ["ext-proc"]
     scrape = [rule for rule in picker["egress"] if rule.get("to")]
     assert scrape[0]["to"][0]["podSelector"]["matchLabels"].items() <= pod_labels(objects, "kvserve-server").items()
-    assert scrape[0]["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    assert scrape[0]["ports"] == [{"port": int(picker_args(objects)["--model-server-metrics-port"]), "protocol": "TCP"}]
     into_servers = named(objects, "NetworkPolicy", "kvserve-server-from-the-pool")["spec"]
-    assert [p["port"] for rule in into_servers["ingress"] for p in rule["ports"]] == ["http"]
-    assert any(f.get("podSelector", {}).get("matchLabels", {}).items() <= pod_labels(objects, "kvserve-epp").items() and f.get("podSelector")
-               for rule in into_servers["ingress"] for f in rule["from"])
+    from_picker, from_gateway = into_servers["ingress"]
+    assert [f["podSelector"]["matchLabels"].items() <= pod_labels(objects, "kvserve-epp").items() for f in from_picker["from"]] == [True]
+    assert [p["port"] for p in from_picker["ports"]] == ["gauges"]  # the picker scrapes; it sends no requests
+    assert not any("podSelector" in f and f["podSelector"]["matchLabels"].items() <= pod_labels(objects, "kvserve-epp").items()
+                   for f in from_gateway["from"])
+    assert [p["port"] for p in from_gateway["ports"]] == ["http"]
 
 
 def test_the_role_grants_reading_and_nothing_else(rendered):
