@@ -424,8 +424,22 @@ MUTATIONS = (
     Mutation(
         "the gateway's K/V use reported as a percent",
         "service/metrics.py",
-        (("self.kv_cache_usage.set(min(1.0, running / self._rows))", "self.kv_cache_usage.set(100.0 * running / self._rows)"),),
-        ("tests/service/test_gateway_contract.py::test_the_picker_reads_waiting_running_and_kv_use_on_the_api_port",),
+        (("usage = min(1.0, running / self._rows)", "usage = 100.0 * running / self._rows"),),
+        ("tests/service/test_gateway_contract.py::test_the_picker_reads_waiting_running_and_kv_use[the API port]",
+         "tests/service/test_gateway_contract.py::test_the_picker_reads_waiting_running_and_kv_use[the gateway metrics port]"),
+    ),
+    Mutation(
+        "the gauges' own process reads a page the server never writes",
+        "service/metrics.py",
+        (("            self._gateway_server.board.write(queued, running, usage)\n", "            pass\n"),),
+        ("tests/service/test_gateway_gauges.py::test_a_scrape_reads_what_the_server_wrote_as_prometheus_client_renders_it",
+         "tests/service/test_gateway_contract.py::test_the_picker_reads_waiting_running_and_kv_use[the gateway metrics port]"),
+    ),
+    Mutation(
+        "the gauges' process serves connections beyond its limit",
+        "service/gateway_gauges.py",
+        (("        if not self._slots.acquire(blocking=False):\n", "        if not self._slots.acquire(blocking=False) and False:\n"),),
+        ("tests/service/test_gateway_gauges.py::test_a_connection_beyond_the_limit_is_closed_unanswered",),
     ),
     Mutation(
         "traces: a caller's traceparent ignored",
