@@ -1,8 +1,13 @@
 """The slots layout's KV cache (export's contract: contract/io_contract.py) and a count of what moves through the host.
 
-One allocation per layer's K and V, (rows, H_kv, capacity, d_k), on the session's device, made and touched once:
-memory first touched mid-stream costs page faults that stall a step (a fresh 1.2 GB gpt2 pool took 1.6 s to fill
-on the development VM). A step binds the pool's first rows by address as both past and present (step.py), so
+One allocation per layer's K and V, (rows, H_kv, capacity, d_k), on the session's device. On the CPU provider each is
+an anonymous mapping reserved for a whole context but committed page by page as tokens are written, so the memory a
+pool holds follows the tokens its rows hold (a row's K/V of one head is contiguous, left-aligned, so its pages fill
+from the front), and a row that is emptied gives its pages back (discard). Nothing is touched when the pool is made:
+a 16-row gpt2 pool of whole contexts is 1.2 GB of address space, which took 1.6 s to fill on the development VM and
+held that memory from the start; a step instead pays the page faults of the columns it writes (a 4 KiB page holds
+16 columns of one gpt2 head in float32; bench/kv_memory.py measures both). Under CUDA the pool is device memory,
+allocated whole. A step binds the pool's first rows by address as both past and present (step.py), so
 ONNX Runtime writes each new token's K/V into its row. The pool copies K/V between rows only when asked (a sequence
 changes row, or takes a prompt prefix another row holds), on the device where it lives, never through the host.
 """
@@ -12,6 +17,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import mmap
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -23,6 +30,9 @@ from kvserve.contract.config import DecoderConfig
 log = logging.getLogger(__name__)
 
 CUDA_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
+# Linux's MAP_NORESERVE (Python's mmap names it from 3.13): a whole context of address space is reserved without
+# counting against the overcommit heuristic, which refuses one mapping larger than the machine's memory.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
 @functools.cache
@@ -56,6 +66,13 @@ def pool_capacity(config: DecoderConfig) -> int:
     return config.n_ctx + 1
 
 
+def reserve(shape: tuple[int, ...], dtype) -> tuple[mmap.mmap, np.ndarray]:
+    """A zeroed array over an anonymous mapping of its own, committed as it is written."""
+    count = int(np.prod(shape))
+    memory = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_NORESERVE)
+    return memory, np.frombuffer(memory, dtype=dtype, count=count).reshape(shape)
+
+
 @dataclass
 class KvTraffic:
     """What the runtime moved. host_bytes: K/V through host memory (a row read back for a check; the serving path moves
@@ -71,9 +88,9 @@ class KvTraffic:
 
 class SlotPool:
     """The slots layout's cache: per layer K and V, each (rows, H, capacity, d_k), on the session's device.
-    Rows are the batch's slots; a step binds rows [0, B) by address. On the CPU provider the memory is
-    numpy's (the device is the host), zeroed here so every page is touched before any step runs; under
-    CUDA it is device memory, never read back on the serving path: a row moves on the device (copy_columns)."""
+    Rows are the batch's slots; a step binds rows [0, B) by address. On the CPU provider the memory is the host's,
+    reserved and committed as written (the module's docstring); under CUDA it is device memory, never read back on
+    the serving path: a row moves on the device (copy_columns)."""
 
     def __init__(self, rows: int, n_kv_head: int, d_head: int, capacity: int, n_layer: int, kv_dtype, device: str,
                  traffic: KvTraffic):
@@ -82,15 +99,26 @@ class SlotPool:
         self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
         self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one layer's K of one row
         if device == "cpu":
-            self.arrays = [np.empty(self.shape, kv_dtype) for _ in range(2 * n_layer)]
-            for array in self.arrays:
-                array.fill(0)  # touch every page now: a first touch mid-step is a page fault the step waits for
+            self._mappings, self.arrays = zip(*(reserve(self.shape, kv_dtype) for _ in range(2 * n_layer)))
             self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]  # the same memory
         else:
             self.arrays = None
             zeros = np.zeros(self.shape, kv_dtype)  # rows read padding columns: they must hold numbers
             self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * n_layer)]
         self._spare: np.ndarray | None = None  # exchange_rows' staging row, made on first use
+
+    def discard(self, row: int) -> None:
+        """Row's K/V is no longer wanted: its pages go back to the system and it reads as zeros (CPU provider; under CUDA
+        the memory stays allocated and the row is overwritten when next used). A row's first and last page may be
+        shared with its neighbours' and are kept."""
+        if self.arrays is None:
+            return
+        page = mmap.PAGESIZE
+        start = -(-(row * self.row_bytes) // page) * page
+        end = ((row + 1) * self.row_bytes) // page * page
+        if end > start:
+            for memory in self._mappings:
+                memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def pitched_copies(self, source: int, destination: int, columns: int) -> list[tuple[int, int, int, int, int]]:
         """The first `columns` columns of row source onto row destination as 2-D copies, one per layer's K and V:

@@ -177,7 +177,8 @@ class Engine:
                 request_span.end()
 
     def live(self) -> LiveCounts:
-        rows = list(self.batch.kv.rows)
-        row_bytes = self.batch.kv.row_bytes()
-        return LiveCounts(active=len(rows), queued=len(self.scheduler.waiting), cached_rows=self.batch.kv.cached_rows(),
-                          kv_bytes=row_bytes * len(rows), sequences=[SequenceKv(s.id, s.total_tokens, row_bytes) for s in rows])
+        kv = self.batch.kv
+        rows = list(kv.rows)
+        held = [kv.held_bytes(s) for s in rows]
+        return LiveCounts(active=len(rows), queued=len(self.scheduler.waiting), cached_rows=kv.cached_rows(), kv_bytes=sum(held),
+                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in zip(rows, held)])

@@ -4,7 +4,11 @@ leaves behind, and the prompt cache over the free rows (vLLM's KV-cache manager 
 
 Each sequence holds one row of the pool, left-aligned: its token at position p lives in column p, so a row's length is
 its own and no row pads another. The pool (kvserve.runtime.SlotPool) is allocated once, for max_rows rows of a whole
-context (n_ctx columns and the scratch one), and touched when the batch is made, so no step ever allocates K/V.
+context (n_ctx columns and the scratch one), so no step ever allocates K/V. On the CPU provider its memory is
+committed as tokens are written and a row emptied gives its pages back (discard): a row that leaves with nothing kept
+for the prompt cache, a cached row overwritten by a sequence that reuses none of it, a row whose contents moved. So
+the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the pages of the longest
+contents it held since it was last emptied.
 
 A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, prompt_cache.py); a joining one takes the
 free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty row,
@@ -45,6 +49,7 @@ class KvRows:
         self.prefixes = PrefixIndex() if prompt_cache else None  # every row's tokens, in use or cached
         self.cached: OrderedDict[int, None] = OrderedDict()  # free rows holding K/V, least recently used first
         self.copies_from_busy = prompt_cache and pool.copies_rows
+        self.commits_as_written = device == "cpu"  # the pool's memory follows what rows hold (runtime/pool.py)
         _, n_kv_head, _, d_head = pool.shape
         self._cell_bytes = 2 * n_layer * n_kv_head * d_head * np.dtype(pool.kv_dtype).itemsize  # K and V of one token
 
@@ -59,8 +64,20 @@ class KvRows:
         """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
         return self.pool.capacity * self._cell_bytes
 
+    def held_bytes(self, seq: Sequence) -> int:
+        """Bytes of K/V seq holds: its columns' where the pool commits memory as written (to a page), else its row."""
+        return seq.cached_tokens * self._cell_bytes if self.commits_as_written else self.row_bytes()
+
     def kv_bytes(self) -> int:
-        return len(self.rows) * self.row_bytes()
+        """Bytes of K/V the sequences in rows hold."""
+        return sum(self.held_bytes(seq) for seq in self.rows)
+
+    def cached_bytes(self) -> int:
+        """Bytes of K/V the prompt cache's rows hold."""
+        if not self.cached:
+            return 0
+        return sum(len(self.prefixes.tokens(row)) * self._cell_bytes if self.commits_as_written else self.row_bytes()
+                   for row in self.cached)
 
     def clear(self) -> list[Sequence]:
         """Every sequence leaves its row, the pool's contents being unknown (a step failed): the prompt cache forgets
@@ -79,9 +96,11 @@ class KvRows:
         return len(self.cached)
 
     def forget_cached(self) -> None:
-        """Free rows forget what they hold (the warm-up's rows, say): nothing is matched against them any more."""
+        """Free rows forget what they hold (the warm-up's rows, say): nothing is matched against them any more, and
+        their memory goes back."""
         for row in self.cached:
             self.prefixes.remove(row)
+            self.pool.discard(row)
         self.cached.clear()
 
     def _best_matches(self, prompt: list[int]) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
@@ -143,11 +162,15 @@ class KvRows:
             elif row in self.cached:
                 victim = self._victim()
                 if victim != row:
+                    if victim in self.cached:
+                        pool.discard(victim)  # its longer contents would outlast the copy
                     pool.copy_columns(row, victim, len(self.prefixes.tokens(row)))
                     self._drop_cached(victim)
                     self._swap_cached(row, victim)
         else:
             row = source if not take_busy and source is not None else self._victim()
+        if reused == 0:
+            pool.discard(row)  # whatever it held is dead: the sequence writes it from its first column
         if take_busy:
             pool.copy_columns(busy, row, reused)
         self._drop_cached(row)
@@ -187,8 +210,9 @@ class KvRows:
                     self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])  # exactly what it wrote
                     self.cached[row] = None
                     self.cached.move_to_end(row)
-                else:
-                    self.prefixes.remove(row)
+                    continue
+                self.prefixes.remove(row)
+            self.pool.discard(row)
         while True:
             while self.slots and self.slots[-1] is None:
                 self.slots.pop()
@@ -203,5 +227,6 @@ class KvRows:
             else:
                 self.pool.copy_columns(source, hole, last.cached_tokens)
                 self._drop_cached(hole)
+                self.pool.discard(source)  # moved out, nothing left behind
             self._swap_cached(source, hole)
             self.slots[hole], last.slot = last, hole

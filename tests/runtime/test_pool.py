@@ -1,7 +1,9 @@
-"""The slots pool (runtime/pool.py): rows of K/V touched once, copies and exchanges of a row's used columns within the
-pool's memory, counted in the runtime's traffic, and the 2-D copies CUDA runs, checked on host memory."""
+"""The slots pool (runtime/pool.py): rows of K/V that read as zeros and commit memory only as they are written, a
+discarded row's pages given back, copies and exchanges of a row's used columns within the pool's memory, counted in
+the runtime's traffic, and the 2-D copies CUDA runs, checked on host memory."""
 
 import ctypes
+import mmap
 
 import numpy as np
 
@@ -23,7 +25,7 @@ def filled(pool: SlotPool, seed: int = 0) -> list[np.ndarray]:
 def test_a_pool_is_every_layers_k_and_v_zeroed_and_a_row_past_the_context_is_scratch():
     pool = host_pool()
     assert len(pool.arrays) == len(pool.values) == 2 * 2 and pool.shape == (3, 2, 9, 4)
-    assert all(not array.any() for array in pool.arrays)  # touched (zeroed) before any step
+    assert all(not array.any() for array in pool.arrays)  # zeros: rows read padding columns
     assert pool.row_bytes == 2 * 9 * 4 * 4  # one layer's K of one row
     assert pool_capacity(DecoderConfig(model_type="gpt2", vocab_size=10, n_ctx=16, d_model=8, n_head=2, n_layer=1, d_mlp=8,
                                        eos_token_ids=(0,))) == 17  # a whole context, then the scratch column
@@ -67,3 +69,33 @@ def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns():
             ctypes.memmove(destination + head * pitch, source + head * pitch, width)
     for got, want in zip(pool.arrays, expected):
         assert np.array_equal(got, want)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * mmap.PAGESIZE
+
+
+def test_memory_is_committed_as_columns_are_written_and_a_discarded_row_gives_it_back():
+    # 8 arrays of 16 rows x 8 heads x 8,192 columns x 64 float32: 2.1 GB of address space
+    before = resident_bytes()
+    pool = SlotPool(16, 8, 64, 8192, 4, np.float32, "cpu", KvTraffic())
+    assert pool.arrays[0].nbytes == 16 * 8 * 8192 * 64 * 4
+    assert resident_bytes() - before < 16 << 20  # made: nothing committed
+    for array in pool.arrays:
+        array[:, :, :100] = 1.0  # 100 columns of every row and head: 25.6 KB each, 7 pages
+    written = resident_bytes() - before
+    assert 25 << 20 < written < 48 << 20, written  # 8 x 16 x 8 x 7 pages = 28 MiB, not 2.1 GB
+    for row in range(16):
+        pool.discard(row)
+    assert resident_bytes() - before < written // 4
+    assert all(not array.any() for array in pool.arrays)  # discarded rows read as zeros
+
+
+def test_discard_keeps_the_neighbours_pages_it_shares():
+    pool = SlotPool(3, 2, 4, 1000, 1, np.float32, "cpu", KvTraffic())  # a row is 32,000 bytes: not whole pages
+    before = filled(pool)
+    pool.discard(1)
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2])
+        assert (got[1] == 0).mean() > 0.8 and np.array_equal(got[1][got[1] != 0], want[1][got[1] != 0])

@@ -83,3 +83,39 @@ def test_fifty_joins_and_leaves_move_no_kv_through_the_host(slots_graph, slots_r
         assert slots_runtime.traffic.device_copies > 0  # leaves below the last row were compacted
     for seq in seqs[::7]:
         assert seq.generated == slots_graph.alone(seq)
+
+
+def discarding(rows: KvRows) -> list[int]:
+    """The rows the pool is told to discard, in order, from now on."""
+    told: list[int] = []
+    discard = rows.pool.discard
+    rows.pool.discard = lambda row: (told.append(row), discard(row))
+    return told
+
+
+def test_rows_that_hold_nothing_wanted_give_their_memory_back():
+    rows = marked_rows(rows=3)
+    told = discarding(rows)
+    a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
+    assert told == [0, 1, 2]  # each joined with nothing to reuse: the row is written from its first column
+    told.clear()
+    c.cached_tokens = 0  # left before writing anything: nothing for the prompt cache
+    c.finished = True
+    rows.release([c])
+    assert told == [2]
+    told.clear()
+    a.finished = True
+    rows.release([a])  # a is cached: b moves into its hole, a's K/V to b's old row, and nothing is discarded
+    assert told == [] and rows.cached_rows() == 1 and b.slot == 0
+    rows.forget_cached()
+    assert told == [1]
+
+
+def test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_nothing_behind():
+    rows = marked_rows(rows=3, prompt_cache=False)
+    a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
+    told = discarding(rows)
+    a.finished = True
+    rows.release([a])  # c moves into a's row 0; row 2 is left empty
+    assert told == [0, 2] and c.slot == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
+    assert rows.kv_bytes() == 2 * 5 * 2 * 4 and rows.cached_bytes() == 0  # two rows of 5 tokens' K and V, 4 bytes each
