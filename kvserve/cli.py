@@ -110,7 +110,7 @@ def _serve(args) -> int:
         gateway_metrics_port=args.gateway_metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         health_port=args.health_port, max_context=args.max_context, cuda_graph=args.cuda_graph, http_port=args.http_port,
-        traces=_trace_export(args.otlp_traces_endpoint, args.otlp_traces_protocol),
+        traces=_trace_export(args.otlp_traces_endpoint, args.otlp_traces_protocol), kv_cache_memory=args.kv_cache_memory,
     )
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--gateway-metrics-port": options.gateway_metrics_port,
              "--health-port": options.health_port, "--http-port": options.http_port}
@@ -191,6 +191,13 @@ def _on_off(value: str) -> bool:
     if parsed is None:
         raise argparse.ArgumentTypeError(f"{value!r} is not on or off")
     return parsed
+
+
+def size(text: str) -> int:
+    """A byte count for --kv-cache-memory (kv_budget.parse_size)."""
+    from kvserve.service.kv_budget import parse_size
+
+    return parse_size(text)
 
 
 @dataclass(frozen=True)
@@ -323,6 +330,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=positive, default=FromEnv("MAX_CONTEXT", None, int),
                        help="prompt + generated tokens one sequence may hold, at most the model's context; sizes every row's "
                        "KV cache [KVSERVE_MAX_CONTEXT] (default: the model's context)")
+    serve.add_argument("--kv-cache-memory", type=size, default=FromEnv("KV_CACHE_MEMORY", None, size), metavar="BYTES",
+                       help="what the K/V of running sequences and of the prompt cache may take, in bytes or with K, M, G (powers of "
+                       "1000) or Ki, Mi, Gi (of 1024); a request waits until its prompt and max_new_tokens fit, and one that never "
+                       "could is refused (CPU provider; under CUDA the pool is allocated whole) [KVSERVE_KV_CACHE_MEMORY] "
+                       "(default: half the memory the server may use, its container's limit or the machine's)")
     serve.add_argument("--tls-cert", default=FromEnv("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")
     serve.add_argument("--tls-key", default=FromEnv("TLS_KEY", None), help="its PEM private key [KVSERVE_TLS_KEY]")
     serve.add_argument("--tls-client-ca", default=FromEnv("TLS_CLIENT_CA", None),

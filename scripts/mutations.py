@@ -442,6 +442,24 @@ MUTATIONS = (
         ("tests/service/test_gateway_gauges.py::test_a_connection_beyond_the_limit_is_closed_unanswered",),
     ),
     Mutation(
+        "K/V budget: a sequence admitted whatever the rows may already hold",
+        "service/scheduler.py",
+        (("kv.free_rows() > 0 and kv.fits(self.waiting[0])", "kv.free_rows() > 0"),),
+        ("tests/service/test_kv_budget.py::test_a_flood_beyond_the_budget_queues_and_completes_and_what_never_fits_is_refused",),
+    ),
+    Mutation(
+        "K/V budget: the prompt cache never gives its rows back",
+        "service/kv_rows.py",
+        (("        while self.cached and self._reserved + self.cached_bytes() > self.budget_bytes:", "        while False:"),),
+        ("tests/service/test_kv_rows.py::test_the_prompt_cache_gives_its_rows_back_first_least_recently_used_when_the_budget_needs_them",),
+    ),
+    Mutation(
+        "K/V memory: a row left with nothing cached keeps its pages",
+        "service/kv_rows.py",
+        (("                self.prefixes.remove(row)\n            self.pool.discard(row)\n", "                self.prefixes.remove(row)\n"),),
+        ("tests/service/test_kv_rows.py::test_rows_that_hold_nothing_wanted_give_their_memory_back",),
+    ),
+    Mutation(
         "traces: a caller's traceparent ignored",
         "service/tracing.py",
         (("        if not traceparent:\n            return None", "        return None"),),

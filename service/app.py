@@ -206,6 +206,7 @@ class App:
                         chat_template=loaded.chat_template, encoder=self.tokenizing.encode_within, tracer=self.tracer,
                         model_name=Path(options.artifact).resolve().name)
         self.metrics.set_rows(options.limits.max_batch_size)
+        self.metrics.kv_budget.set(loaded.batch.kv.budget_bytes or 0)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -83,12 +83,14 @@ class SlotBatch:
     """The running batch over one SlotPool's rows. Not thread-safe: one step thread calls it."""
 
     def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None,
-                 prompt_cache: bool = True):
+                 prompt_cache: bool = True, kv_budget: int | None = None):
         """fixed_decode: run decode-only steps at bucketed shapes (runtime.run_decode); default: when the runtime
-        captures them as CUDA graphs. prompt_cache: finished rows keep their K/V for later prompts that begin alike."""
+        captures them as CUDA graphs. prompt_cache: finished rows keep their K/V for later prompts that begin alike.
+        kv_budget: bytes the K/V of the rows and the prompt cache may take (kv_rows.py; on the CPU provider only,
+        where the pool's memory follows what it holds; None: no bound)."""
         self.runtime, self.config, self.max_rows = runtime, config, max_rows
         pool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
-        self.kv = KvRows(pool, runtime.device, config.n_layer, prompt_cache)
+        self.kv = KvRows(pool, runtime.device, config.n_layer, prompt_cache, kv_budget if runtime.device == "cpu" else None)
         self.fixed_decode = runtime.captures_decode if fixed_decode is None else fixed_decode
         if self.fixed_decode and runtime.attention != STANDARD:
             raise ValueError("fixed-shape decode steps need a standard slots graph (a fused graph's If cannot be captured)")

@@ -43,8 +43,8 @@ class Engine:
             raise ValueError(problem)
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
-        self.validator = RequestValidator(config, tokenizer, limits, chat_template, encoder)
         self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
+        self.validator = RequestValidator(config, tokenizer, limits, chat_template, encoder, kv_budget_tokens=self.batch.kv.budget_tokens())
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread)
         self._accepting = True
         self._task: asyncio.Task | None = None
@@ -181,4 +181,5 @@ class Engine:
         rows = list(kv.rows)
         held = [kv.held_bytes(s) for s in rows]
         return LiveCounts(active=len(rows), queued=len(self.scheduler.waiting), cached_rows=kv.cached_rows(), kv_bytes=sum(held),
-                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in zip(rows, held)])
+                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in zip(rows, held)], cached_kv_bytes=kv.cached_bytes(),
+                          kv_budget_bytes=kv.budget_bytes or 0)

@@ -105,6 +105,9 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     batch_size = batch.max_rows
     prompt_len = max(1, min(8, config.n_ctx // 2))
     new_tokens = max(1, min(batch_size + 1, config.n_ctx - prompt_len))
+    held = batch.kv.budget_tokens()
+    if held is not None:  # each row within the K/V budget (at least kv_budget.MIN_BUDGET_TOKENS)
+        new_tokens = max(1, min(new_tokens, held - prompt_len))
     rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, new_tokens) for i in range(batch_size)]
     results = Scheduler(batch, step_token_budget).drive(rows)  # a failure anywhere counts
     failures = [e for _, e in results if isinstance(e, BaseException)]

@@ -85,6 +85,8 @@ def _model_info_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
         live=pb.LiveCounts(
             active_sequences=live.active, queued_sequences=live.queued, kv_slots_in_use=live.active, cached_rows=live.cached_rows,
             kv_cache_bytes=live.kv_bytes,
+            cached_kv_cache_bytes=live.cached_kv_bytes,
+            kv_cache_budget_bytes=live.kv_budget_bytes,
             sequences=[pb.SequenceKv(sequence_id=s.id, tokens=s.tokens, kv_cache_bytes=s.kv_bytes) for s in live.sequences],
         ),
         parity_gate=pb.ParityGate(passed=info.gate.passed, overridden=info.gate.overridden, summary=info.gate.summary),

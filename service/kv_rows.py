@@ -10,6 +10,11 @@ for the prompt cache, a cached row overwritten by a sequence that reuses none of
 the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the pages of the longest
 contents it held since it was last emptied.
 
+A budget (serve --kv-cache-memory) bounds that memory: a sequence is given a row only when the most it can hold (its
+prompt and max_new_tokens, every layer's K and V) fits beside what the sequences in rows may hold (fits), so no step
+can outgrow it; the prompt cache's rows count too, and are the first memory given back, least recently used first,
+when a sequence joins or the cache outgrows what the budget leaves (settle).
+
 A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, prompt_cache.py); a joining one takes the
 free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty row,
 else the least recently used cached one, and prefills only the rest. On the CPU provider rows 0..B-1 stay dense, so
@@ -40,9 +45,10 @@ PREFIX_COPY_MIN_TOKENS = {"cpu": 16, "cuda": 16}
 class KvRows:
     """The rows of one SlotPool and the sequences in them. Not thread-safe: the step thread calls it."""
 
-    def __init__(self, pool: SlotPool, device: str, n_layer: int, prompt_cache: bool = True):
+    def __init__(self, pool: SlotPool, device: str, n_layer: int, prompt_cache: bool = True, budget_bytes: int | None = None):
         """device: where the pool lives ("cpu": rows are kept dense); prompt_cache: finished rows keep their K/V for later
-        prompts that begin alike."""
+        prompts that begin alike; budget_bytes: what the K/V of the sequences in rows and the cached rows may take
+        together (None: no bound but the pool's, as under CUDA, where the pool is allocated whole)."""
         self.pool, self.device, self.max_rows = pool, device, pool.rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
         self.compact = device == "cpu"  # fill a hole by moving the last row (see the module docstring)
@@ -51,7 +57,9 @@ class KvRows:
         self.copies_from_busy = prompt_cache and pool.copies_rows
         self.commits_as_written = device == "cpu"  # the pool's memory follows what rows hold (runtime/pool.py)
         _, n_kv_head, _, d_head = pool.shape
-        self._cell_bytes = 2 * n_layer * n_kv_head * d_head * np.dtype(pool.kv_dtype).itemsize  # K and V of one token
+        self.token_bytes = 2 * n_layer * n_kv_head * d_head * np.dtype(pool.kv_dtype).itemsize  # K and V of one token
+        self.budget_bytes = budget_bytes
+        self._reserved = 0  # the most the sequences in rows may hold (reservation(seq) each)
 
     @property
     def rows(self) -> list[Sequence]:
@@ -62,21 +70,45 @@ class KvRows:
 
     def row_bytes(self) -> int:
         """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
-        return self.pool.capacity * self._cell_bytes
+        return self.pool.capacity * self.token_bytes
 
     def held_bytes(self, seq: Sequence) -> int:
         """Bytes of K/V seq holds: its columns' where the pool commits memory as written (to a page), else its row."""
-        return seq.cached_tokens * self._cell_bytes if self.commits_as_written else self.row_bytes()
+        return seq.cached_tokens * self.token_bytes if self.commits_as_written else self.row_bytes()
 
     def kv_bytes(self) -> int:
         """Bytes of K/V the sequences in rows hold."""
         return sum(self.held_bytes(seq) for seq in self.rows)
 
+    def reservation(self, seq: Sequence) -> int:
+        """The most K/V seq can hold: its prompt and every token it may generate (the last is never written)."""
+        return (len(seq.prompt_ids) + seq.max_new_tokens) * self.token_bytes
+
+    def reserved_bytes(self) -> int:
+        return self._reserved
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether seq may take a row now under the budget (cached rows give way to it)."""
+        return self.budget_bytes is None or self._reserved + self.reservation(seq) <= self.budget_bytes
+
+    def budget_tokens(self) -> int | None:
+        """Tokens of K/V the budget holds (None: no budget)."""
+        return None if self.budget_bytes is None else self.budget_bytes // self.token_bytes
+
+    def settle(self) -> None:
+        """Give back cached rows, least recently used first, while the cache takes more than the budget leaves."""
+        if self.budget_bytes is None:
+            return
+        while self.cached and self._reserved + self.cached_bytes() > self.budget_bytes:
+            row = next(iter(self.cached))
+            self._drop_cached(row)
+            self.pool.discard(row)
+
     def cached_bytes(self) -> int:
         """Bytes of K/V the prompt cache's rows hold."""
         if not self.cached:
             return 0
-        return sum(len(self.prefixes.tokens(row)) * self._cell_bytes if self.commits_as_written else self.row_bytes()
+        return sum(len(self.prefixes.tokens(row)) * self.token_bytes if self.commits_as_written else self.row_bytes()
                    for row in self.cached)
 
     def clear(self) -> list[Sequence]:
@@ -86,6 +118,7 @@ class KvRows:
         for seq in held:
             seq.slot = None
         self.slots = []
+        self._reserved = 0
         self.cached.clear()
         if self.prefixes is not None:
             self.prefixes.clear()
@@ -181,6 +214,8 @@ class KvRows:
         self.slots[row] = seq
         seq.slot = row
         seq.cached_tokens = seq.reused_prompt_tokens = reused
+        self._reserved += self.reservation(seq)
+        self.settle()
 
     def _drop_cached(self, row: int) -> None:
         """Row no longer holds a cached sequence (it is taken, or overwritten)."""
@@ -205,6 +240,7 @@ class KvRows:
             row = seq.slot
             self.slots[row] = None
             seq.slot = None
+            self._reserved -= self.reservation(seq)
             if self.prefixes is not None:
                 if seq.cached_tokens:
                     self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])  # exactly what it wrote
@@ -230,3 +266,4 @@ class KvRows:
                 self.pool.discard(source)  # moved out, nothing left behind
             self._swap_cached(source, hole)
             self.slots[hole], last.slot = last, hole
+        self.settle()

@@ -22,6 +22,7 @@ from kvserve.runtime import DecoderRuntime
 
 from .batch import SlotBatch
 from .gate import GateResult, run_gate, warm_up
+from .kv_budget import MIN_BUDGET_TOKENS, default_budget
 from .options import ServerOptions
 from .scheduler import step_thread
 
@@ -89,8 +90,13 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
             gate = GateResult(False, gate.summary, overridden=True)
         else:
             log.info("parity gate passed: %s", gate.summary)
-        batch = await loop.run_in_executor(steps, lambda: SlotBatch(runtime, config, options.limits.max_batch_size,
-                                                                      prompt_cache=options.limits.prompt_cache))  # all K/V memory, now
+        kv_budget = options.kv_cache_memory if options.kv_cache_memory is not None else default_budget()
+        batch = await loop.run_in_executor(steps, lambda: SlotBatch(runtime, config, options.limits.max_batch_size, kv_budget=kv_budget,
+                                                                      prompt_cache=options.limits.prompt_cache))  # its K/V's address space
+        held = batch.kv.budget_tokens()
+        if held is not None and held < MIN_BUDGET_TOKENS:
+            raise UserError(f"--kv-cache-memory {kv_budget} holds {held} tokens of this model's K/V ({batch.kv.token_bytes} bytes each); "
+                            f"give it at least {MIN_BUDGET_TOKENS * batch.kv.token_bytes} ({MIN_BUDGET_TOKENS} tokens)")
         await loop.run_in_executor(steps, warm_up, batch, artifact, budget)
     except BaseException:
         steps.shutdown(wait=False)  # a failed load leaves no thread behind

@@ -38,7 +38,10 @@ class Metrics:
         self.batch_size = Histogram("kvserve_batch_size", "Sequences in each model step", buckets=BATCH_BUCKETS, registry=self.registry)
         self.queue_depth = Gauge("kvserve_queue_depth", "Requests waiting for a batch slot", registry=self.registry)
         self.kv_slots_in_use = Gauge("kvserve_kv_slots_in_use", "Batch rows holding a sequence's KV cache", registry=self.registry)
-        self.kv_cache_bytes = Gauge("kvserve_kv_cache_bytes", "Bytes of KV cache held", registry=self.registry)
+        self.kv_cache_bytes = Gauge("kvserve_kv_cache_bytes", "Bytes of KV cache held by the running sequences", registry=self.registry)
+        self.cached_kv_bytes = Gauge("kvserve_prompt_cache_bytes", "Bytes of KV cache held by the prompt cache's rows", registry=self.registry)
+        self.kv_budget = Gauge("kvserve_kv_cache_budget_bytes", "Bytes the running sequences' and the prompt cache's KV may take "
+                               "(serve --kv-cache-memory); 0: no budget", registry=self.registry)
         self.prompt_tokens = Counter(
             "kvserve_prompt_tokens", "Prompt tokens of admitted requests, by whether their K/V came from the prompt cache or was computed",
             ["source"], registry=self.registry,
@@ -100,9 +103,9 @@ class Metrics:
         self.prompt_tokens.labels(source="reused").inc(reused)
         self.prompt_tokens.labels(source="computed").inc(computed)
 
-    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int, cached_rows: int = 0) -> None:
+    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int, cached_rows: int = 0, cached_bytes: int = 0) -> None:
         """stepped: sequences that got a token this step; running: rows left in the batch after it; cached_rows: free rows
-        holding K/V for the prompt cache."""
+        holding K/V for the prompt cache, cached_bytes their K/V."""
         if stepped:
             self.batch_size.observe(stepped)
         self.queue_depth.set(queued)
@@ -115,6 +118,7 @@ class Metrics:
             self._gateway_server.board.write(queued, running, usage)
         self.kv_cache_bytes.set(kv_bytes)
         self.cached_rows.set(cached_rows)
+        self.cached_kv_bytes.set(cached_bytes)
 
     # the edges' hook
 

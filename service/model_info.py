@@ -25,6 +25,8 @@ class LiveCounts:
     cached_rows: int  # free rows keeping a finished sequence's K/V (the prompt cache)
     kv_bytes: int  # K/V held by the active sequences
     sequences: list[SequenceKv]
+    cached_kv_bytes: int = 0  # K/V held by the prompt cache's rows
+    kv_budget_bytes: int = 0  # what both may take together (serve --kv-cache-memory); 0: no budget (CUDA)
 
 
 @dataclass(frozen=True)

@@ -50,3 +50,6 @@ class ServerOptions:
     # The OpenAI-compatible HTTP API (http_api.py) on host:http_port, beside gRPC; None: off, 0: any free port.
     http_port: int | None = None
     traces: TraceExport | None = None  # a span per request over OTLP; None: off
+    # Bytes the K/V of running sequences and of the prompt cache may take (kv_budget.py); None: kv_budget.DEFAULT_SHARE
+    # of the memory the server may use. The CPU provider only: under CUDA the pool is allocated whole.
+    kv_cache_memory: int | None = None

@@ -55,6 +55,7 @@ class StepDone:
     kv_bytes: int
     cached_rows: int
     queued: int
+    cached_bytes: int
 
 
 class StepFailed(Exception):
@@ -161,7 +162,7 @@ class Scheduler:
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]
         joining = []
-        if not prefilling and self.waiting and kv.free_rows() > 0:
+        if not prefilling and self.waiting and kv.free_rows() > 0 and kv.fits(self.waiting[0]):  # in order: none overtakes
             joining = [self.waiting.popleft()]
             joining[0].admitted_ns = time.monotonic_ns()
             prefilling = joining
@@ -184,7 +185,10 @@ class Scheduler:
             self.waiting.append(seq)
         results: StepResults = []
         while self.waiting or self.batch.kv.rows:
-            results += self.batch.run(self.plan())
+            plan = self.plan()
+            if not (plan.decode or plan.chunk):
+                raise RuntimeError(f"the K/V budget ({self.batch.kv.budget_bytes} bytes) holds none of the waiting sequences")
+            results += self.batch.run(plan)
         return results
 
     # --- the loop -----------------------------------------------------------------------------------------
@@ -237,7 +241,7 @@ class Scheduler:
         prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
                    for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
         kv = self.batch.kv
-        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting))
+        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting), kv.cached_bytes())
 
     def _deliver(self, steps: list[StepDone]) -> None:
         """On the event loop: each sequence's event to its caller, and each step's metrics, step by step."""
@@ -254,7 +258,7 @@ class Scheduler:
                         metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
                         seq.last_sent_ns = now
             if metrics is not None:
-                metrics.on_step(len(done.results), done.running, done.queued, done.kv_bytes, done.cached_rows)
+                metrics.on_step(len(done.results), done.running, done.queued, done.kv_bytes, done.cached_rows, done.cached_bytes)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> StepResults:
         results = self.batch.fail_all(exc)

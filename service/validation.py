@@ -79,9 +79,11 @@ class RequestValidator:
     """Turns GenerationRequests into Sequences for one model under one set of limits."""
 
     def __init__(self, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, chat_template: ChatTemplate | None = None,
-                 encoder: Encoder | None = None):
-        """encoder: where long texts are tokenized (default: here, with tokenizer)."""
+                 encoder: Encoder | None = None, kv_budget_tokens: int | None = None):
+        """encoder: where long texts are tokenized (default: here, with tokenizer); kv_budget_tokens: the most tokens of
+        K/V a sequence may hold under the server's budget (kv_budget.py; None: no budget)."""
         self.config, self.tokenizer, self.limits = config, tokenizer, limits
+        self.kv_budget_tokens = kv_budget_tokens
         self.encoder = encoder
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
         self.formats = FormatCompiler(tokenizer, config.vocab_size, config.eos_token_ids, limits.max_response_format_bytes,
@@ -121,6 +123,16 @@ class RequestValidator:
             raise InvalidArgument(
                 "max_new_tokens", f"{max_new} new tokens do not fit: the prompt has {len(prompt)} of the {config.n_ctx}-token context ({room} left)"
             )
+        if self.kv_budget_tokens is not None:  # what may wait for memory that frees later, and what never fits
+            budget_room = self.kv_budget_tokens - len(prompt)
+            budget = f"the server's K/V budget holds {self.kv_budget_tokens} tokens (--kv-cache-memory)"
+            if budget_room < 1:
+                raise InvalidArgument(field_name, f"the prompt has {len(prompt)} tokens; {budget}, including at least one new token")
+            if not request.max_new_tokens:
+                max_new = min(max_new, budget_room)  # as many as fit
+            elif max_new > budget_room:
+                raise InvalidArgument("max_new_tokens", f"{max_new} new tokens after a {len(prompt)}-token prompt do not fit: {budget}, "
+                                      f"so at most {budget_room} new tokens")
         params = request.sampling
         if not (params.temperature == 0 or MIN_SCALE <= params.temperature <= MAX_SCALE):
             raise InvalidArgument("sampling.temperature", f"must be 0 (greedy) or in [{MIN_SCALE:g}, {MAX_SCALE:g}], got {params.temperature}")

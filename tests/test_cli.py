@@ -224,3 +224,12 @@ def test_a_quantize_block_that_cannot_be_is_refused_before_export_starts(tmp_pat
     result = run_cli("export", "--preset", "tiny", "--out", str(tmp_path / "out"), *args)
     one_line_error(result, f"--quantize-block {args[1]}: give a power of 2 from 16, with --quantize int8 or int4")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_kv_budget_too_small_or_not_a_size_is_refused_in_one_line(tiny_artifact, monkeypatch):
+    result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--provider", "cpu", "--kv-cache-memory", "1Ki")
+    one_line_error(result, "--kv-cache-memory 1024 holds")
+    assert "give it at least" in result.stderr
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--kv-cache-memory", "lots"), "argument --kv-cache-memory: invalid size value: 'lots'")
+    monkeypatch.setenv("KVSERVE_KV_CACHE_MEMORY", "lots")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact)), "KVSERVE_KV_CACHE_MEMORY='lots' is not a valid size")

@@ -119,3 +119,67 @@ def test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_no
     rows.release([a])  # c moves into a's row 0; row 2 is left empty
     assert told == [0, 2] and c.slot == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
     assert rows.kv_bytes() == 2 * 5 * 2 * 4 and rows.cached_bytes() == 0  # two rows of 5 tokens' K and V, 4 bytes each
+
+
+def budgeted_rows(rows: int, budget_tokens: int, prompt_cache: bool = True) -> KvRows:
+    """marked_rows' pool under a K/V budget of budget_tokens tokens (a token: 1 layer's K and V of 1 head of width 1)."""
+    pool = SlotPool(rows, 1, 1, 64, 1, np.float32, "cpu", KvTraffic())
+    return KvRows(pool, "cpu", 1, prompt_cache, budget_bytes=budget_tokens * 2 * 4)
+
+
+def test_a_sequence_fits_while_the_most_the_rows_may_hold_stays_within_the_budget():
+    rows = budgeted_rows(4, budget_tokens=30)
+    first = _greedy_sequence(1, prompt(1, 20)[:10], 4)  # reserves 14
+    assert rows.reservation(first) == 14 * 8 and rows.fits(first)
+    rows.join(first)
+    second = _greedy_sequence(2, prompt(2, 20)[:10], 6)  # 16 more: 30 of 30
+    assert rows.fits(second)
+    rows.join(second)
+    third = _greedy_sequence(3, [5], 0)  # one token more than the budget
+    assert not rows.fits(third) and rows.free_rows() == 2  # rows are free; memory is not
+    first.finished = True
+    rows.release([first])
+    assert rows.fits(third) and rows.reserved_bytes() == 16 * 8
+
+
+def test_the_prompt_cache_gives_its_rows_back_first_least_recently_used_when_the_budget_needs_them():
+    rows = budgeted_rows(4, budget_tokens=40)
+    told = discarding(rows)
+    a, b = join_writing(rows, 1, prompt(1, 20)[:10]), join_writing(rows, 2, prompt(2, 20)[:10])  # 14 reserved each
+    told.clear()
+    for seq in (a, b):
+        seq.finished = True
+        rows.release([seq])
+    assert rows.cached_rows() == 2 and rows.cached_bytes() == 20 * 8 and told == []  # 20 cached tokens fit the budget beside nothing
+    newcomer = _greedy_sequence(3, [300, 301, 302], 27)  # reserves 30: 30 + 20 cached > 40, so a cached row goes, a's first
+    assert rows.fits(newcomer)
+    rows.join(newcomer)
+    assert rows.reserved_bytes() + rows.cached_bytes() <= 40 * 8
+    assert rows.cached_rows() == 1 and len(told) >= 1
+    (kept,) = rows.cached
+    assert rows.prefixes.tokens(kept) == b.prompt_ids  # b, the more recently used, is what the cache kept
+
+
+def test_kv_memory_stays_within_the_budget_while_a_flood_runs_through_rows_that_would_hold_far_more():
+    # 16 rows of a 1-layer pool, 8 heads of 64 float32 (4 KiB a token) and 8,192 columns: 512 MiB of address space for
+    # 16 sequences of 8,000 tokens, whose K/V the pool would commit as written; the budget holds 2 of them (64 MB).
+    from ..runtime.test_pool import resident_bytes
+
+    pool = SlotPool(16, 8, 64, 8192, 1, np.float32, "cpu", KvTraffic())
+    rows = KvRows(pool, "cpu", 1, prompt_cache=True, budget_bytes=16_000 * 4096)
+    waiting = [_greedy_sequence(i, [i] * 4000, 4000) for i in range(16)]
+    before, peak, done = resident_bytes(), 0, 0
+    while waiting or rows.rows:
+        while waiting and rows.free_rows() and rows.fits(waiting[0]):  # the scheduler's admission, in order
+            rows.join(waiting.pop(0))
+        assert len(rows.rows) <= 2
+        for seq in rows.rows:  # each writes its whole length at once, as a prefill and its decode would
+            for array in pool.arrays:
+                array[seq.slot, :, :8000] = seq.id + 1.0
+            seq.cached_tokens = 8000
+        peak = max(peak, resident_bytes() - before)
+        for seq in rows.rows:
+            seq.finished = True
+        done += len(rows.rows)
+        rows.release(rows.rows)
+    assert done == 16 and peak < 16_000 * 4096 + (16 << 20), peak  # the budget (64 MB) and some slack, never 512 MiB

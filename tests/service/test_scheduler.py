@@ -25,9 +25,13 @@ class PlannedRows:
     rows: list = field(default_factory=list)
     max_rows: int = 4
     cached_prefix: int = 0
+    fitting: set = field(default_factory=lambda: {"all"})  # ids of the sequences the K/V budget has room for now
 
     def free_rows(self) -> int:
         return self.max_rows - len(self.rows)
+
+    def fits(self, seq) -> bool:
+        return "all" in self.fitting or seq.id in self.fitting
 
     def reusable_prompt_tokens(self, seq) -> int:
         return self.cached_prefix
@@ -211,3 +215,13 @@ def test_the_handoff_never_leaves_a_flush_waiting_when_it_is_closed_meanwhile():
     finally:
         loop.close()
     assert delivered == [["step"], ["after close"]]
+
+
+def test_the_first_in_line_waits_for_kv_memory_and_none_overtakes_it():
+    scheduler = planner(8)
+    first, second = _greedy_sequence(1, [1, 2, 3], 10), _greedy_sequence(2, [1, 2], 1)
+    scheduler.waiting.extend([first, second])
+    scheduler.batch.kv.fitting = {2}  # a free row, but memory only for the second
+    assert scheduler.plan().joining == [] and list(scheduler.waiting) == [first, second]
+    scheduler.batch.kv.fitting = {1, 2}  # memory freed
+    assert scheduler.plan().joining == [first]

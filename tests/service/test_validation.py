@@ -73,3 +73,14 @@ def test_a_model_without_a_chat_template_refuses_a_conversation_by_saying_so():
     bare = RequestValidator(CONFIG, ByteTokenizer(), EngineLimits())
     with pytest.raises(InvalidArgument, match="prompt.messages: this model has no chat template"):
         bare.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),)))
+
+
+def test_under_a_kv_budget_as_many_as_fit_is_what_it_holds_and_what_never_fits_is_refused_naming_it():
+    budgeted = RequestValidator(CONFIG, ByteTokenizer(), EngineLimits(), kv_budget_tokens=100)
+    assert budgeted.make_sequence(GenerationRequest(prompt_ids=(1,) * 30)).max_new_tokens == 70  # 0: as many as the budget holds
+    assert budgeted.make_sequence(GenerationRequest(prompt_ids=(1,) * 30, max_new_tokens=70)).max_new_tokens == 70
+    with pytest.raises(InvalidArgument, match=r"max_new_tokens: 71 new tokens after a 30-token prompt do not fit: the server's K/V "
+                                              r"budget holds 100 tokens \(--kv-cache-memory\), so at most 70 new tokens"):
+        budgeted.make_sequence(GenerationRequest(prompt_ids=(1,) * 30, max_new_tokens=71))
+    with pytest.raises(InvalidArgument, match=r"prompt.token_ids: the prompt has 100 tokens; the server's K/V budget holds 100 tokens"):
+        budgeted.make_sequence(GenerationRequest(prompt_ids=(1,) * 100))
