@@ -118,7 +118,7 @@ def test_a_trace_per_request_with_the_callers_context(tiny_chat_artifact, http_c
                                metadata=(("traceparent", TRACEPARENT),), timeout=60))
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.app.http_port}/v1", api_key="unused", max_retries=0, timeout=60)
         model = running.app.http.model_name
-        client.completions.create(model=model, prompt="abcd", max_tokens=4, extra_headers={"traceparent": TRACEPARENT})
+        traced = client.completions.create(model=model, prompt="abcd", max_tokens=4, extra_headers={"traceparent": TRACEPARENT})
         client.completions.create(model=model, prompt="xy", max_tokens=2, n=2, seed=1)
         chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
     traces = by_trace(collector)  # the server's stop exported what it still held
@@ -130,9 +130,11 @@ def test_a_trace_per_request_with_the_callers_context(tiny_chat_artifact, http_c
     check_request_spans(plain[1], chat.usage.prompt_tokens, chat.usage.completion_tokens,
                         "length" if chat.choices[0].finish_reason == "length" else "end_of_sequence", "chat")
     (caller,) = [t for trace_id, t in traces.items() if trace_id == CALLER_TRACE]
+    # the completion samples: it may end before its 4 tokens, and its span says what its answer said
+    ends = [(2, 3, "length"), (4, traced.usage.completion_tokens, "length" if traced.choices[0].finish_reason == "length" else "end_of_sequence")]
     roots = [check_request_spans([s for s in caller if s.trace_id == r.trace_id and (s.span_id == r.span_id or s.parent_span_id == r.span_id)],
-                                 *counts, "length") for r, counts in zip(sorted((s for s in caller if s.name == "kvserve.generate"),
-                                                                               key=lambda s: s.start_time_unix_nano), [(2, 3), (4, 4)])]
+                                 *end) for r, end in zip(sorted((s for s in caller if s.name == "kvserve.generate"),
+                                                                key=lambda s: s.start_time_unix_nano), ends)]
     assert all(root.parent_span_id.hex() == CALLER_SPAN for root in roots)  # gRPC metadata's and HTTP header's
     (two,) = [t for t in traces.values() if any(s.name == "kvserve.request" for s in t)]
     (request,) = [s for s in two if s.name == "kvserve.request"]
