@@ -160,9 +160,9 @@ MUTATIONS = (
         ("tests/service/test_text_and_sampling.py::test_greedy_repetition_penalty_top_k_and_top_p",),
     ),
     Mutation(
-        "total KV bytes not multiplied by the rows",
+        "total KV bytes only the first sequence's",
         "service/engine.py",
-        (("kv_bytes=row_bytes * len(rows),", "kv_bytes=row_bytes,"),),
+        (("kv_bytes=sum(held),", "kv_bytes=held[0] if held else 0,"),),
         (f"{GEN}::test_kv_bytes_of_several_live_streams_are_the_sum_per_sequence",),
     ),
     Mutation(
