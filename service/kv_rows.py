@@ -72,9 +72,14 @@ class KvRows:
         """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
         return self.pool.capacity * self.token_bytes
 
+    def _holding(self, tokens: int) -> int:
+        """Bytes of K/V a row holding tokens takes: theirs where the pool commits memory as written (to a page), else
+        the whole row."""
+        return tokens * self.token_bytes if self.commits_as_written else self.row_bytes()
+
     def held_bytes(self, seq: Sequence) -> int:
-        """Bytes of K/V seq holds: its columns' where the pool commits memory as written (to a page), else its row."""
-        return seq.cached_tokens * self.token_bytes if self.commits_as_written else self.row_bytes()
+        """Bytes of K/V seq holds."""
+        return self._holding(seq.cached_tokens)
 
     def kv_bytes(self) -> int:
         """Bytes of K/V the sequences in rows hold."""
@@ -106,10 +111,7 @@ class KvRows:
 
     def cached_bytes(self) -> int:
         """Bytes of K/V the prompt cache's rows hold."""
-        if not self.cached:
-            return 0
-        return sum(len(self.prefixes.tokens(row)) * self.token_bytes if self.commits_as_written else self.row_bytes()
-                   for row in self.cached)
+        return sum(self._holding(len(self.prefixes.tokens(row))) for row in self.cached)
 
     def clear(self) -> list[Sequence]:
         """Every sequence leaves its row, the pool's contents being unknown (a step failed): the prompt cache forgets
