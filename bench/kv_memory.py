@@ -1,6 +1,7 @@
 """K/V memory under load: a server's resident memory when it is SERVING and idle, and at its peak while 16 streams
 write --new-tokens after a 32-token prompt, with their tokens/s and the start's seconds to SERVING; this tree against a
-baseline revision, alternating, each run a fresh server.
+baseline revision (or artifacts of the same weights with other K/V dtypes, --artifacts), alternating, each run a
+fresh server.
 
 The baseline is the revision given (default HEAD~1), installed on its own (pip install --target, its dependencies this
 environment's, as scripts/mutations.py installs a mutant) and run with PYTHONPATH ahead of this checkout. Resident
@@ -8,6 +9,7 @@ memory is the server process's VmRSS (/proc), sampled every 50 ms; the input wor
 it.
 
     python bench/kv_memory.py [--artifact artifacts/gpt2-int8] [--baseline REV] [--rounds 2] [--new-tokens 992]
+    python bench/kv_memory.py --artifacts artifacts/gpt2-int8 artifacts/gpt2-int8-kv-f16 artifacts/gpt2-int8-kv-int8
 """
 
 from __future__ import annotations
@@ -103,33 +105,56 @@ def run_once(artifact: str, site: Path | None, vocab: int, new_tokens: int, seed
         server.wait(60)
 
 
+def token_bytes(artifact: str) -> int:
+    """One token's K and V over every layer, in the artifact's K/V dtype."""
+    opened = open_artifact(artifact)
+    config = opened.config
+    return 2 * config.n_layer * config.n_kv_head * config.head_dim * {"float32": 4, "float16": 2, "int8": 1}[opened.kv_dtype]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifact", default="artifacts/gpt2-int8")
     parser.add_argument("--baseline", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
+    parser.add_argument("--artifacts", nargs="+", default=None, metavar="DIR",
+                        help="instead of a baseline revision: these artifacts (the same weights with other K/V dtypes), each served by this tree")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=992, help="a stream's new tokens (default 992: 1,024 with the prompt)")
     args = parser.parse_args()
-    config = open_artifact(args.artifact).config
-    revision = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    site = install_revision(args.baseline)
+    site = None
+    if args.artifacts:
+        sides = {Path(a).name: (a, None) for a in args.artifacts}
+        compared = f"artifacts {', '.join(sides)} (K/V {', '.join(open_artifact(a).kv_dtype for a in args.artifacts)}), this tree"
+    else:
+        revision = subprocess.run(["git", "rev-parse", "--short", args.baseline], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+        site = install_revision(args.baseline)
+        sides = {"baseline": (args.artifact, site), "this tree": (args.artifact, None)}
+        compared = f"{Path(args.artifact).name}: baseline {args.baseline} ({revision}), this tree"
+    first = next(iter(sides.values()))[0]
+    config = open_artifact(first).config
+    live_tokens = STREAMS * (PROMPT + args.new_tokens)
     print(f"# K/V memory: {STREAMS} streams x {PROMPT + args.new_tokens} tokens\n\n{describe()}\n")
-    print(f"{Path(args.artifact).name} (context {config.n_ctx}), {STREAMS} rows, {args.rounds} rounds alternating; baseline {args.baseline} "
-          f"({revision}), this tree; server VmRSS\n")
-    print("| round | server | to SERVING s | idle RSS GB | peak RSS GB | tokens/s |\n|---:|---|---:|---:|---:|---:|")
-    results: dict[str, list[dict]] = {"baseline": [], "this tree": []}
+    print(f"{compared}; context {config.n_ctx}, {STREAMS} rows, {args.rounds} rounds alternating; server VmRSS. K/V growth: "
+          f"(peak - idle) over the live tokens' K/V bytes ({live_tokens:,} tokens)\n")
+    print("| round | server | to SERVING s | idle RSS GB | peak RSS GB | K/V growth | tokens/s |\n|---:|---|---:|---:|---:|---:|---:|")
+    results: dict[str, list[dict]] = {side: [] for side in sides}
     for round_number in range(args.rounds):
-        order = ("baseline", "this tree") if round_number % 2 == 0 else ("this tree", "baseline")
+        order = list(sides) if round_number % 2 == 0 else list(reversed(sides))
         for side in order:
-            result = run_once(args.artifact, site if side == "baseline" else None, config.vocab_size, args.new_tokens, 1000 * round_number)
+            artifact, side_site = sides[side]
+            result = run_once(artifact, side_site, config.vocab_size, args.new_tokens, 1000 * round_number)
+            result["growth"] = (result["peak"] - result["idle"]) / (live_tokens * token_bytes(artifact))
             results[side].append(result)
             print(f"| {round_number + 1} | {side} | {result['to_serving']:.2f} | {result['idle'] / 1e9:.3f} | {result['peak'] / 1e9:.3f} | "
-                  f"{result['rate']:.1f} |")
-    print("\n| server | to SERVING s (median) | idle RSS GB (median) | peak RSS GB (median) | tokens/s (mean) |\n|---|---:|---:|---:|---:|")
+                  f"{result['growth']:.2f}x | {result['rate']:.1f} |")
+    print("\n| server | to SERVING s (median) | idle RSS GB (median) | peak RSS GB (median) | K/V growth (median) | tokens/s (mean) |"
+          "\n|---|---:|---:|---:|---:|---:|")
     for side, runs in results.items():
         print(f"| {side} | {statistics.median(r['to_serving'] for r in runs):.2f} | {statistics.median(r['idle'] for r in runs) / 1e9:.3f} | "
-              f"{statistics.median(r['peak'] for r in runs) / 1e9:.3f} | {statistics.mean(r['rate'] for r in runs):.1f} |")
-    shutil.rmtree(site.parent, ignore_errors=True)
+              f"{statistics.median(r['peak'] for r in runs) / 1e9:.3f} | {statistics.median(r['growth'] for r in runs):.2f}x | "
+              f"{statistics.mean(r['rate'] for r in runs):.1f} |")
+    if site is not None:
+        shutil.rmtree(site.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
-"""Held-out perplexity of the trained default model: eager float32, its float32 artifact and its quantized artifacts.
+"""Held-out perplexity of the trained default model: eager float32, its float32 artifact, its quantized artifacts and its
+artifacts whose cache holds K/V in fewer bits (export --kv-dtype).
 
 The whole held-out text (every 20th chapter of the King James Bible, kvserve.model.corpus; never trained on)
 in consecutive windows of the model's context, each window one prefill through the slots graph with logits
 at every position. Also the mean KL divergence of each artifact's next-token distributions from the eager
-model's, and their top-1 agreement. Prints a markdown table and the machine.
+model's, and their top-1 agreement; and from the openings of the first windows (16 tokens each), how many greedy tokens
+each artifact writes before it first departs from the eager model's. Prints a markdown table and the machine.
 
-    python bench/quantization_quality.py [--checkpoint checkpoints/kjv-gpt2] [--schemes int8 int4] [--work DIR]
+    python bench/quantization_quality.py [--checkpoint checkpoints/kjv-gpt2] [--schemes int8 int4] [--kv-dtypes float16 int8] [--work DIR]
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
-from kvserve.contract.io_contract import QUANTIZATIONS  # noqa: E402
+from kvserve.contract.io_contract import KV_DTYPES, QUANTIZATIONS  # noqa: E402
+from kvserve.export.parity import artifact_greedy  # noqa: E402
+from kvserve.model.generate import generate  # noqa: E402
 from kvserve.export.pipeline import export_artifact  # noqa: E402
 from kvserve.contract.tolerances import kl_divergence, log_softmax  # noqa: E402
 from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
@@ -40,7 +44,7 @@ class SlotsPrefill:
         artifact = open_artifact(directory)
         config = artifact.config
         self.runtime = DecoderRuntime(artifact.model_path, config.n_layer, "float32", "cpu")
-        self.pool = self.runtime.new_pool(1, config.n_head, config.d_head, pool_capacity(config))
+        self.pool = self.runtime.new_pool(1, config.n_kv_head, config.d_head, pool_capacity(config))
 
     def logits(self, window: np.ndarray) -> np.ndarray:
         """(T, V) for a (T,) window."""
@@ -53,6 +57,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="checkpoints/kjv-gpt2")
     parser.add_argument("--schemes", nargs="+", choices=QUANTIZATIONS, default=list(QUANTIZATIONS), help="quantizations to compare (default: all)")
+    parser.add_argument("--kv-dtypes", nargs="*", choices=KV_DTYPES[1:], default=list(KV_DTYPES[1:]),
+                        help="K/V dtypes to compare, float32 weights (default: all)")
+    parser.add_argument("--greedy-windows", type=int, default=16, help="window openings the greedy comparison continues (default 16)")
     parser.add_argument("--work", default=None, help="where the artifacts are written (default: a temporary directory)")
     args = parser.parse_args()
     checkpoint = Path(args.checkpoint).resolve()
@@ -60,9 +67,13 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="quantization-quality-"))
     source = {"kind": "checkpoint", "path": str(checkpoint)}
     artifacts = {}
-    for name, quantize in (("float32", None), *((scheme, scheme) for scheme in args.schemes)):
-        export_artifact(model, source, work / name, overwrite=True, provider="cpu", tokenizer_dir=checkpoint, quantize=quantize)
-        artifacts[name] = SlotsPrefill(work / name)
+    exports = [("float32", None, None), *((scheme, scheme, None) for scheme in args.schemes),
+               *((f"float32, {kv} K/V", None, kv) for kv in args.kv_dtypes)]
+    for name, quantize, kv_dtype in exports:
+        directory = work / name.replace(", ", "-").replace(" ", "-").replace("/", "")
+        export_artifact(model, source, directory, overwrite=True, provider="cpu", tokenizer_dir=checkpoint, quantize=quantize, kv_dtype=kv_dtype)
+        artifacts[name] = SlotsPrefill(directory)
+        artifacts[name].directory = directory
 
     from tokenizers import Tokenizer
 
@@ -88,13 +99,20 @@ def main() -> None:
             agree[name] += int((logits.argmax(-1) == eager.argmax(-1)).sum())
         count += len(targets)
     ppl = {name: math.exp(total / count) for name, total in nll.items()}
-    print(f"{checkpoint.name}: held-out perplexity over {count:,} tokens ({len(windows)} windows of {n_ctx})\n")
-    print("| model | perplexity | vs eager | mean KL from eager | top-1 agreement |")
-    print("|---|---:|---:|---:|---:|")
-    print(f"| eager float32 (torch) | {ppl['eager']:.3f} | | | |")
+    openings = [window[:16].tolist() for window in windows[: args.greedy_windows]]
+    steps = min(32, n_ctx - 17)
+    eager_tokens = generate(model, openings, steps).tokens.numpy()  # (N, steps)
+    prefix = {name: np.cumprod(artifact_greedy(artifact.directory, openings, steps, "cpu") == eager_tokens, axis=1).sum(axis=1)
+              for name, artifact in artifacts.items()}
+    print(f"{checkpoint.name}: held-out perplexity over {count:,} tokens ({len(windows)} windows of {n_ctx}); greedy: {steps} tokens "
+          f"after each of the first {len(openings)} windows' 16-token openings, tokens before the first departure from eager\n")
+    print("| model | perplexity | vs eager | mean KL from eager | top-1 agreement | greedy prefix (mean) | greedy all equal |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(f"| eager float32 (torch) | {ppl['eager']:.3f} | | | | | |")
     for name in artifacts:
         print(f"| {name} artifact (ONNX Runtime) | {ppl[name]:.3f} | {100 * (ppl[name] / ppl['eager'] - 1):+.2f}% | "
-              f"{kl[name] / count:.2e} | {agree[name] / count:.4f} |")
+              f"{kl[name] / count:.2e} | {agree[name] / count:.4f} | {prefix[name].mean():.1f} of {steps} | "
+              f"{int((prefix[name] == steps).sum())} of {len(openings)} |")
     print(f"\nmachine: {describe('cpu')}")
 
 

@@ -5,6 +5,7 @@
     manifest.json       architecture, K/V heads, I/O names, shapes with symbolic axes, dtypes, opset, IR version,
                         checksums, source
     golden.npz          a fixed prompt, the eager model's greedy tokens and the logits behind each one
+    kv_scales.npz       an int8 K/V cache's scales, key and value, each (layers, K/V heads, head_dim) float32
     parity.json         the verify report written at export time
     tokenizer.json ...  copied from the checkpoint when it has them
 """
@@ -22,7 +23,8 @@ from kvserve.errors import UserError
 
 from .config import DecoderConfig
 from .hf_config import config_from_hf
-from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, io_spec
+from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, KV_DTYPES, QUANTIZATIONS, io_spec, kv_dtype_refusal
+from .tolerances import Tolerance, tolerance_for
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -31,6 +33,7 @@ MANIFEST_FILE = "manifest.json"
 GOLDEN_FILE = "golden.npz"
 PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
+KV_SCALES_FILE = "kv_scales.npz"
 # Format 2: the slots graph always outputs greedy_tokens, and the inplace layout is gone; kvserve reads format 2 alone.
 FORMAT = "kvserve-artifact/2"
 
@@ -105,9 +108,28 @@ class Artifact:
         return None if facts is None else facts["scheme"]
 
     @property
+    def kv_dtype(self) -> str:
+        """What the slots graph's K/V pool holds (io_contract.KV_DTYPES): the model's dtype unless exported otherwise."""
+        return self.manifest.get("kv_dtype") or self.dtype
+
+    @property
     def precision(self) -> str:
-        """What the parity tolerances are chosen by: the quantization, else the dtype."""
-        return self.quantization or self.dtype
+        """The weights' precision (the quantization, else the dtype), and the K/V's where they differ: what a report
+        names its tolerance by."""
+        weights = self.quantization or self.dtype
+        return weights if self.kv_dtype == self.dtype else f"{weights} weights, {self.kv_dtype} K/V"
+
+    @property
+    def tolerance(self) -> Tolerance:
+        """How close this artifact's numbers must stay to the eager reference's (tolerances.tolerance_for)."""
+        return tolerance_for(self.quantization or self.dtype, self.kv_dtype, self.dtype)
+
+    def kv_scales(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """An int8 cache's scales of K and of V, each (L, H_kv, d_k) float32; None for a float cache."""
+        if self.kv_dtype != "int8":
+            return None
+        with np.load(self.directory / KV_SCALES_FILE) as data:
+            return data["key"], data["value"]
 
     @property
     def manifest_sha256(self) -> str:
@@ -155,6 +177,11 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
         raise ArtifactError(f"{where}: kv_cache {manifest.get('kv_cache')!r} is not one of {', '.join(KV_CACHES)}")
     if manifest.get("attention") not in ATTENTIONS:
         raise ArtifactError(f"{where}: attention {manifest.get('attention')!r} is not one of {', '.join(ATTENTIONS)}")
+    kv_dtype = manifest.get("kv_dtype") or manifest.get("dtype")
+    if kv_dtype not in KV_DTYPES or kv_dtype_refusal(kv_dtype, manifest["dtype"], manifest["kv_cache"]):
+        raise ArtifactError(f"{where}: kv_dtype {kv_dtype!r} cannot go with dtype {manifest['dtype']!r} and the {manifest['kv_cache']} cache")
+    if kv_dtype == "int8" and KV_SCALES_FILE not in files:
+        raise ArtifactError(f"{where}: an int8 K/V cache needs its scales, and 'files' lacks {KV_SCALES_FILE}")
     quantization = manifest.get("quantization")
     if quantization is not None and (not isinstance(quantization, dict) or quantization.get("scheme") not in QUANTIZATIONS):
         raise ArtifactError(f"{where}: quantization must be null or an object whose scheme is one of {', '.join(QUANTIZATIONS)}")
@@ -178,7 +205,8 @@ def contract_problems(signature: dict[str, dict], artifact: Artifact) -> list[st
     """Where a live session's inputs and outputs (signature: {"inputs"|"outputs": {name: {"shape", "dtype"}}}) differ
     from the KV contract the artifact declares."""
     config = artifact.config
-    expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention)
+    expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention,
+                       artifact.kv_dtype)
     live = signature
     problems = []
     for side in ("inputs", "outputs"):

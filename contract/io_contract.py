@@ -32,8 +32,8 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
     chunk_attention_mask        (1, chunk_width)                                       int64, columns the chunk reads
     chunk_slot                  (1,)                                                   int64, the chunk's row
     logits_index                (num_logits,)                                          int64, of the B + T tokens
-    past_key_values.{i}.key     (batch_size, num_heads, cache_capacity, head_dim)      model dtype
-    past_key_values.{i}.value   (batch_size, num_heads, cache_capacity, head_dim)      model dtype
+    past_key_values.{i}.key     (batch_size, num_heads, cache_capacity, head_dim)      K/V dtype (KV_DTYPES)
+    past_key_values.{i}.value   (batch_size, num_heads, cache_capacity, head_dim)      K/V dtype (KV_DTYPES)
  -> logits                      (num_logits, vocab_size)                               float32
     greedy_tokens               (num_logits,)                                          int64, argmax of each logits row
     present.{i}.key / .value    (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
@@ -97,6 +97,10 @@ KV_CACHES = (SLOTS, CONCAT)
 DEFAULT_KV_CACHE = SLOTS  # what `kvserve export` writes unless told otherwise: the layout the server serves
 
 DTYPES = ("float32", "float16")
+# What a slots graph's K/V pool holds (manifest "kv_dtype"; the model's dtype unless export was told otherwise): float16
+# halves a float32 model's cache, int8 quarters it (a scale per layer, K/V head and channel, calibrated at export and
+# kept in the artifact: artifact.KV_SCALES_FILE). model/kv_storage.py defines the rounding; tolerances.py its bounds.
+KV_DTYPES = ("float32", "float16", "int8")
 # Weight quantizations an artifact may carry (manifest "quantization"): the graph's I/O is unchanged, its
 # weight matrices are 8- or 4-bit. export/quantize.py makes them; tolerances.py says how close they must stay.
 QUANTIZATIONS = ("int8", "int4")
@@ -144,17 +148,34 @@ def output_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD
     return step + [n for i in range(n_layer) for n in present_names(i)] + chunk
 
 
+def kv_dtype_refusal(kv_dtype: str | None, dtype: str, kv_cache: str, quantize: str | None = None) -> str | None:
+    """Why `--kv-dtype kv_dtype` cannot go with the rest of an export, or None when it can (or none is given)."""
+    if kv_dtype is None or kv_dtype == dtype:
+        return None
+    if kv_dtype not in KV_DTYPES:
+        return f"--kv-dtype {kv_dtype}: choose one of {', '.join(KV_DTYPES)}"
+    if kv_cache != SLOTS:
+        return f"--kv-dtype {kv_dtype}: a concat graph keeps K/V in the model's dtype (its tools feed them back); export the slots cache"
+    if dtype != "float32":
+        return f"--kv-dtype {kv_dtype} rounds a float32 model's K/V; with --dtype {dtype} they are {dtype} already"
+    return None
+
+
 def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT,
-            attention: str = STANDARD) -> dict[str, dict]:
-    """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes."""
+            attention: str = STANDARD, kv_dtype: str | None = None) -> dict[str, dict]:
+    """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes. K/V are
+    kv_dtype (a slots graph's; the model's dtype when None)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    kv_dtype = kv_dtype or dtype
+    if kv_dtype_refusal(kv_dtype, dtype, kv_cache):
+        raise ValueError(kv_dtype_refusal(kv_dtype, dtype, kv_cache))
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unsupported KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
     if attention not in ATTENTIONS or (attention == FUSED and kv_cache != SLOTS):
         raise ValueError(f"unsupported attention {attention!r} for the {kv_cache} KV cache")
     if kv_cache == SLOTS:
-        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, dtype, attention)
+        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, kv_dtype, attention)
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
         ATTENTION_MASK: {"shape": [BATCH, TOTAL], "dtype": "int64"},
@@ -169,7 +190,7 @@ def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: s
     return {"inputs": inputs, "outputs": outputs}
 
 
-def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, attention: str) -> dict[str, dict]:
+def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, kv_dtype: str, attention: str) -> dict[str, dict]:
     inputs = {
         INPUT_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
         POSITION_IDS: {"shape": [BATCH, 1], "dtype": "int64"},
@@ -181,7 +202,7 @@ def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtyp
         LOGITS_INDEX: {"shape": [NUM_LOGITS], "dtype": "int64"},
     }
     outputs = {LOGITS: {"shape": [NUM_LOGITS, vocab_size], "dtype": "float32"}, GREEDY_TOKENS: {"shape": [NUM_LOGITS], "dtype": "int64"}}
-    kv = {"shape": [BATCH, n_kv_head, CAPACITY, d_head], "dtype": dtype}
+    kv = {"shape": [BATCH, n_kv_head, CAPACITY, d_head], "dtype": kv_dtype}
     for layer in range(n_layer):
         inputs.update({name: dict(kv) for name in past_names(layer)})
         outputs.update({name: dict(kv) for name in present_names(layer)})
@@ -190,7 +211,7 @@ def _slots_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtyp
             del inputs[name]
         for name in (INPUT_IDS, POSITION_IDS):
             inputs[name]["shape"] = [BATCH, SEQUENCE]  # S new tokens a row
-        row = {"shape": [1, n_kv_head, CAPACITY, d_head], "dtype": dtype}
+        row = {"shape": [1, n_kv_head, CAPACITY, d_head], "dtype": kv_dtype}
         for layer in range(n_layer):
             inputs.update({name: dict(row) for name in chunk_past_names(layer)})
             outputs.update({name: dict(row) for name in chunk_present_names(layer)})

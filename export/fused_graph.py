@@ -24,7 +24,7 @@ MICROSOFT = "com.microsoft"
 PLACEHOLDER_DOMAIN, PLACEHOLDER = "kvserve", "RowsAndChunkAttention"
 _MICROSOFT = onnxscript.values.Opset(MICROSOFT, 1)
 _KVSERVE = onnxscript.values.Opset(PLACEHOLDER_DOMAIN, 1)
-_ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
+_ONNX_TYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int8": TensorProto.INT8}
 _TABLE_INPUTS = (9, 10)  # the placeholder's cos and sin
 
 
@@ -37,57 +37,74 @@ def declare_operators() -> None:
     param, optional = OpSchema.FormalParameter, OpSchema.FormalParameterOption.Optional
     heads = [OpSchema.Attribute("num_heads", OpSchema.AttrType.INT, "query heads"),
              OpSchema.Attribute("kv_num_heads", OpSchema.AttrType.INT, "K/V heads")]
-    types = [("T", ["tensor(float)", "tensor(float16)"], "model dtype"), ("M", ["tensor(int32)"], "lengths")]
+    types = [("T", ["tensor(float)", "tensor(float16)"], "model dtype"), ("M", ["tensor(int32)"], "lengths"),
+             ("T_CACHE", ["tensor(float)", "tensor(float16)", "tensor(int8)"], "K/V dtype"), ("S", ["tensor(float)"], "K/V scales")]
     inputs = [param("query", "T"), param("key", "T", param_option=optional), param("value", "T", param_option=optional),
-              param("past_key", "T", param_option=optional), param("past_value", "T", param_option=optional),
+              param("past_key", "T_CACHE", param_option=optional), param("past_value", "T_CACHE", param_option=optional),
               param("seqlens_k", "M"), param("total_sequence_length", "M"),
-              param("cos_cache", "T", param_option=optional), param("sin_cache", "T", param_option=optional)]
-    outputs = [param("output", "T"), param("present_key", "T"), param("present_value", "T")]
+              param("cos_cache", "T", param_option=optional), param("sin_cache", "T", param_option=optional),
+              param("position_ids", "I", param_option=optional), param("attention_bias", "T", param_option=optional),
+              param("head_sink", "T", param_option=optional), param("k_scale", "S", param_option=optional),
+              param("v_scale", "S", param_option=optional)]
+    outputs = [param("output", "T"), param("present_key", "T_CACHE"), param("present_value", "T_CACHE")]
     rotary = [OpSchema.Attribute("do_rotary", OpSchema.AttrType.INT, "rotate Q and K by position", required=False),
               OpSchema.Attribute("local_window_size", OpSchema.AttrType.INT, "sliding window: positions a query sees, -1 all",
                                  required=False),
               OpSchema.Attribute("scale", OpSchema.AttrType.FLOAT, "what Q.K is multiplied by; unset: head_size ** -0.5", required=False),
               OpSchema.Attribute("softcap", OpSchema.AttrType.FLOAT, "scores soft-capped by tanh to this; 0: none", required=False)]
+    quantized = [OpSchema.Attribute("k_quant_type", OpSchema.AttrType.STRING, "NONE, PER_TENSOR or PER_CHANNEL", required=False),
+                 OpSchema.Attribute("v_quant_type", OpSchema.AttrType.STRING, "NONE, PER_TENSOR or PER_CHANNEL", required=False),
+                 OpSchema.Attribute("kv_cache_bit_width", OpSchema.AttrType.INT, "8 or 4 for a quantized cache", required=False)]
+    ids = [("I", ["tensor(int64)"], "token ids")]
     onnx.defs.register_schema(OpSchema("GroupQueryAttention", MICROSOFT, 1, inputs=inputs, outputs=outputs,
-                                       type_constraints=types, attributes=heads + rotary))
+                                       type_constraints=types + ids, attributes=heads + rotary + quantized))
     inputs = [param(name, kind) for name, kind in (
-        ("qkv", "T"), ("rows_key", "T"), ("rows_value", "T"), ("chunk_key", "T"), ("chunk_value", "T"), ("rows_last", "M"),
-        ("rows_total", "M"), ("chunk_last", "M"), ("chunk_total", "M"), ("cos", "T"), ("sin", "T"), ("row_tokens", "I"),
-        ("chunk_tokens", "I"))]
-    outputs = [param(name, "T") for name in ("output", "rows_key_out", "rows_value_out", "chunk_key_out", "chunk_value_out")]
+        ("qkv", "T"), ("rows_key", "T_CACHE"), ("rows_value", "T_CACHE"), ("chunk_key", "T_CACHE"), ("chunk_value", "T_CACHE"),
+        ("rows_last", "M"), ("rows_total", "M"), ("chunk_last", "M"), ("chunk_total", "M"), ("cos", "T"), ("sin", "T"),
+        ("row_tokens", "I"), ("chunk_tokens", "I"))]
+    inputs += [param("key_scale", "S", param_option=optional), param("value_scale", "S", param_option=optional)]
+    outputs = [param("output", "T")] + [param(name, "T_CACHE") for name in ("rows_key_out", "rows_value_out", "chunk_key_out", "chunk_value_out")]
     onnx.defs.register_schema(OpSchema(PLACEHOLDER, PLACEHOLDER_DOMAIN, 1, inputs=inputs, outputs=outputs,
-                                       type_constraints=types + [("I", ["tensor(int64)"], "token ids")], attributes=heads + rotary))
+                                       type_constraints=types + ids, attributes=heads + rotary))
 
 
 def rows_and_chunk_placeholder(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos,
                                sin, row_tokens, chunk_tokens, n_head: int, n_kv_head: int, rotary: bool, window: int, scale: float,
-                               softcap: float):
+                               softcap: float, key_scale=None, value_scale=None):
     """kvserve::rows_and_chunk_attention as the placeholder node expand_rows_and_chunk_attention replaces. A window of w
     positions (the query's own included, as transformers counts) is the operator's local_window_size w: ONNX Runtime
     1.31's CPU kernel reads it so (the sliding-window parity tests fail at w - 1)."""
+    scales = [] if key_scale is None else [key_scale, value_scale]  # an int8 cache's
     return _KVSERVE.RowsAndChunkAttention(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last,
-                                          chunk_total, cos, sin, row_tokens, chunk_tokens, num_heads=n_head, kv_num_heads=n_kv_head,
+                                          chunk_total, cos, sin, row_tokens, chunk_tokens, *scales, num_heads=n_head, kv_num_heads=n_kv_head,
                                           do_rotary=int(rotary), local_window_size=-1 if window < 0 else window, scale=float(scale),
                                           softcap=float(softcap))
 
 
 def _group_query_attention(query: str, past_key: str, past_value: str, last: str, total: str, cos: str, sin: str, outputs: list[str],
-                           n_head: int, n_kv_head: int, rotary: int, local_window_size: int, scale: float, softcap: float) -> onnx.NodeProto:
+                           n_head: int, n_kv_head: int, rotary: int, local_window_size: int, scale: float, softcap: float,
+                           kv_scales: list[str]) -> onnx.NodeProto:
     """The operator with packed unrotated QKV (B, S, (H + 2 H_kv) d_k), the rows as a shared past/present buffer,
     seqlens_k = each row's last position, rotary on (cos/sin tables given) or off (none), a sliding window or none (-1),
-    a scale of its own or head_size ** -0.5 (0), soft-capped scores or not (0)."""
+    a scale of its own or head_size ** -0.5 (0), soft-capped scores or not (0), and for an int8 cache its K and V scales
+    per (K/V head, channel), each (1, H_kv, 1, d_k) (kvserve.model.kv_storage rounds as the operator does)."""
     tables = [cos, sin] if rotary else ["", ""]
     window = {"local_window_size": local_window_size} if local_window_size >= 0 else {}
     window |= {"scale": scale} if scale else {}
     window |= {"softcap": softcap} if softcap else {}
-    return helper.make_node("GroupQueryAttention", [query, "", "", past_key, past_value, last, total, *tables], outputs,
+    quantized = []
+    if kv_scales:
+        quantized = ["", "", "", *kv_scales]  # position_ids, attention_bias and head_sink unset
+        window |= {"k_quant_type": "PER_CHANNEL", "v_quant_type": "PER_CHANNEL", "kv_cache_bit_width": 8}
+    return helper.make_node("GroupQueryAttention", [query, "", "", past_key, past_value, last, total, *tables, *quantized], outputs,
                             domain=MICROSOFT, name=outputs[0], num_heads=n_head, kv_num_heads=n_kv_head, do_rotary=rotary, **window)
 
 
-def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
-    """Replace every placeholder node of model (in place) with the If described in the module docstring."""
+def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str, kv_dtype: str | None = None) -> None:
+    """Replace every placeholder node of model (in place) with the If described in the module docstring; its K/V are
+    kv_dtype (the model's dtype when None)."""
     graph = model.graph
-    elem = _ONNX_TYPES[dtype]
+    elem, cache_elem = _ONNX_TYPES[dtype], _ONNX_TYPES[kv_dtype or dtype]
     shared: dict[tuple[str, str], tuple[list[onnx.NodeProto], dict[str, str]]] = {}
     initializers, passed = {i.name for i in graph.initializer}, {}
     nodes = []
@@ -107,14 +124,15 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
                     passed[name] = f"{name}/kvserve_fused"
                     nodes.append(helper.make_node("Identity", [name], [passed[name]]))
                 inputs[i] = passed[name]
-        qkv, rows_k, rows_v, chunk_k, chunk_v, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens = inputs
+        qkv, rows_k, rows_v, chunk_k, chunk_v, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens = inputs[:13]
+        kv_scales = [name for name in inputs[13:15] if name]  # an int8 cache's K and V scales
         if (row_tokens, chunk_tokens) not in shared:  # the step's shapes, computed once for every layer
             shared[(row_tokens, chunk_tokens)] = _step_shapes(row_tokens, chunk_tokens, f"kvserve_fused_{len(shared)}")
             nodes += shared[(row_tokens, chunk_tokens)][0]
         shapes = shared[(row_tokens, chunk_tokens)][1]
         y, pk, pv, ck, cv = node.output
         p = f"{y}/"  # the If's own value names
-        heads = (n_head, n_kv_head, rotary, local_window_size, floats.get("scale", 0.0), floats.get("softcap", 0.0))
+        heads = (n_head, n_kv_head, rotary, local_window_size, floats.get("scale", 0.0), floats.get("softcap", 0.0), kv_scales)
 
         def flat(name: str, out: str) -> onnx.NodeProto:  # (B, S, H d_k) -> (B S, H d_k)
             return helper.make_node("Flatten", [name], [out], axis=2)
@@ -138,7 +156,8 @@ def expand_rows_and_chunk_attention(model: onnx.ModelProto, dtype: str) -> None:
         ]
 
         def branch(tag: str, body: list[onnx.NodeProto]) -> onnx.GraphProto:
-            outs = [helper.make_tensor_value_info(f"{p}{tag}_{o}", elem, None) for o in ("y", "pk", "pv", "ck", "cv")]
+            outs = [helper.make_tensor_value_info(f"{p}{tag}_y", elem, None)]
+            outs += [helper.make_tensor_value_info(f"{p}{tag}_{o}", cache_elem, None) for o in ("pk", "pv", "ck", "cv")]
             return helper.make_graph(body, f"{p}{tag}", [], outs)
 
         nodes.append(helper.make_node("If", [shapes["has_chunk"]], list(node.output), name=f"{y}/if",

@@ -17,6 +17,7 @@ from kvserve.contract.config import LLAMA_ARCH
 from kvserve.contract.artifact import MODEL_DATA_FILE, MODEL_FILE
 from kvserve.model.decoders import Decoder
 from kvserve.model.fused_attention import supports_fused_attention
+from kvserve.model.kv_storage import STORED_TYPES, stored_dtype
 
 from .fused_graph import declare_operators, expand_rows_and_chunk_attention, fused_write_problems, rows_and_chunk_placeholder
 
@@ -173,13 +174,21 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
     return problems
 
 
-def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention: str = io.STANDARD) -> tuple[onnx.ModelProto, dict]:
-    """Trace model in dtype with the kv_cache layout and attention: the graph, checked against the contract, and the
+def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention: str = io.STANDARD,
+                kv_dtype: str | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Trace model in dtype with the kv_cache layout and attention, K/V stored as kv_dtype (the model's dtype when None;
+    else model's cache must store them so: kv_storage.store_kv_as): the graph, checked against the contract, and the
     manifest's facts about it (save_graph writes it)."""
     if attention == io.FUSED and (refusal := fused_attention_refusal(model, kv_cache)):
         raise ValueError(refusal)
+    kv_dtype = kv_dtype or dtype
+    if (refusal := io.kv_dtype_refusal(kv_dtype, dtype, kv_cache)) is not None:
+        raise ValueError(refusal)
+    if stored_dtype(model) != (None if kv_dtype == dtype else STORED_TYPES[kv_dtype]):
+        raise ValueError(f"the model's cache stores K/V as {stored_dtype(model)}, not {kv_dtype}: kv_storage.store_kv_as first")
     config = model.config
     torch_dtype = TORCH_DTYPES[dtype]
+    kv_torch_dtype = STORED_TYPES[kv_dtype]
     model = copy.deepcopy(model).to(torch_dtype).eval()  # the caller keeps its float32 reference
     n_layer = config.n_layer
     dynamic = Dim.DYNAMIC
@@ -189,7 +198,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
     if attention == io.FUSED:
         declare_operators()
         translations = {torch.ops.kvserve.rows_and_chunk_attention.default: rows_and_chunk_placeholder}
-        signature, example = _FusedSlotsSignature(model), _fused_example_inputs(model, torch_dtype)
+        signature, example = _FusedSlotsSignature(model), _fused_example_inputs(model, kv_torch_dtype)
         dynamic_shapes = {
             "input_ids": step_axes["input_ids"], "position_ids": step_axes["position_ids"], "chunk_ids": {1: dynamic},
             "chunk_position_ids": {1: dynamic}, "logits_index": {0: dynamic}, "past_key_values": kv_axes,
@@ -199,7 +208,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
         signature, example = _FlatSignature(model), _concat_example_inputs(model, torch_dtype)
         dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
     else:
-        signature, example = _SlotsSignature(model), _slots_example_inputs(model, torch_dtype)
+        signature, example = _SlotsSignature(model), _slots_example_inputs(model, kv_torch_dtype)
         dynamic_shapes = {
             "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "attention_mask": {0: dynamic, 1: dynamic},
             "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_attention_mask": {1: dynamic}, "chunk_slot": None,
@@ -221,8 +230,8 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
         )
     model_proto = program.model_proto
     if attention == io.FUSED:
-        expand_rows_and_chunk_attention(model_proto, dtype)
-    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention)
+        expand_rows_and_chunk_attention(model_proto, dtype, kv_dtype)
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, kv_dtype)
     _name_axes(model_proto, spec)
     if kv_cache == io.SLOTS:
         problems = inplace_write_problems(model_proto.graph, n_layer, attention)

@@ -22,10 +22,10 @@ import torch
 
 from kvserve.contract.artifact import ArtifactError, contract_problems, open_artifact
 from kvserve.contract.tokenizer import load_tokenizer
-from kvserve.contract.tolerances import TOLERANCES
 from kvserve.errors import UserError
 from kvserve.model.decoders import Decoder
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
+from kvserve.model.kv_storage import kv_stored_as
 from kvserve.progress import stage
 from kvserve.runtime import DecoderRuntime
 
@@ -65,7 +65,7 @@ class _Verification:
     def __init__(self, artifact, reference: Decoder, runtime: DecoderRuntime, steps: int):
         self.artifact, self.reference, self.runtime, self.steps = artifact, reference, runtime, steps
         self.config = artifact.config
-        self.tolerance = TOLERANCES[artifact.precision]
+        self.tolerance = artifact.tolerance
         self.driver = driver_for(runtime, artifact)
         self.rng = np.random.default_rng(0)
         self.max_prompt = max(1, min(33, self.config.n_ctx - steps - 1))
@@ -134,7 +134,8 @@ class _Verification:
         if bound is None:
             return None
         windows = eval_windows(load_tokenizer(self.artifact.tokenizer_path).encode, self.config.vocab_size, self.config.n_ctx)
-        text = text_quality(self.driver, self.reference, windows)
+        with kv_stored_as(self.reference, None):  # against float K/V: what K/V stored in fewer bits cost is held here
+            text = text_quality(self.driver, self.reference, windows)
         # A model that has not learned the text (random preset weights: perplexity near its vocabulary's size) spreads
         # its probability nearly evenly, so its argmax, its greedy path and its perplexity move with any rounding:
         # there only KL, which weighs each token by its probability, is held; the rest is reported.
@@ -170,18 +171,24 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     problems = contract_problems(runtime.signature(), artifact)
     if problems:  # e.g. an artifact from a kvserve whose graph for this layout differed: driving it would fail midway
         raise VerifyRefused(f"{artifact.directory}: the graph is not the contract its manifest declares ({'; '.join(problems[:2])}); re-export it")
-    run = _Verification(artifact, reference.float().eval(), runtime, steps)
-    with stage(f"parity: prefill and decode checks on {runtime.provider}"):
-        checks = run.prefill() + run.decode_and_recompute()
-    with stage("parity: greedy generation"):
-        greedy = run.greedy()
-    with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():
-        text = run.text()
+    scales = artifact.kv_scales()
+    stores = None if artifact.kv_dtype == artifact.dtype else artifact.kv_dtype
+    # The reference stores K/V as the artifact declares, with its recorded scales: the graph is held to that arithmetic
+    # (a graph whose scale differs from the recorded one breaks the K/V check at its layer), the scales to the text check.
+    with kv_stored_as(reference.float().eval(), stores, *(() if scales is None else (torch.from_numpy(s) for s in scales))):
+        run = _Verification(artifact, reference, runtime, steps)
+        with stage(f"parity: prefill and decode checks on {runtime.provider}"):
+            checks = run.prefill() + run.decode_and_recompute()
+        with stage("parity: greedy generation"):
+            greedy = run.greedy()
+        with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():
+            text = run.text()
     report = ParityReport(
         artifact=str(artifact.directory), dtype=artifact.dtype, quantization=artifact.quantization, kv_cache=artifact.kv_cache,
         attention=artifact.attention, provider=runtime.provider, provider_note=runtime.fallback_reason, tolerance=run.tolerance,
         checks=checks, greedy=greedy, text=text, greedy_tokens_argmax=run.argmax(),
         kv_max_abs_per_layer_head=run.kv_max.tolist(), first_failing_layer_head=run.first_failing_layer_head(),
+        kv_dtype=stores,
     )
     report.failures = failures_of(report, artifact.precision)
     return report

@@ -62,8 +62,9 @@ class SlotsDriver:
 
     CHUNK = 5  # prompt tokens per step: every prompt of more than 5 tokens crosses a chunk boundary
 
-    def __init__(self, runtime: DecoderRuntime, config, capacity: int):
-        self.runtime, self.config, self.capacity = runtime, config, capacity
+    def __init__(self, runtime: DecoderRuntime, config, capacity: int, kv_scales: tuple[np.ndarray, np.ndarray] | None = None):
+        """kv_scales: an int8 pool's K and V scales, each (L, H_kv, d_k), which kv() reads its rows back with."""
+        self.runtime, self.config, self.capacity, self.kv_scales = runtime, config, capacity, kv_scales
         self.argmax_rows = self.argmax_mismatches = 0  # the graph's greedy_tokens against its logits' argmax
 
     def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
@@ -99,7 +100,13 @@ class SlotsDriver:
         return out
 
     def kv(self) -> list[list[np.ndarray]]:
-        return [self.pool.row_to_host(row, int(length)) for row, length in enumerate(self.lengths)]
+        """Per row, per layer K then V, each (H_kv, L_r, d_k) in float32: a float16 pool's widened, an int8 pool's
+        times its scales (what attention read)."""
+        rows = [self.pool.row_to_host(row, int(length)) for row, length in enumerate(self.lengths)]
+        if self.kv_scales is None:
+            return [[kv.astype(np.float32, copy=False) for kv in row] for row in rows]
+        scales = [scale for layer in zip(*self.kv_scales) for scale in layer]  # per layer K then V, each (H_kv, d_k)
+        return [[kv.astype(np.float32) * scale[:, None, :] for kv, scale in zip(row, scales)] for row in rows]
 
 
 def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: int, provider: str = "auto") -> np.ndarray:
@@ -113,5 +120,5 @@ def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: i
 def driver_for(runtime: DecoderRuntime, artifact):
     """The driver that runs artifact's layout as its users do."""
     if artifact.kv_cache == io.SLOTS:
-        return SlotsDriver(runtime, artifact.config, min(pool_capacity(artifact.config), DRIVEN_COLUMNS + 1))
+        return SlotsDriver(runtime, artifact.config, min(pool_capacity(artifact.config), DRIVEN_COLUMNS + 1), artifact.kv_scales())
     return ConcatDriver(runtime, artifact.config)

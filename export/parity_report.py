@@ -69,6 +69,7 @@ class ParityReport:
     kv_max_abs_per_layer_head: list[list[float]]  # (L, H_kv)
     first_failing_layer_head: LayerHead | None
     failures: list[str] = field(default_factory=list)
+    kv_dtype: str | None = None  # what the K/V pool holds where it differs from dtype; None: dtype
 
     @property
     def passed(self) -> bool:
@@ -147,6 +148,7 @@ def format_report(report: ParityReport) -> str:
     tol = report.tolerance
     relative = tol.logits_relative
     weights = f", {report.quantization} weights" if report.quantization else ""
+    weights += f", {report.kv_dtype} K/V" if report.kv_dtype else ""
     lines = [
         f"parity: {report.artifact} ({report.dtype}{weights}, {report.kv_cache} KV cache"
         f"{', fused attention' if report.attention == 'fused' else ''}) on {report.provider}",
@@ -181,7 +183,7 @@ def format_report(report: ParityReport) -> str:
     lines.append("first (layer, head) over tolerance: "
                  + (f"layer {bad.layer}, head {bad.head} (max abs Δ {bad.max_abs:.2e})" if bad else "none"))
     lines.append(
-        f"tolerance ({report.quantization or report.dtype}): logits {tol.logits_max_abs:g}{' (relative)' if relative else ''}, "
+        f"tolerance ({report.quantization or report.dtype}{f', {report.kv_dtype} K/V' if report.kv_dtype else ''}): logits {tol.logits_max_abs:g}{' (relative)' if relative else ''}, "
         f"K/V {tol.kv_max_abs:g}{' (relative)' if tol.kv_relative else ''}, top-1 >= {tol.top1_min:g}"
         + (f", mean KL <= {tol.kl_mean_max:g}" if tol.kl_mean_max is not None else "")
         + f", greedy identical {'required' if tol.greedy_identical else 'reported'}"

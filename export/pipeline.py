@@ -24,12 +24,14 @@ from kvserve.errors import JobFailed, UserError
 from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
 from kvserve.model.decoders import Decoder, build
 from kvserve.model.generate import generate
+from kvserve.model.kv_storage import kv_stored_as
 from kvserve.model.presets import preset
 from kvserve.model.vocabulary import write_preset_tokenizer
 from kvserve.progress import stage
 from kvserve.runtime import cuda_available
 
 from .graph_fusions import fuse_operators
+from .kv_calibration import calibrate_int8_scales, calibration_windows
 from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
 from .parity import format_report, verify, write_report
 from .quantize import SCHEMES, QuantizeError, quantize_model
@@ -136,8 +138,10 @@ def export_artifact(
     quantize: str | None = None,
     attention: str = AUTO,
     quantize_block: int | None = None,
+    kv_dtype: str | None = None,
 ) -> dict:
-    """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched."""
+    """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched. kv_dtype:
+    what the slots graph's K/V pool holds (io_contract.KV_DTYPES; the model's dtype when None)."""
     out = Path(out).resolve()
     if kv_cache not in io.KV_CACHES:
         raise ExportError(f"unknown KV cache layout {kv_cache!r}; choose one of {', '.join(io.KV_CACHES)}")
@@ -147,6 +151,9 @@ def export_artifact(
         raise ExportError(f"--quantize {quantize} quantizes a float32 graph's weights; drop --dtype {dtype}")
     if io.quantize_block_refusal(quantize, quantize_block):
         raise ExportError(io.quantize_block_refusal(quantize, quantize_block))
+    if io.kv_dtype_refusal(kv_dtype, dtype, kv_cache):
+        raise ExportError(io.kv_dtype_refusal(kv_dtype, dtype, kv_cache))
+    kv_dtype = kv_dtype or dtype
     attention = choose_attention(model, kv_cache, dtype, provider, attention)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
@@ -154,69 +161,91 @@ def export_artifact(
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
     try:
         model = model.float().eval()
-        with stage(f"trace the {kv_cache} graph ({dtype}, {attention} attention)"):
-            proto, graph = trace_graph(model, dtype, kv_cache, attention)
-        if dtype == "float32":  # ONNX Runtime's fused kernels are held to float32 parity here; float16 keeps the plain ops
-            with stage("fuse operators"):
-                graph["fused_operators"] = fuse_operators(proto)
-        if quantize is not None:
-            with stage(f"quantize the weights ({quantize})"):
-                proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block)
-                graph["fused_operators"] = graph["quantization"].pop("fused_operators")
-        with stage("check and save the graph"):
-            graph["external_data"] = save_graph(proto, staging)
-        del proto  # its weights are on disk now; verify loads the graph from there
-        (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
-        if tokenizer_dir is not None:
-            for name in TOKENIZER_FILES:
-                if (Path(tokenizer_dir) / name).exists():
-                    shutil.copy2(Path(tokenizer_dir) / name, staging / name)
-        elif source.get("kind") == "preset":
-            write_preset_tokenizer(source["name"], staging)  # gpt2: GPT-2's BPE; tiny: none (bytes)
-        with stage("record the golden continuation"):
-            record_golden(model).save(staging / art.GOLDEN_FILE)
-        files = sorted(p.name for p in staging.iterdir() if p.is_file())
-        manifest = {
-            "format": art.FORMAT,
-            "dtype": dtype,
-            "opset": graph["opset"],
-            "ir_version": graph["ir_version"],
-            "external_data": graph["external_data"],
-            "inputs": graph["inputs"],
-            "outputs": graph["outputs"],
-            "kv_cache": kv_cache,
-            "attention": attention,
-            "quantization": graph.get("quantization"),
-            "fused_operators": graph.get("fused_operators", {}),
-            "architecture": model.config.architecture,
-            "model_type": model.config.model_type,
-            "kv_heads": model.config.n_kv_head,
-            "kv_layout": "(batch_size, num_key_value_heads, sequence, head_dim) per layer, key and value",
-            "source": source,
-            "weights_sha256": weights_checksum(model),
-            "files": {name: art.sha256_file(staging / name) for name in files},
-            "golden": {"file": art.GOLDEN_FILE, "steps": GOLDEN_STEPS},
-            "tokenizer": art.TOKENIZER_FILE if (staging / art.TOKENIZER_FILE).exists() else None,
-            "versions": {"kvserve": kvserve.__version__, "torch": torch.__version__, "onnx": onnx.__version__},
-            "created_unix": int(time.time()),
-        }
-        (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-        report = verify(staging, model, provider=provider)
-        report.artifact = str(out)
-        write_report(report, staging / art.PARITY_FILE)
-        staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it
-        for path in staging.iterdir():
-            path.chmod(0o644)  # onnx writes its external data file 0600; every file is as readable as the rest
-        if not report.passed:
-            raise ParityFailed("parity failed, nothing written:\n" + format_report(report) + _finer_blocks_hint(graph.get("quantization")))
-        if out.exists():
-            retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.rename(retired / out.name)
-            staging.rename(out)
-            shutil.rmtree(retired, ignore_errors=True)
-        else:
-            staging.rename(out)
-        return report
+        kv_scales, kv_quantization = None, None
+        if kv_dtype == "int8":
+            with stage("calibrate the int8 K/V scales"):
+                tokenizer = Path(tokenizer_dir) / art.TOKENIZER_FILE if tokenizer_dir is not None else None
+                windows, calibration = calibration_windows(model, tokenizer if tokenizer is not None and tokenizer.exists() else None,
+                                                           from_text=source.get("kind") == "checkpoint")
+                kv_scales = calibrate_int8_scales(model, windows)
+            kv_quantization = {"scheme": "int8", "granularity": "a scale per layer, K/V head and channel", "calibration": calibration,
+                               "file": art.KV_SCALES_FILE}
+        with kv_stored_as(model, None if kv_dtype == dtype else kv_dtype, *(kv_scales or ())):
+            return _export_verified(model, source, out, staging, dtype, provider, tokenizer_dir, kv_cache, quantize, attention,
+                                    quantize_block, kv_dtype, kv_scales, kv_quantization)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dtype: str, provider: str, tokenizer_dir, kv_cache: str,
+                     quantize: str | None, attention: str, quantize_block: int | None, kv_dtype: str, kv_scales, kv_quantization) -> dict:
+    """export_artifact's work once its arguments hold, the model's cache storing K/V as kv_dtype: staging filled,
+    verified and renamed to out."""
+    with stage(f"trace the {kv_cache} graph ({dtype}, {attention} attention{'' if kv_dtype == dtype else f', {kv_dtype} K/V'})"):
+        proto, graph = trace_graph(model, dtype, kv_cache, attention, kv_dtype)
+    if dtype == "float32":  # ONNX Runtime's fused kernels are held to float32 parity here; float16 keeps the plain ops
+        with stage("fuse operators"):
+            graph["fused_operators"] = fuse_operators(proto)
+    if quantize is not None:
+        with stage(f"quantize the weights ({quantize})"):
+            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block)
+            graph["fused_operators"] = graph["quantization"].pop("fused_operators")
+    with stage("check and save the graph"):
+        graph["external_data"] = save_graph(proto, staging)
+    del proto  # its weights are on disk now; verify loads the graph from there
+    (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
+    if tokenizer_dir is not None:
+        for name in TOKENIZER_FILES:
+            if (Path(tokenizer_dir) / name).exists():
+                shutil.copy2(Path(tokenizer_dir) / name, staging / name)
+    elif source.get("kind") == "preset":
+        write_preset_tokenizer(source["name"], staging)  # gpt2: GPT-2's BPE; tiny: none (bytes)
+    if kv_scales is not None:
+        np.savez(staging / art.KV_SCALES_FILE, key=kv_scales[0].numpy(), value=kv_scales[1].numpy())  # (L, H_kv, d_k) each
+    with stage("record the golden continuation"):
+        record_golden(model).save(staging / art.GOLDEN_FILE)  # with K/V stored as the graph stores them
+    files = sorted(p.name for p in staging.iterdir() if p.is_file())
+    manifest = {
+        "format": art.FORMAT,
+        "dtype": dtype,
+        "opset": graph["opset"],
+        "ir_version": graph["ir_version"],
+        "external_data": graph["external_data"],
+        "inputs": graph["inputs"],
+        "outputs": graph["outputs"],
+        "kv_cache": kv_cache,
+        "kv_dtype": kv_dtype,
+        "kv_quantization": kv_quantization,
+        "attention": attention,
+        "quantization": graph.get("quantization"),
+        "fused_operators": graph.get("fused_operators", {}),
+        "architecture": model.config.architecture,
+        "model_type": model.config.model_type,
+        "kv_heads": model.config.n_kv_head,
+        "kv_layout": "(batch_size, num_key_value_heads, sequence, head_dim) per layer, key and value",
+        "source": source,
+        "weights_sha256": weights_checksum(model),
+        "files": {name: art.sha256_file(staging / name) for name in files},
+        "golden": {"file": art.GOLDEN_FILE, "steps": GOLDEN_STEPS},
+        "tokenizer": art.TOKENIZER_FILE if (staging / art.TOKENIZER_FILE).exists() else None,
+        "versions": {"kvserve": kvserve.__version__, "torch": torch.__version__, "onnx": onnx.__version__},
+        "created_unix": int(time.time()),
+    }
+    (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
+    report = verify(staging, model, provider=provider)
+    report.artifact = str(out)
+    write_report(report, staging / art.PARITY_FILE)
+    staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it
+    for path in staging.iterdir():
+        path.chmod(0o644)  # onnx writes its external data file 0600; every file is as readable as the rest
+    if not report.passed:
+        raise ParityFailed("parity failed, nothing written:\n" + format_report(report) + _finer_blocks_hint(graph.get("quantization")))
+    if out.exists():
+        retired = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.rename(retired / out.name)
+        staging.rename(out)
+        shutil.rmtree(retired, ignore_errors=True)
+    else:
+        staging.rename(out)
+    return report

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import kvserve
 from kvserve.contract.config import MODEL_TYPES
-from kvserve.contract.io_contract import QUANTIZATIONS, quantize_block_refusal
+from kvserve.contract.io_contract import KV_DTYPES, QUANTIZATIONS, kv_dtype_refusal, quantize_block_refusal
 from kvserve.errors import JobFailed, UserError
 
 DESCRIPTION = ("Export a transformer decoder (GPT-2, Llama, Qwen2, Mistral) to ONNX with its KV cache as graph inputs and "
@@ -24,9 +24,11 @@ BYTE_VOCABULARY = 257  # 256 bytes and an end-of-sequence id: what an artifact w
 
 def _check_export_paths(args) -> None:
     """What export can refuse before torch loads (a second or more): a missing checkpoint, a checkpoint whose text would be
-    read one byte a token, an existing --out, a --quantize-block that cannot be."""
+    read one byte a token, an existing --out, a --quantize-block or --kv-dtype that cannot be."""
     if quantize_block_refusal(args.quantize, args.quantize_block):
         raise UserError(quantize_block_refusal(args.quantize, args.quantize_block))
+    if kv_dtype_refusal(args.kv_dtype, args.dtype, args.kv_cache):
+        raise UserError(kv_dtype_refusal(args.kv_dtype, args.dtype, args.kv_cache))
     if args.checkpoint is not None:
         checkpoint = Path(args.checkpoint)
         if not checkpoint.is_dir():
@@ -56,7 +58,7 @@ def _export(args) -> int:
     report = export_artifact(
         model, source, args.out, dtype=args.dtype, overwrite=args.overwrite, provider=args.provider,
         tokenizer_dir=args.checkpoint, kv_cache=args.kv_cache, quantize=args.quantize, attention=args.attention,
-        quantize_block=args.quantize_block,
+        quantize_block=args.quantize_block, kv_dtype=args.kv_dtype,
     )
     print(format_report(report))
     print(f"artifact written to {args.out}")
@@ -286,6 +288,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--quantize-block", type=int, default=None, metavar="N",
                         help="weights sharing a scale in --quantize's blocks: a power of 2 from 16 (default 256 for int8, 32 for "
                         "int4; smaller follows the weights more closely, larger decodes faster: docs/parity.md, \"Block sizes\")")
+    export.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
+                        help="what a slots graph's K/V cache holds: the model's --dtype (default), float16 (half a float32 cache), or "
+                        "int8 (a quarter; a scale per layer, K/V head and channel, calibrated at export on held-out text for a "
+                        "checkpoint, random ids for a preset); verified against the eager model storing K/V the same way, int8 "
+                        "also against float K/V on real text (docs/parity.md, \"K/V dtypes\")")
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
     export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
     export.add_argument("--no-tokenizer", action="store_true",

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .kv_storage import LayerKvStore
+
 # One layer's cache entry: (K, V), each (B, H_kv, S, d_k).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
 
@@ -116,9 +118,13 @@ def chunk_attention(q, k, v, bias, scale: float | None = None, softcap: float | 
     return (weights @ v).view(H, T, d_k).transpose(0, 1).reshape(T, H * d_k)  # (T, H * d_k)
 
 
-def cached_attention(q, k, v, bias, past: LayerKV, scale: float | None = None, softcap: float | None = None) -> tuple[torch.Tensor, LayerKV]:
-    """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat cache.
-    Returns the attention output (B, H, T, d_k) and the layer's present (K, V)."""
+def cached_attention(q, k, v, bias, past: LayerKV, scale: float | None = None, softcap: float | None = None,
+                     store: LayerKvStore | None = None) -> tuple[torch.Tensor, LayerKV]:
+    """This step's q (B, H, T, d_k) and new k, v (B, H_kv, T, d_k) against the concat cache, the new k and v as the
+    store keeps them (kv_storage.py; None: as computed). Returns the attention output (B, H, T, d_k) and the layer's
+    present (K, V)."""
+    if store is not None:
+        k, v = store.round_trip(k, v)  # 2 x (B, H_kv, T, d_k): what a cache of the store's dtype would read back
     past_k, past_v = past
     k = torch.cat([past_k, k], dim=2)  # (B, H_kv, P + T, d_k)
     v = torch.cat([past_v, v], dim=2)  # (B, H_kv, P + T, d_k)
@@ -166,21 +172,29 @@ class SlotStep:
 
 
 def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False, scale: float | None = None,
-                    softcap: float | None = None) -> tuple[torch.Tensor, LayerKV]:
+                    softcap: float | None = None, store: LayerKvStore | None = None) -> tuple[torch.Tensor, LayerKV]:
     """A `slots` step's q (N, H, d_k) and new k, v (N, H_kv, d_k), decode rows first, against the row pool
-    past (each (S, H_kv, C_cap, d_k)); local: a sliding-window layer's. Returns the attention output (N, H * d_k) and
-    the pool, written."""
+    past (each (S, H_kv, C_cap, d_k), of the store's dtype: kv_storage.py); local: a sliding-window layer's. Returns the
+    attention output (N, H * d_k) and the pool, written."""
     N, H, d_k = q.shape
     B = step.n_decode
+    if store is not None:
+        scales = (None, None) if not store.quantized else (store.key_scale[0, :, 0], store.value_scale[0, :, 0])  # (H_kv, d_k)
+        k, v = store.encode(k, scales[0]), store.encode(v, scales[1])  # (N, H_kv, d_k), stored
     # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
     past_k, past_v = past
     k = torch.ops.aten.index_put(past_k, step.write_index, k)  # (S, H_kv, C_cap, d_k)
     v = torch.ops.aten.index_put(past_v, step.write_index, v)  # (S, H_kv, C_cap, d_k)
     k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
     k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
+    k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
+    if store is not None:  # read back in the compute dtype
+        k_decode = store.decode(k_decode, store.key_scale, q.dtype)  # scales (1, H_kv, 1, d_k)
+        v_decode = store.decode(v_decode, store.value_scale, q.dtype)
+        row_scales = (None, None) if not store.quantized else (store.key_scale.transpose(0, 1), store.value_scale.transpose(0, 1))  # (H_kv, 1, 1, d_k)
+        k_row, v_row = store.decode(k_row, row_scales[0], q.dtype), store.decode(v_row, row_scales[1], q.dtype)
     q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
     y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias_local if local else step.decode_bias, scale, softcap)  # (B, H * d_k)
-    k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
     y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias, scale, softcap)  # (T, H * d_k)
     y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
     return y, (k, v)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .attention import attention_bias, scaled_dot_product_attention, within_window
+from .kv_storage import read_back, store_as
 
 # ONNX Runtime 1.31's CPU kernel refuses other head widths, and rotary tables of other widths ("cos_cache dimension 1
 # must be <= head_size / 2 and a multiple of 8": a partial rotation turns a multiple of 16 channels).
@@ -66,16 +67,19 @@ class FusedSlotStep:
         return x, presents, chunk_presents
 
     def attend(self, qkv: torch.Tensor, rows: "tuple[torch.Tensor, torch.Tensor]", chunk_row: "tuple[torch.Tensor, torch.Tensor]", n_head: int,
-               n_kv_head: int, window: int | None = None, scale: float | None = None, softcap: float | None = None, rotates: bool = True):
+               n_kv_head: int, window: int | None = None, scale: float | None = None, softcap: float | None = None, rotates: bool = True,
+               store=None):
         """A layer's packed qkv (B S + T, (H + 2 H_kv) d_k) against its rows and the chunk's row (within the window
         when the layer slides, turned by the sliding layers' tables then), scores scaled by scale (d_k ** -0.5 when None)
-        and soft-capped by softcap, unrotated where the layer does not rotate: the attention output (B S + T, H d_k), the
-        rows' (K, V) and the chunk row's (K, V), written."""
+        and soft-capped by softcap, unrotated where the layer does not rotate, K/V stored in the rows' dtype (int8 with the
+        store's scales, kv_storage.py): the attention output (B S + T, H d_k), the rows' (K, V) and the chunk row's (K, V),
+        written."""
         cos, sin = (self.cos, self.sin) if window is None else (self.local_cos, self.local_sin)
+        scales = (None, None) if store is None or not store.quantized else (store.key_scale, store.value_scale)
         y, *present = rows_and_chunk_attention(qkv, *rows, *chunk_row, self.rows_last, self.rows_total, self.chunk_last, self.chunk_total,
                                                cos, sin, self.row_tokens, self.chunk_tokens, n_head, n_kv_head, self.rotary and rotates,
                                                -1 if window is None else window, 0.0 if scale is None else scale,
-                                               0.0 if softcap is None else softcap)
+                                               0.0 if softcap is None else softcap, *scales)
         return y, tuple(present[:2]), tuple(present[2:])
 
 
@@ -92,8 +96,11 @@ def row_attention(
     window: int,  # -1: the whole row; else how many positions up to its own a query sees
     scale: float,  # 0.0: d_k ** -0.5
     softcap: float,  # 0.0: none
+    key_scale: torch.Tensor | None = None,  # (1, H_kv, 1, d_k): an int8 cache's
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns the attention output (B, S, H d_k) and the rows' K and V with the new tokens written."""
+    """Returns the attention output (B, S, H d_k) and the rows' K and V with the new tokens written, stored in the
+    rows' dtype (kv_storage.py): a token attends to its own K/V as stored."""
     B, S, _ = qkv.shape
     C, d_k = past_key.shape[2], past_key.shape[3]
     positions = last_position.long()[:, None] - S + 1 + torch.arange(S, device=qkv.device)  # (B, S)
@@ -110,10 +117,12 @@ def row_attention(
 
     rows = torch.arange(B, device=qkv.device)[:, None].expand(B, S)  # (B, S)
     present_key, present_value = past_key.clone(), past_value.clone()
-    present_key[rows, :, positions] = rotate(k)  # each (B, S, H_kv, d_k) at (row, column)
-    present_value[rows, :, positions] = v
+    token_scales = (None, None) if key_scale is None else (key_scale[0, :, 0], value_scale[0, :, 0])  # (H_kv, d_k)
+    present_key[rows, :, positions] = store_as(rotate(k), past_key.dtype, token_scales[0])  # each (B, S, H_kv, d_k) at (row, column)
+    present_value[rows, :, positions] = store_as(v, past_value.dtype, token_scales[1])
     allowed = within_window(torch.arange(C, device=qkv.device)[None, None, :], positions[:, :, None], None if window < 0 else window)  # (B, S, C)
-    y = scaled_dot_product_attention(rotate(q).transpose(1, 2), present_key, present_value, attention_bias(allowed[:, None]),
+    keys, values = read_back(present_key, key_scale, q.dtype), read_back(present_value, value_scale, q.dtype)  # (B, H_kv, C, d_k)
+    y = scaled_dot_product_attention(rotate(q).transpose(1, 2), keys, values, attention_bias(allowed[:, None]),
                                      scale or None, softcap or None)  # (B, H, S, d_k)
     return y.transpose(1, 2).reshape(B, S, n_head * d_k), present_key, present_value
 
@@ -139,10 +148,13 @@ def rows_and_chunk_attention(
     window: int,  # -1: none; a sliding-window layer's window
     scale: float,  # 0.0: d_k ** -0.5
     softcap: float,  # 0.0: none
+    key_scale: torch.Tensor | None = None,  # (1, H_kv, 1, d_k) float32: an int8 cache's; None for a float one
+    value_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written."""
+    """Returns the attention output (B S + T, H d_k), the rows' K and V and the chunk row's K and V, written (in the
+    rows' dtype)."""
     (B, S), T = row_tokens.shape, chunk_tokens.shape[1]
-    tables = (cos, sin, n_head, n_kv_head, rotary, window, scale, softcap)
+    tables = (cos, sin, n_head, n_kv_head, rotary, window, scale, softcap, key_scale, value_scale)
     y_rows, rows_key, rows_value = row_attention(qkv[: B * S].reshape(B, S, -1), rows_key, rows_value, rows_last, *tables)  # (B, S, H d_k)
     y_rows = y_rows.reshape(B * S, -1)  # (B S, H d_k)
     if T == 0:
@@ -153,6 +165,6 @@ def rows_and_chunk_attention(
 
 @rows_and_chunk_attention.register_fake
 def _(qkv, rows_key, rows_value, chunk_key, chunk_value, rows_last, rows_total, chunk_last, chunk_total, cos, sin, row_tokens, chunk_tokens,
-      n_head, n_kv_head, rotary, window, scale, softcap):
+      n_head, n_kv_head, rotary, window, scale, softcap, key_scale=None, value_scale=None):
     y = qkv.new_empty(qkv.shape[0], n_head * rows_key.shape[3])
     return y, torch.empty_like(rows_key), torch.empty_like(rows_value), torch.empty_like(chunk_key), torch.empty_like(chunk_value)

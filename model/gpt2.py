@@ -41,6 +41,7 @@ class CausalSelfAttention(nn.Module):
         self.d_head = config.d_head
         self.c_attn = nn.Linear(config.d_model, 3 * config.d_model)  # fused Q, K, V projection
         self.c_proj = nn.Linear(config.d_model, config.d_model)  # W_O: mixes the concatenated heads
+        self.kv_store = None  # how the cache stores K/V (kv_storage.store_kv_as); None: as computed
 
     def forward(self, x, bias, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         B, T, C = x.shape
@@ -48,7 +49,7 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         k = k.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
         v = v.view(B, T, self.n_head, self.d_head).transpose(1, 2)  # (B, H, T, d_k)
-        y, present = cached_attention(q, k, v, bias, past)  # (B, H, T, d_k)
+        y, present = cached_attention(q, k, v, bias, past, store=self.kv_store)  # (B, H, T, d_k)
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads concatenated
         return self.c_proj(y), present
 
@@ -57,13 +58,13 @@ class CausalSelfAttention(nn.Module):
         _, N, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (1, N, C)
         shape = (N, self.n_head, self.d_head)
-        y, present = slots_attention(q.view(shape), k.view(shape), v.view(shape), step, past)  # (N, C)
+        y, present = slots_attention(q.view(shape), k.view(shape), v.view(shape), step, past, store=self.kv_store)  # (N, C)
         return self.c_proj(y[None]), present
 
     def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
         """x (B S + T, C): S new tokens for each of B rows, then T chunk tokens (see Llama's forward_fused); the cache
         write and the attention are one operator for the rows and one for the chunk, nothing rotated."""
-        y, present, chunk_present = step.attend(self.c_attn(x), rows, chunk_row, self.n_head, self.n_head)  # (B S + T, C)
+        y, present, chunk_present = step.attend(self.c_attn(x), rows, chunk_row, self.n_head, self.n_head, store=self.kv_store)  # (B S + T, C)
         return self.c_proj(y), present, chunk_present  # (B S + T, C)
 
 

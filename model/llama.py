@@ -74,6 +74,7 @@ class GroupedQueryAttention(nn.Module):
         # Qwen3's per-head norms: each head's d_k channels of Q (and of K) RMS-normalised, one weight shared by the heads.
         self.q_norm = RMSNorm(self.d_head, config.layer_norm_eps, config.norm_weight_offset) if config.qk_norm else None
         self.k_norm = RMSNorm(self.d_head, config.layer_norm_eps, config.norm_weight_offset) if config.qk_norm else None
+        self.kv_store = None  # how the cache stores K/V (kv_storage.store_kv_as); None: as computed
 
     def normed(self, qk: torch.Tensor) -> torch.Tensor:
         """qk (..., H + H_kv, d_k) with the per-head norms applied (as it is without them)."""
@@ -94,14 +95,14 @@ class GroupedQueryAttention(nn.Module):
         """x (B, T, C); cos, sin (B, T, 1, d_k)."""
         B, T, _ = x.shape
         q, k, v = (t.transpose(1, 2) for t in self.project(x, cos, sin))  # (B, H, T, d_k), 2 x (B, H_kv, T, d_k)
-        y, present = cached_attention(q, k, v, bias, past, self.scale, self.softcap)  # (B, H, T, d_k)
+        y, present = cached_attention(q, k, v, bias, past, self.scale, self.softcap, self.kv_store)  # (B, H, T, d_k)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.d_head)  # (B, T, H * d_k): heads concatenated
         return self.o_proj(y), present
 
     def forward_slots(self, x, cos, sin, step: SlotStep, past: LayerKV) -> tuple[torch.Tensor, LayerKV]:
         """x (N, C): the step's tokens, decode rows first; cos, sin (N, 1, d_k). past: the row pool."""
         q, k, v = self.project(x, cos, sin)  # (N, H, d_k), 2 x (N, H_kv, d_k)
-        y, present = slots_attention(q, k, v, step, past, self.window is not None, self.scale, self.softcap)  # (N, H * d_k)
+        y, present = slots_attention(q, k, v, step, past, self.window is not None, self.scale, self.softcap, self.kv_store)  # (N, H * d_k)
         return self.o_proj(y), present
 
     def forward_fused(self, x, step: FusedSlotStep, rows: LayerKV, chunk_row: LayerKV) -> tuple[torch.Tensor, LayerKV, LayerKV]:
@@ -113,7 +114,7 @@ class GroupedQueryAttention(nn.Module):
             qk, v = qkv.unflatten(-1, (-1, self.d_head)).split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (N, H + H_kv, d_k), (N, H_kv, d_k)
             qkv = torch.cat([self.normed(qk), v], dim=-2).flatten(-2)  # (N, (H + 2 H_kv) d_k)
         y, present, chunk_present = step.attend(qkv, rows, chunk_row, self.n_head, self.n_kv_head, self.window, self.scale,
-                                                self.softcap, self.rotates)  # (B S + T, H d_k)
+                                                self.softcap, self.rotates, self.kv_store)  # (B S + T, H d_k)
         return self.o_proj(y), present, chunk_present  # (B S + T, C)
 
 

@@ -29,8 +29,8 @@ from .pool import KvTraffic, SlotPool
 from .providers import ProviderUnavailable, open_session
 from .sampled import Sampled
 
-NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16}
-ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int64)": "int64"}
+NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
+ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
 
 
 class DecoderRuntime:
@@ -43,8 +43,8 @@ class DecoderRuntime:
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
         self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
-        self.kv_dtype = NUMPY_DTYPES[dtype]
-        inputs = {i.name for i in self.session.get_inputs()}
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]  # what the pool holds: the graph says (KV_DTYPES)
         self.attention = io.FUSED if io.chunk_past_names(0)[0] in inputs else io.STANDARD  # the graph says which it is
         if self.attention == io.FUSED and self.device == "cuda" and dtype == "float32":
             raise ProviderUnavailable("ONNX Runtime runs GroupQueryAttention on CUDA in float16 only: export this model with "

@@ -465,6 +465,46 @@ MUTATIONS = (
         (("        if not traceparent:\n            return None", "        return None"),),
         ("tests/service/test_tracing.py::test_a_trace_per_request_with_the_callers_context[http/protobuf]",),
     ),
+    Mutation(
+        "int8 K/V: the fused operator is not told its cache is quantized",
+        "export/fused_graph.py",
+        (("        quantized = [\"\", \"\", \"\", *kv_scales]  # position_ids, attention_bias and head_sink unset\n        window |= {\"k_quant_type\": \"PER_CHANNEL\", \"v_quant_type\": \"PER_CHANNEL\", \"kv_cache_bit_width\": 8}",
+          "        quantized = []"),),
+        ("tests/export/test_kv_dtype.py::test_the_pool_holds_the_kv_dtype_and_verify_holds_the_graph_to_the_eager_model_storing_it_so[tiny-fused-int8]",),
+    ),
+    Mutation(
+        "int8 K/V: the eager fused path attends to its new K/V unrounded",
+        "model/fused_attention.py",
+        (("    keys, values = read_back(present_key, key_scale, q.dtype), read_back(present_value, value_scale, q.dtype)  # (B, H_kv, C, d_k)",
+          "    keys, values = read_back(present_key, key_scale, q.dtype), read_back(present_value, value_scale, q.dtype)  # (B, H_kv, C, d_k)\n"
+          "    keys[rows, :, positions], values[rows, :, positions] = rotate(k).to(q.dtype), v.to(q.dtype)"),),
+        ("tests/model/test_fused_attention.py::test_fused_steps_equal_a_full_forward[tiny_llama_model-int8]",),
+    ),
+    Mutation(
+        "K/V dtypes: the eager reference keeps K/V as computed",
+        "model/attention.py",
+        (("        k, v = store.round_trip(k, v)  # 2 x (B, H_kv, T, d_k): what a cache of the store's dtype would read back", "        pass"),),
+        ("tests/export/test_kv_dtype.py::test_the_pool_holds_the_kv_dtype_and_verify_holds_the_graph_to_the_eager_model_storing_it_so[tiny-llama-standard-int8]",),
+    ),
+    Mutation(
+        "int8 K/V: verify reads the held-out text against the reference storing K/V in int8, not float",
+        "export/parity.py",
+        (("        with kv_stored_as(self.reference, None):  # against float K/V: what K/V stored in fewer bits cost is held here",
+          "        with contextlib.nullcontext():"),),
+        ("tests/export/test_kv_dtype.py::test_scales_that_clip_fail_the_text_check_against_float_kv",),
+    ),
+    Mutation(
+        "int8 K/V: the parity driver reads an int8 pool back without its scales",
+        "export/parity_drivers.py",
+        (("        if self.kv_scales is None:\n            return", "        if True:\n            return"),),
+        ("tests/export/test_kv_dtype.py::test_the_pool_holds_the_kv_dtype_and_verify_holds_the_graph_to_the_eager_model_storing_it_so[tiny-fused-int8]",),
+    ),
+    Mutation(
+        "K/V dtypes: the runtime binds the pool in the model's dtype, not the graph's K/V dtype",
+        "runtime/step.py",
+        (("        self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]", "        self.kv_dtype = NUMPY_DTYPES[dtype]"),),
+        ("tests/service/test_kv_dtype.py",),
+    ),
 )
 
 

@@ -101,7 +101,7 @@ class App:
         engine, artifact, runtime = self.ready_engine(), self.artifact, self.runtime
         return ModelInfo(
             config=artifact.config, max_total_tokens=engine.config.n_ctx, manifest_sha256=artifact.manifest_sha256,
-            dtype=artifact.dtype, kv_cache=artifact.kv_cache, attention=artifact.attention, provider=runtime.provider,
+            dtype=artifact.dtype, kv_dtype=artifact.kv_dtype, kv_cache=artifact.kv_cache, attention=artifact.attention, provider=runtime.provider,
             provider_note="; ".join(note for note in (runtime.fallback_reason, runtime.cuda_graph_note) if note),
             limits=engine.limits, live=engine.live(), gate=self.gate, tokenizer=engine.tokenizer.name,
             chat=engine.chat_template is not None,

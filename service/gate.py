@@ -10,7 +10,7 @@ import numpy as np
 
 from kvserve.contract.artifact import Artifact, contract_problems
 from kvserve.contract.tokenizer import ByteTokenizer
-from kvserve.contract.tolerances import TOLERANCES, kl_divergence, logits_bound
+from kvserve.contract.tolerances import kl_divergence, logits_bound
 from kvserve.runtime import DecoderRuntime
 
 from .batch import SlotBatch
@@ -56,7 +56,7 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     beside it: the tokens must be the eager reference's (where the precision requires it) and each its own logits'
     argmax; the logits must be within the precision's bound of the reference's."""
     golden = artifact.golden()
-    tolerance = TOLERANCES[artifact.precision]
+    tolerance = artifact.tolerance
     steps = len(golden.tokens)
     seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
     scheduler = _scheduler(runtime, artifact, 1, step_token_budget, len(golden.prompt_ids) + steps + 1)

@@ -79,6 +79,7 @@ def _model_info_proto(info: ModelInfo) -> pb.GetModelInfoResponse:
         ),
         manifest_sha256=info.manifest_sha256,
         dtype=info.dtype,
+        kv_dtype=info.kv_dtype,
         execution_provider=info.provider,
         provider_note=info.provider_note,
         limits=pb.Limits(max_total_tokens=info.max_total_tokens, **limit_values(info.limits)),

@@ -1,6 +1,6 @@
 """Bringing a model up for serving: the artifact (only the slots layout is served), the session, the load-time
-parity gate, the serving batch (all its K/V memory, allocated and touched now) and a warm-up through the serving
-path. The gate, the warm-up (which captures the CUDA graphs) and every later step run on one step thread: a graph
+parity gate, the serving batch (its K/V pool reserved; on the CPU provider committed as tokens are written) and a
+warm-up through the serving path. The gate, the warm-up (which captures the CUDA graphs) and every later step run on one step thread: a graph
 captured on another thread would not be replayed by the steps.
 """
 

@@ -35,6 +35,7 @@ class ModelInfo:
     max_total_tokens: int  # prompt + generated tokens a sequence may hold as served (--max-context)
     manifest_sha256: str
     dtype: str
+    kv_dtype: str  # what the K/V pool holds (io_contract.KV_DTYPES)
     kv_cache: str
     attention: str
     provider: str  # the execution provider running the graph

@@ -113,6 +113,26 @@ def tiny_concat_artifact(tmp_path_factory, tiny_model) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def kv_dtype_artifacts(tmp_path_factory, tiny_model, tiny_llama_model):
+    """Factory, cached per session: (preset, attention, kv_dtype) -> the preset ("tiny" or "tiny-llama") exported as
+    `kvserve export --preset PRESET --attention ATTENTION --kv-dtype KV_DTYPE` writes it, verified on the tests' provider."""
+    from kvserve.export.pipeline import export_artifact
+
+    built = {}
+
+    def make(name: str, attention: str, kv_dtype: str) -> Path:
+        key = (name, attention, kv_dtype)
+        if key not in built:
+            model = tiny_model if name == "tiny" else tiny_llama_model
+            out = tmp_path_factory.mktemp("artifacts") / f"{name}-{attention}-{kv_dtype}"
+            export_artifact(model, {"kind": "preset", "name": name, "seed": 0}, out, provider=PROVIDER, attention=attention, kv_dtype=kv_dtype)
+            built[key] = out
+        return built[key]
+
+    return make
+
+
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "kjv-gpt2"  # the trained default model (model/train.py)
 
 

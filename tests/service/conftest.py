@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 
 from ..conftest import FUSED_DTYPES
@@ -210,6 +211,15 @@ class SlotsGraph:
     model: object  # the eager torch module
     greedy_is_eager: bool  # float32: a sequence's tokens are eager generate's; float16: the artifact's own, run alone
     kv_relative_error: float  # largest |K/V - eager| relative to the eager values' largest |value|
+    kv_scales: tuple | None = None  # an int8 pool's K and V scales, each (L, H_kv, d_k)
+
+    def read_row(self, pool, row: int, columns: int) -> list:
+        """A pool row's first columns per layer K then V, each (H_kv, columns, d_k), as attention reads them: float32."""
+        arrays = pool.row_to_host(row, columns)
+        if self.kv_scales is None:
+            return [a.astype(np.float32) for a in arrays]
+        scales = [s for layer in zip(*self.kv_scales) for s in layer]  # per layer K then V, (H_kv, d_k)
+        return [a.astype(np.float32) * s[:, None, :] for a, s in zip(arrays, scales)]
 
     def alone(self, seq) -> list[int]:
         """The tokens seq must generate, batched or not: float16 greedy is not held to eager's (a near-tie may flip:
@@ -225,27 +235,40 @@ class SlotsGraph:
 
 
 # The slots graphs the batch runs: GPT-2's standard attention, GPT-2's and a Llama's fused attention (GroupQueryAttention),
-# the Llama's fused one in each of FUSED_DTYPES (float32 and float16; float16 alone under CUDA, whose kernel has no float32).
-@pytest.fixture(scope="module", params=["gpt2 standard", "gpt2 fused"] + [f"llama fused {dtype}" for dtype in FUSED_DTYPES])
-def slots_graph(request, tiny_llama_fused_artifacts) -> SlotsGraph:
-    if request.param.startswith("gpt2"):
-        fixture = "tiny_standard_artifact" if request.param == "gpt2 standard" else "tiny_artifact"
-        model, artifact_dir = request.getfixturevalue("tiny_model"), request.getfixturevalue(fixture)
-    else:
-        model, artifact_dir = request.getfixturevalue("tiny_llama_model"), tiny_llama_fused_artifacts(request.param.split()[-1])
+# the Llama's fused one in each of FUSED_DTYPES (float32 and float16; float16 alone under CUDA, whose kernel has no float32),
+# and float32 graphs whose pool holds int8 (fused) or float16 (standard) K/V (export --kv-dtype).
+@pytest.fixture(scope="module", params=["gpt2 standard", "gpt2 fused"] + [f"llama fused {dtype}" for dtype in FUSED_DTYPES]
+                + ["llama fused int8-kv", "gpt2 standard float16-kv"])
+def slots_graph(request, tiny_llama_fused_artifacts, kv_dtype_artifacts) -> SlotsGraph:
+    import copy
+
+    import torch
+
     from kvserve.contract.artifact import open_artifact
-    from kvserve.contract.tolerances import TOLERANCES
+    from kvserve.model.kv_storage import store_kv_as
     from kvserve.runtime import DecoderRuntime
 
     from ..conftest import PROVIDER
 
+    family, attention, kind = (request.param.split() + [""])[:3]
+    model = request.getfixturevalue("tiny_model" if family == "gpt2" else "tiny_llama_model")
+    if kind.endswith("-kv"):
+        artifact_dir = kv_dtype_artifacts("tiny" if family == "gpt2" else "tiny-llama", attention, kind.removesuffix("-kv"))
+    elif family == "gpt2":
+        artifact_dir = request.getfixturevalue("tiny_standard_artifact" if attention == "standard" else "tiny_artifact")
+    else:
+        artifact_dir = tiny_llama_fused_artifacts(kind)
     artifact = open_artifact(artifact_dir)
-    assert artifact.attention == request.param.split()[1]
+    assert artifact.attention == attention
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
-    tolerance = TOLERANCES[artifact.precision]
-    # float32: rounding only; float16: the parity tolerance, relative like it (tiny-llama's wide weights make K of 10 and more)
-    kv_error = 1e-5 if artifact.dtype == "float32" else tolerance.kv_max_abs
-    return SlotsGraph(artifact_dir, runtime, model, tolerance.greedy_identical, kv_error)
+    tolerance = artifact.tolerance
+    scales = artifact.kv_scales()
+    if artifact.kv_dtype != artifact.dtype:  # the eager model storing K/V as the pool does (a copy: the session's model stays as it is)
+        model = store_kv_as(copy.deepcopy(model), artifact.kv_dtype, *(() if scales is None else map(torch.from_numpy, scales)))
+    # float32: rounding only; float16 and K/V stored in fewer bits: the parity tolerance, relative like it (tiny-llama's wide
+    # weights make K of 10 and more)
+    kv_error = 1e-5 if artifact.precision == "float32" else tolerance.kv_max_abs
+    return SlotsGraph(artifact_dir, runtime, model, tolerance.greedy_identical, kv_error, scales)
 
 
 @pytest.fixture(scope="module")

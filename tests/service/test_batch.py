@@ -27,7 +27,7 @@ def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(slots_graph, sl
         assert seq.cached_tokens == len(fed)
         ids = torch.tensor([fed])
         _, present = slots_model(ids, torch.ones_like(ids), torch.arange(len(fed))[None], slots_model.empty_cache(1))
-        row = batch.kv.pool.row_to_host(seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
+        row = slots_graph.read_row(batch.kv.pool, seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
         for layer, (k, v) in enumerate(present):
             for got, want in ((row[2 * layer], k[0].numpy()), (row[2 * layer + 1], v[0].numpy())):
                 assert np.abs(got - want).max() <= slots_graph.kv_relative_error * max(1.0, np.abs(want).max())
