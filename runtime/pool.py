@@ -105,7 +105,6 @@ class SlotPool:
             self.arrays = None
             zeros = np.zeros(self.shape, kv_dtype)  # rows read padding columns: they must hold numbers
             self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * n_layer)]
-        self._spare: np.ndarray | None = None  # exchange_rows' staging row, made on first use
 
     def discard(self, row: int) -> None:
         """Row's K/V is no longer wanted: its pages go back to the system and it reads as zeros (CPU provider; under CUDA
@@ -155,16 +154,15 @@ class SlotPool:
 
     def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
         """Rows a and b trade contents: b takes a's first a_columns columns and a takes b's first b_columns (on the CPU
-        provider, where rows are moved to keep the computed ones dense; through a spare row of the same memory)."""
+        provider, where rows are moved to keep the computed ones dense; through a spare of the shorter side's columns,
+        made for the exchange and let go after it: kept, it would hold the pages of the longest row it ever moved)."""
         if a == b:
             return
         if self.arrays is None:
             raise RuntimeError("rows are exchanged on the CPU provider only (under CUDA a freed row stays where it is)")
-        if self._spare is None:
-            self._spare = np.empty(self.shape[1:], self.kv_dtype)  # (H, C, d_k): one row of one layer's K or V
-        if b_columns < a_columns:  # the shorter side goes through the spare row: it is copied twice
+        if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
-        spare = self._spare
+        spare = np.empty((self.shape[1], a_columns, self.shape[3]), self.kv_dtype)  # (H, a_columns, d_k): one layer's K or V of row a
         for array in self.arrays:
             spare[:, :a_columns] = array[a, :, :a_columns]
             array[a, :, :b_columns] = array[b, :, :b_columns]
