@@ -1,16 +1,22 @@
 """Cold starts: `kvserve serve` from its process start to SERVING (asked of the health service every 10 ms, as
 `kvserve health` asks), median of --runs, and where the time goes, read from the server's own log lines: the
-interpreter and imports up to the bound port, the session, the parity gate's replay, and the serving batch (its K/V
-memory allocated and touched) with the warm-up.
+interpreter and imports up to the bound port, the session, the parity gate's replay, and the serving batch with the
+warm-up. Then what the warm-up leaves to the first requests: a burst of as many streams as rows (32-token prompts, 64
+new tokens) sent at SERVING, and the same burst again; their seconds, and the first's over the second's.
 
-    python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5]
+    python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5] [--baseline REV]
+
+With --baseline, the revision given is installed on its own (as bench/kv_memory.py installs it) and started in turn
+with this tree.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -23,23 +29,37 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
-from serving_latency import free_port, serving_status  # noqa: E402
+from kv_memory import install_revision  # noqa: E402
+from serving_latency import free_port, prompt, serving_status, stream  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
-from kvserve.v1 import generation_pb2_grpc  # noqa: E402, F401  (the stubs exist: the server can start)
+from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 SERVING = 1  # grpc.health.v1.HealthCheckResponse.SERVING
 MARKS = {"bound": "listening on", "session": "execution provider:", "gate": "parity gate passed", "serving": ": SERVING "}
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 
 
-def cold_start(artifact: str, rows: int) -> dict[str, float]:
-    """One start: seconds from the process's start to each mark, and to the first SERVING answer."""
+BURST_PROMPT, BURST_TOKENS = 32, 64
+
+
+async def burst(target: str, rows: int, vocab: int, seed: int) -> float:
+    """Seconds for rows streams sent at once to each write BURST_TOKENS tokens."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        started = time.perf_counter()
+        await asyncio.gather(*(stream(stub, prompt(seed + i, BURST_PROMPT, vocab), BURST_TOKENS) for i in range(rows)))
+        return time.perf_counter() - started
+
+
+def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None) -> dict[str, float]:
+    """One start: seconds from the process's start to each mark, to the first SERVING answer, and of the two bursts."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
+    env = dict(os.environ) | ({"PYTHONPATH": str(site)} if site is not None else {})
     started_wall, started = time.time(), time.perf_counter()
     process = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(Path(artifact).resolve()), "--port", str(port),
-                                "--provider", "cpu", "--max-batch-size", str(rows)], stderr=log, cwd=tempfile.gettempdir())
+                                "--provider", "cpu", "--max-batch-size", str(rows)], stderr=log, cwd=tempfile.gettempdir(), env=env)
     try:
         while process.poll() is None:
             try:
@@ -49,11 +69,13 @@ def cold_start(artifact: str, rows: int) -> dict[str, float]:
                 pass
             time.sleep(0.01)
         answered = time.perf_counter() - started
+        first_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 0))
+        second_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 100))
     finally:
         process.terminate()
         process.wait(60)
     log.seek(0)
-    marks = {"answered": answered}
+    marks = {"answered": answered, "first_burst": first_burst, "second_burst": second_burst}
     for line in log.read().splitlines():
         stamp = STAMP.match(line)
         for name, words in MARKS.items():
@@ -67,23 +89,35 @@ def main() -> None:
     parser.add_argument("--artifact", default="artifacts/gpt2-int8")
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--baseline", default=None, help="a revision to start in turn with this tree (default: this tree alone)")
     args = parser.parse_args()
+    sides = {"this tree": None}
+    if args.baseline:
+        sides = {f"baseline {args.baseline}": install_revision(args.baseline), "this tree": None}
     config = open_artifact(args.artifact).config
     print(f"# Cold starts to SERVING\n\n{describe()}\n\n{Path(args.artifact).name} ({config.n_layer} layers, context {config.n_ctx}), "
           f"{args.runs} starts per row count, alternating; medians, seconds from the process's start\n")
-    print("| rows | to SERVING | imports + bind | session | parity gate | batch + warm-up | runs (to SERVING) |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
-    runs: dict[int, list[dict]] = {rows: [] for rows in args.rows}
-    for _ in range(args.runs):
-        for rows in args.rows:
-            runs[rows].append(cold_start(args.artifact, rows))
-    for rows, marks in runs.items():
+    print("| server | rows | to SERVING | imports + bind | session | parity gate | batch + warm-up | first burst s | again s | first / again | "
+          "runs (to SERVING) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    runs: dict[tuple[str, int], list[dict]] = {(side, rows): [] for side in sides for rows in args.rows}
+    for run in range(args.runs):
+        for side in (list(sides) if run % 2 == 0 else list(reversed(sides))):
+            for rows in args.rows:
+                runs[(side, rows)].append(cold_start(args.artifact, rows, config.vocab_size, sides[side]))
+    for (side, rows), marks in runs.items():
         def median(name: str) -> float:
             return statistics.median(m[name] for m in marks)
 
         bound, session, gate, serving = median("bound"), median("session"), median("gate"), median("serving")
-        print(f"| {rows} | {median('answered'):.2f} | {bound:.2f} | {session - bound:.2f} | {gate - session:.2f} | {serving - gate:.2f} | "
-              f"{', '.join(format(m['answered'], '.2f') for m in marks)} |")
+        first, again = median("first_burst"), median("second_burst")
+        print(f"| {side} | {rows} | {median('answered'):.2f} | {bound:.2f} | {session - bound:.2f} | {gate - session:.2f} | {serving - gate:.2f} | "
+              f"{first:.2f} | {again:.2f} | {first / again:.2f} | {', '.join(format(m['answered'], '.2f') for m in marks)} |")
+
+
+    for site in sides.values():
+        if site is not None:
+            shutil.rmtree(site.parent, ignore_errors=True)
 
 
 if __name__ == "__main__":

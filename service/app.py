@@ -8,6 +8,7 @@ import asyncio
 import logging
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -23,7 +24,6 @@ from .engine_errors import Unavailable
 from .gate import GateResult
 from .grpc_errors import ErrorInterceptor
 from .grpc_servicer import GenerationServicer
-from .http_api import HttpApi
 from .limits import TRANSPORT_METADATA_BYTES
 from .loading import load_model, open_servable
 from .metrics import Metrics
@@ -31,6 +31,9 @@ from .model_info import ModelInfo
 from .options import ServerOptions
 from .security import MetadataLimitInterceptor, TokenAuthInterceptor, TokenFile, server_credentials
 from .tokenizing import TokenizeProcess
+
+if TYPE_CHECKING:  # imported when --http-port is given: Starlette and uvicorn cost a start 45 ms (bench/startup.py)
+    from .http_api import HttpApi
 
 log = logging.getLogger("kvserve.server")
 
@@ -151,6 +154,8 @@ class App:
             raise ListenFailed(f"cannot listen on {address} (in use, or not an address of this host)")
         http_socket = None
         if self.options.http_port is not None:
+            from .http_api import HttpApi
+
             self.http = HttpApi(self.ready_engine, self.ready_tokenizing, self.options, self.tokens, self.metrics)
             try:
                 http_socket = self.http.bind(self.options.host, self.options.http_port)

@@ -96,15 +96,19 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
     return replay_golden(runtime, artifact, step_token_budget)
 
 
+WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a decode step of every row
+
+
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> None:
-    """Fill the serving batch to its largest size through the serving path (prefills, then decodes at every
-    batch size up to it), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
+    """Fill the serving batch to its largest size through the serving path (its rows' prompts in chunks, then one
+    decode step of every row), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
     fixed-shape decode steps then binds (and captures) every shape it may run. The prompt cache forgets the warm-up's
-    rows: no request should find their made-up tokens."""
+    rows: no request should find their made-up tokens. More decode steps bought the first requests nothing measurable
+    and cost the start a step each (bench/startup.py's bursts)."""
     config = batch.config  # as served: its context may be cut (serve --max-context)
     batch_size = batch.max_rows
     prompt_len = max(1, min(8, config.n_ctx // 2))
-    new_tokens = max(1, min(batch_size + 1, config.n_ctx - prompt_len))
+    new_tokens = max(1, min(WARM_UP_NEW_TOKENS, config.n_ctx - prompt_len))
     held = batch.kv.budget_tokens()
     if held is not None:  # each row within the K/V budget (at least kv_budget.MIN_BUDGET_TOKENS)
         new_tokens = max(1, min(new_tokens, held - prompt_len))

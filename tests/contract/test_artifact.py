@@ -31,11 +31,29 @@ def edit_manifest(directory, **fields):
     (lambda d: edit_manifest(d, attention="flash"), "attention 'flash' is not one of"),
     (lambda d: edit_manifest(d, model_type="llama", architecture="llama"), "disagrees with config.json's model_type 'gpt2'"),
     (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes() + b"x"), "checksum mismatch"),
-], ids=["file missing", "unreadable", "old format", "dtype", "attention", "architecture", "checksum"])
+    (lambda d: edit_manifest(d, kv_dtype="int4"), "kv_dtype 'int4' cannot go with dtype 'float32' and the slots cache"),
+    (lambda d: edit_manifest(d, kv_dtype="int8"), "an int8 K/V cache needs its scales, and 'files' lacks kv_scales.npz"),
+], ids=["file missing", "unreadable", "old format", "dtype", "attention", "architecture", "checksum", "kv dtype", "kv scales"])
 def test_each_problem_is_named_with_its_file(copied, breakage, message):
     breakage(copied)
     with pytest.raises(ArtifactError, match=re.escape(message)):
         open_artifact(copied)
+
+
+def test_checksums_hashed_ahead_are_the_ones_checked_and_a_changed_graph_is_still_refused(copied):
+    """The server hashes the graph files while it imports (prefetch_checksums); open_artifact checks those digests."""
+    from kvserve.contract import artifact
+
+    artifact.prefetch_checksums(copied)
+    assert (copied / "model.onnx").resolve() in artifact._hashing
+    open_artifact(copied)
+    assert not artifact._hashing  # each digest is used once
+    (copied / "model.onnx").write_bytes((copied / "model.onnx").read_bytes() + b"x")
+    artifact.prefetch_checksums(copied)
+    with pytest.raises(ArtifactError, match="model.onnx: checksum mismatch"):
+        open_artifact(copied)
+    artifact.prefetch_checksums(copied / "nowhere")  # nothing there: nothing started, open_artifact names it
+    assert not artifact._hashing
 
 
 def test_an_artifact_opens_with_its_config_and_a_graph_that_is_not_its_contract_is_named(tiny_artifact):
