@@ -56,7 +56,7 @@ class SlotsPrefill:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", default="checkpoints/kjv-gpt2")
-    parser.add_argument("--schemes", nargs="+", choices=QUANTIZATIONS, default=list(QUANTIZATIONS), help="quantizations to compare (default: all)")
+    parser.add_argument("--schemes", nargs="*", choices=QUANTIZATIONS, default=list(QUANTIZATIONS), help="quantizations to compare (default: all)")
     parser.add_argument("--kv-dtypes", nargs="*", choices=KV_DTYPES[1:], default=list(KV_DTYPES[1:]),
                         help="K/V dtypes to compare, float32 weights (default: all)")
     parser.add_argument("--greedy-windows", type=int, default=16, help="window openings the greedy comparison continues (default 16)")

@@ -111,10 +111,12 @@ def _finer_blocks_hint(quantization: dict | None) -> str:
             f"(docs/parity.md, \"Block sizes\"): try --quantize-block {FINEST_BLOCK}")
 
 
-def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, requested: str = AUTO) -> str:
+def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, requested: str = AUTO, kv_dtype: str | None = None) -> str:
     """The slots graph's attention: what was asked for (refused by name when the model cannot have it), or for "auto"
     fused wherever it runs (GPT-2 and the Llama family, head_dim a multiple of 16, the slots cache), except a float32 graph that
-    this machine would verify on CUDA, whose GroupQueryAttention kernel is float16 only there."""
+    this machine would verify on CUDA, whose GroupQueryAttention kernel is float16 only there, and a float32 graph whose
+    K/V are float16: ONNX Runtime 1.31's CPU kernel reads a float16 cache at a fifth of the standard graph's speed (gpt2
+    int8 weights, 16 streams: 82 tokens/s against 271; bench/results/cpu-2core.md, "K/V dtypes")."""
     if requested not in (AUTO, *io.ATTENTIONS):
         raise ExportError(f"unknown attention {requested!r}; choose one of auto, {', '.join(io.ATTENTIONS)}")
     refusal = fused_attention_refusal(model, kv_cache)
@@ -123,7 +125,8 @@ def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, r
     if requested != AUTO:
         return requested
     on_cuda = provider != "cpu" and cuda_available()
-    return io.STANDARD if refusal or (dtype == "float32" and on_cuda) else io.FUSED
+    float16_cache = dtype == "float32" and kv_dtype == "float16"
+    return io.STANDARD if refusal or (dtype == "float32" and on_cuda) or float16_cache else io.FUSED
 
 
 def export_artifact(
@@ -154,7 +157,7 @@ def export_artifact(
     if io.kv_dtype_refusal(kv_dtype, dtype, kv_cache):
         raise ExportError(io.kv_dtype_refusal(kv_dtype, dtype, kv_cache))
     kv_dtype = kv_dtype or dtype
-    attention = choose_attention(model, kv_cache, dtype, provider, attention)
+    attention = choose_attention(model, kv_cache, dtype, provider, attention, kv_dtype)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -144,3 +144,14 @@ def test_scales_that_clip_fail_the_text_check_against_float_kv(tmp_path, trained
                         tokenizer_dir=DEFAULT_CHECKPOINT, kv_dtype="int8")
     assert "prefill" not in str(failed.value).split("result: FAIL")[1]  # the graph matched its reference: only the text failed
     assert not (tmp_path / "kjv").exists()
+
+
+def test_auto_attention_keeps_a_float16_cache_in_the_standard_graph(tiny_llama_model):
+    """ONNX Runtime 1.31's CPU GroupQueryAttention reads a float16 cache at a fifth of the standard graph's speed
+    (bench/results/cpu-2core.md): "auto" picks standard for it, fused for int8 K/V; asked for, fused is built."""
+    from kvserve.export.pipeline import choose_attention
+
+    assert choose_attention(tiny_llama_model, "slots", "float32", "cpu", "auto", "float16") == "standard"
+    assert choose_attention(tiny_llama_model, "slots", "float32", "cpu", "auto", "int8") == "fused"
+    assert choose_attention(tiny_llama_model, "slots", "float32", "cpu", "fused", "float16") == "fused"
+    assert choose_attention(tiny_llama_model, "slots", "float16", "cpu", "auto", "float16") == "fused"
