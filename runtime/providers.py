@@ -14,7 +14,10 @@ from pathlib import Path
 
 import onnxruntime as ort
 
+from kvserve.contract.artifact import MODEL_DATA_FILE
 from kvserve.errors import UserError
+
+from .weights_memory import release_file_pages
 
 CUDA = "CUDAExecutionProvider"
 CPU = "CPUExecutionProvider"
@@ -102,6 +105,7 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
             cuda_graph_note = f"CUDA graphs off: ONNX Runtime will not capture this graph ({first_line(exc)})"
     if not captures_decode:
         session = _open(model_path, options, providers)
+    release_file_pages(Path(model_path).parent / MODEL_DATA_FILE)  # what repacking read and no step reads again
     running = session.get_providers()[0]
     if len(providers) > 1 and running != CUDA:
         if provider == "cuda":
