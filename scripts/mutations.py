@@ -505,6 +505,19 @@ MUTATIONS = (
         (("        self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]", "        self.kv_dtype = NUMPY_DTYPES[dtype]"),),
         ("tests/service/test_kv_dtype.py",),
     ),
+    Mutation(
+        "auto attention puts a float16 cache in the fused graph",
+        "export/pipeline.py",
+        (("    return io.STANDARD if refusal or (dtype == \"float32\" and on_cuda) or float16_cache else io.FUSED",
+          "    return io.STANDARD if refusal or (dtype == \"float32\" and on_cuda) else io.FUSED"),),
+        ("tests/export/test_kv_dtype.py::test_auto_attention_keeps_a_float16_cache_in_the_standard_graph",),
+    ),
+    Mutation(
+        "the weights file's read pages are not handed back",
+        "runtime/weights_memory.py",
+        (("        if madvise(low, high - low, MADV_PAGEOUT) == 0:", "        if False:"),),
+        ("tests/runtime/test_weights_memory.py::test_read_pages_of_a_mapped_file_go_back_and_read_the_same_again",),
+    ),
 )
 
 
