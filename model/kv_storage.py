@@ -61,9 +61,9 @@ def kv_stores(model) -> list:
     return [block.attn if hasattr(block, "attn") else block.self_attn for block in layers]
 
 
-def store_kv_as(model, dtype: str, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None):
-    """Make model's cache store K/V as dtype (int8: with key_scales and value_scales, each (L, H_kv, d_k)); the model's
-    own dtype, or None, stores them as computed. Returns model."""
+def store_kv_as(model, dtype: str | None, key_scales: torch.Tensor | None = None, value_scales: torch.Tensor | None = None):
+    """Make model's cache store K/V as dtype (int8: with key_scales and value_scales, each (L, H_kv, d_k)); None stores
+    them as computed (what an artifact whose K/V dtype is its model's own declares). Returns model."""
     for layer, attention in enumerate(kv_stores(model)):
         if dtype is None:
             attention.kv_store = None
