@@ -2,7 +2,7 @@
 
 Every initializer a step computes with whole (MatMul and MatMulNBits weights with their scales and zero points,
 norms, biases, a tied LM head's table) is read once a step whatever the batch; a table only looked up by Gather
-(the position embedding, an untied token embedding) is read a row per token; and each row reads the K/V of the
+(the position embedding, an untied token embedding, in float or in 8- or 4-bit blocks) is read a row per token; and each row reads the K/V of the
 columns it attends over. Sizes come from the graph's declared shapes and types, so external data is never loaded.
 """
 
@@ -37,6 +37,16 @@ def _axis(node: onnx.NodeProto) -> int:
     return next((attribute.i for attribute in node.attribute if attribute.name == "axis"), 0)
 
 
+def _gathers_rows(node: onnx.NodeProto, position: int) -> bool:
+    """Whether node reads its input at position a row per index: a Gather's table on axis 0, or a GatherBlockQuantized's
+    blocks and their scales (an untied embedding in 8 or 4 bits: export/quantize.py)."""
+    if node.op_type == "Gather":
+        return position == 0 and _axis(node) == 0
+    if node.op_type == "GatherBlockQuantized":
+        return position in (0, 2) and next((a.i for a in node.attribute if a.name == "gather_axis"), 0) == 0
+    return False
+
+
 def step_footprint(model_path: Path, kv_column_bytes: int) -> StepFootprint:
     """The footprint of the graph at model_path (its initializers, not their data); kv_column_bytes: 2 * layers *
     K/V heads * head size * the cache's element size (the artifact's config and dtype say)."""
@@ -49,7 +59,7 @@ def step_footprint(model_path: Path, kv_column_bytes: int) -> StepFootprint:
     for tensor in graph.initializer:
         size = _nbytes(tensor)
         uses = consumers.get(tensor.name, [])
-        gathered = all(node.op_type == "Gather" and position == 0 and _axis(node) == 0 for node, position in uses)
+        gathered = all(_gathers_rows(node, position) for node, position in uses)
         if uses and gathered and len(tensor.dims) >= 2:
             table += size
             row += size // tensor.dims[0]

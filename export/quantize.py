@@ -13,7 +13,8 @@ Transpose(wte), which is folded into a weight of its own here, and a Gemm with a
 the Llama family's slots step runs them) becomes a MatMul first. Where the head is tied, the embedding lookup then
 reads the head's quantized blocks too (com.microsoft.GatherBlockQuantized: a row's blocks dequantized as it is
 gathered), so the table is stored once, in 8 or 4 bits, instead of a float32 copy beside the quantized head (for
-Qwen3-0.6B's 151,936 x 1,024 table, 622 MB of float32); an untied model's embedding keeps its float table.
+Qwen3-0.6B's 151,936 x 1,024 table, 622 MB of float32). An untied model's embedding is quantized on its own, in the
+same bits and blocks, and read the same way (quantize_untied_tables).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-from kvserve.contract.io_contract import QUANTIZATIONS
+from kvserve.contract.io_contract import LOGITS, QUANTIZATIONS
 
 from .graph_fusions import fuse_operators
 
@@ -124,29 +125,77 @@ def share_tied_table(model: onnx.ModelProto) -> int:
         vocab, width = table.dims
         if (attributes["N"], attributes["K"]) != (vocab, width) or len(head.input) > 3 and head.input[3]:
             continue  # not this table's transpose, or an asymmetric head (zero points) the lookup would have to share too
-        blocks, block_size = -(-width // attributes["block_size"]), attributes["block_size"]
-        scales = initializers[head.input[2]]
-        scales_3d = numpy_helper.from_array(numpy_helper.to_array(scales).reshape(vocab, blocks, 1), f"{scales.name}.lookup")  # (V, blocks, 1)
-        graph.initializer.append(scales_3d)
-        rows = f"{node.output[0]}.blocks"
-        lookup = onnx.helper.make_node("GatherBlockQuantized", [head.input[1], node.input[1], scales_3d.name], [rows], name=f"{node.name}.quantized",
-                                       domain="com.microsoft", bits=attributes["bits"], block_size=block_size, gather_axis=0, quantize_axis=2)
-        width_shape = numpy_helper.from_array(np.array([-1, blocks * block_size], np.int64), f"{node.name}.width")
-        graph.initializer.append(width_shape)
-        flat = onnx.helper.make_node("Reshape", [rows, width_shape.name], [f"{node.output[0]}.padded" if blocks * block_size != width else node.output[0]],
-                                     name=f"{node.name}.rows")  # (N, blocks, block) -> (N, blocks * block)
-        replacement = [lookup, flat]
-        if blocks * block_size != width:  # the last block padded past the table's width: cut back to it
-            starts, ends, axes = (numpy_helper.from_array(np.array([v], np.int64), f"{node.name}.{n}") for n, v in (("start", 0), ("end", width), ("axis", 1)))
-            graph.initializer.extend([starts, ends, axes])
-            replacement.append(onnx.helper.make_node("Slice", [flat.output[0], starts.name, ends.name, axes.name], [node.output[0]], name=f"{node.name}.cut"))
-        position = list(graph.node).index(node)
-        graph.node.remove(node)
-        for offset, new in enumerate(replacement):
-            graph.node.insert(position + offset, new)
+        scales = numpy_helper.to_array(initializers[head.input[2]])
+        _gather_blocks(graph, node, head.input[1], scales.reshape(vocab, -1, 1), attributes["bits"], attributes["block_size"], width)
         graph.initializer.remove(initializers[node.input[0]])
         shared += 1
     return shared
+
+
+def _gather_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, data: str, scales: np.ndarray, bits: int, block_size: int, width: int) -> None:
+    """Replace the Gather node (in place in graph) with a GatherBlockQuantized of the (V, blocks, block bytes) uint8
+    blocks named data, with scales (V, blocks, 1), and the reshape (and cut, where the last block is padded) back to
+    (N, width) rows."""
+    blocks = scales.shape[1]
+    scales_3d = numpy_helper.from_array(scales.astype(np.float32), f"{node.name}.scales")  # (V, blocks, 1)
+    graph.initializer.append(scales_3d)
+    rows = f"{node.output[0]}.blocks"
+    lookup = onnx.helper.make_node("GatherBlockQuantized", [data, node.input[1], scales_3d.name], [rows], name=f"{node.name}.quantized",
+                                   domain="com.microsoft", bits=bits, block_size=block_size, gather_axis=0, quantize_axis=2)
+    width_shape = numpy_helper.from_array(np.array([-1, blocks * block_size], np.int64), f"{node.name}.width")
+    graph.initializer.append(width_shape)
+    flat = onnx.helper.make_node("Reshape", [rows, width_shape.name], [f"{node.output[0]}.padded" if blocks * block_size != width else node.output[0]],
+                                 name=f"{node.name}.rows")  # (N, blocks, block) -> (N, blocks * block)
+    replacement = [lookup, flat]
+    if blocks * block_size != width:  # the last block padded past the table's width: cut back to it
+        starts, ends, axes = (numpy_helper.from_array(np.array([v], np.int64), f"{node.name}.{n}") for n, v in (("start", 0), ("end", width), ("axis", 1)))
+        graph.initializer.extend([starts, ends, axes])
+        replacement.append(onnx.helper.make_node("Slice", [flat.output[0], starts.name, ends.name, axes.name], [node.output[0]], name=f"{node.name}.cut"))
+    position = list(graph.node).index(node)
+    graph.node.remove(node)
+    for offset, new in enumerate(replacement):
+        graph.node.insert(position + offset, new)
+
+
+def block_quantize(table: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """A (V, C) float table in symmetric blocks of block_size along C, as GatherBlockQuantized reads them: the
+    (V, blocks, block_size * bits / 8) uint8 values (the signed value plus 2^(bits - 1), two to a byte for 4 bits, the
+    low nibble first; the last block padded with zeros) and the (V, blocks, 1) float32 scales (a block's largest |value|
+    over 2^(bits - 1) - 1)."""
+    vocab, width = table.shape
+    blocks = -(-width // block_size)
+    padded = np.zeros((vocab, blocks * block_size), np.float32)
+    padded[:, :width] = table
+    x = padded.reshape(vocab, blocks, block_size)  # (V, blocks, block)
+    largest = 2 ** (bits - 1) - 1
+    scales = np.abs(x).max(-1, keepdims=True) / largest  # (V, blocks, 1)
+    safe = np.where(scales > 0, scales, 1.0)
+    values = (np.clip(np.rint(x / safe), -largest, largest) + 2 ** (bits - 1)).astype(np.uint8)  # (V, blocks, block)
+    if bits == 4:
+        values = values[..., 0::2] | (values[..., 1::2] << 4)  # (V, blocks, block / 2)
+    return np.ascontiguousarray(values), scales.astype(np.float32)
+
+
+def quantize_untied_tables(model: onnx.ModelProto, bits: int, block_size: int) -> int:
+    """Replace each Gather on a float (vocabulary, width) table (an untied model's token embedding; a tied one is
+    share_tied_table's) with a GatherBlockQuantized of its own bits-bit blocks, and drop the float table. The vocabulary
+    is the logits output's last axis: a position table (GPT-2's wpe) is not one. Returns how many tables."""
+    graph = model.graph
+    logits = next(o for o in graph.output if o.name == LOGITS)
+    vocab = logits.type.tensor_type.shape.dim[-1].dim_value
+    initializers = {init.name: init for init in graph.initializer}
+    quantized = 0
+    for node in list(graph.node):
+        table = initializers.get(node.input[0]) if node.op_type == "Gather" else None
+        if table is None or len(table.dims) != 2 or table.dims[0] != vocab or table.data_type != onnx.TensorProto.FLOAT:
+            continue
+        values, scales = block_quantize(numpy_helper.to_array(table), bits, block_size)
+        data = numpy_helper.from_array(values, f"{table.name}_Q{bits}.lookup")
+        graph.initializer.append(data)
+        _gather_blocks(graph, node, data.name, scales, bits, block_size, table.dims[1])
+        graph.initializer.remove(table)
+        quantized += 1
+    return quantized
 
 
 def weight_matmuls(model: onnx.ModelProto) -> int:
@@ -173,7 +222,8 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
         quantizer.process()
         quantized = quantizer.model.model
         facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
-                 "accuracy_level": ACCURACY_LEVEL, "shared_embedding": share_tied_table(quantized) > 0}
+                 "accuracy_level": ACCURACY_LEVEL, "shared_embedding": share_tied_table(quantized) > 0,
+                 "quantized_embedding": quantize_untied_tables(quantized, bits, block_size) > 0}
     elif scheme == "int8-dynamic":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

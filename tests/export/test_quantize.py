@@ -216,7 +216,11 @@ def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, na
     quantization = open_artifact(out).manifest["quantization"]
     expected_block = block or BLOCKS[scheme][1]
     assert quantization["block_size"] == expected_block and quantization["shared_embedding"] == model.config.tie_word_embeddings
-    nodes = onnx.load(str(out / "model.onnx")).graph.node
+    assert quantization["quantized_embedding"] == (not model.config.tie_word_embeddings)  # an untied table in blocks of its own
+    graph = onnx.load(str(out / "model.onnx")).graph
+    table = {(model.config.vocab_size, model.config.d_model), (model.config.d_model, model.config.vocab_size)}
+    assert not [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) in table]  # no float table
+    nodes = graph.node
     assert {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"} == {expected_block}
 
 
@@ -225,3 +229,33 @@ def test_a_failed_quantized_export_says_to_try_finer_blocks():
 
     assert _finer_blocks_hint({"block_size": 256}).endswith("try --quantize-block 32")  # an int8 export's default
     assert _finer_blocks_hint({"block_size": 32}) == "" and _finer_blocks_hint(None) == ""
+
+
+@pytest.mark.parametrize("bits, width", [(4, 64), (8, 64), (4, 72), (8, 40)])
+def test_an_untied_table_in_blocks_reads_back_as_its_rounded_rows(bits, width):
+    """quantize_untied_tables: the token table's Gather becomes a GatherBlockQuantized of its own blocks (the last one
+    padded where the width is not a multiple of the block), each value within half a step of the float one; a position
+    table (rows other than the vocabulary's) stays float."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    from kvserve.export.quantize import quantize_untied_tables
+
+    vocab, block = 50, 32
+    rng = np.random.default_rng(bits + width)
+    table, positions, head = (rng.standard_normal(shape).astype(np.float32) for shape in ((vocab, width), (16, width), (width, vocab)))
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["rows"], name="embed"), helper.make_node("Gather", ["positions", "ids"], ["where"], name="pos"),
+             helper.make_node("Add", ["rows", "where"], ["x"]), helper.make_node("MatMul", ["x", "head"], ["logits"])]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n"])],
+                              [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["n", vocab]), helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", width])],
+                              [numpy_helper.from_array(a, name) for a, name in ((table, "table"), (positions, "positions"), (head, "head"))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)], ir_version=10)
+    assert quantize_untied_tables(model, bits, block) == 1
+    names = {t.name for t in model.graph.initializer}
+    assert "table" not in names and "positions" in names
+    ids = np.array([0, 7, 15, 3])
+    _, x = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
+    step = np.abs(table).max() / (2 ** (bits - 1) - 1)  # no block's step is larger
+    rows = x - positions[ids]  # (4, width): the rows ONNX Runtime gathered
+    assert np.abs(rows - table[ids]).max() <= step / 2 + 1e-4
+    assert np.abs(rows - table[ids]).max() > 0  # rounded, not the float table
