@@ -62,7 +62,7 @@ def main() -> None:
         config = artifact.config
         if args.past >= config.n_ctx:
             sys.exit(f"{path}: its context holds {config.n_ctx} positions; --past {args.past} needs {args.past + 1}")
-        kv_itemsize = {"float32": 4, "float16": 2, "int8": 1}[artifact.kv_dtype]
+        kv_itemsize = np.dtype(artifact.kv_dtype).itemsize
         footprint = step_footprint(artifact.model_path, 2 * config.n_layer * config.n_kv_head * config.head_dim * kv_itemsize)
         runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
         steps = {rows: onnx_step(runtime, config, args.past, rows, with_logits=False) for rows in (1, 16)}

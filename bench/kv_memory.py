@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import grpc
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
@@ -109,7 +110,7 @@ def token_bytes(artifact: str) -> int:
     """One token's K and V over every layer, in the artifact's K/V dtype."""
     opened = open_artifact(artifact)
     config = opened.config
-    return 2 * config.n_layer * config.n_kv_head * config.head_dim * {"float32": 4, "float16": 2, "int8": 1}[opened.kv_dtype]
+    return 2 * config.n_layer * config.n_kv_head * config.head_dim * np.dtype(opened.kv_dtype).itemsize
 
 
 def main() -> None:

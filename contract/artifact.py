@@ -25,7 +25,7 @@ from kvserve.errors import UserError
 
 from .config import DecoderConfig
 from .hf_config import config_from_hf
-from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, KV_DTYPES, QUANTIZATIONS, io_spec, kv_dtype_refusal
+from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, io_spec, kv_dtype_refusal
 from .tolerances import Tolerance, tolerance_for
 
 MODEL_FILE = "model.onnx"
@@ -208,7 +208,7 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
     if manifest.get("attention") not in ATTENTIONS:
         raise ArtifactError(f"{where}: attention {manifest.get('attention')!r} is not one of {', '.join(ATTENTIONS)}")
     kv_dtype = manifest.get("kv_dtype") or manifest.get("dtype")
-    if kv_dtype not in KV_DTYPES or kv_dtype_refusal(kv_dtype, manifest["dtype"], manifest["kv_cache"]):
+    if kv_dtype_refusal(kv_dtype, manifest["dtype"], manifest["kv_cache"]):
         raise ArtifactError(f"{where}: kv_dtype {kv_dtype!r} cannot go with dtype {manifest['dtype']!r} and the {manifest['kv_cache']} cache")
     if kv_dtype == "int8" and KV_SCALES_FILE not in files:
         raise ArtifactError(f"{where}: an int8 K/V cache needs its scales, and 'files' lacks {KV_SCALES_FILE}")

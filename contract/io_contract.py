@@ -148,7 +148,7 @@ def output_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD
     return step + [n for i in range(n_layer) for n in present_names(i)] + chunk
 
 
-def kv_dtype_refusal(kv_dtype: str | None, dtype: str, kv_cache: str, quantize: str | None = None) -> str | None:
+def kv_dtype_refusal(kv_dtype: str | None, dtype: str, kv_cache: str) -> str | None:
     """Why `--kv-dtype kv_dtype` cannot go with the rest of an export, or None when it can (or none is given)."""
     if kv_dtype is None or kv_dtype == dtype:
         return None
@@ -156,6 +156,8 @@ def kv_dtype_refusal(kv_dtype: str | None, dtype: str, kv_cache: str, quantize: 
         return f"--kv-dtype {kv_dtype}: choose one of {', '.join(KV_DTYPES)}"
     if kv_cache != SLOTS:
         return f"--kv-dtype {kv_dtype}: a concat graph keeps K/V in the model's dtype (its tools feed them back); export the slots cache"
+    if dtype != "float32" and kv_dtype == "float32":
+        return f"--kv-dtype float32: a {dtype} graph computes its K/V in {dtype}; drop --kv-dtype"
     if dtype != "float32":
         return f"--kv-dtype {kv_dtype} rounds a float32 model's K/V; with --dtype {dtype} they are {dtype} already"
     return None
@@ -168,8 +170,8 @@ def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: s
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     kv_dtype = kv_dtype or dtype
-    if kv_dtype_refusal(kv_dtype, dtype, kv_cache):
-        raise ValueError(kv_dtype_refusal(kv_dtype, dtype, kv_cache))
+    if (refusal := kv_dtype_refusal(kv_dtype, dtype, kv_cache)) is not None:
+        raise ValueError(refusal)
     if kv_cache not in KV_CACHES:
         raise ValueError(f"unsupported KV cache {kv_cache!r}; choose one of {', '.join(KV_CACHES)}")
     if attention not in ATTENTIONS or (attention == FUSED and kv_cache != SLOTS):

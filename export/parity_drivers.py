@@ -100,13 +100,8 @@ class SlotsDriver:
         return out
 
     def kv(self) -> list[list[np.ndarray]]:
-        """Per row, per layer K then V, each (H_kv, L_r, d_k) in float32: a float16 pool's widened, an int8 pool's
-        times its scales (what attention read)."""
-        rows = [self.pool.row_to_host(row, int(length)) for row, length in enumerate(self.lengths)]
-        if self.kv_scales is None:
-            return [[kv.astype(np.float32, copy=False) for kv in row] for row in rows]
-        scales = [scale for layer in zip(*self.kv_scales) for scale in layer]  # per layer K then V, each (H_kv, d_k)
-        return [[kv.astype(np.float32) * scale[:, None, :] for kv, scale in zip(row, scales)] for row in rows]
+        """Per row, per layer K then V, each (H_kv, L_r, d_k) as attention read them (SlotPool.read_row)."""
+        return [self.pool.read_row(row, int(length), self.kv_scales) for row, length in enumerate(self.lengths)]
 
 
 def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: int, provider: str = "auto") -> np.ndarray:

@@ -154,8 +154,8 @@ def export_artifact(
         raise ExportError(f"--quantize {quantize} quantizes a float32 graph's weights; drop --dtype {dtype}")
     if io.quantize_block_refusal(quantize, quantize_block):
         raise ExportError(io.quantize_block_refusal(quantize, quantize_block))
-    if io.kv_dtype_refusal(kv_dtype, dtype, kv_cache):
-        raise ExportError(io.kv_dtype_refusal(kv_dtype, dtype, kv_cache))
+    if (refusal := io.kv_dtype_refusal(kv_dtype, dtype, kv_cache)) is not None:
+        raise ExportError(refusal)
     kv_dtype = kv_dtype or dtype
     attention = choose_attention(model, kv_cache, dtype, provider, attention, kv_dtype)
     if out.exists() and not overwrite:

@@ -27,8 +27,8 @@ def _check_export_paths(args) -> None:
     read one byte a token, an existing --out, a --quantize-block or --kv-dtype that cannot be."""
     if quantize_block_refusal(args.quantize, args.quantize_block):
         raise UserError(quantize_block_refusal(args.quantize, args.quantize_block))
-    if kv_dtype_refusal(args.kv_dtype, args.dtype, args.kv_cache):
-        raise UserError(kv_dtype_refusal(args.kv_dtype, args.dtype, args.kv_cache))
+    if (refusal := kv_dtype_refusal(args.kv_dtype, args.dtype, args.kv_cache)) is not None:
+        raise UserError(refusal)
     if args.checkpoint is not None:
         checkpoint = Path(args.checkpoint)
         if not checkpoint.is_dir():

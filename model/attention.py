@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .kv_storage import LayerKvStore
+from .kv_storage import LayerKvStore, read_back, store_as
 
 # One layer's cache entry: (K, V), each (B, H_kv, S, d_k).
 LayerKV = tuple[torch.Tensor, torch.Tensor]
@@ -180,7 +180,7 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False,
     B = step.n_decode
     if store is not None:
         scales = (None, None) if not store.quantized else (store.key_scale[0, :, 0], store.value_scale[0, :, 0])  # (H_kv, d_k)
-        k, v = store.encode(k, scales[0]), store.encode(v, scales[1])  # (N, H_kv, d_k), stored
+        k, v = store_as(k, store.stored, scales[0]), store_as(v, store.stored, scales[1])  # (N, H_kv, d_k), stored
     # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
     past_k, past_v = past
     k = torch.ops.aten.index_put(past_k, step.write_index, k)  # (S, H_kv, C_cap, d_k)
@@ -189,10 +189,10 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False,
     k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
     k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
     if store is not None:  # read back in the compute dtype
-        k_decode = store.decode(k_decode, store.key_scale, q.dtype)  # scales (1, H_kv, 1, d_k)
-        v_decode = store.decode(v_decode, store.value_scale, q.dtype)
+        k_decode = read_back(k_decode, store.key_scale, q.dtype)  # scales (1, H_kv, 1, d_k)
+        v_decode = read_back(v_decode, store.value_scale, q.dtype)
         row_scales = (None, None) if not store.quantized else (store.key_scale.transpose(0, 1), store.value_scale.transpose(0, 1))  # (H_kv, 1, 1, d_k)
-        k_row, v_row = store.decode(k_row, row_scales[0], q.dtype), store.decode(v_row, row_scales[1], q.dtype)
+        k_row, v_row = read_back(k_row, row_scales[0], q.dtype), read_back(v_row, row_scales[1], q.dtype)
     q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
     y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias_local if local else step.decode_bias, scale, softcap)  # (B, H * d_k)
     y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias, scale, softcap)  # (T, H * d_k)

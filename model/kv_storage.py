@@ -41,18 +41,10 @@ class LayerKvStore(torch.nn.Module):
     def quantized(self) -> bool:
         return self.key_scale is not None
 
-    def encode(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-        """x (..., H_kv, ..., d_k) as stored: the cache's dtype (scale broadcast against x)."""
-        return store_as(x, self.stored, scale)
-
-    def decode(self, stored: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        """What attention reads from stored values, in the compute dtype."""
-        return read_back(stored, scale, dtype)
-
     def round_trip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """New k and v (B, H_kv, T, d_k) as they read back once stored, in their own dtype."""
-        return (self.decode(self.encode(k, self.key_scale), self.key_scale, k.dtype),
-                self.decode(self.encode(v, self.value_scale), self.value_scale, v.dtype))
+        return (read_back(store_as(k, self.stored, self.key_scale), self.key_scale, k.dtype),
+                read_back(store_as(v, self.stored, self.value_scale), self.value_scale, v.dtype))
 
 
 def kv_stores(model) -> list:

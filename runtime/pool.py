@@ -164,9 +164,9 @@ class SlotPool:
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
         spare = np.empty((self.shape[1], a_columns, self.shape[3]), self.kv_dtype)  # (H, a_columns, d_k): one layer's K or V of row a
         for array in self.arrays:
-            spare[:, :a_columns] = array[a, :, :a_columns]
+            spare[...] = array[a, :, :a_columns]
             array[a, :, :b_columns] = array[b, :, :b_columns]
-            array[b, :, :a_columns] = spare[:, :a_columns]
+            array[b, :, :a_columns] = spare
         traffic = self.traffic
         traffic.device_copies += 1
         traffic.device_copy_bytes += (2 * a_columns + b_columns) * self.row_bytes // self.capacity * len(self.values)
@@ -177,3 +177,12 @@ class SlotPool:
             return [a[row, :, :columns].copy() for a in self.arrays]
         self.traffic.host_bytes += sum(v.tensor_size_in_bytes() for v in self.values)  # the whole pool comes back
         return [v.numpy()[row, :, :columns] for v in self.values]
+
+    def read_row(self, row: int, columns: int, kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
+        """row_to_host's arrays as attention reads them, in float32: a float16 pool's widened, an int8 pool's times its
+        scales (kv_scales: K's and V's, each (L, H_kv, d_k); export's --kv-dtype int8)."""
+        arrays = self.row_to_host(row, columns)
+        if kv_scales is None:
+            return [a.astype(np.float32, copy=False) for a in arrays]
+        scales = [scale for layer in zip(*kv_scales) for scale in layer]  # per layer K then V, each (H_kv, d_k)
+        return [a.astype(np.float32) * scale[:, None, :] for a, scale in zip(arrays, scales)]

@@ -99,6 +99,7 @@ def test_an_int8_artifact_without_its_scales_is_refused_naming_the_file(kv_dtype
     (["--kv-dtype", "int8", "--kv-cache", "concat"], "--kv-dtype int8: a concat graph keeps K/V in the model's dtype"),
     (["--kv-dtype", "int8", "--dtype", "float16"], "--kv-dtype int8 rounds a float32 model's K/V; with --dtype float16 they are float16 already"),
     (["--kv-dtype", "int4"], "argument --kv-dtype: invalid choice: 'int4'"),
+    (["--kv-dtype", "float32", "--dtype", "float16"], "--kv-dtype float32: a float16 graph computes its K/V in float16; drop --kv-dtype"),
 ])
 def test_a_kv_dtype_that_cannot_be_is_refused_before_export_starts(tmp_path, args, message):
     result = run_cli("export", "--preset", "tiny", "--out", str(tmp_path / "out"), *args)

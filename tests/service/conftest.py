@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import numpy as np
 import pytest
 
 from ..conftest import FUSED_DTYPES
@@ -215,11 +214,7 @@ class SlotsGraph:
 
     def read_row(self, pool, row: int, columns: int) -> list:
         """A pool row's first columns per layer K then V, each (H_kv, columns, d_k), as attention reads them: float32."""
-        arrays = pool.row_to_host(row, columns)
-        if self.kv_scales is None:
-            return [a.astype(np.float32) for a in arrays]
-        scales = [s for layer in zip(*self.kv_scales) for s in layer]  # per layer K then V, (H_kv, d_k)
-        return [a.astype(np.float32) * s[:, None, :] for a, s in zip(arrays, scales)]
+        return pool.read_row(row, columns, self.kv_scales)
 
     def alone(self, seq) -> list[int]:
         """The tokens seq must generate, batched or not: float16 greedy is not held to eager's (a near-tie may flip:

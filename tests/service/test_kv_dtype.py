@@ -2,6 +2,7 @@
 what the cache holds, a sequence's K/V bytes are its tokens' at that dtype (a quarter of float32's for int8), and a
 greedy stream is the artifact's own greedy continuation. The batch's own tests run such pools too (conftest.slots_graph)."""
 
+import numpy as np
 import pytest
 
 from kvserve.contract.artifact import open_artifact
@@ -11,14 +12,12 @@ from kvserve.v1 import generation_pb2 as pb
 from ..conftest import PROVIDER
 from .conftest import collect, serving, stub_of
 
-ITEM_BYTES = {"float32": 4, "float16": 2, "int8": 1}
-
 
 @pytest.mark.parametrize("attention, kv_dtype", [("fused", "int8"), ("standard", "float16")])
 def test_a_kv_dtype_artifact_serves_its_own_greedy_tokens_holding_its_tokens_bytes(kv_dtype_artifacts, attention, kv_dtype):
     directory = kv_dtype_artifacts("tiny", attention, kv_dtype)
     config = open_artifact(directory).config
-    token = 2 * config.n_layer * config.n_kv_head * config.head_dim * ITEM_BYTES[kv_dtype]  # K and V of one token, every layer
+    token = 2 * config.n_layer * config.n_kv_head * config.head_dim * np.dtype(kv_dtype).itemsize  # K and V of one token, every layer
     prompt = [5, 17, 99, 3, 42, 8]
     with serving(directory, max_batch_size=4) as running, stub_of(running) as stub:
         info = stub.GetModelInfo(pb.GetModelInfoRequest())
