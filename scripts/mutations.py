@@ -494,9 +494,9 @@ MUTATIONS = (
         ("tests/export/test_kv_dtype.py::test_scales_that_clip_fail_the_text_check_against_float_kv",),
     ),
     Mutation(
-        "int8 K/V: the parity driver reads an int8 pool back without its scales",
-        "export/parity_drivers.py",
-        (("        if self.kv_scales is None:\n            return", "        if True:\n            return"),),
+        "int8 K/V: a pool's rows are read back without their scales",
+        "runtime/pool.py",
+        (("        if kv_scales is None:\n            return", "        if True:\n            return"),),
         ("tests/export/test_kv_dtype.py::test_the_pool_holds_the_kv_dtype_and_verify_holds_the_graph_to_the_eager_model_storing_it_so[tiny-fused-int8]",),
     ),
     Mutation(
