@@ -8,6 +8,8 @@ contract/tolerances.py read them. Then the worst of each column and the bound's 
 
     python bench/parity_errors.py [--only WORD ...] [--work DIR]
     python bench/parity_errors.py --kv-scales   # the size the relative K/V bound is taken of, per model
+    python bench/parity_errors.py --kv-dtype int8   # the slots exports again, and the gpt2 preset, with K/V in int8
+                                                    # (or float16): what contract/tolerances.py's KV_TOLERANCES are set from
 """
 
 from __future__ import annotations
@@ -26,11 +28,13 @@ sys.path.insert(0, str(ROOT))
 from machine import describe  # noqa: E402
 
 from kvserve.contract import tolerances  # noqa: E402
+from kvserve.export.onnx_export import fused_attention_refusal  # noqa: E402
 from kvserve.export.pipeline import export_artifact  # noqa: E402
 from kvserve.model.checkpoint import load_checkpoint  # noqa: E402
 from kvserve.model.presets import preset  # noqa: E402
 from kvserve.model.decoders import build  # noqa: E402
 from tests.conftest import DEFAULT_CHECKPOINT, LLAMA_CONFIGS  # noqa: E402  (the suite's own models)
+from tests.hf_reference import HF_CLASSES  # noqa: E402
 
 
 def hf_llama(name: str, work: Path):
@@ -39,11 +43,10 @@ def hf_llama(name: str, work: Path):
 
     model_type, config = LLAMA_CONFIGS[name]
     torch.manual_seed(len(name))
-    prefix = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[model_type]
-    hf_config = getattr(transformers, f"{prefix}Config")(
-        **{"initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, **config}, attn_implementation="eager")
+    config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
+    hf_config = config_class(**{"initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, **config}, attn_implementation="eager")
     directory = work / f"hf-{len(name)}"
-    getattr(transformers, f"{prefix}ForCausalLM")(hf_config).eval().save_pretrained(directory)
+    model_class(hf_config).eval().save_pretrained(directory)
     return load_checkpoint(directory), {"kind": "checkpoint", "path": str(directory)}
 
 
@@ -84,18 +87,26 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=[], help="run the cases whose label contains one of these words")
     parser.add_argument("--work", type=Path, default=None)
     parser.add_argument("--kv-scales", action="store_true", help="print each model's per-(layer, head) K/V scale instead")
+    parser.add_argument("--kv-dtype", choices=("float16", "int8"), default=None,
+                        help="export the slots cases (and the gpt2 preset) with K/V in this dtype, its bounds opened instead")
     args = parser.parse_args()
     if args.kv_scales:
         kv_scales(args.work or Path(tempfile.mkdtemp(prefix="parity-errors-")))
         return
-    bound = tolerances.TOLERANCES["float32"]
-    tolerances.TOLERANCES["float32"] = dataclasses.replace(bound, logits_max_abs=1.0, kv_max_abs=1.0)  # report, never refuse
+    table, key = (tolerances.KV_TOLERANCES, args.kv_dtype) if args.kv_dtype else (tolerances.TOLERANCES, "float32")
+    bound = table[key]
+    table[key] = dataclasses.replace(bound, logits_max_abs=1.0, kv_max_abs=1.0, kl_mean_max=None, text=None)  # report, never refuse
     work = args.work or Path(tempfile.mkdtemp(prefix="parity-errors-"))
     print(f"machine: {describe()}\n")
     print("| model | layout, attention | check | max abs Δ logits | max abs logit | Δ / max | rel. Δ K/V |")
     print("|---|---|---|---:|---:|---:|---:|")
     worst_logits = worst_ratio = worst_kv = 0.0
-    for index, (label, model, source, extra) in enumerate(cases(work)):
+    chosen = cases(work)
+    if args.kv_dtype:  # a concat graph keeps its model's dtype; each attention named, auto would choose for the K/V dtype
+        chosen = [(label, model, source, {"attention": "standard" if fused_attention_refusal(model, "slots") else "fused", **extra,
+                                          "kv_dtype": args.kv_dtype}) for label, model, source, extra in chosen if extra.get("kv_cache") != "concat"]
+        chosen.append(("gpt2", build(preset("gpt2"), 0), {"kind": "preset", "name": "gpt2", "seed": 0}, {"kv_dtype": args.kv_dtype}))
+    for index, (label, model, source, extra) in enumerate(chosen):
         if args.only and not any(word in label for word in args.only):
             continue
         report = export_artifact(model, source, work / f"artifact-{index}", provider="cpu", **extra)
@@ -108,7 +119,7 @@ def main() -> None:
             worst_logits, worst_ratio = max(worst_logits, check.max_abs_logits), max(worst_ratio, ratio)
             worst_kv = max(worst_kv, kv or 0.0)
     print(f"\nworst: max abs Δ logits {worst_logits:.2e}; Δ / max abs logit {worst_ratio:.2e}; relative Δ K/V {worst_kv:.2e}")
-    print(f"float32 bounds: logits {bound.logits_max_abs:g}{' of the max abs logit' if bound.logits_relative else ' absolute'} "
+    print(f"{key}{' K/V' if args.kv_dtype else ''} bounds: logits {bound.logits_max_abs:g}{' of the max abs logit' if bound.logits_relative else ' absolute'} "
           f"(margin x{bound.logits_max_abs / max(worst_ratio if bound.logits_relative else worst_logits, 1e-30):.1f}), "
           f"K/V {bound.kv_max_abs:g}{' relative' if bound.kv_relative else ' absolute'}"
           + (f" (margin x{bound.kv_max_abs / max(worst_kv, 1e-30):.1f})" if bound.kv_relative else ""))

@@ -108,16 +108,17 @@ def logits_bound(tolerance: Tolerance, eager_logits: np.ndarray) -> float:
 # ONNX Runtime's K or V differs from the eager one's in its last float32 bit, the two may round to neighbouring stored
 # values (float16: 2^-10 of the value; int8: one scale, at most 1/127 of the channel's calibrated range), and the layers
 # above carry the difference on. ONNX Runtime 1.31's CPU GroupQueryAttention also reads a float16 cache in lower
-# precision than its float32 path: its logits differ from the eager model's by 1e-4 to 1.5e-3 of the largest in every
-# check, the standard graph's by 1e-6 but where a value rounds the other way (1.5e-4 at worst). Measured, worst of the
-# test suite's and the presets' exports (docs/parity.md, "K/V dtypes", AMD EPYC with AVX-512 VNNI): float16 logits
-# 1.5e-3, K/V 1.7e-3 of their largest; int8 logits 4.5e-3, K/V 2.0e-2 (gpt2's 12 layers). Greedy tokens and top-1 are
+# precision than its float32 path: its logits differ from the eager model's by 1e-4 to 3e-3 of the largest in every
+# check, the standard graph's by 1e-6 but where a value rounds the other way. Measured by bench/parity_errors.py
+# --kv-dtype (the suite's slots exports and the gpt2 preset; bench/results/parity-errors.md, AMD EPYC with AVX-512
+# VNNI): float16 logits 3.0e-3, K/V 3.8e-3 of their largest (fused; the bounds are float16 graphs' own, 1e-2); int8
+# logits 4.5e-3, K/V 2.0e-2 (gpt2's 12 layers). Greedy tokens and top-1 are
 # reported, not held (a near-tie may flip); mean KL is held. int8 K/V are also held to the float K/V reference on real
 # text (verify's text check): scales that clip or waste the range fail there; a graph whose scale is not the recorded
 # one fails the K/V check at its layer (a quarter of the scale: over three times the bound, tests/export/test_kv_dtype.py).
 KV_TOLERANCES = {
     "float16": Tolerance(
-        logits_max_abs=5e-3, kv_max_abs=5e-3, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-4,
+        logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-4,
     ),
     "int8": Tolerance(
         logits_max_abs=2e-2, kv_max_abs=0.1, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-3,

@@ -267,10 +267,7 @@ def make_hf_llama(tmp_path_factory):
     import torch
     import transformers
 
-    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
-               "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
-               "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"), "phi3": ("Phi3Config", "Phi3ForCausalLM"),
-               "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
+    from .hf_reference import HF_CLASSES
 
     def make(model_type: str, seed: int = 0, dtype=None, max_shard_size=None, generation=None, **config):
         torch.manual_seed(seed)
@@ -279,7 +276,7 @@ def make_hf_llama(tmp_path_factory):
         config.setdefault("initializer_range", 0.3)
         config.setdefault("bos_token_id", 1)
         config.setdefault("eos_token_id", 2)
-        config_class, model_class = (getattr(transformers, name) for name in classes[model_type])
+        config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
         hf_config = config_class(**config, attn_implementation="eager")
         hf = model_class(hf_config).eval()
         with torch.no_grad():  # norms drawn around 1, not left at it: a norm applied in the wrong place then shows

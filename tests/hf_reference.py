@@ -5,6 +5,12 @@ import torch
 
 from kvserve.model.generate import left_pad, position_ids_from_mask
 
+# transformers' config and model class names of each Llama-family model_type the tests build
+HF_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "mistral": ("MistralConfig", "MistralForCausalLM"), "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+              "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"), "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+              "phi3": ("Phi3Config", "Phi3ForCausalLM"), "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM")}
+
 
 @torch.no_grad()
 def padded_logits_gap(hf, ours, prompts: list[list[int]], relative: bool = False) -> float:
