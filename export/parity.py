@@ -81,7 +81,8 @@ class _Verification:
         return logits, present, mask, pos
 
     def kv_check(self, check: CheckStats, eager_present, real: np.ndarray) -> CheckResult:
-        divergence = kv_divergence(self.driver.kv(), eager_present, real, self.tolerance.kv_relative)  # (L, H_kv)
+        divergence = kv_divergence(self.driver.kv(), eager_present, real, self.tolerance.kv_relative,
+                                   self.tolerance.kv_rms)  # (L, H_kv)
         check.kv_max_abs = float(divergence.max())
         self.kv_max = np.maximum(self.kv_max, divergence)
         return check.result(self.tolerance)

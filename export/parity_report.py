@@ -108,11 +108,13 @@ class CheckStats:
         return CheckResult(self.name, self.max_abs, self.eager_max_abs, self.sum_abs / self.count, top1, kl_mean, self.kv_max_abs, passed)
 
 
-def kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray, relative: bool = False) -> np.ndarray:
+def kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray, relative: bool = False,
+                  rms: bool = False) -> np.ndarray:
     """Max |Δ| per (layer, head) over the real (unpadded) positions. onnx_rows: per batch row, per layer K then
     V, each (H, L_r, d_k) holding that row's real positions in order; eager_present: per layer (K, V), each
     (B, H, S, d_k), with real (B, S) bool marking the positions that hold tokens. relative: divided by the
-    eager K/V's largest |value| in that (layer, head). Returns (L, H)."""
+    eager K/V's largest |value| in that (layer, head). rms: each batch row's root-mean-square |Δ| over its eager K/V's
+    root mean square instead (the worst row, K or V). Returns (L, H)."""
     per_layer = []
     for layer, (eager_k, eager_v) in enumerate(eager_present):
         worst = None
@@ -120,9 +122,13 @@ def kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: 
             eager_kv = eager_kv.double().numpy()
             for row, onnx_row in enumerate(onnx_rows):
                 eager_row = eager_kv[row][:, real[row]]  # (H, L_r, d_k)
-                head_max = np.abs(onnx_row[2 * layer + offset].astype(np.float64) - eager_row).max(axis=(1, 2))  # (H,)
-                if relative:
-                    head_max = head_max / np.maximum(np.abs(eager_row).max(axis=(1, 2)), 1e-12)
+                difference = onnx_row[2 * layer + offset].astype(np.float64) - eager_row  # (H, L_r, d_k)
+                if rms:
+                    head_max = np.sqrt((difference**2).mean(axis=(1, 2)) / np.maximum((eager_row**2).mean(axis=(1, 2)), 1e-24))  # (H,)
+                else:
+                    head_max = np.abs(difference).max(axis=(1, 2))  # (H,)
+                    if relative:
+                        head_max = head_max / np.maximum(np.abs(eager_row).max(axis=(1, 2)), 1e-12)
                 worst = head_max if worst is None else np.maximum(worst, head_max)
         per_layer.append(worst)
     return np.stack(per_layer)  # (L, H)
@@ -154,7 +160,7 @@ def format_report(report: ParityReport) -> str:
         f"{', fused attention' if report.attention == 'fused' else ''}) on {report.provider}",
         "",
         f"| check | max abs Δ logits{' (of max abs logit)' if relative else ''} | mean abs Δ logits | top-1 agree | mean KL | "
-        f"{'rel. ' if tol.kv_relative else ''}max abs Δ K/V | ok |",
+        f"{'rel. RMS' if tol.kv_rms else 'rel. max abs' if tol.kv_relative else 'max abs'} Δ K/V | ok |",
         "|---|---:|---:|---:|---:|---:|:-:|",
     ]
     for c in report.checks:
@@ -167,7 +173,7 @@ def format_report(report: ParityReport) -> str:
     if argmax is not None:
         lines.append(f"greedy_tokens output vs its logits' argmax: {argmax.rows - argmax.mismatches} of {argmax.rows} rows equal")
     kv = np.array(report.kv_max_abs_per_layer_head)  # (L, H_kv)
-    lines.append("present K/V max abs Δ per layer (worst head): "
+    lines.append(f"present K/V {'relative RMS' if tol.kv_rms else 'max abs'} Δ per layer (worst head): "
                  + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)))
     text = report.text
     if text is not None:
@@ -181,10 +187,10 @@ def format_report(report: ParityReport) -> str:
                          "held, top-1, perplexity and greedy prefix reported")
     bad = report.first_failing_layer_head
     lines.append("first (layer, head) over tolerance: "
-                 + (f"layer {bad.layer}, head {bad.head} (max abs Δ {bad.max_abs:.2e})" if bad else "none"))
+                 + (f"layer {bad.layer}, head {bad.head} ({'relative RMS' if tol.kv_rms else 'max abs'} Δ {bad.max_abs:.2e})" if bad else "none"))
     lines.append(
         f"tolerance ({report.quantization or report.dtype}{f', {report.kv_dtype} K/V' if report.kv_dtype else ''}): logits {tol.logits_max_abs:g}{' (relative)' if relative else ''}, "
-        f"K/V {tol.kv_max_abs:g}{' (relative)' if tol.kv_relative else ''}, top-1 >= {tol.top1_min:g}"
+        f"K/V {tol.kv_max_abs:g}{' (relative RMS)' if tol.kv_rms else ' (relative)' if tol.kv_relative else ''}, top-1 >= {tol.top1_min:g}"
         + (f", mean KL <= {tol.kl_mean_max:g}" if tol.kl_mean_max is not None else "")
         + f", greedy identical {'required' if tol.greedy_identical else 'reported'}"
     )

@@ -176,3 +176,27 @@ def test_float32_bounds_scale_with_the_logits_and_the_kv_they_judge():
         check.kv_max_abs = 5e-5  # the K/V divergence is already relative to each (layer, head)'s largest |K/V|
         assert check.result(TOLERANCES["float32"]).passed is passes, scale
     assert TOLERANCES["float32"].kv_relative  # so verify hands it relative K/V divergences (_kv_divergence)
+
+
+def test_kv_divergence_measures_the_largest_entry_or_the_noise_of_each_layer_and_head():
+    """One entry off by half the head's largest |K/V| is the whole story for the max measure and a trace of it for the
+    root-mean-square one, which reads noise on every entry as its power against the K/V's; a head whose K/V the graph
+    lost is 1 either way."""
+    from kvserve.export.parity_report import kv_divergence
+
+    rng = np.random.default_rng(0)
+    eager = torch.from_numpy(rng.standard_normal((1, 2, 64, 8)))  # (B, H, S, d_k): one layer's K (and V), two heads
+    real = np.ones((1, 64), bool)
+    spike = eager.numpy()[0].copy()
+    spike[0, 3, 1] += 0.5 * np.abs(spike[0]).max()
+    noisy = eager.numpy()[0] + 0.1 * rng.standard_normal((2, 64, 8))
+    lost = eager.numpy()[0].copy()
+    lost[1] = 0.0
+
+    def measure(onnx, rms):
+        return kv_divergence([[onnx, onnx]], [(eager, eager)], real, relative=True, rms=rms)[0]  # (H,)
+
+    assert measure(spike, rms=False)[0] == pytest.approx(0.5) and measure(spike, rms=True)[0] < 0.1
+    assert measure(noisy, rms=True) == pytest.approx([0.1, 0.1], rel=0.2)
+    assert measure(lost, rms=True)[1] == pytest.approx(1.0) and measure(lost, rms=False)[1] == pytest.approx(1.0)
+    assert measure(lost, rms=True)[0] == 0.0
