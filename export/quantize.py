@@ -5,7 +5,8 @@ Schemes (chosen by measurement, bench/int8_decode.py and bench/decode_floor.py; 
   int8          com.microsoft.MatMulNBits, 8-bit symmetric blocks of input rows per output column (BLOCKS),
                 each with its own float scale; accuracy level 4 lets the CPU kernel multiply in int8 (VNNI/AMX),
                 each row's activations quantized on their own (a row's numbers never depend on its neighbours).
-  int4          the same operator with 4-bit weights: half the bytes a decode step reads.
+  int4          the same operator with 4-bit weights, but for attention's projections (Q/K/V, W_O), which stay in
+                int8's 8 bits (ATTENTION_IN_8_BITS): nearly half the bytes a decode step reads.
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
                 (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
 Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
@@ -38,6 +39,12 @@ SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
 # the Qwen3-0.6B shape (K/V 0.76 of 0.75, 28 layers deep) and, its table shared, moved the trained model's perplexity
 # by 2.7% of the 3% it is allowed; blocks of 32 (q4_0's) pass both (0.58; 1.4%) for 10-14% more decode step time.
 BLOCKS = {"int8": (8, 256), "int4": (4, 32)}
+# int4 keeps attention's projections (Q/K/V and W_O) in int8's bits and blocks. 4-bit error comes from every matrix and
+# grows with depth, but per weight attention's carry the most (bench/int4_error_sources.py, docs/parity.md "Int4": on
+# the Qwen2.5-0.5B shape they are 9% of the weights and half of int4's KL, which pushed its 24 layers past the bounds);
+# the CPU kernel multiplies 8-bit weights about as fast a weight as 4-bit ones, so the step's time hardly moves.
+ATTENTION_IN_8_BITS = {"int4"}
+ATTENTION_WEIGHT = "attn."  # in the weight's name: the module path of every decoder here (self_attn., GPT-2's attn.)
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider (the 4-bit weights are widened to 8 in the kernel)
 
 
@@ -203,6 +210,12 @@ def weight_matmuls(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers)
 
 
+def attention_matmuls(model: onnx.ModelProto) -> list[str]:
+    """The names of the weight MatMuls that project attention's Q/K/V or mix its heads (W_O)."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and ATTENTION_WEIGHT in n.input[1]]
+
+
 def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None) -> tuple[onnx.ModelProto, dict]:
     """The quantized graph and what the manifest records about it; block_size overrides the scheme's (BLOCKS) for a
     MatMulNBits scheme (bench/quantize_blocks.py compares them)."""
@@ -218,12 +231,21 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
 
         bits, default_block = BLOCKS[scheme]
         block_size = block_size or default_block
-        quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL)
-        quantizer.process()
-        quantized = quantizer.model.model
+        attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS else []
+        quantized = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
+                                         nodes_to_exclude=attention)
+        quantized.process()
+        quantized = quantized.model.model
         facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
-                 "accuracy_level": ACCURACY_LEVEL, "shared_embedding": share_tied_table(quantized) > 0,
-                 "quantized_embedding": quantize_untied_tables(quantized, bits, block_size) > 0}
+                 "accuracy_level": ACCURACY_LEVEL}
+        if attention:
+            attention_bits, attention_block = BLOCKS["int8"]
+            second = MatMulNBitsQuantizer(quantized, bits=attention_bits, block_size=attention_block, is_symmetric=True,
+                                          accuracy_level=ACCURACY_LEVEL)  # the weight MatMuls the first pass left: attention's
+            second.process()
+            quantized = second.model.model
+            facts |= {"attention_bits": attention_bits, "attention_block_size": attention_block, "attention_matmuls": len(attention)}
+        facts |= {"shared_embedding": share_tied_table(quantized) > 0, "quantized_embedding": quantize_untied_tables(quantized, bits, block_size) > 0}
     elif scheme == "int8-dynamic":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -386,6 +386,19 @@ MUTATIONS = (
         ("tests/export/test_quantize.py::test_a_quantized_export_holds_its_bits_and_says_so",),
     ),
     Mutation(
+        "int4: attention's projections in 4 bits like the rest",
+        "export/quantize.py",
+        (('ATTENTION_IN_8_BITS = {"int4"}', "ATTENTION_IN_8_BITS = set()"),),
+        ("tests/export/test_quantize.py::test_a_quantized_export_holds_its_bits_and_says_so",),
+    ),
+    Mutation(
+        "int4's K/V check: the noise's power, not its root mean square",
+        "export/parity_report.py",
+        (("head_max = np.sqrt((difference**2).mean(axis=(1, 2)) / np.maximum((eager_row**2).mean(axis=(1, 2)), 1e-24))",
+          "head_max = (difference**2).mean(axis=(1, 2)) / np.maximum((eager_row**2).mean(axis=(1, 2)), 1e-24)"),),
+        ("tests/export/test_parity.py::test_kv_divergence_measures_the_largest_entry_or_the_noise_of_each_layer_and_head",),
+    ),
+    Mutation(
         "export: --quantize-block ignored",
         "export/pipeline.py",
         (("quantized, facts = quantize_model(graph, scheme, block_size)", "quantized, facts = quantize_model(graph, scheme)"),),

@@ -34,7 +34,11 @@ def test_a_quantized_export_holds_its_bits_and_says_so(quantized, trained_model)
     assert manifest["quantization"]["scheme"] == scheme and manifest["quantization"]["bits"] == SCHEMES[scheme]
     graph = onnx.load(str(artifact / "model.onnx"))
     nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
-    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {SCHEMES[scheme]}
+    bits = {n.input[1]: {a.name: a.i for a in n.attribute}["bits"] for n in nbits}
+    attention = {weight for weight in bits if ".attn." in weight}  # Q/K/V and W_O, int8's bits in an int4 export too
+    assert len(attention) == 2 * trained_model.config.n_layer and {bits[w] for w in attention} == {8}
+    assert {b for w, b in bits.items() if w not in attention} == {SCHEMES[scheme]}
+    assert manifest["quantization"].get("attention_bits") == (8 if scheme == "int4" else None)
     weights = {i.name for i in graph.graph.initializer}
     assert not [n for n in graph.graph.node if n.op_type == "MatMul" and n.input[1] in weights]  # no float weight MatMul left
     config = trained_model.config
@@ -220,8 +224,11 @@ def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, na
     graph = onnx.load(str(out / "model.onnx")).graph
     table = {(model.config.vocab_size, model.config.d_model), (model.config.d_model, model.config.vocab_size)}
     assert not [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) in table]  # no float table
-    nodes = graph.node
-    assert {a.i for n in nodes if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "block_size"} == {expected_block}
+    blocks = {n.input[1]: {a.name: a.i for a in n.attribute}["block_size"] for n in graph.node if n.op_type == "MatMulNBits"}
+    attention = {weight for weight in blocks if ".self_attn." in weight}
+    assert len(attention) == 2 * model.config.n_layer
+    assert {blocks[w] for w in attention} == {BLOCKS["int8"][1] if scheme == "int4" else expected_block}  # int4 keeps attention in 8 bits
+    assert {b for w, b in blocks.items() if w not in attention} == {expected_block}
 
 
 def test_a_failed_quantized_export_says_to_try_finer_blocks():
