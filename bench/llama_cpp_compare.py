@@ -1,0 +1,302 @@
+"""kvserve against llama.cpp on the same weights: batch-1 decode tokens/s per precision, the artifact's size against
+the GGUF's, and each server's resident memory and tokens/s with 16 streams.
+
+The weights are a preset's, seeded as the artifacts were exported (each artifact's manifest names its preset and seed):
+saved as a transformers checkpoint with GPT-2's byte-level BPE as its tokenizer (the presets have none; llama.cpp's
+converter needs one and pads it to the vocabulary), converted by llama.cpp's own convert_hf_to_gguf.py to an f32 GGUF,
+and quantized by its llama-quantize, with its default recipe, to the type matching each artifact: float32 F32, int8
+Q8_0, int4 Q4_0 (whose default keeps a tied output table in Q6_K; `--pure` makes it Q4_0 too). Before anything is
+timed, llama-server on the f32 GGUF (f32 K/V) must give the eager model's greedy tokens for the same prompt ids.
+
+Batch-1 decode: a 128-token prompt, then 128 greedy tokens. kvserve: its graph as the server runs a lone stream
+(bench/decode_step.py), (time of 128 tokens - time of 1) / 127. llama.cpp: `llama-bench -p 0 -n 128 -d 128` (128
+tokens generated after 128 in the cache), its own timing. Both on --threads threads, taking turns within every round;
+the best round of each is kept.
+
+Servers (--parts servers): each precision's pair serves 16 streams of a 32-token prompt and --new-tokens tokens
+(kvserve over gRPC, 16 rows of --context tokens; llama-server with 16 slots sharing 16 x --context, its default f16
+K/V), one at a time; resident memory (VmRSS) at its peak, and tokens/s.
+
+    python bench/llama_cpp_compare.py --llama-cpp PATH/llama.cpp --artifacts artifacts/qwen3-0.6b artifacts/qwen3-0.6b-int8 \
+        artifacts/qwen3-0.6b-int4 [--build PATH/llama.cpp/build] [--convert-python PYTHON] [--rounds 3] [--threads 2] \
+        [--gguf-dir artifacts/gguf] [--pure] [--parts decode servers]
+
+(llama.cpp: its source tree, built with `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-bench
+llama-quantize llama-server`; the PyPI sdist of llama-cpp-python carries one under vendor/llama.cpp. Its converter wants
+sentencepiece and transformers 4.x: a virtual environment of its own, given by --convert-python.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from decode_latency import NEW_TOKENS, PROMPT_LEN, timed  # noqa: E402
+from decode_step import one_row_pool, slots_generate  # noqa: E402
+from kv_memory import Peak, resident_bytes  # noqa: E402
+from machine import describe  # noqa: E402
+from serving_latency import free_port, prompt, stream, wait_until_serving  # noqa: E402
+
+from kvserve.contract.artifact import open_artifact  # noqa: E402
+from kvserve.runtime.step import DecoderRuntime  # noqa: E402
+from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
+
+GGUF_TYPES = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}  # an artifact's quantization -> llama-quantize's type
+STREAMS, SERVED_PROMPT = 16, 32
+CHECKED_TOKENS = 16
+GPT2_VOCAB = 50257  # the converted checkpoint's tokenizer: prompts use its ids alone
+
+
+def precision(artifact) -> str | None:
+    return (artifact.manifest.get("quantization") or {}).get("scheme")
+
+
+def write_checkpoint(source: dict, directory: Path) -> list[int]:
+    """The preset's seeded weights as a transformers checkpoint with GPT-2's tokenizer; the eager model's greedy tokens
+    for the benchmark's prompt (the check llama.cpp must pass)."""
+    from kvserve.export.pipeline import load_source
+    from kvserve.model.checkpoint import save_checkpoint
+    from kvserve.model.generate import generate
+    from kvserve.model.vocabulary import gpt2_tokenizer
+
+    model, _ = load_source(source["name"], None, seed=source["seed"])
+    save_checkpoint(model, directory)
+    gpt2_tokenizer().save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    ids = bench_prompt(min(model.config.vocab_size, GPT2_VOCAB))
+    return generate(model, [ids], CHECKED_TOKENS).tokens[0].tolist()
+
+
+def bench_prompt(vocab: int) -> list[int]:
+    return prompt(1, PROMPT_LEN, vocab)
+
+
+def ggufs(llama_cpp: Path, build: Path, convert_python: str, source: dict, types: list[str], directory: Path,
+          pure: bool) -> tuple[dict[str, Path], list[int]]:
+    """The f32 GGUF of the preset's weights and one per type (made once, kept in directory), and the eager model's greedy
+    tokens."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem = f"{source['name']}-seed{source['seed']}"
+    expected_file = directory / f"{stem}.expected.json"
+    f32 = directory / f"{stem}-F32.gguf"
+    if not f32.exists() or not expected_file.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            expected = write_checkpoint(source, Path(tmp))
+            converted = subprocess.run([convert_python, str(llama_cpp / "convert_hf_to_gguf.py"), tmp, "--outtype", "f32", "--outfile", str(f32)],
+                                       capture_output=True, text=True)
+            if converted.returncode:
+                sys.exit(f"convert_hf_to_gguf.py failed:\n{converted.stderr[-3000:]}")
+        expected_file.write_text(json.dumps(expected))
+    paths = {"F32": f32}
+    for kind in types:
+        if kind == "F32":
+            continue
+        path = directory / f"{stem}-{kind}{'-pure' if pure else ''}.gguf"
+        if not path.exists():
+            subprocess.run([str(build / "bin" / "llama-quantize"), *(["--pure"] if pure else []), str(f32), str(path), kind],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        paths[kind] = path
+    return paths, json.loads(expected_file.read_text())
+
+
+class LlamaServer:
+    """llama-server on a GGUF, until closed."""
+
+    def __init__(self, build: Path, gguf: Path, threads: int, slots: int, context: int, extra: tuple[str, ...] = ()):
+        self.port = free_port()
+        self.process = subprocess.Popen([str(build / "bin" / "llama-server"), "-m", str(gguf), "--port", str(self.port), "-t", str(threads),
+                                         "-np", str(slots), "-c", str(slots * context), "--no-webui", *extra],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and self.process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return
+            except OSError:
+                time.sleep(0.2)
+        self.close()
+        sys.exit(f"llama-server did not start on {gguf}")
+
+    def complete(self, ids: list[int], n: int) -> list[int]:
+        body = json.dumps({"prompt": ids, "n_predict": n, "temperature": 0, "top_k": 1, "ignore_eos": True, "return_tokens": True,
+                           "cache_prompt": False}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=600) as reply:
+            return json.loads(reply.read())["tokens"]
+
+    def close(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+def check_same_model(build: Path, f32: Path, threads: int, expected: list[int], vocab: int) -> int:
+    """How many greedy tokens llama.cpp's f32 GGUF (f32 K/V) shares with the eager model from the first; exits below 4
+    (a converter that reads the weights otherwise disagrees at once; random weights' near-ties may part them later)."""
+    server = LlamaServer(build, f32, threads, 1, PROMPT_LEN + CHECKED_TOKENS + 16, ("-ctk", "f32", "-ctv", "f32"))
+    try:
+        theirs = server.complete(bench_prompt(vocab), CHECKED_TOKENS)
+    finally:
+        server.close()
+    agreed = next((i for i, (a, b) in enumerate(zip(theirs, expected)) if a != b), min(len(theirs), len(expected)))
+    if agreed < 4:
+        sys.exit(f"llama.cpp's f32 GGUF does not compute the eager model: greedy {theirs} against {expected}; not timing")
+    return agreed
+
+
+def llama_bench_rate(build: Path, gguf: Path, threads: int) -> float:
+    """llama-bench's tokens/s generating NEW_TOKENS after PROMPT_LEN in the cache (one repetition, after its warm-up)."""
+    out = subprocess.run([str(build / "bin" / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(NEW_TOKENS), "-d", str(PROMPT_LEN),
+                          "-t", str(threads), "-r", "1", "-o", "json"], check=True, capture_output=True, text=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def kvserve_runner(path: str, vocab: int):
+    artifact = open_artifact(path)
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
+    pool = one_row_pool(runtime, config)
+    ids = bench_prompt(vocab)
+    return lambda n: slots_generate(runtime, pool, ids, n), slots_generate(runtime, pool, ids, CHECKED_TOKENS)
+
+
+async def served_rate(target: str, vocab: int, new_tokens: int) -> float:
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = pb_grpc.GenerationServiceStub(channel)
+        started = time.perf_counter()
+        runs = await asyncio.gather(*(stream(stub, prompt(7 + i, SERVED_PROMPT, vocab), new_tokens) for i in range(STREAMS)))
+        return sum(len(r) - 1 for r in runs) / (time.perf_counter() - started)
+
+
+def kvserve_served(path: str, vocab: int, context: int, new_tokens: int) -> tuple[int, float]:
+    """kvserve serve's peak resident bytes and tokens/s under 16 streams."""
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(Path(path).resolve()), "--port", str(port),
+                               "--provider", "cpu", "--max-batch-size", str(STREAMS), "--max-context", str(context)],
+                              stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
+    try:
+        if not wait_until_serving(server, f"127.0.0.1:{port}"):
+            sys.exit(f"kvserve did not start on {path}")
+        peak = Peak(server.pid)
+        peak.start()
+        rate = asyncio.run(served_rate(f"127.0.0.1:{port}", vocab, new_tokens))
+        peak.stopped.set()
+        peak.join()
+        return max(peak.peak, resident_bytes(server.pid)), rate
+    finally:
+        server.terminate()
+        server.wait(60)
+
+
+def llama_served(build: Path, gguf: Path, threads: int, vocab: int, context: int, new_tokens: int) -> tuple[int, float]:
+    """llama-server's peak resident bytes and tokens/s under 16 concurrent completions."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    server = LlamaServer(build, gguf, threads, STREAMS, context)
+    try:
+        peak = Peak(server.process.pid)
+        peak.start()
+        started = time.perf_counter()
+        with ThreadPoolExecutor(STREAMS) as pool:
+            runs = list(pool.map(lambda i: server.complete(prompt(7 + i, SERVED_PROMPT, vocab), new_tokens), range(STREAMS)))
+        rate = sum(len(r) for r in runs) / (time.perf_counter() - started)
+        peak.stopped.set()
+        peak.join()
+        return max(peak.peak, resident_bytes(server.process.pid)), rate
+    finally:
+        server.close()
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file() and f.suffix != ".json")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--llama-cpp", required=True, type=Path, help="llama.cpp's source tree (convert_hf_to_gguf.py)")
+    parser.add_argument("--build", type=Path, help="its build directory (bin/llama-bench, llama-quantize, llama-server); default LLAMA_CPP/build")
+    parser.add_argument("--convert-python", default=sys.executable,
+                        help="the Python that runs convert_hf_to_gguf.py, with its requirements (llama.cpp's requirements/)")
+    parser.add_argument("--artifacts", nargs="+", required=True, help="kvserve exports of one preset (float32, int8, int4)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="both engines' threads (kvserve: ONNX Runtime's, one per core)")
+    parser.add_argument("--gguf-dir", type=Path, default=Path("artifacts/gguf"), help="where the GGUFs are written once and kept")
+    parser.add_argument("--pure", action="store_true", help="llama-quantize --pure: every tensor in the type, the output table too")
+    parser.add_argument("--parts", nargs="+", choices=("decode", "servers"), default=["decode", "servers"],
+                        help="batch-1 decode (with the sizes) and/or the servers under 16 streams")
+    parser.add_argument("--context", type=int, default=256, help="served: tokens a row (kvserve) or a slot (llama-server) holds")
+    parser.add_argument("--new-tokens", type=int, default=192, help="served: tokens each of the 16 streams writes")
+    args = parser.parse_args()
+    build = args.build or args.llama_cpp / "build"
+    if args.rounds < 1 or args.threads < 1:
+        parser.error("--rounds and --threads must be >= 1")
+    if SERVED_PROMPT + args.new_tokens > args.context:
+        parser.error(f"--context must hold the served prompt ({SERVED_PROMPT}) and --new-tokens")
+    opened = [open_artifact(path) for path in args.artifacts]
+    sources = {json.dumps(a.manifest["source"], sort_keys=True) for a in opened}
+    if len(sources) != 1 or opened[0].manifest["source"].get("kind") != "preset":
+        sys.exit("the artifacts must all be exports of one preset (and seed)")
+    unknown = [path for path, a in zip(args.artifacts, opened, strict=True) if precision(a) not in GGUF_TYPES or a.dtype != "float32"]
+    if unknown:
+        sys.exit(f"no GGUF type matches {', '.join(unknown)} (float32 graphs with float32, int8 or int4 weights)")
+    source = opened[0].manifest["source"]
+    vocab = min(opened[0].config.vocab_size, GPT2_VOCAB)  # ids the converted vocabulary names (GPT-2's, padded above)
+    types = [GGUF_TYPES[precision(a)] for a in opened]
+    paths, expected = ggufs(args.llama_cpp, build, args.convert_python, source, types, args.gguf_dir, args.pure)
+    agreed = check_same_model(build, paths["F32"], args.threads, expected, vocab)
+    if "decode" in args.parts:
+        batch_one(args, opened, types, paths, expected, agreed, source, vocab, build)
+    if "servers" in args.parts:
+        print(f"\n## Servers, {STREAMS} streams x ({SERVED_PROMPT}-token prompt + {args.new_tokens} tokens), rows of {args.context} tokens; "
+              f"peak resident memory and tokens/s (llama-server's K/V in its default f16)\n")
+        print("| weights | kvserve K/V | kvserve peak MiB | llama-server peak MiB | ours / theirs | kvserve tokens/s | llama-server tokens/s | ours / theirs |")
+        print("|---|---|---:|---:|---:|---:|---:|---:|")
+        for path, artifact, kind in zip(args.artifacts, opened, types, strict=True):
+            our_rss, our_rate = kvserve_served(path, vocab, args.context, args.new_tokens)
+            their_rss, their_rate = llama_served(build, paths[kind], args.threads, vocab, args.context, args.new_tokens)
+            print(f"| {precision(artifact) or 'float32'} / {kind} | {artifact.kv_dtype} | {our_rss / 2**20:.0f} | {their_rss / 2**20:.0f} | "
+                  f"{our_rss / their_rss:.2f}x | {our_rate:.1f} | {their_rate:.1f} | {our_rate / their_rate:.2f}x |")
+    commit = subprocess.run(["git", "-C", str(args.llama_cpp), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    print(f"\nllama.cpp {commit or '(no git)'}{' (--pure)' if args.pure else ''}; machine: {describe('cpu')}")
+
+
+def batch_one(args, opened, types, paths, expected, agreed, source, vocab, build) -> None:
+    """Batch-1 decode, both engines taking turns each round, and the sizes: a table."""
+    runners, own_agreed = [], []
+    for path in args.artifacts:
+        run, tokens = kvserve_runner(path, vocab)
+        runners.append(run)
+        own_agreed.append(next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), len(expected)))
+    ours = [[] for _ in runners]
+    theirs = [[] for _ in runners]
+    for _ in range(args.rounds):
+        for i, (run, kind) in enumerate(zip(runners, types, strict=True)):
+            first, full = timed(run, 1), timed(run, NEW_TOKENS)
+            ours[i].append((NEW_TOKENS - 1) / (full - first))
+            theirs[i].append(llama_bench_rate(build, paths[kind], args.threads))
+
+    print(f"## kvserve against llama.cpp, {source['name']} preset (seed {source['seed']}, the same weights), batch 1, greedy, "
+          f"{NEW_TOKENS} tokens after a {PROMPT_LEN}-token prompt, {args.threads} threads, {args.rounds} rounds alternating, best round\n")
+    print(f"llama.cpp's f32 GGUF (f32 K/V) shares its first {agreed} of {CHECKED_TOKENS} greedy tokens with the eager model; "
+          f"kvserve's graphs: {', '.join(str(n) for n in own_agreed)}\n")
+    print("| kvserve artifact | MB | llama.cpp GGUF | MB | size ours / theirs | kvserve tokens/s | llama.cpp tokens/s | ours / theirs |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for path, artifact, kind, mine, peer in zip(args.artifacts, opened, types, ours, theirs, strict=True):
+        size, gguf_size = directory_bytes(Path(path)), paths[kind].stat().st_size
+        print(f"| {Path(path).name} ({precision(artifact) or 'float32'}, K/V {artifact.kv_dtype}) | {size / 1e6:.0f} | {paths[kind].name} | "
+              f"{gguf_size / 1e6:.0f} | {size / gguf_size:.2f}x | {max(mine):.1f} | {max(peer):.1f} | {max(mine) / max(peer):.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
