@@ -87,13 +87,14 @@ TOLERANCES = {
         logits_max_abs=1.0, kv_max_abs=0.1, top1_min=0.0, greedy_identical=False, kv_relative=True, kl_mean_max=0.01,
         text=TextTolerance(top1_min=0.9, kl_mean_max=0.01, perplexity_ratio_max=1.01, greedy_prefix_min=4),
     ),
-    # 4-bit weights in blocks of 32 since 2026-11-24 (256 when these were set), attention's projections in 8 bits since
+    # 4-bit weights in blocks of 64 (256 when these were set, 32 on 2026-11-24), attention's projections in 8 bits since
     # 2026-11-25 (export/quantize.py). Measured on the trained default model (docs/parity.md, "Int4"; bench/
-    # quantization_quality.py over the whole held-out text): mean KL 1.4e-2, top-1 0.92, perplexity x1.0135. Random
+    # quantization_quality.py over the whole held-out text): mean KL 1.6e-2, top-1 0.91, perplexity x1.0145. Random
     # presets move more, their error growing with depth (bench/int4_error_sources.py): qwen2.5-0.5b, 24 layers, mean KL
-    # 3.2e-2 on the verify text, K/V 0.41; qwen3-0.6b 1.2e-2 and 0.29 (text checks beyond KL reported for a model that
-    # has not learned the text, export/parity.py). The bounds keep a margin over both; the perplexity bound is the one
-    # int4 is offered under (3%); a zeroed scale moves its layer's K/V by all of it (1.0), in either K/V measure.
+    # 3.3e-2 on the random prompts and 3.7e-2 on the verify text, K/V 0.49; qwen3-0.6b 1.3e-2, 1.5e-2 and 0.28 (text
+    # checks beyond KL reported for a model that has not learned the text, export/parity.py). The bounds keep a margin
+    # over both; the perplexity bound is the one int4 is offered under (3%); a zeroed scale moves its layer's K/V by all
+    # of it (1.0), in either K/V measure.
     "int4": Tolerance(
         logits_max_abs=8.0, kv_max_abs=0.75, top1_min=0.0, greedy_identical=False, kv_relative=True, kv_rms=True, kl_mean_max=0.06,
         text=TextTolerance(top1_min=0.8, kl_mean_max=0.05, perplexity_ratio_max=1.03, greedy_prefix_min=3),
