@@ -52,8 +52,9 @@ class Tolerance:
     logits_relative: bool = False  # logits_max_abs is a fraction of the eager logits' largest |value| in that check
     kl_mean_max: float | None = None  # largest mean KL(eager || onnx) per compared position; None: not checked
     # kv_max_abs bounds each (layer, head)'s root-mean-square |onnx - eager| over the eager K/V's own root mean square,
-    # instead of its largest entry (kv_relative implied): for noise spread over every weight (4 bits), the noise's power
-    # against the K/V's, where the largest-entry ratio is two single entries' and swings with which of them line up.
+    # instead of its largest entry (kv_relative implied): for noise spread over every weight (quantized weights), the
+    # noise's power against the K/V's, where the largest-entry ratio is two single entries' and swings with which of
+    # them line up.
     kv_rms: bool = False
     text: TextTolerance | None = None  # real-text checks; None: not run
 

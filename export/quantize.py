@@ -6,7 +6,8 @@ Schemes (chosen by measurement, bench/int8_decode.py and bench/decode_floor.py; 
                 each with its own float scale; accuracy level 4 lets the CPU kernel multiply in int8 (VNNI/AMX),
                 each row's activations quantized on their own (a row's numbers never depend on its neighbours).
   int4          the same operator with 4-bit weights, but for attention's projections (Q/K/V, W_O), which stay in
-                int8's 8 bits (ATTENTION_IN_8_BITS): nearly half the bytes a decode step reads.
+                int8's 8 bits (ATTENTION_IN_8_BITS): a decode step reads 55-73% of int8's bytes (qwen2.5-0.5b,
+                qwen3-0.6b, whose attention is 9% and 30% of their weights).
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
                 (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
 Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
@@ -44,7 +45,7 @@ BLOCKS = {"int8": (8, 256), "int4": (4, 64)}
 # int4 keeps attention's projections (Q/K/V and W_O) in int8's bits and blocks. 4-bit error comes from every matrix and
 # grows with depth, but per weight attention's carry the most (bench/int4_error_sources.py, docs/parity.md "Int4": on
 # the Qwen2.5-0.5B shape they are 9% of the weights and half of int4's KL, which pushed its 24 layers past the bounds);
-# the CPU kernel multiplies 8-bit weights about as fast a weight as 4-bit ones, so the step's time hardly moves.
+# the CPU kernel multiplies an 8-bit weight about as fast as a 4-bit one, so the step's time hardly moves.
 ATTENTION_IN_8_BITS = {"int4"}
 ATTENTION_WEIGHT = "attn."  # in the weight's name: the module path of every decoder here (self_attn., GPT-2's attn.)
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider (the 4-bit weights are widened to 8 in the kernel)
@@ -234,10 +235,12 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
         bits, default_block = BLOCKS[scheme]
         block_size = block_size or default_block
         attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS else []
-        quantized = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
-                                         nodes_to_exclude=attention)
-        quantized.process()
-        quantized = quantized.model.model
+        if "" in attention:
+            raise QuantizeError("an attention projection's MatMul has no name to keep it in 8 bits by")
+        first = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
+                                     nodes_to_exclude=attention)
+        first.process()
+        quantized = first.model.model
         facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
                  "accuracy_level": ACCURACY_LEVEL}
         if attention:
