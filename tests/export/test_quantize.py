@@ -199,12 +199,14 @@ def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(m
 @pytest.mark.parametrize("name, scheme, block", [
     ("qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "int4", None),
     ("gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "int8", None),
+    ("gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6", "int8", None),
+    ("gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6", "int4", None),
     ("phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied", "int8", None),
     ("smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied", "int4", 32),
     ("llama gqa 2:1 llama3-rope tied", "int8", 32),
 ])
 def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, name, scheme, block):
-    """Qwen3, Gemma 2, Phi-3 and SmolLM3 at 8 and 4 bits (finer blocks where asked), fused attention, tied tables shared
+    """Qwen3, Gemma 2 and 3, Phi-3 and SmolLM3 at 8 and 4 bits (finer blocks where asked), fused attention, tied tables shared
     with the head's blocks."""
     from kvserve.export.pipeline import export_artifact
     from kvserve.model.checkpoint import load_checkpoint
