@@ -29,7 +29,6 @@ sentencepiece and transformers 4.x: a virtual environment of its own, given by -
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import subprocess
@@ -39,21 +38,17 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode_latency import NEW_TOKENS, PROMPT_LEN, timed  # noqa: E402
+from decode_latency import NEW_TOKENS, PROMPT_LEN, decode_rates  # noqa: E402
 from decode_step import one_row_pool, slots_generate  # noqa: E402
-from kv_memory import Peak, resident_bytes  # noqa: E402
+from kv_memory import PROMPT as SERVED_PROMPT, STREAMS, Peak, resident_bytes, run_once  # noqa: E402
 from machine import describe  # noqa: E402
-from serving_latency import free_port, prompt, stream, wait_until_serving  # noqa: E402
+from serving_latency import free_port, prompt  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
-from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 
 GGUF_TYPES = {None: "F32", "int8": "Q8_0", "int4": "Q4_0"}  # an artifact's quantization -> llama-quantize's type
-STREAMS, SERVED_PROMPT = 16, 32
 CHECKED_TOKENS = 16
 GPT2_VOCAB = 50257  # the converted checkpoint's tokenizer: prompts use its ids alone
 
@@ -171,32 +166,10 @@ def kvserve_runner(path: str, vocab: int):
     return lambda n: slots_generate(runtime, pool, ids, n), slots_generate(runtime, pool, ids, CHECKED_TOKENS)
 
 
-async def served_rate(target: str, vocab: int, new_tokens: int) -> float:
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationServiceStub(channel)
-        started = time.perf_counter()
-        runs = await asyncio.gather(*(stream(stub, prompt(7 + i, SERVED_PROMPT, vocab), new_tokens) for i in range(STREAMS)))
-        return sum(len(r) - 1 for r in runs) / (time.perf_counter() - started)
-
-
 def kvserve_served(path: str, vocab: int, context: int, new_tokens: int) -> tuple[int, float]:
-    """kvserve serve's peak resident bytes and tokens/s under 16 streams."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "kvserve.cli", "serve", "--model", str(Path(path).resolve()), "--port", str(port),
-                               "--provider", "cpu", "--max-batch-size", str(STREAMS), "--max-context", str(context)],
-                              stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())
-    try:
-        if not wait_until_serving(server, f"127.0.0.1:{port}"):
-            sys.exit(f"kvserve did not start on {path}")
-        peak = Peak(server.pid)
-        peak.start()
-        rate = asyncio.run(served_rate(f"127.0.0.1:{port}", vocab, new_tokens))
-        peak.stopped.set()
-        peak.join()
-        return max(peak.peak, resident_bytes(server.pid)), rate
-    finally:
-        server.terminate()
-        server.wait(60)
+    """kvserve serve's peak resident bytes and tokens/s under 16 streams (bench/kv_memory.py's run)."""
+    run = run_once(path, None, vocab, new_tokens, seed=7, extra=("--max-context", str(context)))
+    return run["peak"], run["rate"]
 
 
 def llama_served(build: Path, gguf: Path, threads: int, vocab: int, context: int, new_tokens: int) -> tuple[int, float]:
@@ -282,8 +255,7 @@ def batch_one(args, opened, types, paths, expected, agreed, source, vocab, build
     theirs = [[] for _ in runners]
     for _ in range(args.rounds):
         for i, (run, kind) in enumerate(zip(runners, types, strict=True)):
-            first, full = timed(run, 1), timed(run, NEW_TOKENS)
-            ours[i].append((NEW_TOKENS - 1) / (full - first))
+            ours[i].append(decode_rates(1, [run])[0][0])
             theirs[i].append(llama_bench_rate(build, paths[kind], args.threads))
 
     print(f"## kvserve against llama.cpp, {source['name']} preset (seed {source['seed']}, the same weights), batch 1, greedy, "
