@@ -173,7 +173,8 @@ def format_report(report: ParityReport) -> str:
     if argmax is not None:
         lines.append(f"greedy_tokens output vs its logits' argmax: {argmax.rows - argmax.mismatches} of {argmax.rows} rows equal")
     kv = np.array(report.kv_max_abs_per_layer_head)  # (L, H_kv)
-    lines.append(f"present K/V {'relative RMS' if tol.kv_rms else 'max abs'} Δ per layer (worst head): "
+    measure = "relative RMS" if tol.kv_rms else "max abs"  # what kv_divergence measured under this tolerance
+    lines.append(f"present K/V {measure} Δ per layer (worst head): "
                  + ", ".join(f"L{i}={row.max():.1e} (h{int(row.argmax())})" for i, row in enumerate(kv)))
     text = report.text
     if text is not None:
@@ -187,7 +188,7 @@ def format_report(report: ParityReport) -> str:
                          "held, top-1, perplexity and greedy prefix reported")
     bad = report.first_failing_layer_head
     lines.append("first (layer, head) over tolerance: "
-                 + (f"layer {bad.layer}, head {bad.head} ({'relative RMS' if tol.kv_rms else 'max abs'} Δ {bad.max_abs:.2e})" if bad else "none"))
+                 + (f"layer {bad.layer}, head {bad.head} ({measure} Δ {bad.max_abs:.2e})" if bad else "none"))
     lines.append(
         f"tolerance ({report.quantization or report.dtype}{f', {report.kv_dtype} K/V' if report.kv_dtype else ''}): logits {tol.logits_max_abs:g}{' (relative)' if relative else ''}, "
         f"K/V {tol.kv_max_abs:g}{' (relative RMS)' if tol.kv_rms else ' (relative)' if tol.kv_relative else ''}, top-1 >= {tol.top1_min:g}"
