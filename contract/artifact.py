@@ -236,7 +236,7 @@ def contract_problems(signature: dict[str, dict], artifact: Artifact) -> list[st
     from the KV contract the artifact declares."""
     config = artifact.config
     expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention,
-                       artifact.kv_dtype)
+                       artifact.kv_dtype, config.long_rope_after is not None)
     live = signature
     problems = []
     for side in ("inputs", "outputs"):

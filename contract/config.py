@@ -31,7 +31,8 @@ class RopeScaling:
             the config gives none).
     longrope  LongRoPE (Phi-3, Phi-4-mini): each frequency divided by its short_factor while a sequence fits the
             original context, by its long_factor past it; cos/sin scaled by attention_factor (from factor when the
-            config gives none). Served within the original context only (model/rope.py says why).
+            config gives none). The set is chosen per sequence: the long one once a sequence is longer than the original
+            context, its whole cache turned again then (model/rope.py, service/scheduler.py).
     """
 
     rope_type: str = "llama3"
@@ -171,6 +172,13 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         """How many recent positions layer's queries see (themselves included); None: the whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """longrope: the length past which a sequence turns by the long factors (original_max_position_embeddings);
+        None for every other model."""
+        scaling = self.rope_scaling
+        return scaling.original_max_position_embeddings if scaling is not None and scaling.rope_type == "longrope" else None
 
     @property
     def d_head(self) -> int:

@@ -199,8 +199,7 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
     original = scaling.get("original_max_position_embeddings", hf.get("original_max_position_embeddings"))
     if rope_type in ("yarn", "longrope"):
         # Both fall back to the config's own original_max_position_embeddings (Phi-3 keeps it beside rope_scaling), and a
-        # missing factor is the context's ratio to it: written out, so the attention factor survives a context capped to
-        # the original (longrope).
+        # missing factor is the context's ratio to it (the attention factor follows from it), written out.
         if original is None:
             raise ValueError(f"rope_scaling of type {rope_type!r} lacks original_max_position_embeddings")
         fields["original_max_position_embeddings"] = int(original)
@@ -229,8 +228,6 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
     model_type = hf["model_type"]
     n_ctx = _required(hf, "max_position_embeddings")
     theta, scaling, partial = _rope(hf, _GEMMA_DEFAULTS[model_type]["rope_theta"] if model_type in GEMMA_TYPES else 10000.0)
-    if scaling is not None and scaling.rope_type == "longrope":  # served within the original context (model/rope.py)
-        n_ctx = min(n_ctx, scaling.original_max_position_embeddings)
     gemma = model_type in GEMMA_TYPES
     act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
     if act != ("gelu_pytorch_tanh" if gemma else "silu"):

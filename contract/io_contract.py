@@ -64,6 +64,17 @@ least one row and one token in it:
     greedy_tokens               as above
     chunk_present.{i}.*         (1, num_heads, cache_capacity, head_dim)               the chunk's row, written
                                                                                        (passed through when T = 0)
+
+A longrope model (Phi-3, Phi-4-mini: DecoderConfig.long_rope_after) turns a sequence by one of two sets of factors,
+the long one once the sequence is longer than the original context, and which set a row's tokens take is the
+server's to say (a prompt chunk cannot tell how long its prompt is). Its slots graphs, both attentions, take two
+more inputs, after the K/V:
+
+    long_rope                   (batch_size,)                                          int64, 1: the row turns long
+    chunk_long_rope             (1,)                                                   int64, 1: the chunk turns long
+
+Its concat graph takes none: like transformers, each row turns long when its last position is past the original
+context, and a tool that crosses it mid-sequence recomputes the row's cache (transformers' Phi-3 does).
 """
 
 from __future__ import annotations
@@ -89,6 +100,8 @@ CHUNK_ATTENTION_MASK = "chunk_attention_mask"
 CHUNK_WIDTH = "chunk_width"
 CHUNK_SLOT = "chunk_slot"
 LOGITS_INDEX = "logits_index"
+LONG_ROPE = "long_rope"
+CHUNK_LONG_ROPE = "chunk_long_rope"
 
 CONCAT, SLOTS = "concat", "slots"
 STANDARD, FUSED = "standard", "fused"
@@ -131,15 +144,17 @@ def chunk_present_names(layer: int) -> tuple[str, str]:
     return f"chunk_present.{layer}.key", f"chunk_present.{layer}.value"
 
 
-def input_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD) -> list[str]:
+def input_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD, long_rope: bool = False) -> list[str]:
+    """long_rope: the model is a longrope one (its slots graphs take the rows' and the chunk's choice of factors)."""
+    rope = [LONG_ROPE, CHUNK_LONG_ROPE] if long_rope and kv_cache == SLOTS else []
     if attention == FUSED:
         step = [INPUT_IDS, POSITION_IDS, CHUNK_IDS, CHUNK_POSITION_IDS, LOGITS_INDEX]
-        return step + [n for i in range(n_layer) for n in past_names(i)] + [n for i in range(n_layer) for n in chunk_past_names(i)]
+        return step + [n for i in range(n_layer) for n in past_names(i)] + [n for i in range(n_layer) for n in chunk_past_names(i)] + rope
     if kv_cache == SLOTS:
         step = [INPUT_IDS, POSITION_IDS, ATTENTION_MASK, CHUNK_IDS, CHUNK_POSITION_IDS, CHUNK_ATTENTION_MASK, CHUNK_SLOT, LOGITS_INDEX]
     else:
         step = [INPUT_IDS, ATTENTION_MASK, POSITION_IDS]
-    return step + [n for i in range(n_layer) for n in past_names(i)]
+    return step + [n for i in range(n_layer) for n in past_names(i)] + rope
 
 
 def output_names(n_layer: int, kv_cache: str = CONCAT, attention: str = STANDARD) -> list[str]:
@@ -164,9 +179,9 @@ def kv_dtype_refusal(kv_dtype: str | None, dtype: str, kv_cache: str) -> str | N
 
 
 def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT,
-            attention: str = STANDARD, kv_dtype: str | None = None) -> dict[str, dict]:
+            attention: str = STANDARD, kv_dtype: str | None = None, long_rope: bool = False) -> dict[str, dict]:
     """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes. K/V are
-    kv_dtype (a slots graph's; the model's dtype when None)."""
+    kv_dtype (a slots graph's; the model's dtype when None); long_rope: a longrope model's (see the module docstring)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     kv_dtype = kv_dtype or dtype
@@ -177,7 +192,11 @@ def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: s
     if attention not in ATTENTIONS or (attention == FUSED and kv_cache != SLOTS):
         raise ValueError(f"unsupported attention {attention!r} for the {kv_cache} KV cache")
     if kv_cache == SLOTS:
-        return _slots_spec(n_layer, n_kv_head, d_head, vocab_size, kv_dtype, attention)
+        spec = _slots_spec(n_layer, n_kv_head, d_head, vocab_size, kv_dtype, attention)
+        if long_rope:
+            spec["inputs"][LONG_ROPE] = {"shape": [BATCH], "dtype": "int64"}
+            spec["inputs"][CHUNK_LONG_ROPE] = {"shape": [1], "dtype": "int64"}
+        return spec
     inputs = {
         INPUT_IDS: {"shape": [BATCH, SEQUENCE], "dtype": "int64"},
         ATTENTION_MASK: {"shape": [BATCH, TOTAL], "dtype": "int64"},

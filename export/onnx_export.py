@@ -52,10 +52,10 @@ class _SlotsSignature(_FlatSignature):
         return logits, logits.topk(1, dim=-1).indices.squeeze(-1)
 
     def forward(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
-                logits_index, past_key_values):
+                logits_index, past_key_values, *long_rope):
         logits, presents = self.model.forward_slots(
             input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, logits_index,
-            list(past_key_values),
+            list(past_key_values), *long_rope,
         )
         return *self._step(logits), tuple(presents)
 
@@ -63,9 +63,9 @@ class _SlotsSignature(_FlatSignature):
 class _FusedSlotsSignature(_SlotsSignature):
     """The fused `slots` step: (rows' new tokens, chunk, logits_index, rows, chunk row) -> (logits, both written)."""
 
-    def forward(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values, chunk_key_values):
+    def forward(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values, chunk_key_values, *long_rope):
         logits, presents, chunk_presents = self.model.forward_slots_fused(
-            input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, list(past_key_values), list(chunk_key_values)
+            input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, list(past_key_values), list(chunk_key_values), *long_rope
         )
         return *self._step(logits), tuple(presents), tuple(chunk_presents)
 
@@ -195,6 +195,10 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
     step_axes = {name: {0: dynamic, 1: dynamic} for name in ("input_ids", "attention_mask", "position_ids")}
     kv_axes = tuple(({0: dynamic, 2: dynamic}, {0: dynamic, 2: dynamic}) for _ in range(n_layer))
     translations = {}
+    # A longrope model's slots step takes which factors each row and the chunk turn by (io_contract), after the K/V.
+    long_rope = config.long_rope_after is not None
+    rope_example = (torch.tensor([0, 1], dtype=torch.int64), torch.tensor([1], dtype=torch.int64)) if long_rope and kv_cache == io.SLOTS else ()
+    rope_axes = {"long_rope": ({0: dynamic}, None)} if rope_example else {}
     if attention == io.FUSED:
         declare_operators()
         translations = {torch.ops.kvserve.rows_and_chunk_attention.default: rows_and_chunk_placeholder}
@@ -214,6 +218,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
             "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_attention_mask": {1: dynamic}, "chunk_slot": None,
             "logits_index": {0: dynamic}, "past_key_values": kv_axes,
         }
+    example, dynamic_shapes = example + rope_example, dynamic_shapes | rope_axes
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's concern
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -222,7 +227,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
             example,
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
-            input_names=io.input_names(n_layer, kv_cache, attention),
+            input_names=io.input_names(n_layer, kv_cache, attention, long_rope),
             output_names=io.output_names(n_layer, kv_cache, attention),
             opset_version=OPSET,
             custom_translation_table=translations,
@@ -231,7 +236,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
     model_proto = program.model_proto
     if attention == io.FUSED:
         expand_rows_and_chunk_attention(model_proto, dtype, kv_dtype)
-    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, kv_dtype)
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, kv_dtype, long_rope)
     _name_axes(model_proto, spec)
     if kv_cache == io.SLOTS:
         problems = inplace_write_problems(model_proto.graph, n_layer, attention)

@@ -8,6 +8,9 @@ Checks, each over real numbers from both sides:
   greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
   text       quantized artifacts only: teacher-forced held-out text (export/quality.py)
   argmax     slots graphs with greedy_tokens: that output equals its own logits' argmax at every row of every step
+  long rope  longrope models: prefill and decode with every row turned by the long factors (a slots graph is told so;
+             a concat graph turns a row long by its length, so it gets prompts past the original context when they
+             fit the parity rows)
 The present K/V divergence is kept per (layer, head), so a broken tolerance names where it starts (the K/V
 heads: a grouped-query model's cache holds fewer heads than it has query heads).
 """
@@ -29,7 +32,7 @@ from kvserve.model.kv_storage import kv_stored_as
 from kvserve.progress import stage
 from kvserve.runtime import DecoderRuntime
 
-from .parity_drivers import DRIVEN_COLUMNS, artifact_greedy, driver_for
+from .parity_drivers import DRIVEN_COLUMNS, SlotsDriver, artifact_greedy, driver_for
 from .parity_report import (
     ArgmaxResult,
     CheckResult,
@@ -122,6 +125,31 @@ class _Verification:
         recompute.add_logits(onnx_last, np.stack([row[-1] for row in full]))
         return [decode, recompute.result(self.tolerance)]
 
+    def long_factors(self) -> list[CheckResult]:
+        """A longrope model's long factors: prompts prefilled and decoded with every row turned long, against the eager
+        model told the same. [] for other models, and for a concat graph whose original context is past the parity rows."""
+        after = self.config.long_rope_after
+        slots = isinstance(self.driver, SlotsDriver)
+        if after is None or (not slots and after + 3 + self.steps > DRIVEN_COLUMNS):
+            return []
+        lengths = (9, 17) if slots else (after + 3, after + 1)
+        prompts = [self.rng.integers(0, self.config.vocab_size, n).tolist() for n in lengths]
+        check = CheckStats(f"long rope B={len(prompts)} T={','.join(map(str, lengths))}")
+        self.driver.long_rope = True
+        ids, mask = left_pad(prompts)  # (B, T)
+        pos = position_ids_from_mask(mask)
+        long = torch.ones(len(prompts), 1, dtype=torch.bool)  # (B, 1)
+        eager_logits, eager_past = self.reference(ids, mask, pos, self.reference.empty_cache(len(prompts)), long)
+        check.add_logits(np.concatenate(self.driver.prefill(prompts)), eager_logits.numpy()[mask.numpy().astype(bool)])
+        for _ in range(self.steps):
+            token = eager_logits[:, -1].argmax(-1)  # (B,)
+            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+            pos = pos[:, -1:] + 1  # (B, 1)
+            eager_logits, eager_past = self.reference(token[:, None], mask, pos, eager_past, long)
+            check.add_logits(self.driver.decode(token.numpy()), eager_logits[:, -1].numpy())
+        self.driver.long_rope = False
+        return [self.kv_check(check, eager_past, mask.numpy().astype(bool))]
+
     def greedy(self) -> GreedyResult:
         """ONNX Runtime's own greedy loop against the eager reference's tokens."""
         prompts = self.prompts_of(GREEDY_PROMPTS)
@@ -179,7 +207,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     with kv_stored_as(reference.float().eval(), stores, *(() if scales is None else (torch.from_numpy(s) for s in scales))):
         run = _Verification(artifact, reference, runtime, steps)
         with stage(f"parity: prefill and decode checks on {runtime.provider}"):
-            checks = run.prefill() + run.decode_and_recompute()
+            checks = run.prefill() + run.decode_and_recompute() + run.long_factors()
         with stage("parity: greedy generation"):
             greedy = run.greedy()
         with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():

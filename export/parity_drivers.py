@@ -23,7 +23,9 @@ DRIVEN_COLUMNS = 2048
 
 
 class ConcatDriver:
-    """Drives a concat graph the way Optimum-style tools do: a left-padded batch, each step's present fed back as past."""
+    """Drives a concat graph the way Optimum-style tools do: a left-padded batch, each step's present fed back as past.
+    A longrope model's batch is computed again, whole, at the step where a row first grows past the original context,
+    as transformers' Phi-3 does (the graph turns each row by its last position)."""
 
     argmax_rows = argmax_mismatches = 0  # a concat graph has no greedy_tokens output to check
 
@@ -36,20 +38,30 @@ class ConcatDriver:
         logits, *self.past = self.runtime.run_feeds(feeds)
         return logits  # (B, T, V)
 
+    def _empty(self, rows: int) -> list[np.ndarray]:
+        return [np.zeros((rows, self.config.n_kv_head, 0, self.config.d_head), self.runtime.kv_dtype)] * len(self.past_names)  # (B, H_kv, 0, d_k)
+
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
         """Prompts from an empty cache; returns each row's logits at every prompt position, (L_r, V)."""
-        ids, self.mask = left_pad(prompts)  # (B, T)
+        self.ids, self.mask = left_pad(prompts)  # (B, T)
         self.pos = position_ids_from_mask(self.mask)
-        empty = np.zeros((len(prompts), self.config.n_kv_head, 0, self.config.d_head), self.runtime.kv_dtype)  # (B, H_kv, 0, d_k)
-        logits = self._run(ids.numpy(), [empty] * len(self.past_names))
+        logits = self._run(self.ids.numpy(), self._empty(len(prompts)))
         real = self.mask.numpy().astype(bool)
         return [logits[row][real[row]] for row in range(len(prompts))]
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         """One token per row (B,); returns the next-token logits (B, V)."""
+        tokens = np.asarray(tokens, np.int64)[:, None]  # (B, 1)
+        self.ids = torch.cat([self.ids, torch.from_numpy(tokens)], dim=1)  # (B, P + 1)
         self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
         self.pos = self.pos[:, -1:] + 1  # (B, 1)
-        return self._run(np.asarray(tokens, np.int64)[:, None], self.past)[:, -1]
+        after = self.config.long_rope_after
+        if after is not None and (self.pos == after).any():  # a row crosses: every row's cache again, whole
+            self.pos = position_ids_from_mask(self.mask)
+            logits = self._run(self.ids.numpy(), self._empty(len(tokens)))[:, -1]
+            self.pos = self.pos[:, -1:]
+            return logits
+        return self._run(tokens, self.past)[:, -1]
 
     def kv(self) -> list[list[np.ndarray]]:
         real = self.mask.numpy().astype(bool)
@@ -58,7 +70,9 @@ class ConcatDriver:
 
 class SlotsDriver:
     """Drives a slots graph as the server does: a row per sequence, prompts prefilled a chunk at a time (the
-    chunk's logits kept at every position, so parity still sees them all), then every row decoding at once."""
+    chunk's logits kept at every position, so parity still sees them all), then every row decoding at once. A longrope
+    model's row turns long when its sequence is longer than the original context, and is prefilled again, whole, at the
+    step where it first grows past it (the server's scheduler does the same); long_rope=True turns every row long."""
 
     CHUNK = 5  # prompt tokens per step: every prompt of more than 5 tokens crosses a chunk boundary
 
@@ -66,36 +80,60 @@ class SlotsDriver:
         """kv_scales: an int8 pool's K and V scales, each (L, H_kv, d_k), which kv() reads its rows back with."""
         self.runtime, self.config, self.capacity, self.kv_scales = runtime, config, capacity, kv_scales
         self.argmax_rows = self.argmax_mismatches = 0  # the graph's greedy_tokens against its logits' argmax
+        self.long_rope = False
 
     def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
         width = int(max(positions.max(initial=0), 0)) + 1 if self.decoding else 1
         mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
         sampled = self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
-                                         np.asarray(logits_index, np.int64))
+                                         np.asarray(logits_index, np.int64), long_rope=self.long.astype(np.int64),
+                                         chunk_long_rope=bool(self.long[slot]))
         self.argmax_rows += len(sampled.greedy_tokens)
         self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
         return sampled.logits
 
+    def _turns_long(self, length: int) -> bool:
+        after = self.config.long_rope_after
+        return after is not None and (self.long_rope or length > after)
+
+    def _prefill_row(self, row: int, tokens: list[int]) -> np.ndarray:
+        """Row's tokens from its first column, a chunk a step, the other rows idle: their logits (L, V)."""
+        rows = len(self.sequences)
+        scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
+        decoding, self.decoding = self.decoding, False
+        pieces = []
+        for start in range(0, len(tokens), self.CHUNK):
+            chunk = tokens[start : start + self.CHUNK]
+            pieces.append(self._run(scratch_tokens, scratch, chunk, start, row, rows + np.arange(len(chunk))))
+        self.decoding = decoding
+        return np.concatenate(pieces)
+
     def prefill(self, prompts: list[list[int]]) -> list[np.ndarray]:
         rows = len(prompts)
         self.pool = self.runtime.new_pool(rows, self.config.n_kv_head, self.config.d_head, self.capacity)
+        self.sequences = [list(p) for p in prompts]
         self.lengths = np.array([len(p) for p in prompts])
+        self.long = np.array([self._turns_long(len(p)) for p in prompts])  # (B,)
         self.decoding = False
-        scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
-        logits = []
-        for row, prompt in enumerate(prompts):
-            pieces = []
-            for start in range(0, len(prompt), self.CHUNK):
-                chunk = prompt[start : start + self.CHUNK]
-                pieces.append(self._run(scratch_tokens, scratch, chunk, start, row, rows + np.arange(len(chunk))))
-            logits.append(np.concatenate(pieces))  # (L_r, V)
-        return logits
+        return [self._prefill_row(row, prompt) for row, prompt in enumerate(prompts)]  # each (L_r, V)
 
     def decode(self, tokens: np.ndarray) -> np.ndarray:
         if self.lengths.max() >= self.capacity - 1:  # the last column is the scratch one
             raise ValueError(f"a parity row holds {self.capacity - 1} tokens; this check feeds more")
         self.decoding = True
-        out = self._run(np.asarray(tokens, np.int64), self.lengths.copy(), logits_index=np.arange(len(tokens)))
+        tokens = np.asarray(tokens, np.int64)
+        for sequence, token in zip(self.sequences, tokens.tolist()):
+            sequence.append(token)
+        crossing = [row for row, length in enumerate(self.lengths) if not self.long[row] and self._turns_long(length + 1)]
+        recomputed = {}
+        for row in crossing:  # its cache turned short: every token again, long
+            self.long[row] = True
+            recomputed[row] = self._prefill_row(row, self.sequences[row])[-1]
+        positions = self.lengths.copy()
+        positions[crossing] = self.capacity - 1  # recomputed rows decode a scratch token
+        out = self._run(tokens, positions, logits_index=np.arange(len(tokens)))
+        for row, logits in recomputed.items():
+            out[row] = logits
         self.lengths += 1
         return out
 

@@ -55,6 +55,9 @@ class FusedSlotStep:
         empty = torch.zeros(0, 1, dtype=dtype)  # the operator's cos/sin inputs stay unset when nothing rotates
         self.cos, self.sin = tables if tables is not None else (empty, empty)
         self.local_cos, self.local_sin = local_tables if local_tables is not None else (self.cos, self.sin)  # sliding layers' (Gemma 3)
+        # Each token's (cos, signed sin), (B S + T, 1, d_r), where the layers turn Q and K before the operator (longrope's
+        # per-row factors, model/llama.py); None: the operator turns them by the tables (or nothing turns).
+        self.turned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def run_layers(self, blocks, x: torch.Tensor, past_key_values: list, chunk_key_values: list) -> tuple[torch.Tensor, list, list]:
         """x (B S + T, C) through every block's forward_fused: the last hidden states, the rows' (K, V) per layer and the

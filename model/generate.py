@@ -68,7 +68,9 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
 ) -> Generation:
-    """Generate exactly max_new_tokens for every prompt (no early stop), using the KV cache."""
+    """Generate exactly max_new_tokens for every prompt (no early stop), using the KV cache. A longrope model's cache is
+    computed again, whole, at the step where a row first grows past the original context (its K turn by the long
+    factors from there on: transformers' Phi-3 does the same)."""
     n_ctx = model.config.n_ctx
     if max(len(p) for p in prompts) + max_new_tokens > n_ctx + 1:
         raise ValueError(f"prompt + max_new_tokens exceeds the context length ({n_ctx})")
@@ -81,6 +83,7 @@ def generate(
     logits, past = model(input_ids, attention_mask, position_ids, past)  # prefill
     next_logits = logits[:, -1, :]  # (B, V)
     tokens, step_logits = [], []
+    long_after = model.config.long_rope_after
     for step in range(max_new_tokens):
         token = _choose(next_logits.float().cpu(), temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)
@@ -88,7 +91,11 @@ def generate(
         if step == max_new_tokens - 1:
             break
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=1)  # (B, P + 1)
+        input_ids = torch.cat([input_ids, token[:, None].to(param.device)], dim=1)  # (B, P + 1): every token so far
         position_ids = position_ids[:, -1:] + 1  # (B, 1)
-        logits, past = model(token[:, None].to(param.device), attention_mask, position_ids, past)  # decode
+        if long_after is not None and (position_ids == long_after).any():  # a row crosses: recompute every row's cache
+            logits, past = model(input_ids, attention_mask, position_ids_from_mask(attention_mask), model.empty_cache(len(prompts)))
+        else:
+            logits, past = model(token[:, None].to(param.device), attention_mask, position_ids, past)  # decode
         next_logits = logits[:, -1, :]
     return Generation(tokens=torch.stack(tokens, dim=1), step_logits=torch.stack(step_logits))

@@ -109,6 +109,11 @@ class GroupedQueryAttention(nn.Module):
         """x (B S + T, C): S new tokens for each of B rows, then T chunk tokens; rows (B, H_kv, C_cap, d_k) and
         chunk_row (1, H_kv, C_cap, d_k) the cache rows they are written into. Rotation, cache write and attention are
         one operator for the rows and one for the chunk (none when T is 0)."""
+        if step.turned is not None:  # turned here (longrope's per-row factors), the operator only writes and attends
+            q, k, v = self.project(x, *step.turned)  # (N, H, d_k), 2 x (N, H_kv, d_k)
+            y, present, chunk_present = step.attend(torch.cat([q, k, v], dim=-2).flatten(-2), rows, chunk_row, self.n_head, self.n_kv_head,
+                                                    self.window, self.scale, self.softcap, False, self.kv_store)  # (N, H d_k)
+            return self.o_proj(y), present, chunk_present
         qkv = self.qkv_proj(x)  # (B S + T, (H + 2 H_kv) d_k): unrotated
         if self.q_norm is not None:  # the operator rotates what it is given: the norms come first
             qk, v = qkv.unflatten(-1, (-1, self.d_head)).split([self.n_head + self.n_kv_head, self.n_kv_head], dim=-2)  # (N, H + H_kv, d_k), (N, H_kv, d_k)
@@ -226,10 +231,10 @@ class Llama(nn.Module):
             x = x * torch.tensor(self.config.d_model**0.5, dtype=torch.float32).to(x.dtype)
         return x
 
-    def angles(self, positions: torch.Tensor, dtype: torch.dtype) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    def angles(self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         """(cos, signed sin), each (..., T, d_k), of the global layers (key False) and, with a local base, the sliding ones
-        (key True)."""
-        global_ = self.rotary(positions, dtype)
+        (key True); long: which positions turn by longrope's long factors (rope.RotaryEmbedding.turns)."""
+        global_ = self.rotary(positions, dtype, long)
         return {False: global_, True: global_ if self.local_rotary is None else self.local_rotary(positions, dtype)}
 
     def forward(
@@ -238,26 +243,41 @@ class Llama(nn.Module):
         attention_mask: torch.Tensor,  # (B, S) int64 over the cache columns, 0 = padding
         position_ids: torch.Tensor,  # (B, T) int64
         past_key_values: list[LayerKV],  # per layer (K, V), each (B, H_kv, P, d_k)
+        long_rope: torch.Tensor | None = None,  # (B, 1) bool: longrope rows turned long whatever their length (verify's check)
     ) -> tuple[torch.Tensor, list[LayerKV]]:
         columns = query_columns(attention_mask, input_ids.shape[1])  # (T,)
         window = self.config.sliding_window
         biases = {w: attention_bias(attention_allowed(attention_mask, columns, w)) for w in {None, window}}  # each (B, 1, T, S)
         x = self.embed(input_ids)  # (B, T, C)
-        angles = {local: (cos[:, :, None], sin[:, :, None]) for local, (cos, sin) in self.angles(position_ids, x.dtype).items()}  # (B, T, 1, d_k)
+        long = long_rope  # longrope: a row turns long when its last position is past the original context, as transformers has it
+        if long is None and self.config.long_rope_after is not None:
+            long = position_ids.amax(dim=1, keepdim=True) + 1 > self.config.long_rope_after  # (B, 1)
+        angles = {local: (cos[:, :, None], sin[:, :, None]) for local, (cos, sin) in self.angles(position_ids, x.dtype, long).items()}  # (B, T, 1, d_k)
         presents = []
         for layer, (block, past) in enumerate(zip(self.model.layers, past_key_values)):
             x, present = block(x, *angles[layer in self.local_layers], biases[block.self_attn.window], past)
             presents.append(present)
         return self.logits(x), presents  # (B, T, V)
 
+    def long_tokens(self, long_rope: torch.Tensor | None, chunk_long_rope: torch.Tensor | None, per_row: int, chunk_tokens: int) -> torch.Tensor | None:
+        """A slots step's longrope choice per token (N,) bool, the rows' per_row tokens each then the chunk's, from the
+        rows' (B,) and the chunk's (1,) choices (io_contract.LONG_ROPE); None (every token short) for a model without two
+        sets, or when no choice is given."""
+        if self.config.long_rope_after is None or long_rope is None:
+            return None
+        rows = long_rope[:, None].expand(-1, per_row).reshape(-1)  # (B S,)
+        return torch.cat([rows, chunk_long_rope.expand(chunk_tokens)]) > 0  # (B S + T,)
+
     def forward_slots(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
-                      logits_index, past_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV]]:
+                      logits_index, past_key_values: list[LayerKV], long_rope=None, chunk_long_rope=None) -> tuple[torch.Tensor, list[LayerKV]]:
         """One `slots` step, with GPT2.forward_slots's inputs and meaning: every row decodes one token and one row's
-        prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k)."""
+        prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k).
+        A longrope model's rows and chunk say which factors they turn by (long_rope (B,), chunk_long_rope (1,))."""
         step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0],
                         self.config.sliding_window)
         x = self.embed(step.token_ids)  # (N, C): a slots step needs no batch axis
-        angles = {local: (cos[:, None], sin[:, None]) for local, (cos, sin) in self.angles(step.positions, x.dtype).items()}  # (N, 1, d_k)
+        long = self.long_tokens(long_rope, chunk_long_rope, 1, chunk_ids.shape[1])  # (N,) or None
+        angles = {local: (cos[:, None], sin[:, None]) for local, (cos, sin) in self.angles(step.positions, x.dtype, long).items()}  # (N, 1, d_k)
         presents = []
         for layer, (block, past) in enumerate(zip(self.model.layers, past_key_values)):
             x, present = block.forward_slots(x, *angles[layer in self.local_layers], step, past)
@@ -265,7 +285,7 @@ class Llama(nn.Module):
         return self.logits(x.index_select(0, logits_index)), presents  # (K, V): only the tokens sampled from
 
     def forward_slots_fused(self, input_ids, position_ids, chunk_ids, chunk_position_ids, logits_index, past_key_values: list[LayerKV],
-                            chunk_key_values: list[LayerKV]) -> tuple[torch.Tensor, list[LayerKV], list[LayerKV]]:
+                            chunk_key_values: list[LayerKV], long_rope=None, chunk_long_rope=None) -> tuple[torch.Tensor, list[LayerKV], list[LayerKV]]:
         """The `slots` step with fused attention (fused_attention.py): B rows of past_key_values (each (B, H_kv, C_cap,
         d_k)) take S new tokens each, input_ids and position_ids (B, S), at consecutive positions ending at the row's
         last; a chunk of T >= 0 tokens (chunk_ids, chunk_position_ids (1, T)) goes into the row chunk_key_values (each
@@ -273,11 +293,16 @@ class Llama(nn.Module):
         row; chunk_key_values may be a row of the same pool, written only where the chunk is (or nowhere, T = 0). A row
         that is also the chunk's must write elsewhere than the chunk does (the caller's scratch column): the exported
         graph fixes no order between the two operators. Logits at logits_index of the B S row tokens (row by row), then
-        the T chunk tokens."""
+        the T chunk tokens. A longrope model's rows and chunk say which factors they turn by (long_rope (B,),
+        chunk_long_rope (1,)): the operator's one table cannot, so such a model turns Q and K before it."""
         dtype = self.model.embed_tokens.weight.dtype
-        tables = rotary_tables(self.rotary, self.config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2) each
+        long = self.long_tokens(long_rope, chunk_long_rope, input_ids.shape[1], chunk_ids.shape[1])  # (B S + T,) or None
+        tables = None if long is not None else rotary_tables(self.rotary, self.config.n_ctx + 1, dtype)  # (n_ctx + 1, d_k / 2) each
         local_tables = None if self.local_rotary is None else rotary_tables(self.local_rotary, self.config.n_ctx + 1, dtype)
         step = FusedSlotStep(input_ids, position_ids, chunk_ids, chunk_position_ids, tables, dtype, local_tables)
+        if long is not None:
+            cos, sin = self.rotary(step.positions, dtype, long)  # (B S + T, d_r) each
+            step.turned = (cos[:, None], sin[:, None])  # (B S + T, 1, d_r): GroupedQueryAttention.forward_fused turns with them
         x = self.embed(step.token_ids)  # (B S + T, C): a slots step needs no batch axis
         x, presents, chunk_presents = step.run_layers(self.model.layers, x, past_key_values, chunk_key_values)
         return self.logits(x.index_select(0, logits_index)), presents, chunk_presents  # (K, V)

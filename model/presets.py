@@ -45,7 +45,7 @@ PRESETS: dict[str, DecoderConfig] = {
     ),
     # Phi-4-mini's layer shape (3,072 wide, 24 query and 8 K/V heads of 128, 96 of each head's channels turned, tied
     # 200,064-token head) with 6 of its 32 layers, so that float32 export fits 24 GiB; plain RoPE at its original
-    # 4,096-token context (where a longrope model is served, contract/hf_config.py), random weights.
+    # 4,096-token context (its longrope stretches that to 131,072: not in the preset), random weights.
     "phi4-mini-6l": DecoderConfig(
         model_type="phi3", vocab_size=200064, n_ctx=4096, d_model=3072, n_head=24, n_kv_head=8, n_layer=6, d_mlp=8192,
         eos_token_ids=(200020, 199999), bos_token_id=199999, layer_norm_eps=1e-5, partial_rotary_factor=0.75,

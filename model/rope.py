@@ -7,9 +7,11 @@ frequency is off by radians a thousand positions in. With a partial_rotary_facto
 rotary_dim channels turn.
 
 LongRoPE (Phi-3) has two sets of factors: transformers turns a sequence by the short set while it fits
-original_max_position_embeddings, and once it grows past that recomputes its whole cache by the long set. kvserve serves
-a longrope model within its original context (contract/hf_config.py caps it there), where the short set is the only one
-transformers uses; the long set, and the recompute at the crossing, are not implemented (docs/models.md).
+original_max_position_embeddings, and once it grows past that recomputes its whole cache by the long set (its Phi-3
+drops the cache at the crossing). The choice is per sequence, so RotaryEmbedding takes, beside the positions, which
+rows turn long; who decides is the caller: the eager forward by each row's last position, as transformers does, the
+server and its graphs by the sequence's length (contract/io_contract.py; service/scheduler.py recomputes a row's
+cache where it crosses).
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ from torch import nn
 from kvserve.contract.config import DecoderConfig, RopeScaling
 
 
-def rope_frequencies(config: DecoderConfig) -> list[float]:
+def rope_frequencies(config: DecoderConfig, long: bool = False) -> list[float]:
     """The rotary embedding's inverse frequencies, rotary_dim / 2 of them, rescaled as config.rope_scaling says (longrope:
-    by its short factors)."""
+    by its short factors, or with long by its long ones)."""
     d_k, scaling = config.rotary_dim, config.rope_scaling
     if scaling is not None and scaling.rope_type == "yarn":
         return _yarn_frequencies(config.rope_theta, d_k, scaling).tolist()
     if scaling is not None and scaling.rope_type == "longrope":
         shape = torch.arange(0, d_k, 2, dtype=torch.int64).float() / d_k  # (d_k / 2,)
-        factors = torch.tensor(scaling.short_factor, dtype=torch.float32)
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32)
         return (1.0 / (factors * config.rope_theta**shape)).tolist()
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d_k, 2, dtype=torch.int64).float() / d_k))  # (d_k / 2,)
     if scaling is None:
@@ -95,18 +97,25 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.inv_freq = rope_frequencies(config)
+        # longrope's second set, for sequences past the original context; None for every other model
+        self.long_inv_freq = rope_frequencies(config, long=True) if config.long_rope_after is not None else None
         self.scale = attention_factor(config)
 
-    def turns(self, positions: torch.Tensor) -> torch.Tensor:
-        """positions (...) -> each position's angles (..., rotary_dim / 2), float32."""
+    def turns(self, positions: torch.Tensor, long: torch.Tensor | None = None) -> torch.Tensor:
+        """positions (...) -> each position's angles (..., rotary_dim / 2), float32; long (bool, broadcastable to
+        positions): which turn by longrope's long factors (None: none)."""
         inv_freq = torch.tensor(self.inv_freq, dtype=torch.float32, device=positions.device)  # (d_r / 2,)
-        return positions[..., None].float() * inv_freq  # (..., d_r / 2)
+        angles = positions[..., None].float() * inv_freq  # (..., d_r / 2)
+        if long is None or self.long_inv_freq is None:
+            return angles
+        long_inv_freq = torch.tensor(self.long_inv_freq, dtype=torch.float32, device=positions.device)  # (d_r / 2,)
+        return torch.where(long[..., None], positions[..., None].float() * long_inv_freq, angles)  # (..., d_r / 2)
 
-    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """position_ids (..., T) -> cos, signed sin (..., T, d_r) in dtype, d_r the rotated channels. Channel i and
-        i + d_r / 2 share an angle; the first half's sine is negated here, once a step, instead of the rotated half in
-        every layer."""
-        angles = self.turns(position_ids)  # (..., T, d_r / 2)
+    def forward(self, position_ids: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """position_ids (..., T) -> cos, signed sin (..., T, d_r) in dtype, d_r the rotated channels (long: see turns).
+        Channel i and i + d_r / 2 share an angle; the first half's sine is negated here, once a step, instead of the
+        rotated half in every layer."""
+        angles = self.turns(position_ids, long)  # (..., T, d_r / 2)
         angles = torch.cat([angles, angles], dim=-1)  # (..., T, d_r)
         cos, sin = angles.cos(), angles.sin()
         if self.scale != 1.0:

@@ -70,6 +70,7 @@ class FixedDecode:
     graph_id: int | None
     host_arrays: list  # on the CPU provider, the numpy memory behind the OrtValues: kept alive with them
     captured: bool = False
+    long_rope: object | None = None  # OrtValue (B,): a longrope graph's rows' choice of factors (io_contract)
 
 
 class FixedDecodeSteps:
@@ -88,13 +89,14 @@ class FixedDecodeSteps:
         self._graph_ids = itertools.count(1)  # never reused: a captured graph holds its buffers' addresses
 
     def run(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                   with_logits: bool = True, before_run: Callable[[], None] | None = None) -> Sampled:
+            with_logits: bool = True, before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:
         """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
         position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures), the step is a CUDA graph
         of its own, captured at its first run and replayed after. Returns every row's greedy token (B,) and, with_logits,
         its logits (B, V), in host memory: on the CPU provider the bound
-        buffers themselves, which the next step at this shape overwrites (read them before then)."""
+        buffers themselves, which the next step at this shape overwrites (read them before then). long_rope (B,): a
+        longrope graph's rows that turn long (None: none)."""
         rows, width = attention_mask.shape
         step = self._steps.get((pool, rows, width))
         if step is None:
@@ -102,6 +104,8 @@ class FixedDecodeSteps:
         step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
         step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
         step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
+        if step.long_rope is not None:
+            step.long_rope.update_inplace(np.zeros(rows, np.int64) if long_rope is None else np.ascontiguousarray(long_rope, dtype=np.int64))
         if before_run is not None:
             before_run()
         if step.graph_id is not None and not step.captured:
@@ -149,6 +153,8 @@ class FixedDecodeSteps:
             io.CHUNK_SLOT: np.zeros(1, np.int64),  # (1,)
             io.LOGITS_INDEX: np.arange(rows, dtype=np.int64),  # (B,): every row
         }
+        if io.LONG_ROPE in {i.name for i in self.session.get_inputs()}:  # a longrope graph (io_contract)
+            host |= {io.LONG_ROPE: np.zeros(rows, np.int64), io.CHUNK_LONG_ROPE: np.zeros(1, np.int64)}  # (B,), (1,)
         logits = np.zeros((rows, self.vocab_size), np.float32)  # (B, V)
         tokens = np.zeros(rows, np.int64)  # (B,)
         values = {name: ort.OrtValue.ortvalue_from_numpy(array, self.device, 0) for name, array in host.items()}
@@ -169,7 +175,7 @@ class FixedDecodeSteps:
             run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
         host_arrays = list(host.values()) + [logits, tokens] if self.device == "cpu" else []
         return FixedDecode(binding, values[io.INPUT_IDS], values[io.POSITION_IDS], values[io.ATTENTION_MASK], logits_value,
-                           tokens_value, run_options, graph_id, host_arrays)
+                           tokens_value, run_options, graph_id, host_arrays, long_rope=values.get(io.LONG_ROPE))
 
     def shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
         """The (rows, width) shapes run has bound for pool, in the order they were first run."""

@@ -46,6 +46,7 @@ class DecoderRuntime:
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]  # what the pool holds: the graph says (KV_DTYPES)
         self.attention = io.FUSED if io.chunk_past_names(0)[0] in inputs else io.STANDARD  # the graph says which it is
+        self.long_rope = io.LONG_ROPE in inputs  # a longrope model's graph: each step says which rows turn long
         if self.attention == io.FUSED and self.device == "cuda" and dtype == "float32":
             raise ProviderUnavailable("ONNX Runtime runs GroupQueryAttention on CUDA in float16 only: export this model with "
                                       "--dtype float16, or --attention standard, to serve it on the GPU")
@@ -86,9 +87,9 @@ class DecoderRuntime:
         return SlotPool(rows, n_kv_head, d_head, capacity, self.n_layer, self.kv_dtype, self.device, self.traffic)
 
     def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
-                   with_logits: bool = True, before_run: Callable[[], None] | None = None) -> Sampled:
+                   with_logits: bool = True, before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:
         """A decode-only step at a fixed shape (cuda_graphs.FixedDecodeSteps.run): standard slots graphs only."""
-        return self.fixed_steps.run(pool, input_ids, position_ids, attention_mask, with_logits, before_run)
+        return self.fixed_steps.run(pool, input_ids, position_ids, attention_mask, with_logits, before_run, long_rope)
 
     def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:
         """The (rows, width) shapes run_decode has bound for pool, in the order they were first run."""
@@ -138,14 +139,19 @@ class DecoderRuntime:
         logits_index: np.ndarray,  # (K,) which of the B + T tokens get logits
         with_logits: bool = True,  # False: greedy tokens alone will do
         before_run: Callable[[], None] | None = None,  # called with every input bound, just before the model runs
+        long_rope: np.ndarray | None = None,  # (B,) a longrope graph's rows that turn long (None: none)
+        chunk_long_rope: bool = False,  # and whether the chunk does
     ) -> Sampled:
         """One slots step; returns its K sampled rows' greedy tokens and logits in host memory. The pool's rows 0..B-1
         are updated in place."""
         if self.attention == io.FUSED:
             return self._run_fused(pool, input_ids, position_ids, chunk_ids, chunk_start, chunk_slot, logits_index, with_logits,
-                                   before_run)
+                                   before_run, long_rope, chunk_long_rope)
         rows = input_ids.shape[0]
         bound = self._bound_pool(pool, rows)
+        if self.long_rope:
+            bound.set_input(io.LONG_ROPE, np.zeros(rows, np.int64) if long_rope is None else np.asarray(long_rope))  # (B,)
+            bound.set_input(io.CHUNK_LONG_ROPE, np.array([int(chunk_long_rope)]))  # (1,)
         chunk = np.asarray(chunk_ids).reshape(1, -1)  # (1, T)
         bound.set_input(io.INPUT_IDS, np.asarray(input_ids).reshape(rows, 1))  # (B, 1)
         bound.set_input(io.POSITION_IDS, np.asarray(position_ids).reshape(rows, 1))  # (B, 1)
@@ -159,7 +165,8 @@ class DecoderRuntime:
         return self._run_sampled(bound, len(logits_index), with_logits, before_run)
 
     def _run_fused(self, pool: SlotPool, input_ids, position_ids, chunk_ids, chunk_start: int, chunk_slot: int, logits_index,
-                   with_logits: bool, before_run: Callable[[], None] | None) -> Sampled:
+                   with_logits: bool, before_run: Callable[[], None] | None, long_rope: np.ndarray | None = None,
+                   chunk_long_rope: bool = False) -> Sampled:
         """run_slots for a fused graph, whose operator needs a row and a token at least (io_contract): the rows are rows
         0 .. the last that decodes (a token each; one below it with nothing to decode runs its scratch token) and the
         chunk, if any, goes beside them; a chunk with no row decoding is the step's one row instead, the chunk inputs
@@ -175,12 +182,17 @@ class DecoderRuntime:
             tokens = np.asarray(input_ids[:count]).reshape(count, 1)  # (B, 1)
             positions = np.asarray(position_ids[:count]).reshape(count, 1)  # (B, 1)
             graph_index = np.where(decoding, logits_index, logits_index - rows + count)  # the chunk follows the B rows
+            rows_long = np.zeros(count, np.int64) if long_rope is None else np.asarray(long_rope[:count])  # (B,)
         elif n_chunk:
             bound = self._bound_pool(pool, 1, chunk_slot, chunk_slot)
             tokens, positions, graph_index = chunk, chunk_positions, logits_index - rows
             chunk = chunk_positions = np.zeros((1, 0), np.int64)
+            rows_long = np.array([int(chunk_long_rope)])  # (1,): the chunk is the one row
         else:
             raise ValueError("a step must decode a row or run a chunk")
+        if self.long_rope:
+            bound.set_input(io.LONG_ROPE, rows_long)
+            bound.set_input(io.CHUNK_LONG_ROPE, np.array([int(chunk_long_rope)]))  # (1,)
         bound.set_input(io.INPUT_IDS, tokens)
         bound.set_input(io.POSITION_IDS, positions)
         bound.set_input(io.CHUNK_IDS, chunk)

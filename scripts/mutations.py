@@ -374,6 +374,42 @@ MUTATIONS = (
         (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{PHI3}]",),
     ),
     Mutation(
+        "longrope: the long factors are the short ones",
+        "model/rope.py",
+        (("scaling.long_factor if long else scaling.short_factor", "scaling.short_factor"),),
+        (f"{LLAMA_REF}::test_longrope_past_the_original_context_matches_transformers_token_for_token[{PHI3}]",),
+    ),
+    Mutation(
+        "longrope: eager generate never recomputes the cache at the crossing",
+        "model/generate.py",
+        (("if long_after is not None and (position_ids == long_after).any():", "if False:"),),
+        (f"{LLAMA_REF}::test_longrope_past_the_original_context_matches_transformers_token_for_token[{PHI3}]",),
+    ),
+    Mutation(
+        "longrope: the server never prefills a crossing row again",
+        "service/scheduler.py",
+        (("if not seq.prefilling and not seq.long_rope and seq.cached_tokens >= long_after:", "if False:"),),
+        ("tests/service/test_llama_serving.py::test_longrope_streams_past_the_original_context_generate_what_transformers_generates[fused]",),
+    ),
+    Mutation(
+        "longrope: the batch tells the graph no row turns long",
+        "service/batch.py",
+        (("return np.array([seq is not None and seq.long_rope for seq in slots], np.int64)", "return np.zeros(rows, np.int64)"),),
+        ("tests/service/test_llama_serving.py::test_longrope_streams_past_the_original_context_generate_what_transformers_generates[standard]",),
+    ),
+    Mutation(
+        "longrope: the prompt cache matches rows of the other factor set",
+        "service/prompt_cache.py",
+        (("for key in _block_keys(prompt, len(prompt) // BLOCK_TOKENS, kind):", "for key in _block_keys(prompt, len(prompt) // BLOCK_TOKENS, 0) + _block_keys(prompt, 0, kind):"),),
+        ("tests/service/test_llama_serving.py::test_a_longrope_prompt_never_reuses_the_other_factor_sets_cached_prefix[fused]",),
+    ),
+    Mutation(
+        "longrope: the slots parity driver never prefills a crossing row again",
+        "export/parity_drivers.py",
+        (("for row in crossing:  # its cache turned short: every token again, long", "for row in []:"),),
+        (f"{LLAMA_EXPORT}::test_a_longrope_artifact_generates_what_transformers_generates_past_its_original_context[fused]",),
+    ),
+    Mutation(
         "smollm3: its layers without rotation rotate",
         "model/llama.py",
         (("self.rotates = layer not in config.nope_layers", "self.rotates = True"),),

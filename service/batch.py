@@ -168,7 +168,8 @@ class SlotBatch:
             position_ids[seq.slot] = seq.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
         masks = self._start_masks(decode)
-        sampled = self.runtime.run_decode(self.kv.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model)  # B rows
+        sampled = self.runtime.run_decode(self.kv.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
+                                          self._long_rope(rows))  # B rows
         for seq in decode:
             seq.cached_tokens += 1
         return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
@@ -200,8 +201,8 @@ class SlotBatch:
             logits_index.append(rows)
         elif chunk is not None:
             start = chunk.cached_tokens
-            piece = np.asarray(chunk.prompt_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
-            completes = start + len(piece) == len(chunk.prompt_ids)
+            piece = np.asarray(chunk.prefill_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
+            completes = start + len(piece) == len(chunk.prefill_ids)
             if completes:
                 logits_index.append(rows + len(piece) - 1)  # the prompt's last token: the first new one follows
         chunk_row = solo if solo is not None else chunk
@@ -210,13 +211,23 @@ class SlotBatch:
         masks = self._start_masks(sampling)
         sampled = self.runtime.run_slots(
             pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
-            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model,
+            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model, self._long_rope(rows),
+            chunk_row is not None and chunk_row.long_rope,
         )
         for seq in decoded:
             seq.cached_tokens += 1
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
+            if completes:
+                chunk.refill_ids = None  # a row prefilled again decodes on
         return advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
+
+    def _long_rope(self, rows: int) -> np.ndarray | None:
+        """(rows,) 1 where a longrope model's row turns by the long factors (None: the graph has no such input)."""
+        if not self.runtime.long_rope:
+            return None
+        slots = self.kv.slots[:rows] + [None] * (rows - len(self.kv.slots))
+        return np.array([seq is not None and seq.long_rope for seq in slots], np.int64)
 
     def fail_all(self, error: BaseException) -> StepResults:
         """Every sequence holding a row fails with error; the batch is empty afterwards, and, the pool's contents being

@@ -138,14 +138,14 @@ class KvRows:
             self.pool.discard(row)
         self.cached.clear()
 
-    def _best_matches(self, prompt: list[int]) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
-        """((free row, tokens), (row in use, tokens)): the rows holding the longest start of prompt, the last prompt
-        token left out (it is always computed: its logits give the first new token)."""
+    def _best_matches(self, prompt: list[int], kind: int) -> tuple[tuple[int | None, int], tuple[int | None, int]]:
+        """((free row, tokens), (row in use, tokens)): the rows of kind (prompt_cache.py) holding the longest start of
+        prompt, the last prompt token left out (it is always computed: its logits give the first new token)."""
         if self.prefixes is None:
             return (None, 0), (None, 0)
         reusable = len(prompt) - 1
         free, busy = (None, 0), (None, 0)
-        for row, shared in self.prefixes.matches(prompt).items():
+        for row, shared in self.prefixes.matches(prompt, kind).items():
             holder = self.slots[row] if row < len(self.slots) else None
             if holder is None:
                 usable = min(shared, reusable, len(self.prefixes.tokens(row)))
@@ -161,10 +161,10 @@ class KvRows:
             confirmed.append((row, length) if length else (None, 0))
         return confirmed[0], confirmed[1]
 
-    def _prefix_source(self, prompt: list[int]) -> tuple[int | None, int, bool]:
+    def _prefix_source(self, prompt: list[int], kind: int) -> tuple[int | None, int, bool]:
         """(the row to take the start of prompt from, how many tokens, whether that row is in use): a row in use only
         when it holds at least PREFIX_COPY_MIN_TOKENS more than the best free row (its columns are copied)."""
-        (free, free_len), (busy, busy_len) = self._best_matches(prompt)
+        (free, free_len), (busy, busy_len) = self._best_matches(prompt, kind)
         if busy is not None and busy_len >= free_len + PREFIX_COPY_MIN_TOKENS[self.device]:
             return busy, busy_len, True
         return free, free_len, False
@@ -172,7 +172,7 @@ class KvRows:
     def reusable_prompt_tokens(self, seq: Sequence) -> int:
         """How many of seq's prompt tokens it would find in the cache if it joined now (the scheduler sizes its first
         chunk by what is left)."""
-        return self._prefix_source(seq.prompt_ids)[1]
+        return self._prefix_source(seq.prompt_ids, seq.long_rope)[1]
 
     def _victim(self) -> int:
         """The free row a new sequence overwrites: the lowest that holds nothing, else the least recently used."""
@@ -185,7 +185,7 @@ class KvRows:
         use give a longer one (copied on the device), else the victim; it then prefills only the rest. On CPU the row
         it computes in is the one after the last (rows stay dense): the row chosen moves there, and what that row held
         moves to the victim's place."""
-        source, reused, take_busy = self._prefix_source(seq.prompt_ids)
+        source, reused, take_busy = self._prefix_source(seq.prompt_ids, seq.long_rope)
         busy = source if take_busy else None
         pool = self.pool
         if self.compact:
@@ -210,7 +210,7 @@ class KvRows:
             pool.copy_columns(busy, row, reused)
         self._drop_cached(row)
         if self.prefixes is not None:
-            self.prefixes.put(row, seq.prompt_ids)  # its K/V up to seq.cached_tokens, as the prefill writes them
+            self.prefixes.put(row, seq.prompt_ids, seq.long_rope)  # its K/V up to seq.cached_tokens, as the prefill writes them
         while len(self.slots) <= row:
             self.slots.append(None)
         self.slots[row] = seq
@@ -218,6 +218,13 @@ class KvRows:
         seq.cached_tokens = seq.reused_prompt_tokens = reused
         self._reserved += self.reservation(seq)
         self.settle()
+
+    def refill(self, seq: Sequence) -> None:
+        """seq's row is computed again from its first column, every token so far turned by longrope's long factors: it
+        is about to grow past the original context (scheduler.py). It keeps its row and its reservation."""
+        seq.long_rope, seq.refill_ids, seq.cached_tokens = True, seq.prompt_ids + seq.generated, 0
+        if self.prefixes is not None:
+            self.prefixes.put(seq.slot, seq.refill_ids, seq.long_rope)
 
     def _drop_cached(self, row: int) -> None:
         """Row no longer holds a cached sequence (it is taken, or overwritten)."""
@@ -245,7 +252,7 @@ class KvRows:
             self._reserved -= self.reservation(seq)
             if self.prefixes is not None:
                 if seq.cached_tokens:
-                    self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])  # exactly what it wrote
+                    self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens], seq.long_rope)  # exactly what it wrote
                     self.cached[row] = None
                     self.cached.move_to_end(row)
                     continue

@@ -8,6 +8,9 @@ the previous key and the block's ids), so a key names a whole prefix. Finding th
 walks the prompt's block keys while some row has them, then compares at most one block of ids per row left: its
 cost follows the prompt's length, not the number of rows times their lengths. The row chosen is then checked
 against its own ids (confirm), so a hash collision can only shorten a match, never make a wrong one.
+
+Rows whose K/V differ for the same ids have different kinds (a longrope model's rows turned long, 1, and short, 0):
+each row's chain of keys starts from its kind, so a prompt finds only rows of the kind it asks for.
 """
 
 from __future__ import annotations
@@ -20,9 +23,9 @@ import numpy as np
 BLOCK_TOKENS = 16
 
 
-def _block_keys(tokens: Sequence[int], blocks: int) -> list[int]:
-    """The chained keys of the first `blocks` whole blocks of tokens."""
-    keys, key = [], 0
+def _block_keys(tokens: Sequence[int], blocks: int, kind: int = 0) -> list[int]:
+    """The chained keys of the first `blocks` whole blocks of tokens, the chain started from kind."""
+    keys, key = [], kind
     for start in range(0, blocks * BLOCK_TOKENS, BLOCK_TOKENS):
         key = hash((key, *tokens[start : start + BLOCK_TOKENS]))
         keys.append(key)
@@ -45,6 +48,7 @@ class PrefixIndex:
         self._tokens: dict[int, list[int]] = {}  # row -> its ids
         self._keys: dict[int, list[int]] = {}  # row -> its whole blocks' keys
         self._rows: dict[int, set[int]] = {}  # block key -> rows holding that prefix
+        self._kinds: dict[int, int] = {}  # row -> its kind
 
     def __contains__(self, row: int) -> bool:
         return row in self._tokens
@@ -52,17 +56,18 @@ class PrefixIndex:
     def tokens(self, row: int) -> list[int]:
         return self._tokens.get(row, [])
 
-    def put(self, row: int, tokens: Sequence[int]) -> None:
-        """Row now holds tokens (replacing what it held)."""
+    def put(self, row: int, tokens: Sequence[int], kind: int = 0) -> None:
+        """Row now holds tokens, their K/V of kind (replacing what it held)."""
         self.remove(row)
         tokens = list(tokens)
-        keys = _block_keys(tokens, len(tokens) // BLOCK_TOKENS)
-        self._tokens[row], self._keys[row] = tokens, keys
+        keys = _block_keys(tokens, len(tokens) // BLOCK_TOKENS, kind)
+        self._tokens[row], self._keys[row], self._kinds[row] = tokens, keys, kind
         for key in keys:
             self._rows.setdefault(key, set()).add(row)
 
     def remove(self, row: int) -> None:
         self._tokens.pop(row, None)
+        self._kinds.pop(row, None)
         for key in self._keys.pop(row, ()):
             rows = self._rows[key]
             rows.discard(row)
@@ -71,25 +76,26 @@ class PrefixIndex:
 
     def swap(self, a: int, b: int) -> None:
         """Rows a and b exchanged their contents."""
-        tokens_a, tokens_b = self._tokens.get(a), self._tokens.get(b)
+        (tokens_a, kind_a), (tokens_b, kind_b) = ((self._tokens.get(row), self._kinds.get(row, 0)) for row in (a, b))
         self.remove(a)
         self.remove(b)
         if tokens_b is not None:
-            self.put(a, tokens_b)
+            self.put(a, tokens_b, kind_b)
         if tokens_a is not None:
-            self.put(b, tokens_a)
+            self.put(b, tokens_a, kind_a)
 
     def clear(self) -> None:
         self._tokens.clear()
         self._keys.clear()
         self._rows.clear()
+        self._kinds.clear()
 
-    def matches(self, prompt: Sequence[int]) -> dict[int, int]:
-        """{row: how many leading ids of prompt it shares} for every row sharing at least one whole block."""
+    def matches(self, prompt: Sequence[int], kind: int = 0) -> dict[int, int]:
+        """{row: how many leading ids of prompt it shares} for every row of kind sharing at least one whole block."""
         found: dict[int, int] = {}
         candidates: set[int] = set()
         blocks = 0
-        for key in _block_keys(prompt, len(prompt) // BLOCK_TOKENS):
+        for key in _block_keys(prompt, len(prompt) // BLOCK_TOKENS, kind):
             rows = self._rows.get(key, set())
             narrowed = rows if blocks == 0 else candidates & rows
             if blocks:

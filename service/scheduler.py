@@ -8,6 +8,9 @@ One step (step_plan.StepPlan) is one model call over the batch:
     decoding (or budget 0, no limit) the whole rest of the prompt goes in one step; a chunk that would
     leave a tail of at most a quarter of the budget takes the tail too (a step of its own would cost the
     running streams a whole step's gap for a few tokens);
+  - a longrope model's row (Phi-3) whose next token would take it past the original context is prefilled again,
+    whole, its K/V turned by the long factors (as transformers recomputes its cache there): it waits its turn as a
+    prompt does, then decodes on; a prompt already past the original context turns long from the start;
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
     the batch idle while it waits for its turn; its prompt starts past what the prompt cache holds of it
     (kv_rows.KvRows.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
@@ -159,18 +162,24 @@ class Scheduler:
     def plan(self) -> StepPlan:
         kv = self.batch.kv
         rows = [s for s in kv.rows if not s.cancelled]
+        long_after = self.batch.config.long_rope_after
+        if long_after is not None:  # a row whose next token takes it past the original context is prefilled again, long
+            for seq in rows:
+                if not seq.prefilling and not seq.long_rope and seq.cached_tokens >= long_after:
+                    kv.refill(seq)
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]
         joining = []
         if not prefilling and self.waiting and kv.free_rows() > 0 and kv.fits(self.waiting[0]):  # in order: none overtakes
             joining = [self.waiting.popleft()]
             joining[0].admitted_ns = time.monotonic_ns()
+            joining[0].long_rope = long_after is not None and len(joining[0].prompt_ids) > long_after
             prefilling = joining
         if not prefilling:
             return StepPlan(decode=decode)
         chunk = prefilling[0]
         done = kv.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens  # a joiner starts past its cached prefix
-        remaining = len(chunk.prompt_ids) - done
+        remaining = len(chunk.prefill_ids) - done
         tokens = remaining
         if decode and self.step_token_budget:
             allowance = max(self.step_token_budget - len(decode), 1)

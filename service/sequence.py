@@ -99,6 +99,8 @@ class Sequence:
     constraint: Constraint | None = None  # a response_format's grammar state: which tokens may come next
     blocked_ids: tuple[int, ...] = ()  # with a constraint: ids never taken though the format allows them (ignore_eos)
     tool_calls: ToolCallSplit | None = None  # with tools: splits the reply into content and calls (and constrains the calls)
+    long_rope: bool = False  # a longrope model's: its K/V turn by the long factors (it is longer than the original context)
+    refill_ids: list[int] | None = None  # every token so far, prefilled again, long, where it first grows past (scheduler.py)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -108,9 +110,14 @@ class Sequence:
         return len(self.prompt_ids) + len(self.generated)
 
     @property
+    def prefill_ids(self) -> list[int]:
+        """What its prefill puts in its row: the prompt, or every token so far when the row is computed again."""
+        return self.prompt_ids if self.refill_ids is None else self.refill_ids
+
+    @property
     def prefilling(self) -> bool:
-        """Whether part of the prompt still has to go through the model (chunked prefill)."""
-        return not self.generated and not self.finished
+        """Whether part of prefill_ids still has to go through the model (chunked prefill)."""
+        return (not self.generated or self.refill_ids is not None) and not self.finished
 
     @property
     def takes_greedy_token(self) -> bool:

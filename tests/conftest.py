@@ -239,8 +239,8 @@ LLAMA_CONFIGS = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     )),
-    # Phi-3.5's longrope (served within its original 64 positions: the short factors, and the attention factor of the 128
-    # it was stretched to) on Phi-4-mini's partial rotation (3/4 of each head turns)
+    # Phi-3.5's longrope (short factors within its original 64 positions, long ones past them, to the 128 it was stretched
+    # to, and that stretch's attention factor) on Phi-4-mini's partial rotation (3/4 of each head turns)
     "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied": ("phi3", dict(
         vocab_size=300, hidden_size=128, intermediate_size=160, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
         max_position_embeddings=128, original_max_position_embeddings=64, pad_token_id=0,

@@ -80,12 +80,13 @@ def test_a_qwen3_config_reads_its_norms_and_biases():
     assert not config_from_hf({**LLAMA, "model_type": "qwen2"}).qk_norm
 
 
-def test_a_phi3_longrope_config_is_served_within_its_original_context_with_its_attention_factor():
+def test_a_phi3_longrope_config_keeps_its_whole_context_both_factor_sets_and_its_attention_factor():
     phi3 = {**LLAMA, "model_type": "phi3", "max_position_embeddings": 256, "original_max_position_embeddings": 64,
             "rope_scaling": {"type": "su", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0]}, "partial_rotary_factor": 0.5}
     config = config_from_hf(phi3)
-    assert config.n_ctx == 64 and config.rope_scaling.rope_type == "longrope" and config.rope_scaling.factor == 4.0  # 256 / 64, kept
-    assert config.rotary_dim == 4 and config.rope_scaling.short_factor == (1.0, 1.5)
+    assert config.n_ctx == 256 and config.rope_scaling.rope_type == "longrope" and config.rope_scaling.factor == 4.0  # 256 / 64
+    assert config.rotary_dim == 4 and config.rope_scaling.short_factor == (1.0, 1.5) and config.rope_scaling.long_factor == (2.0, 3.0)
+    assert config.long_rope_after == 64 and config_from_hf(LLAMA).long_rope_after is None
     assert config_from_hf(json.loads(json.dumps(config_to_hf(config)))) == config
 
 

@@ -21,6 +21,17 @@ def test_names_follow_the_layer_and_each_layout_declares_its_inputs_and_outputs(
         assert (io.chunk_past_names(0)[0] in slots["inputs"]) == (attention == io.FUSED)
 
 
+def test_a_longrope_models_slots_graphs_take_each_rows_and_the_chunks_choice_of_factors_after_the_kv():
+    for attention in io.ATTENTIONS:
+        spec = io.io_spec(2, 2, 8, 100, "float32", io.SLOTS, attention, long_rope=True)
+        names = io.input_names(2, io.SLOTS, attention, long_rope=True)
+        assert list(spec["inputs"]) == names and names[-2:] == [io.LONG_ROPE, io.CHUNK_LONG_ROPE]
+        assert spec["inputs"][io.LONG_ROPE] == {"shape": [io.BATCH], "dtype": "int64"}
+        assert io.LONG_ROPE not in io.io_spec(2, 2, 8, 100, "float32", io.SLOTS, attention)["inputs"]
+    # a concat graph turns each row by its own length, as transformers does: nothing more to feed
+    assert io.input_names(2, io.CONCAT, long_rope=True) == io.input_names(2) == list(io.io_spec(2, 2, 8, 100, "float32", long_rope=True)["inputs"])
+
+
 @pytest.mark.parametrize("args, message", [
     (dict(dtype="bfloat16"), "unsupported dtype 'bfloat16'"),
     (dict(dtype="float32", kv_cache="paged"), "unsupported KV cache 'paged'"),

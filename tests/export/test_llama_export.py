@@ -156,3 +156,21 @@ def test_auto_attention_keeps_float32_standard_where_it_would_verify_on_cuda(tin
     assert pipeline.choose_attention(tiny_llama_model, "slots", "float32", "cpu") == "fused"
     assert pipeline.choose_attention(tiny_llama_model, "slots", "float16", "auto") == "fused"
     assert pipeline.choose_attention(tiny_llama_model, "concat", "float16", "auto") == "standard"
+
+
+LONGROPE = next(name for name in LLAMA_CONFIGS if "longrope" in name)
+
+
+@pytest.mark.parametrize("export", [{}, {"attention": "standard"}, {"kv_cache": "concat"}], ids=["fused", "standard", "concat"])
+def test_a_longrope_artifact_generates_what_transformers_generates_past_its_original_context(llama_artifact, export):
+    """Phi-3's two sets of factors: a prompt that crosses the original context while it generates (its row prefilled
+    again, long), one past it from the start, one within; verify checked the long factors at export."""
+    hf, _, artifact_dir = llama_artifact(LONGROPE, **export)
+    artifact = open_artifact(artifact_dir)
+    after = artifact.config.long_rope_after
+    assert artifact.config.n_ctx == hf.config.max_position_embeddings > after  # the whole context, not the original one
+    checks = {check["name"]: check for check in artifact.parity_report()["checks"]}
+    long_checks = [check for name, check in checks.items() if name.startswith("long rope")]
+    assert len(long_checks) == 1 and long_checks[0]["passed"]
+    prompts = [[(7 * j) % 290 + 3 for j in range(after - 5)], [(3 * j) % 290 + 5 for j in range(after + 6)], [5, 17, 42]]
+    np.testing.assert_array_equal(artifact_greedy(artifact_dir, prompts, 24, PROVIDER), hf_greedy(hf, prompts, 24))

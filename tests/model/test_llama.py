@@ -1,12 +1,15 @@
 """The Llama-family eager reference against transformers' LlamaForCausalLM, Qwen2ForCausalLM and MistralForCausalLM:
 same weights (saved by save_pretrained, loaded by kvserve), same logits, same tokens, every cache layout."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.generate import generate
+from kvserve.model.llama import Llama
 from tests.conftest import LLAMA_CONFIGS
 from tests.hf_reference import hf_greedy, padded_logits_gap
 
@@ -87,3 +90,27 @@ def test_every_cache_layout_gives_the_same_logits(pair):
     )
     assert (logits[0] - full[0, 4]).abs().max() <= close  # row 0's decode token
     assert (logits[1] - full[0, T - 1]).abs().max() <= close  # the chunk's last token
+
+
+LONGROPE = [name for name in LLAMA_CONFIGS if "longrope" in name]
+
+
+@pytest.mark.parametrize("name", LONGROPE)
+def test_longrope_past_the_original_context_matches_transformers_token_for_token(make_hf_llama, name):
+    """A prompt that crosses the original context while it generates (transformers recomputes its cache there, and so
+    does generate), one longer than it from the start (long factors throughout), one that stays within (short)."""
+    model_type, config = LLAMA_CONFIGS[name]
+    hf, directory = make_hf_llama(model_type, seed=len(name), **config)
+    ours = load_checkpoint(directory)
+    after = ours.config.long_rope_after
+    prompts = [[(7 * j) % 290 + 3 for j in range(after - 5)], [(3 * j) % 290 + 5 for j in range(after + 6)], [5, 17, 42]]
+    mine = generate(ours, prompts, 24).tokens.numpy()  # (3, 24)
+    np.testing.assert_array_equal(mine, hf_greedy(hf, prompts, 24))
+    rotary = hf.model.rotary_emb
+    assert ours.rotary.long_inv_freq == rotary.long_inv_freq.tolist() != ours.rotary.inv_freq  # set by the long prompts
+    # the long factors matter: a model whose long set is its short one continues both long prompts otherwise
+    scaling = ours.config.rope_scaling
+    short_only = Llama(replace(ours.config, rope_scaling=replace(scaling, long_factor=scaling.short_factor)))
+    short_only.load_state_dict(ours.state_dict())
+    differs = generate(short_only, prompts, 24).tokens.numpy() != mine  # (3, 24)
+    assert differs[0, 6:].any() and differs[1].any() and not differs[2].any()

@@ -247,3 +247,18 @@ def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graph
     seq = _greedy_sequence(1, prompt(700, 6), 10)
     Scheduler(second, step_token_budget=0).drive([seq])  # the other pool's steps still run
     assert seq.generated == eager_tokens(tiny_model, seq) and len(runtime.fixed_shapes(second.kv.pool)) == 6
+
+
+def test_longrope_rows_decode_at_fixed_shapes_with_their_factors(llama_artifact):
+    """A longrope graph's fixed-shape decode steps take each row's choice of factors too: rows crossing the original
+    context mid-stream (prefilled again, long), one past it from the start, one within, equal transformers' tokens."""
+    from ..conftest import LLAMA_CONFIGS
+    from ..hf_reference import hf_greedy
+
+    hf, _, artifact_dir = llama_artifact(next(name for name in LLAMA_CONFIGS if "longrope" in name), attention="standard")
+    config = open_artifact(artifact_dir).config
+    after = config.long_rope_after
+    prompts = [prompt(900 + i, length) for i, length in enumerate((after - 6, after - 2, after + 5, 7))]
+    seqs = [_greedy_sequence(i, p, 16) for i, p in enumerate(prompts)]
+    Scheduler(SlotBatch(open_runtime(artifact_dir), config, 4, fixed_decode=True), step_token_budget=8).drive(seqs)
+    np.testing.assert_array_equal(np.array([seq.generated for seq in seqs]), hf_greedy(hf, prompts, 16))

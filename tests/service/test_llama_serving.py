@@ -127,3 +127,43 @@ def test_any_of_several_eos_ids_ends_the_stream(make_hf_llama, tmp_path_factory)
             assert list(stub.GetModelInfo(pb.GetModelInfoRequest()).config.eos_token_ids) == eos_ids
     finally:
         running.stop()
+
+
+LONGROPE = next(name for name in LLAMA_CONFIGS if "longrope" in name)
+
+
+@pytest.fixture(scope="module", params=["fused", "standard"])
+def longrope_server(llama_artifact, request):
+    yield from serve(llama_artifact, LONGROPE, attention=request.param)
+
+
+def test_longrope_streams_past_the_original_context_generate_what_transformers_generates(longrope_server):
+    """Phi-3's factors chosen per row: rows crossing the original context mid-stream (each prefilled again, long, in
+    chunks beside the rows decoding), prompts past it from the start, rows that stay within; 4 rows for 6 streams."""
+    hf, artifact, stub = longrope_server
+    after = hf.config.original_max_position_embeddings
+    prompts = [[(7 * j + i) % 290 + 3 for j in range(length)] for i, length in enumerate((after - 9, after - 1, after, after + 7, 5, 30))]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        together = list(pool.map(lambda p: collect(stub, greedy(p, 20), timeout=120)[0], prompts))
+    np.testing.assert_array_equal(np.array(together), hf_greedy(hf, prompts, 20))
+
+
+def test_a_longrope_prompt_never_reuses_the_other_factor_sets_cached_prefix(longrope_server):
+    """A finished row's K/V are cached for later prompts that begin alike, but only for prompts that turn by the same
+    factors: a long prompt starting with a short row's tokens, and a short prompt starting with a long row's, compute
+    their prefixes (and still equal transformers); a long prompt sharing a long row's prefix reuses it."""
+    hf, _, stub = longrope_server
+    after = hf.config.original_max_position_embeddings
+    short = [(5 * j) % 290 + 7 for j in range(after - 24)]
+    collect(stub, greedy(short, 4))  # cached: its row turned short
+    longer = short + [(3 * j) % 290 + 11 for j in range(40)]  # past the original context: turned long
+    ids, _, finish = collect(stub, greedy(longer, 8))
+    assert finish.cached_prompt_tokens == 0 and ids == hf_greedy(hf, [longer], 8)[0].tolist()
+    fresh = [(11 * j) % 290 + 5 for j in range(after + 10)]
+    collect(stub, greedy(fresh, 4))  # cached: its row turned long
+    within = fresh[: after - 20]  # only that long row holds this prefix
+    ids, _, finish = collect(stub, greedy(within, 8))
+    assert finish.cached_prompt_tokens == 0 and ids == hf_greedy(hf, [within], 8)[0].tolist()
+    again = longer + [9, 9, 9]
+    ids, _, finish = collect(stub, greedy(again, 8))
+    assert finish.cached_prompt_tokens >= len(longer) - 16 and ids == hf_greedy(hf, [again], 8)[0].tolist()

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from kvserve.contract.artifact import open_artifact
+from kvserve.contract.config import DecoderConfig, RopeScaling
 from kvserve.model.generate import generate
 from kvserve.runtime import DecoderRuntime
 from kvserve.service.batch import SlotBatch
@@ -36,15 +37,19 @@ class PlannedRows:
     def reusable_prompt_tokens(self, seq) -> int:
         return self.cached_prefix
 
+    def refill(self, seq) -> None:  # as KvRows.refill, without the prompt cache
+        seq.long_rope, seq.refill_ids, seq.cached_tokens = True, seq.prompt_ids + seq.generated, 0
+
 
 @dataclass
 class PlannedBatch:
     kv: PlannedRows
+    config: DecoderConfig = DecoderConfig()
 
 
-def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0) -> Scheduler:
+def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig()) -> Scheduler:
     scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the batch's rows: no loop, no thread
-    scheduler.batch, scheduler.step_token_budget = PlannedBatch(PlannedRows(rows or [], max_rows, cached_prefix)), budget
+    scheduler.batch, scheduler.step_token_budget = PlannedBatch(PlannedRows(rows or [], max_rows, cached_prefix), config), budget
     from collections import deque
 
     scheduler.waiting = deque()
@@ -96,6 +101,24 @@ def test_a_prefilling_row_keeps_the_chunk_and_a_cancelled_row_is_planned_nowhere
     plan = scheduler.plan()
     assert plan.chunk is prefilling and plan.chunk_tokens == 8 - 1 and not plan.joining  # no join while a prompt is being prefilled
     assert [s.id for s in plan.decode] == [1]
+
+
+def test_a_longrope_row_about_to_pass_the_original_context_is_prefilled_again_whole_and_a_long_prompt_starts_long():
+    """Phi-3's longrope: a row whose next token is the 17th of a 16-position original context (16 prompt tokens in the
+    cache and one generated) becomes the chunk, every token so far, turned long; a row one short (its next token the
+    16th) decodes on; a waiting prompt past the original context joins turned long, one within it short."""
+    config = DecoderConfig(model_type="phi3", n_ctx=64, rope_scaling=RopeScaling("longrope", 4.0, 16, short_factor=(1.0,) * 4,
+                                                                                   long_factor=(2.0,) * 4), d_model=32, n_head=4)
+    crossing, within = _greedy_sequence(1, list(range(16)), 10), _greedy_sequence(2, list(range(15)), 10)
+    for seq in (crossing, within):
+        seq.generated, seq.cached_tokens = [99], len(seq.prompt_ids)
+    plan = planner(8, [crossing, within], config=config).plan()
+    assert plan.chunk is crossing and crossing.long_rope and crossing.prefill_ids == list(range(16)) + [99]
+    assert plan.chunk_tokens == 8 - 1 and [s.id for s in plan.decode] == [2] and not within.long_rope
+    for length, long in ((17, True), (16, False)):
+        scheduler = planner(8, config=config)
+        scheduler.waiting.append(_greedy_sequence(3, list(range(length)), 4))
+        assert scheduler.plan().joining[0].long_rope == long
 
 
 def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(slots_graph, slots_runtime, slots_model):
