@@ -16,7 +16,7 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 # How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
-ROPE_TYPES = ("linear", "llama3", "yarn", "longrope")
+ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,10 @@ class RopeScaling:
     """A rotary frequency rescaling, so a model trained at original_max_position_embeddings reads longer contexts.
 
     linear  every frequency divided by factor (position interpolation).
+    dynamic NTK: transformers raises the base by factor once a sequence is longer than max_position_embeddings, and
+            not before; kvserve's context is max_position_embeddings, so the plain frequencies are the only ones it
+            ever turns by (the stretch past the context, which depends on the longest row of each forward call and on
+            the calls before it in transformers, is not served).
     llama3  Llama 3.1's: long wavelengths slowed by factor, short ones kept, the band between (low_freq_factor ..
             high_freq_factor) blended.
     yarn    YaRN (Peng et al., 2023): frequencies blended between interpolated and kept over the band beta_slow ..
@@ -37,7 +41,7 @@ class RopeScaling:
 
     rope_type: str = "llama3"
     factor: float = 8.0
-    original_max_position_embeddings: int | None = 8192  # linear needs none
+    original_max_position_embeddings: int | None = 8192  # linear and dynamic need none
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
@@ -52,7 +56,7 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if self.rope_type not in ROPE_TYPES:
             raise ValueError(f"unsupported rope_type {self.rope_type!r} (kvserve implements 'default', {', '.join(map(repr, ROPE_TYPES))})")
-        if self.rope_type != "linear" and self.original_max_position_embeddings is None:
+        if self.rope_type not in ("linear", "dynamic") and self.original_max_position_embeddings is None:
             raise ValueError(f"rope_type {self.rope_type!r} needs original_max_position_embeddings")
         object.__setattr__(self, "short_factor", tuple(float(f) for f in self.short_factor))
         object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))

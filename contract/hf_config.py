@@ -21,14 +21,10 @@ _GEMMA_DEFAULTS = {
 # The rope_scaling fields each type reads, beside rope_type and factor (written back as read).
 _ROPE_FIELDS = {
     "linear": (),
+    "dynamic": (),
     "llama3": ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "yarn": ("original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"),
     "longrope": ("original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"),
-}
-# Types transformers implements that kvserve refuses, and why.
-_ROPE_REFUSED = {
-    "dynamic": "its frequencies change with the longest sequence of each forward call, which a server batching rows of "
-               "different lengths cannot reproduce",
 }
 
 
@@ -190,9 +186,6 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
         raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial!r}")
     if rope_type == "default":
         return float(theta), None, float(partial)
-    if rope_type in _ROPE_REFUSED:
-        raise ValueError(f"unsupported rope_type {rope_type!r}: {_ROPE_REFUSED[rope_type]} (kvserve implements 'default', "
-                         f"{', '.join(map(repr, _ROPE_FIELDS))})")
     if rope_type not in _ROPE_FIELDS:
         raise ValueError(f"unsupported rope_type {rope_type!r} (kvserve implements 'default', {', '.join(map(repr, _ROPE_FIELDS))})")
     fields = {name: scaling[name] for name in _ROPE_FIELDS[rope_type] if scaling.get(name) is not None}
@@ -209,8 +202,8 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
         missing = [name for name in ("short_factor", "long_factor") if not isinstance(scaling.get(name), list)]
         if missing:
             raise ValueError(f"rope_scaling of type 'longrope' lacks {', '.join(missing)} (a list of numbers each)")
-    if rope_type == "linear":
-        fields["original_max_position_embeddings"] = None  # linear needs none (RopeScaling's default is llama3's)
+    if rope_type in ("linear", "dynamic"):
+        fields["original_max_position_embeddings"] = None  # they need none (RopeScaling's default is llama3's)
     required = ("factor", *_ROPE_FIELDS["llama3"]) if rope_type == "llama3" else ("factor",)
     missing = [name for name in required if scaling.get(name) is None]
     if missing:

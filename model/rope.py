@@ -39,6 +39,8 @@ def rope_frequencies(config: DecoderConfig, long: bool = False) -> list[float]:
         return inv_freq.tolist()
     if scaling.rope_type == "linear":  # position interpolation: every position read as position / factor
         return (inv_freq / scaling.factor).tolist()
+    if scaling.rope_type == "dynamic":  # NTK stretches only past max_position_embeddings, which kvserve never serves
+        return inv_freq.tolist()
     return _llama3_frequencies(inv_freq, scaling).tolist()
 
 

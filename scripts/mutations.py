@@ -374,6 +374,12 @@ MUTATIONS = (
         (f"{LLAMA_REF}::test_logits_match_transformers_on_a_padded_batch[{PHI3}]",),
     ),
     Mutation(
+        "dynamic RoPE: its base raised within the context",
+        "model/rope.py",
+        (("which kvserve never serves\n        return inv_freq.tolist()", "which kvserve never serves\n        return (inv_freq / scaling.factor).tolist()"),),
+        (f"{LLAMA_REF}::test_dynamic_rope_up_to_the_last_position_of_the_context_matches_transformers[llama multi-head head_dim 40 biased dynamic-rope]",),
+    ),
+    Mutation(
         "longrope: the long factors are the short ones",
         "model/rope.py",
         (("scaling.long_factor if long else scaling.short_factor", "scaling.short_factor"),),

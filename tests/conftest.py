@@ -195,9 +195,11 @@ LLAMA_CONFIGS = {
         vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
         head_dim=24, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,
     )),
-    "llama multi-head head_dim 40 biased": ("llama", dict(
+    # dynamic NTK RoPE: transformers raises the base only past max_position_embeddings, so within it, plain RoPE
+    "llama multi-head head_dim 40 biased dynamic-rope": ("llama", dict(
         vocab_size=256, hidden_size=80, intermediate_size=112, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
         max_position_embeddings=128, attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "dynamic", "factor": 2.0},
     )),
     "qwen2 gqa 3:1 qkv-bias tied": ("qwen2", dict(
         vocab_size=400, hidden_size=96, intermediate_size=144, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,

@@ -35,7 +35,8 @@ def test_a_llama_config_maps_its_fields_and_generation_configs_eos_list_wins():
 
 @pytest.mark.parametrize("edit, message", [
     ({"model_type": "falcon"}, "unsupported architecture: model_type 'falcon'"),
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 4.0}}, "rope_type 'dynamic': its frequencies change with the longest"),
+    ({"rope_scaling": {"rope_type": "dynamic"}}, "rope_scaling of type 'dynamic' lacks factor"),
+    ({"rope_scaling": {"rope_type": "su", "factor": 4.0}}, r"unsupported rope_type 'su' \(kvserve implements 'default', 'linear', 'dynamic'"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}},
      "'longrope' lacks original_max_position_embeddings"),
     ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 3}, "original_max_position_embeddings": 32},

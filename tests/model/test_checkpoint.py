@@ -148,7 +148,7 @@ def test_eos_ids_come_from_generation_config_as_a_list(make_hf_llama):
     [
         ({"model_type": "gemma"}, "unsupported architecture: model_type 'gemma'"),
         ({"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
-        ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}}, "unsupported rope_type 'dynamic'"),
+        ({"rope_parameters": {"rope_type": "ntk-by-parts", "rope_theta": 10000.0, "factor": 4.0}}, "unsupported rope_type 'ntk-by-parts'"),
         ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}}, "'yarn' lacks original_max_position_embeddings"),
         ({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.5}}, "partial_rotary_factor must be in (0, 1]"),
         ({"model_type": "mistral", "sliding_window": -4}, "sliding_window must be a positive integer, got -4"),

@@ -114,3 +114,16 @@ def test_longrope_past_the_original_context_matches_transformers_token_for_token
     short_only.load_state_dict(ours.state_dict())
     differs = generate(short_only, prompts, 24).tokens.numpy() != mine  # (3, 24)
     assert differs[0, 6:].any() and differs[1].any() and not differs[2].any()
+
+
+@pytest.mark.parametrize("name", [name for name in LLAMA_CONFIGS if "dynamic-rope" in name])
+def test_dynamic_rope_up_to_the_last_position_of_the_context_matches_transformers(make_hf_llama, name):
+    """Dynamic NTK RoPE raises its base only for sequences past max_position_embeddings, the context kvserve serves: a
+    sequence that ends on the context's last position turns as transformers turns it, and the context is not stretched."""
+    model_type, config = LLAMA_CONFIGS[name]
+    hf, directory = make_hf_llama(model_type, seed=len(name), **config)
+    ours = load_checkpoint(directory)
+    assert ours.config.rope_scaling.rope_type == "dynamic" and ours.config.n_ctx == hf.config.max_position_embeddings
+    prompt = [[(5 * j) % 250 + 3 for j in range(ours.config.n_ctx - 24)]]
+    np.testing.assert_array_equal(generate(ours, prompt, 24).tokens.numpy(), hf_greedy(hf, prompt, 24))
+    assert ours.rotary.inv_freq == hf.model.rotary_emb.original_inv_freq.tolist()
