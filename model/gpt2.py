@@ -134,7 +134,7 @@ class GPT2(nn.Module):
                     param.fill_(1.0)
                 else:
                     scale = residual_std if name.endswith("c_proj.weight") else std
-                    param.copy_(torch.randn(param.shape, generator=generator) * scale)
+                    torch.randn(param.shape, generator=generator, out=param.detach()).mul_(scale)  # randn * scale, in place
         return self
 
     def empty_cache(self, batch_size: int, capacity: int = 0) -> list[LayerKV]:

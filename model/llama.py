@@ -205,7 +205,7 @@ class Llama(nn.Module):
                 elif "norm" in name:
                     param.fill_(1.0 - self.config.norm_weight_offset)
                 else:
-                    param.copy_(torch.randn(param.shape, generator=generator) * self.config.initializer_range)
+                    torch.randn(param.shape, generator=generator, out=param.detach()).mul_(self.config.initializer_range)  # randn * std, in place
         return self
 
     def empty_cache(self, batch_size: int, capacity: int = 0) -> list[LayerKV]:
