@@ -5,6 +5,7 @@ as past). Both answer prefill, decode and kv the same way, so parity.py's checks
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,17 @@ class SlotsDriver:
         self.runtime, self.config, self.capacity, self.kv_scales = runtime, config, capacity, kv_scales
         self.argmax_rows = self.argmax_mismatches = 0  # the graph's greedy_tokens against its logits' argmax
         self.long_rope = False
+        self.chunk = self.CHUNK
+
+    @contextlib.contextmanager
+    def chunks_of(self, tokens: int):
+        """Prefill in chunks of tokens within the block: checks that only read logits (the held-out text's 512
+        positions) need not cross a boundary every 5 tokens, a step each (the prefill checks do)."""
+        self.chunk = tokens
+        try:
+            yield self
+        finally:
+            self.chunk = self.CHUNK
 
     def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
         width = int(max(positions.max(initial=0), 0)) + 1 if self.decoding else 1
@@ -102,8 +114,8 @@ class SlotsDriver:
         scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
         decoding, self.decoding = self.decoding, False
         pieces = []
-        for start in range(0, len(tokens), self.CHUNK):
-            chunk = tokens[start : start + self.CHUNK]
+        for start in range(0, len(tokens), self.chunk):
+            chunk = tokens[start : start + self.chunk]
             pieces.append(self._run(scratch_tokens, scratch, chunk, start, row, rows + np.arange(len(chunk))))
         self.decoding = decoding
         return np.concatenate(pieces)
