@@ -74,7 +74,8 @@ more inputs, after the K/V:
     chunk_long_rope             (1,)                                                   int64, 1: the chunk turns long
 
 Its concat graph takes none: like transformers, each row turns long when its last position is past the original
-context, and a tool that crosses it mid-sequence recomputes the row's cache (transformers' Phi-3 does).
+context, and a tool driving a Phi-3 graph that crosses it mid-sequence recomputes the row's cache (transformers' Phi-3
+does; its other models do not).
 """
 
 from __future__ import annotations

@@ -25,8 +25,8 @@ DRIVEN_COLUMNS = 2048
 
 class ConcatDriver:
     """Drives a concat graph the way Optimum-style tools do: a left-padded batch, each step's present fed back as past.
-    A longrope model's batch is computed again, whole, at the step where a row first grows past the original context,
-    as transformers' Phi-3 does (the graph turns each row by its last position)."""
+    A Phi-3 longrope model's batch is computed again, whole, at the step where a row first grows past the original
+    context, as transformers' Phi-3 does (the graph turns each row by its last position)."""
 
     argmax_rows = argmax_mismatches = 0  # a concat graph has no greedy_tokens output to check
 
@@ -56,8 +56,8 @@ class ConcatDriver:
         self.ids = torch.cat([self.ids, torch.from_numpy(tokens)], dim=1)  # (B, P + 1)
         self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
         self.pos = self.pos[:, -1:] + 1  # (B, 1)
-        after = self.config.long_rope_after
-        if after is not None and (self.pos == after).any():  # a row crosses: every row's cache again, whole
+        after = self.config.long_rope_after if self.config.long_rope_recomputes else None
+        if after is not None and (self.pos == after).any():  # a Phi-3 row crosses: every row's cache again, whole
             self.pos = position_ids_from_mask(self.mask)
             logits = self._run(self.ids.numpy(), self._empty(len(tokens)))[:, -1]
             self.pos = self.pos[:, -1:]
@@ -72,8 +72,8 @@ class ConcatDriver:
 class SlotsDriver:
     """Drives a slots graph as the server does: a row per sequence, prompts prefilled a chunk at a time (the
     chunk's logits kept at every position, so parity still sees them all), then every row decoding at once. A longrope
-    model's row turns long when its sequence is longer than the original context, and is prefilled again, whole, at the
-    step where it first grows past it (the server's scheduler does the same); long_rope=True turns every row long."""
+    model's row turns long when its sequence is longer than the original context, and (Phi-3) is prefilled again, whole,
+    at the step where it first grows past it (the server's scheduler does the same); long_rope=True turns every row long."""
 
     CHUNK = 5  # prompt tokens per step: every prompt of more than 5 tokens crosses a chunk boundary
 
@@ -137,9 +137,11 @@ class SlotsDriver:
         for sequence, token in zip(self.sequences, tokens.tolist()):
             sequence.append(token)
         crossing = [row for row, length in enumerate(self.lengths) if not self.long[row] and self._turns_long(length + 1)]
+        self.long[crossing] = True
+        if not self.config.long_rope_recomputes:  # the rows turn long from this token on, their caches kept
+            crossing = []
         recomputed = {}
         for row in crossing:  # its cache turned short: every token again, long
-            self.long[row] = True
             recomputed[row] = self._prefill_row(row, self.sequences[row])[-1]
         positions = self.lengths.copy()
         positions[crossing] = self.capacity - 1  # recomputed rows decode a scratch token

@@ -68,9 +68,9 @@ def generate(
     top_p: float = 1.0,
     seed: int = 0,
 ) -> Generation:
-    """Generate exactly max_new_tokens for every prompt (no early stop), using the KV cache. A longrope model's cache is
-    computed again, whole, at the step where a row first grows past the original context (its K turn by the long
-    factors from there on: transformers' Phi-3 does the same)."""
+    """Generate exactly max_new_tokens for every prompt (no early stop), using the KV cache. A Phi-3 longrope model's
+    cache is computed again, whole, at the step where a row first grows past the original context (its K turn by the
+    long factors from there on: transformers' Phi-3 does the same; its other longrope models turn the new tokens only)."""
     n_ctx = model.config.n_ctx
     if max(len(p) for p in prompts) + max_new_tokens > n_ctx + 1:
         raise ValueError(f"prompt + max_new_tokens exceeds the context length ({n_ctx})")
@@ -83,7 +83,7 @@ def generate(
     logits, past = model(input_ids, attention_mask, position_ids, past)  # prefill
     next_logits = logits[:, -1, :]  # (B, V)
     tokens, step_logits = [], []
-    long_after = model.config.long_rope_after
+    long_after = model.config.long_rope_after if model.config.long_rope_recomputes else None
     for step in range(max_new_tokens):
         token = _choose(next_logits.float().cpu(), temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)

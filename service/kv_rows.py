@@ -252,7 +252,11 @@ class KvRows:
             self._reserved -= self.reservation(seq)
             if self.prefixes is not None:
                 if seq.cached_tokens:
-                    self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens], seq.long_rope)  # exactly what it wrote
+                    written = (seq.prompt_ids + seq.generated)[: seq.cached_tokens]  # exactly what it wrote
+                    if seq.long_rope_from:  # turned short up to there, long after: the short part is a prefix of its kind
+                        self.prefixes.put(row, written[: seq.long_rope_from], False)
+                    else:
+                        self.prefixes.put(row, written, seq.long_rope)
                     self.cached[row] = None
                     self.cached.move_to_end(row)
                     continue

@@ -8,9 +8,10 @@ One step (step_plan.StepPlan) is one model call over the batch:
     decoding (or budget 0, no limit) the whole rest of the prompt goes in one step; a chunk that would
     leave a tail of at most a quarter of the budget takes the tail too (a step of its own would cost the
     running streams a whole step's gap for a few tokens);
-  - a longrope model's row (Phi-3) whose next token would take it past the original context is prefilled again,
-    whole, its K/V turned by the long factors (as transformers recomputes its cache there): it waits its turn as a
-    prompt does, then decodes on; a prompt already past the original context turns long from the start;
+  - a longrope model's row whose next token would take it past the original context turns by the long factors from
+    there; Phi-3's is first prefilled again, whole, its K/V turned long (transformers recomputes its cache there): it
+    waits its turn as a prompt does, then decodes on; a prompt already past the original context turns long from the
+    start;
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
     the batch idle while it waits for its turn; its prompt starts past what the prompt cache holds of it
     (kv_rows.KvRows.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
@@ -162,11 +163,15 @@ class Scheduler:
     def plan(self) -> StepPlan:
         kv = self.batch.kv
         rows = [s for s in kv.rows if not s.cancelled]
-        long_after = self.batch.config.long_rope_after
-        if long_after is not None:  # a row whose next token takes it past the original context is prefilled again, long
+        config = self.batch.config
+        long_after = config.long_rope_after
+        if long_after is not None:  # a row whose next token takes it past the original context turns long
             for seq in rows:
                 if not seq.prefilling and not seq.long_rope and seq.cached_tokens >= long_after:
-                    kv.refill(seq)
+                    if config.long_rope_recomputes:
+                        kv.refill(seq)  # prefilled again, whole
+                    else:  # what it cached stays as it was turned
+                        seq.long_rope, seq.long_rope_from = True, seq.cached_tokens
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]
         joining = []

@@ -100,6 +100,7 @@ class Sequence:
     blocked_ids: tuple[int, ...] = ()  # with a constraint: ids never taken though the format allows them (ignore_eos)
     tool_calls: ToolCallSplit | None = None  # with tools: splits the reply into content and calls (and constrains the calls)
     long_rope: bool = False  # a longrope model's: its K/V turn by the long factors (it is longer than the original context)
+    long_rope_from: int = 0  # the first column turned long: past 0 when it crossed without its cache computed again
     refill_ids: list[int] | None = None  # every token so far, prefilled again, long, where it first grows past (scheduler.py)
 
     def __post_init__(self):

@@ -191,6 +191,13 @@ LLAMA_CONFIGS = {
         max_position_embeddings=160, rope_theta=500000.0, tie_word_embeddings=True,
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
     )),
+    # LongRoPE on a model transformers does not recompute the cache of at the crossing (only its Phi-3 does)
+    "llama gqa 2:1 head_dim 32 longrope tied": ("llama", dict(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        max_position_embeddings=128, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 48,
+                         "short_factor": [1.0 + 0.03 * i for i in range(16)], "long_factor": [1.2 + 0.5 * i for i in range(16)]},
+    )),
     "llama gqa 4:1 head_dim 24 untied": ("llama", dict(
         vocab_size=300, hidden_size=96, intermediate_size=128, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
         head_dim=24, max_position_embeddings=128, tie_word_embeddings=False, rms_norm_eps=1e-5,

@@ -158,14 +158,16 @@ def test_auto_attention_keeps_float32_standard_where_it_would_verify_on_cuda(tin
     assert pipeline.choose_attention(tiny_llama_model, "concat", "float16", "auto") == "standard"
 
 
-LONGROPE = next(name for name in LLAMA_CONFIGS if "longrope" in name)
+LONGROPE = [name for name in LLAMA_CONFIGS if "longrope" in name]
 
 
+@pytest.mark.parametrize("name", LONGROPE)
 @pytest.mark.parametrize("export", [{}, {"attention": "standard"}, {"kv_cache": "concat"}], ids=["fused", "standard", "concat"])
-def test_a_longrope_artifact_generates_what_transformers_generates_past_its_original_context(llama_artifact, export):
-    """Phi-3's two sets of factors: a prompt that crosses the original context while it generates (its row prefilled
-    again, long), one past it from the start, one within; verify checked the long factors at export."""
-    hf, _, artifact_dir = llama_artifact(LONGROPE, **export)
+def test_a_longrope_artifact_generates_what_transformers_generates_past_its_original_context(llama_artifact, export, name):
+    """LongRoPE's two sets of factors: a prompt that crosses the original context while it generates (Phi-3's row
+    prefilled again, long; another model's turning long from there), one past it from the start, one within; verify
+    checked the long factors at export."""
+    hf, _, artifact_dir = llama_artifact(name, **export)
     artifact = open_artifact(artifact_dir)
     after = artifact.config.long_rope_after
     assert artifact.config.n_ctx == hf.config.max_position_embeddings > after  # the whole context, not the original one

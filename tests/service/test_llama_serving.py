@@ -129,19 +129,22 @@ def test_any_of_several_eos_ids_ends_the_stream(make_hf_llama, tmp_path_factory)
         running.stop()
 
 
-LONGROPE = next(name for name in LLAMA_CONFIGS if "longrope" in name)
+PHI3_LONGROPE = next(name for name in LLAMA_CONFIGS if name.startswith("phi3") and "longrope" in name)
+LLAMA_LONGROPE = next(name for name in LLAMA_CONFIGS if name.startswith("llama") and "longrope" in name)
 
 
-@pytest.fixture(scope="module", params=["fused", "standard"])
+@pytest.fixture(scope="module", params=[(PHI3_LONGROPE, "fused"), (PHI3_LONGROPE, "standard"), (LLAMA_LONGROPE, "fused")],
+                ids=["phi3-fused", "phi3-standard", "llama-fused"])
 def longrope_server(llama_artifact, request):
-    yield from serve(llama_artifact, LONGROPE, attention=request.param)
+    name, attention = request.param
+    yield from serve(llama_artifact, name, attention=attention)
 
 
 def test_longrope_streams_past_the_original_context_generate_what_transformers_generates(longrope_server):
     """Phi-3's factors chosen per row: rows crossing the original context mid-stream (each prefilled again, long, in
     chunks beside the rows decoding), prompts past it from the start, rows that stay within; 4 rows for 6 streams."""
     hf, artifact, stub = longrope_server
-    after = hf.config.original_max_position_embeddings
+    after = hf.config.rope_parameters["original_max_position_embeddings"]
     prompts = [[(7 * j + i) % 290 + 3 for j in range(length)] for i, length in enumerate((after - 9, after - 1, after, after + 7, 5, 30))]
     with ThreadPoolExecutor(len(prompts)) as pool:
         together = list(pool.map(lambda p: collect(stub, greedy(p, 20), timeout=120)[0], prompts))
@@ -153,7 +156,7 @@ def test_a_longrope_prompt_never_reuses_the_other_factor_sets_cached_prefix(long
     factors: a long prompt starting with a short row's tokens, and a short prompt starting with a long row's, compute
     their prefixes (and still equal transformers); a long prompt sharing a long row's prefix reuses it."""
     hf, _, stub = longrope_server
-    after = hf.config.original_max_position_embeddings
+    after = hf.config.rope_parameters["original_max_position_embeddings"]
     short = [(5 * j) % 290 + 7 for j in range(after - 24)]
     collect(stub, greedy(short, 4))  # cached: its row turned short
     longer = short + [(3 * j) % 290 + 11 for j in range(40)]  # past the original context: turned long
@@ -167,3 +170,24 @@ def test_a_longrope_prompt_never_reuses_the_other_factor_sets_cached_prefix(long
     again = longer + [9, 9, 9]
     ids, _, finish = collect(stub, greedy(again, 8))
     assert finish.cached_prompt_tokens >= len(longer) - 16 and ids == hf_greedy(hf, [again], 8)[0].tolist()
+
+
+def test_a_row_that_crossed_the_original_context_is_cached_as_the_kind_its_columns_hold(longrope_server):
+    """Phi-3's crossing row was prefilled again, long: a long prompt that begins with its tokens reuses them, a short one
+    nothing. Another model's crossing row kept its short columns and turned long after: a short prompt reuses up to the
+    crossing, a long one nothing. Every continuation still equals transformers'."""
+    hf, _, stub = longrope_server
+    after = hf.config.rope_parameters["original_max_position_embeddings"]
+    crossing = [(13 * j) % 290 + 4 for j in range(after - 4)]
+    ids, _, _ = collect(stub, greedy(crossing, 12))  # crosses at its 5th token
+    written = crossing + ids[:-1]  # what its row holds when it leaves (the last token is never fed)
+    within, beyond = written[: after - 2], written + [7, 7, 7]
+    reused = {}
+    for prompt in (within, beyond):
+        got, _, finish = collect(stub, greedy(prompt, 6))
+        assert got == hf_greedy(hf, [prompt], 6)[0].tolist()
+        reused[len(prompt) > after] = finish.cached_prompt_tokens
+    if hf.config.model_type == "phi3":
+        assert reused[False] == 0 and reused[True] >= len(written) - 16
+    else:
+        assert reused[False] >= after - 2 - 16 and reused[True] == 0

@@ -3,7 +3,7 @@ token budget, one join at a time), a failed step failing each of its sequences o
 The planning tests run on a batch with no model behind it; the rest on every slots graph (conftest.slots_graph)."""
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 
@@ -119,6 +119,11 @@ def test_a_longrope_row_about_to_pass_the_original_context_is_prefilled_again_wh
         scheduler = planner(8, config=config)
         scheduler.waiting.append(_greedy_sequence(3, list(range(length)), 4))
         assert scheduler.plan().joining[0].long_rope == long
+    # a Llama with longrope keeps what it cached (transformers recomputes only Phi-3's): the row decodes on, long
+    crossing = _greedy_sequence(4, list(range(16)), 10)
+    crossing.generated, crossing.cached_tokens = [99], 16
+    plan = planner(8, [crossing], config=replace(config, model_type="llama")).plan()
+    assert plan.decode == [crossing] and plan.chunk is None and crossing.long_rope and crossing.long_rope_from == 16
 
 
 def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(slots_graph, slots_runtime, slots_model):
