@@ -285,12 +285,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--quantize", choices=QUANTIZATIONS, default=None,
-        help="8- or 4-bit weights (MatMulNBits, blocks of 256 (int8) or 64 (int4, whose attention projections keep int8's 8 bits) unless "
+        help="8- or 4-bit weights (MatMulNBits, blocks of 256 (int8) or 128 (int4, whose attention projections keep int8's 8 bits) unless "
         "--quantize-block; float32 graph only), verified against "
         "the float32 eager model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
     )
     export.add_argument("--quantize-block", type=int, default=None, metavar="N",
-                        help="weights sharing a scale in --quantize's blocks: a power of 2 from 16 (default 256 for int8, 64 for "
+                        help="weights sharing a scale in --quantize's blocks: a power of 2 from 16 (default 256 for int8, 128 for "
                         "int4's 4-bit weights; smaller follows the weights more closely, larger decodes faster: docs/parity.md, \"Block sizes\")")
     export.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help="what a slots graph's K/V cache holds: the model's --dtype (default), float16 (half a float32 cache), or "
