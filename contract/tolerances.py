@@ -20,9 +20,20 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+# Rows of logits a block of kl_divergence (and of export/quality.py's comparison) takes at a time: four float64 rows of a
+# 262,144-token vocabulary stay near the caches, where gemma3-1b's 512 positions whole took 15 s and in blocks 1.4 s.
+LOGIT_ROWS = 4
+
+
+def logit_blocks(rows: int) -> list[slice]:
+    """The blocks of LOGIT_ROWS rows that cover rows rows."""
+    return [slice(start, start + LOGIT_ROWS) for start in range(0, rows, LOGIT_ROWS)]
+
+
 def kl_divergence(reference_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
     """KL(reference || other) of each position's next-token distribution, in nats: both (N, V) -> (N,)."""
-    return kl_of_log_probs(log_softmax(reference_logits), log_softmax(logits))
+    kl = [kl_of_log_probs(log_softmax(reference_logits[rows]), log_softmax(logits[rows])) for rows in logit_blocks(len(logits))]
+    return np.concatenate(kl) if kl else np.zeros(0)
 
 
 def kl_of_log_probs(log_p: np.ndarray, log_q: np.ndarray) -> np.ndarray:
