@@ -185,11 +185,11 @@ class DecoderConfig:
         return scaling.original_max_position_embeddings if scaling is not None and scaling.rope_type == "longrope" else None
 
     @property
-    def long_rope_recomputes(self) -> bool:
-        """Whether a longrope sequence's whole cache is turned again by the long factors where it first grows past the
-        original context: transformers' Phi-3 does (its generate drops the cache there); its other models keep the
-        cached K as they were turned, and turn only what comes after by the long set."""
-        return self.long_rope_after is not None and self.model_type == "phi3"
+    def long_rope_recompute_at(self) -> int | None:
+        """The position whose step turns a longrope sequence's whole cache again by the long factors, the one past the
+        original context: transformers' Phi-3 does (its generate drops the cache there). None for every other model:
+        transformers' other longrope models keep the cached K as they were turned, and turn only what follows long."""
+        return self.long_rope_after if self.model_type == "phi3" else None
 
     @property
     def d_head(self) -> int:

@@ -80,11 +80,26 @@ class _Verification:
     def prompts_of(self, lengths) -> list[list[int]]:
         return [self.rng.integers(0, self.config.vocab_size, min(n, self.max_prompt)).tolist() for n in lengths]
 
-    def eager_prefill(self, prompts):
+    def eager_prefill(self, prompts, long=None):
+        """long (B, 1) bool: longrope rows turned long whatever their length (Llama.forward)."""
         ids, mask = left_pad(prompts)  # (B, T)
         pos = position_ids_from_mask(mask)
-        logits, present = self.reference(ids, mask, pos, self.reference.empty_cache(len(prompts)))
+        logits, present = self.reference(ids, mask, pos, self.reference.empty_cache(len(prompts)), *(() if long is None else (long,)))
         return logits, present, mask, pos
+
+    def decode_alongside(self, check: CheckStats, eager_logits, eager_past, mask, pos, long=None):
+        """self.steps cached decode steps after a prefill of both sides, each fed the eager model's greedy token, their
+        logits compared in check: (eager's present, the mask, the driver's last logits (B, V), the tokens fed (B, steps))."""
+        fed, onnx_last = [], None
+        for _ in range(self.steps):
+            token = eager_logits[:, -1].argmax(-1)  # (B,)
+            fed.append(token)
+            mask = torch.cat([mask, torch.ones(len(token), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+            pos = pos[:, -1:] + 1  # (B, 1)
+            eager_logits, eager_past = self.reference(token[:, None], mask, pos, eager_past, *(() if long is None else (long,)))
+            onnx_last = self.driver.decode(token.numpy())
+            check.add_logits(onnx_last, eager_logits[:, -1].numpy())
+        return eager_past, mask, onnx_last, torch.stack(fed, dim=1)
 
     def kv_check(self, check: CheckStats, eager_present, real: np.ndarray) -> CheckResult:
         divergence = kv_divergence(self.driver.kv(), eager_present, real, self.tolerance.kv_relative,
@@ -111,20 +126,11 @@ class _Verification:
         check = CheckStats(f"decode {self.steps} steps B={len(DECODE_PROMPTS)}")
         prompts = self.prompts_of(DECODE_PROMPTS)
         eager_logits, eager_past, mask, pos = self.eager_prefill(prompts)
-        onnx_last = np.stack([row[-1] for row in self.driver.prefill(prompts)])  # (B, V)
-        sequences = [list(p) for p in prompts]
-        for _ in range(self.steps):
-            token = eager_logits[:, -1].argmax(-1)  # (B,)
-            for row, t in enumerate(token.tolist()):
-                sequences[row].append(t)
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
-            pos = pos[:, -1:] + 1  # (B, 1)
-            eager_logits, eager_past = self.reference(token[:, None], mask, pos, eager_past)
-            onnx_last = self.driver.decode(token.numpy())
-            check.add_logits(onnx_last, eager_logits[:, -1].numpy())
+        self.driver.prefill(prompts)
+        eager_past, mask, onnx_last, fed = self.decode_alongside(check, eager_logits, eager_past, mask, pos)
         decode = self.kv_check(check, eager_past, mask.numpy().astype(bool))
         recompute = CheckStats("cached vs full recompute")
-        full = self.driver.prefill(sequences)  # prompt + every fed token: the inputs behind onnx_last
+        full = self.driver.prefill([p + t for p, t in zip(prompts, fed.tolist())])  # prompt + every fed token: the inputs behind onnx_last
         recompute.add_logits(onnx_last, np.stack([row[-1] for row in full]))
         return [decode, recompute.result(self.tolerance)]
 
@@ -138,19 +144,14 @@ class _Verification:
         lengths = (9, 17) if slots else (after + 3, after + 1)
         prompts = [self.rng.integers(0, self.config.vocab_size, n).tolist() for n in lengths]
         check = CheckStats(f"long rope B={len(prompts)} T={','.join(map(str, lengths))}")
-        self.driver.long_rope = True
-        ids, mask = left_pad(prompts)  # (B, T)
-        pos = position_ids_from_mask(mask)
         long = torch.ones(len(prompts), 1, dtype=torch.bool)  # (B, 1)
-        eager_logits, eager_past = self.reference(ids, mask, pos, self.reference.empty_cache(len(prompts)), long)
-        check.add_logits(np.concatenate(self.driver.prefill(prompts)), eager_logits.numpy()[mask.numpy().astype(bool)])
-        for _ in range(self.steps):
-            token = eager_logits[:, -1].argmax(-1)  # (B,)
-            mask = torch.cat([mask, torch.ones(len(prompts), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
-            pos = pos[:, -1:] + 1  # (B, 1)
-            eager_logits, eager_past = self.reference(token[:, None], mask, pos, eager_past, long)
-            check.add_logits(self.driver.decode(token.numpy()), eager_logits[:, -1].numpy())
-        self.driver.long_rope = False
+        eager_logits, eager_past, mask, pos = self.eager_prefill(prompts, long)
+        self.driver.long_rope = True
+        try:
+            check.add_logits(np.concatenate(self.driver.prefill(prompts)), eager_logits.numpy()[mask.numpy().astype(bool)])
+            eager_past, mask, _, _ = self.decode_alongside(check, eager_logits, eager_past, mask, pos, long)
+        finally:
+            self.driver.long_rope = False
         return [self.kv_check(check, eager_past, mask.numpy().astype(bool))]
 
     def greedy(self) -> GreedyResult:

@@ -56,8 +56,8 @@ class ConcatDriver:
         self.ids = torch.cat([self.ids, torch.from_numpy(tokens)], dim=1)  # (B, P + 1)
         self.mask = torch.cat([self.mask, torch.ones(len(tokens), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
         self.pos = self.pos[:, -1:] + 1  # (B, 1)
-        after = self.config.long_rope_after if self.config.long_rope_recomputes else None
-        if after is not None and (self.pos == after).any():  # a Phi-3 row crosses: every row's cache again, whole
+        recompute_at = self.config.long_rope_recompute_at
+        if recompute_at is not None and (self.pos == recompute_at).any():  # a Phi-3 row crosses: every row's cache again, whole
             self.pos = position_ids_from_mask(self.mask)
             logits = self._run(self.ids.numpy(), self._empty(len(tokens)))[:, -1]
             self.pos = self.pos[:, -1:]
@@ -138,7 +138,7 @@ class SlotsDriver:
             sequence.append(token)
         crossing = [row for row, length in enumerate(self.lengths) if not self.long[row] and self._turns_long(length + 1)]
         self.long[crossing] = True
-        if not self.config.long_rope_recomputes:  # the rows turn long from this token on, their caches kept
+        if self.config.long_rope_recompute_at is None:  # the rows turn long from this token on, their caches kept
             crossing = []
         recomputed = {}
         for row in crossing:  # its cache turned short: every token again, long

@@ -83,7 +83,7 @@ def generate(
     logits, past = model(input_ids, attention_mask, position_ids, past)  # prefill
     next_logits = logits[:, -1, :]  # (B, V)
     tokens, step_logits = [], []
-    long_after = model.config.long_rope_after if model.config.long_rope_recomputes else None
+    recompute_at = model.config.long_rope_recompute_at
     for step in range(max_new_tokens):
         token = _choose(next_logits.float().cpu(), temperature, top_k, top_p, generator)  # (B,)
         tokens.append(token)
@@ -93,7 +93,7 @@ def generate(
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(prompts), 1)], dim=1)  # (B, P + 1)
         input_ids = torch.cat([input_ids, token[:, None].to(param.device)], dim=1)  # (B, P + 1): every token so far
         position_ids = position_ids[:, -1:] + 1  # (B, 1)
-        if long_after is not None and (position_ids == long_after).any():  # a row crosses: recompute every row's cache
+        if recompute_at is not None and (position_ids == recompute_at).any():  # a Phi-3 row crosses: recompute every row's cache
             logits, past = model(input_ids, attention_mask, position_ids_from_mask(attention_mask), model.empty_cache(len(prompts)))
         else:
             logits, past = model(token[:, None].to(param.device), attention_mask, position_ids, past)  # decode

@@ -388,7 +388,7 @@ MUTATIONS = (
     Mutation(
         "longrope: eager generate never recomputes the cache at the crossing",
         "model/generate.py",
-        (("if long_after is not None and (position_ids == long_after).any():", "if False:"),),
+        (("if recompute_at is not None and (position_ids == recompute_at).any():", "if False:"),),
         (f"{LLAMA_REF}::test_longrope_past_the_original_context_matches_transformers_token_for_token[{PHI3}]",),
     ),
     Mutation(
@@ -412,7 +412,7 @@ MUTATIONS = (
     Mutation(
         "longrope: every model's crossing row is computed again, not only Phi-3's",
         "contract/config.py",
-        (("return self.long_rope_after is not None and self.model_type == \"phi3\"", "return self.long_rope_after is not None"),),
+        (("return self.long_rope_after if self.model_type == \"phi3\" else None", "return self.long_rope_after"),),
         (f"{LLAMA_REF}::test_longrope_past_the_original_context_matches_transformers_token_for_token[llama gqa 2:1 head_dim 32 longrope tied]",),
     ),
     Mutation(

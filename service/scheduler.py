@@ -168,7 +168,7 @@ class Scheduler:
         if long_after is not None:  # a row whose next token takes it past the original context turns long
             for seq in rows:
                 if not seq.prefilling and not seq.long_rope and seq.cached_tokens >= long_after:
-                    if config.long_rope_recomputes:
+                    if config.long_rope_recompute_at is not None:
                         kv.refill(seq)  # prefilled again, whole
                     else:  # what it cached stays as it was turned
                         seq.long_rope, seq.long_rope_from = True, seq.cached_tokens
