@@ -57,6 +57,11 @@ def first_line(exc: BaseException) -> str:
     return text.splitlines()[0] if text else type(exc).__name__
 
 
+# Add + Softmax fused into BiasSoftmax fails on the CUDA provider when the input is empty (a decode step's empty prompt
+# chunk: "CUDA error cudaErrorInvalidValue"); CUDA's plain Softmax returns at once on an empty input.
+CUDA_DISABLED_FUSIONS = ["BiasSoftmaxFusion"]
+
+
 def cuda_available() -> bool:
     """Whether the CUDA provider can start here (what provider "auto" then picks)."""
     return _cuda_missing_reason() is None
@@ -99,7 +104,7 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
     elif cuda_graph:
         graph_providers = [(CUDA, {**providers[0][1], "enable_cuda_graph": "1"}), CPU]
         try:
-            session = ort.InferenceSession(str(model_path), options, providers=graph_providers)
+            session = ort.InferenceSession(str(model_path), options, providers=graph_providers, disabled_optimizers=CUDA_DISABLED_FUSIONS)
             captures_decode = session.get_providers()[0] == CUDA
         except Exception as exc:  # control flow, compute nodes left on the CPU; a file it cannot load fails again below
             cuda_graph_note = f"CUDA graphs off: ONNX Runtime will not capture this graph ({first_line(exc)})"
@@ -115,8 +120,9 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
 
 
 def _open(model_path, options, providers):
+    disabled = CUDA_DISABLED_FUSIONS if providers[0] != CPU else []
     try:
-        return ort.InferenceSession(str(model_path), options, providers=providers)
+        return ort.InferenceSession(str(model_path), options, providers=providers, disabled_optimizers=disabled)
     except (ort.capi.onnxruntime_pybind11_state.Fail, ort.capi.onnxruntime_pybind11_state.InvalidProtobuf,
             ort.capi.onnxruntime_pybind11_state.InvalidGraph, ort.capi.onnxruntime_pybind11_state.NoSuchFile) as exc:
         raise ModelUnloadable(f"{model_path}: ONNX Runtime cannot load it ({first_line(exc)})") from None

@@ -123,7 +123,7 @@ class DecoderRuntime:
                 address = value.data_ptr() + row * pool.row_bytes
                 binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, address)
                 binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, address)
-        bound = BoundStep(binding)
+        bound = BoundStep(binding, self.device)
         self._pool_binding = (key, bound)
         return bound
 
@@ -226,9 +226,10 @@ class BoundStep:
     the start of run_slots to the model call, against 30 µs for a whole step's host work with the model call stubbed
     out)."""
 
-    def __init__(self, binding):
-        self.binding = binding
+    def __init__(self, binding, device: str):
+        self.binding, self.device = binding, device
         self.inputs: dict[str, np.ndarray] = {}
+        self.values: dict[str, ort.OrtValue] = {}  # what each input is bound to: its host buffer itself on the CPU
         self.greedy_tokens: np.ndarray | None = None
 
     def set_input(self, name: str, values: np.ndarray) -> None:
@@ -236,9 +237,12 @@ class BoundStep:
         buffer = self.inputs.get(name)
         if buffer is not None and buffer.shape == values.shape:
             buffer[...] = values
+            if self.device != "cpu":  # bound as a device copy: a write into the host buffer alone never reaches the step
+                self.values[name].update_inplace(buffer)
             return
         buffer = self.inputs[name] = np.array(values, dtype=np.int64, order="C")  # a copy the binding reads, kept alive here
-        self.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(buffer))
+        self.values[name] = ort.OrtValue.ortvalue_from_numpy(buffer, self.device, 0)  # on the CPU the same memory
+        self.binding.bind_ortvalue_input(name, self.values[name])
 
     def greedy_output(self, count: int) -> np.ndarray:
         """The host buffer the step's (count,) greedy tokens are bound to; zeros at first, so a stubbed-out run (the

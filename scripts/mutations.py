@@ -567,6 +567,18 @@ MUTATIONS = (
         ("tests/export/test_kv_dtype.py::test_the_pool_holds_the_kv_dtype_and_verify_holds_the_graph_to_the_eager_model_storing_it_so[tiny-fused-int8]",),
     ),
     Mutation(
+        "a kept binding rewrites only the host buffer of a device input",
+        "runtime/step.py",
+        (("                self.values[name].update_inplace(buffer)\n", "                pass\n"),),
+        ("tests/runtime/test_step.py::test_a_kept_binding_copies_each_steps_inputs_to_the_device_that_reads_them",),
+    ),
+    Mutation(
+        "CUDA sessions fuse Add and Softmax into BiasSoftmax",
+        "runtime/providers.py",
+        (('CUDA_DISABLED_FUSIONS = ["BiasSoftmaxFusion"]', "CUDA_DISABLED_FUSIONS = []"),),
+        ("tests/runtime/test_providers.py::test_a_cuda_session_leaves_add_and_softmax_unfused",),
+    ),
+    Mutation(
         "K/V dtypes: the runtime binds the pool in the model's dtype, not the graph's K/V dtype",
         "runtime/step.py",
         (("        self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]", "        self.kv_dtype = NUMPY_DTYPES[dtype]"),),

@@ -27,3 +27,23 @@ def test_a_file_onnx_runtime_cannot_load_is_named(tmp_path):
     broken.write_bytes(b"not a graph")
     with pytest.raises(ModelUnloadable, match=f"{broken}: ONNX Runtime cannot load it"):
         open_session(broken, "float32", "cpu")
+
+
+def test_a_cuda_session_leaves_add_and_softmax_unfused(tiny_standard_artifact, monkeypatch):
+    """ONNX Runtime's CUDA provider fuses a mask's Add and the Softmax into BiasSoftmax, whose kernel fails on an empty
+    input ("cudaErrorInvalidValue", found on an H100): a decode step's prompt chunk is empty in every layer of a standard
+    slots graph. Sessions on CUDA are opened without that fusion; CPU sessions keep every optimizer."""
+    from kvserve.runtime import providers
+
+    opened = []
+
+    class Session:
+        def __init__(self, path, options, providers, disabled_optimizers=()):
+            opened.append((providers[0], list(disabled_optimizers)))
+
+    monkeypatch.setattr(providers.ort, "InferenceSession", Session)
+    model = tiny_standard_artifact / "model.onnx"
+    options = providers.ort.SessionOptions()
+    providers._open(model, options, [(providers.CUDA, {}), providers.CPU])
+    providers._open(model, options, [providers.CPU])
+    assert opened == [((providers.CUDA, {}), ["BiasSoftmaxFusion"]), (providers.CPU, [])]

@@ -70,3 +70,34 @@ def test_a_concat_graph_runs_from_host_feeds_and_returns_logits_and_every_presen
     assert logits.shape == (1, 3, config.vocab_size) and len(present) == 2 * config.n_layer
     assert present[0].shape == (1, config.n_kv_head, 3, config.d_head)
     assert set(runtime.signature()["outputs"]) == {io.LOGITS, *(n for layer in range(config.n_layer) for n in io.present_names(layer))}
+
+
+def test_a_kept_binding_copies_each_steps_inputs_to_the_device_that_reads_them(monkeypatch):
+    """ONNX Runtime copies a host buffer bound to a CUDA session's input when it is bound, not when the step runs: a
+    binding kept across steps (BoundStep) whose host buffers alone were rewritten ran every chunk after the first of the
+    same length on the first one's tokens (found on an H100: parity failed from the second chunk). Bound on a device,
+    each step's values are copied there; a new shape is bound anew."""
+    from kvserve.runtime.step import BoundStep, ort
+
+    class DeviceValue:  # an input's memory on the device: what the step reads
+        def __init__(self, array):
+            self.array = np.array(array, copy=True)
+
+        def update_inplace(self, array):
+            self.array = np.array(array, copy=True)
+
+    class Binding:
+        def __init__(self):
+            self.inputs = {}
+
+        def bind_ortvalue_input(self, name, value):
+            self.inputs[name] = value
+
+    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(lambda array, device="cpu", device_id=0: DeviceValue(array)))
+    binding = Binding()
+    bound = BoundStep(binding, "cuda")
+    bound.set_input(io.CHUNK_IDS, np.array([[1, 2, 3]]))
+    bound.set_input(io.CHUNK_IDS, np.array([[4, 5, 6]]))  # the same shape: the buffer bound last step
+    assert binding.inputs[io.CHUNK_IDS].array.tolist() == [[4, 5, 6]]
+    bound.set_input(io.CHUNK_IDS, np.array([[7, 8]]))
+    assert binding.inputs[io.CHUNK_IDS].array.tolist() == [[7, 8]]
