@@ -7,6 +7,10 @@ RESULTS=${RESULTS:-gpu-results}
 ART=${ART:-/tmp/kvserve-gpu-artifacts}
 mkdir -p "$RESULTS" "$ART"
 PY=${PYTHON:-python3}
+# It needs the project installed (make setup: kvserve's layers as packages, the test extras) with onnxruntime-gpu
+# seeing the GPU; stop at once otherwise instead of failing every step.
+$PY -c "import kvserve.runtime, jsonschema, onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()" 2>/dev/null \
+  || { echo "gpu_check: $PY lacks the installed project, its test extras or onnxruntime-gpu's CUDA provider (run make setup on the GPU host)"; exit 2; }
 status=0
 step() { echo "== $*"; "$@" || { echo "!! failed: $*"; status=1; }; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
