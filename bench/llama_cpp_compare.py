@@ -14,12 +14,13 @@ tokens generated after 128 in the cache), its own timing. Both on --threads thre
 the best round of each is kept.
 
 Servers (--parts servers): each precision's pair serves 16 streams of a 32-token prompt and --new-tokens tokens
-(kvserve over gRPC, 16 rows of --context tokens; llama-server with 16 slots sharing 16 x --context, its default f16
-K/V), one at a time; resident memory (VmRSS) at its peak, and tokens/s.
+(kvserve over gRPC, 16 rows of --context tokens; llama-server with 16 slots sharing 16 x --context, its K/V in its
+default f16, or with --llama-kv match in the artifact's K/V dtype: f32, f16 or q8_0 for int8), one at a time; resident
+memory (VmRSS) at its peak, and tokens/s.
 
     python bench/llama_cpp_compare.py --llama-cpp PATH/llama.cpp --artifacts artifacts/qwen3-0.6b artifacts/qwen3-0.6b-int8 \
         artifacts/qwen3-0.6b-int4 [--build PATH/llama.cpp/build] [--convert-python PYTHON] [--rounds 3] [--threads 2] \
-        [--gguf-dir artifacts/gguf] [--pure] [--parts decode servers]
+        [--gguf-dir artifacts/gguf] [--pure] [--parts decode servers] [--llama-kv f16|match]
 
 (llama.cpp: its source tree, built with `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-bench
 llama-quantize llama-server`; the PyPI sdist of llama-cpp-python carries one under vendor/llama.cpp. Its converter wants
@@ -172,11 +173,16 @@ def kvserve_served(path: str, vocab: int, context: int, new_tokens: int) -> tupl
     return run["peak"], run["rate"]
 
 
-def llama_served(build: Path, gguf: Path, threads: int, vocab: int, context: int, new_tokens: int) -> tuple[int, float]:
-    """llama-server's peak resident bytes and tokens/s under 16 concurrent completions."""
+# A kvserve K/V dtype and llama.cpp's cache type of the same precision (its q8_0 V cache needs flash attention on).
+LLAMA_KV_TYPES = {"float32": ("f32",), "float16": ("f16",), "int8": ("q8_0", "-fa", "on")}
+
+
+def llama_served(build: Path, gguf: Path, threads: int, vocab: int, context: int, new_tokens: int,
+                 kv: tuple[str, ...] = ("f16",)) -> tuple[int, float]:
+    """llama-server's peak resident bytes and tokens/s under 16 concurrent completions, its K/V cache of type kv[0]."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server = LlamaServer(build, gguf, threads, STREAMS, context)
+    server = LlamaServer(build, gguf, threads, STREAMS, context, ("-ctk", kv[0], "-ctv", kv[0], *kv[1:]))
     try:
         peak = Peak(server.process.pid)
         peak.start()
@@ -210,6 +216,8 @@ def main() -> None:
                         help="batch-1 decode (with the sizes) and/or the servers under 16 streams")
     parser.add_argument("--context", type=int, default=256, help="served: tokens a row (kvserve) or a slot (llama-server) holds")
     parser.add_argument("--new-tokens", type=int, default=192, help="served: tokens each of the 16 streams writes")
+    parser.add_argument("--llama-kv", choices=("f16", "match"), default="f16",
+                        help="served: llama-server's K/V cache type: its default f16, or the same precision as each artifact's K/V")
     args = parser.parse_args()
     build = args.build or args.llama_cpp / "build"
     if args.rounds < 1 or args.threads < 1:
@@ -232,13 +240,16 @@ def main() -> None:
         batch_one(args, opened, types, paths, expected, agreed, source, vocab, build)
     if "servers" in args.parts:
         print(f"\n## Servers, {STREAMS} streams x ({SERVED_PROMPT}-token prompt + {args.new_tokens} tokens), rows of {args.context} tokens; "
-              f"peak resident memory and tokens/s (llama-server's K/V in its default f16)\n")
-        print("| weights | kvserve K/V | kvserve peak MiB | llama-server peak MiB | ours / theirs | kvserve tokens/s | llama-server tokens/s | ours / theirs |")
-        print("|---|---|---:|---:|---:|---:|---:|---:|")
+              f"peak resident memory and tokens/s (llama-server's K/V: "
+              f"{'its default f16' if args.llama_kv == 'f16' else 'the precision of each artifact K/V'})\n")
+        print("| weights | kvserve K/V | llama-server K/V | kvserve peak MiB | llama-server peak MiB | ours / theirs | kvserve tokens/s | "
+              "llama-server tokens/s | ours / theirs |")
+        print("|---|---|---|---:|---:|---:|---:|---:|---:|")
         for path, artifact, kind in zip(args.artifacts, opened, types, strict=True):
+            kv = ("f16",) if args.llama_kv == "f16" else LLAMA_KV_TYPES[artifact.kv_dtype]
             our_rss, our_rate = kvserve_served(path, vocab, args.context, args.new_tokens)
-            their_rss, their_rate = llama_served(build, paths[kind], args.threads, vocab, args.context, args.new_tokens)
-            print(f"| {precision(artifact) or 'float32'} / {kind} | {artifact.kv_dtype} | {our_rss / 2**20:.0f} | {their_rss / 2**20:.0f} | "
+            their_rss, their_rate = llama_served(build, paths[kind], args.threads, vocab, args.context, args.new_tokens, kv)
+            print(f"| {precision(artifact) or 'float32'} / {kind} | {artifact.kv_dtype} | {kv[0]} | {our_rss / 2**20:.0f} | {their_rss / 2**20:.0f} | "
                   f"{our_rss / their_rss:.2f}x | {our_rate:.1f} | {their_rate:.1f} | {our_rate / their_rate:.2f}x |")
     commit = subprocess.run(["git", "-C", str(args.llama_cpp), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"\nllama.cpp {commit or '(no git)'}{' (--pure)' if args.pure else ''}; machine: {describe('cpu')}")
