@@ -93,6 +93,19 @@ def tiny_standard_artifact(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_fused_artifact(tmp_path_factory, tiny_model, tiny_artifact) -> Path:
+    """The tiny preset with fused attention in the first of FUSED_DTYPES: the default export on the CPU (tiny_artifact,
+    float32), float16 under CUDA, whose GroupQueryAttention kernel has no float32 (there `auto` keeps float32 standard)."""
+    from kvserve.export.pipeline import export_artifact
+
+    if FUSED_DTYPES[0] == "float32":
+        return tiny_artifact
+    out = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER, attention="fused")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_float16_artifact(tmp_path_factory, tiny_model) -> Path:
     """The tiny preset exported in float16 with standard attention (`kvserve export --preset tiny --dtype float16
     --attention standard`), verified with float16's tolerances: the precision and graph CUDA graphs capture on a GPU."""

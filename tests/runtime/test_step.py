@@ -24,7 +24,7 @@ def prefill(runtime, pool, rows: int, row: int, prompt: list[int], with_logits: 
                              np.array(prompt, np.int64), 0, row, np.array([rows + len(prompt) - 1]), with_logits)
 
 
-@pytest.mark.parametrize("graph", ["tiny_standard_artifact", "tiny_artifact"], ids=["standard", "fused"])
+@pytest.mark.parametrize("graph", ["tiny_standard_artifact", "tiny_fused_artifact"], ids=["standard", "fused"])
 def test_a_step_writes_its_rows_k_v_in_place_and_returns_the_graphs_greedy_tokens(graph, request):
     runtime, config = opened(request.getfixturevalue(graph))
     pool = runtime.new_pool(2, config.n_kv_head, config.d_head, pool_capacity(config))
@@ -53,8 +53,8 @@ def test_a_binding_is_reused_while_the_step_keeps_its_shape_and_made_anew_when_i
     assert runtime._pool_binding is None
 
 
-def test_fixed_shape_decode_steps_drive_standard_graphs_only(tiny_artifact):
-    runtime, config = opened(tiny_artifact)  # fused
+def test_fixed_shape_decode_steps_drive_standard_graphs_only(tiny_fused_artifact):
+    runtime, config = opened(tiny_fused_artifact)
     pool = runtime.new_pool(2, config.n_kv_head, config.d_head, pool_capacity(config))
     with pytest.raises(ValueError, match="run_decode drives a standard slots graph"):
         runtime.run_decode(pool, np.zeros(2, np.int64), np.zeros(2, np.int64), np.ones((2, 64), np.int64))

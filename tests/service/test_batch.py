@@ -71,7 +71,8 @@ def test_a_cancelled_sequence_frees_its_row_within_one_step(slots_runtime, slots
     seqs[0].cancelled = True
     batch.run(scheduler.plan())
     assert seqs[0] not in batch.kv.rows and seqs[0].slot is None and len(batch.kv.rows) == 2
-    assert sorted(s.slot for s in batch.kv.rows) == [0, 1]  # the last row moved into the freed one
+    # on the CPU the last row moved into the freed one (rows stay dense); under CUDA the freed row stays a hole
+    assert sorted(s.slot for s in batch.kv.rows) == ([0, 1] if batch.kv.compact else [1, 2])
 
 
 def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(slots_graph, slots_runtime, slots_model):

@@ -15,7 +15,7 @@ from kvserve.service.scheduler import Scheduler
 from kvserve.service.step_plan import StepPlan
 from kvserve.v1 import generation_pb2 as pb
 
-from ..conftest import PROVIDER
+from ..conftest import FUSED_DTYPES, PROVIDER
 from .conftest import collect, live, random_prompt, scrape, sequence, start_server
 
 # --- the index ---------------------------------------------------------------------------------------------
@@ -49,9 +49,10 @@ def test_a_key_collision_shortens_a_match_and_never_makes_a_wrong_one():
 # --- the batch: same numbers with the cache on and off ------------------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["gpt2 standard", "llama fused"])
+@pytest.fixture(scope="module", params=["gpt2", "llama fused"])
 def runtime_and_config(request, tiny_artifact, tiny_llama_fused_artifacts):
-    artifact_dir = tiny_artifact if request.param == "gpt2 standard" else tiny_llama_fused_artifacts("float32")
+    # gpt2: the default export (fused on the CPU, standard under CUDA); the Llama's fused graph in the provider's dtype
+    artifact_dir = tiny_artifact if request.param == "gpt2" else tiny_llama_fused_artifacts(FUSED_DTYPES[0])
     artifact = open_artifact(artifact_dir)
     return DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER), artifact.config
 
