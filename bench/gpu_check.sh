@@ -32,6 +32,9 @@ step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 
 step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp16.txt"
 step $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float32" 2>&1 | tee "$RESULTS/bench-cuda-graph-fp32.txt"
 step $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16" --cuda-graph 2>&1 | tee "$RESULTS/bench-grpc-cuda-fp16-slots-graph.txt"
+# Where CUDA and the CPU provider part, step by step, on a Llama-family graph in each attention.
+step $PY bench/provider_diff.py --artifact "$ART/tiny-llama-float32" --prompt 24 --chunk 5 --steps 6 2>&1 | tee "$RESULTS/provider-diff-tiny-llama-float32.txt"
+step $PY bench/provider_diff.py --artifact "$ART/tiny-llama-float16" --prompt 24 --chunk 5 --steps 6 --columns-over 0.1 2>&1 | tee "$RESULTS/provider-diff-tiny-llama-float16.txt"
 # The prompt cache on and off, and a prefix copy between rows (cudaMemcpy2D) against the prefill it saves.
 step $PY bench/prompt_cache.py --provider cuda --artifact "$ART/gpt2-float16" 2>&1 | tee "$RESULTS/bench-prompt-cache-cuda-fp16.txt"
 # Structured output: 8 unconstrained streams beside 8 constrained ones on the GPU (the masks on the host, beside the step).
