@@ -21,6 +21,7 @@ from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.export.parity_drivers import SlotsDriver  # noqa: E402
+from kvserve.runtime import ProviderUnavailable  # noqa: E402
 from kvserve.runtime.pool import pool_capacity  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
@@ -47,12 +48,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4, help="greedy decode steps after the prompt")
     parser.add_argument("--columns-over", type=float, default=1e-2, help="a K/V column differs where an entry differs by more")
     args = parser.parse_args()
+    if args.prompt < 1 or args.chunk < 1 or args.steps < 0:
+        parser.error("--prompt and --chunk must be >= 1, --steps >= 0")
     artifact = open_artifact(args.artifact)
     config = artifact.config
-    capacity = min(pool_capacity(config), args.prompt + args.steps + 2)
+    capacity = args.prompt + args.steps + 2  # the tokens, the scratch column and one to spare
+    if capacity > pool_capacity(config):
+        parser.error(f"--prompt + --steps must stay within the model's context ({config.n_ctx} tokens)")
     drivers = []
     for provider in args.providers:
-        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
+        try:
+            runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
+        except ProviderUnavailable as error:
+            parser.error(str(error))
         driver = SlotsDriver(runtime, config, capacity, artifact.kv_scales())
         driver.chunk = args.chunk
         drivers.append(driver)

@@ -30,8 +30,8 @@ def build(config: DecoderConfig, seed: int = 0) -> Decoder:
 @contextlib.contextmanager
 def _default_init_skipped():
     """torch's layers draw a default initialisation as they are built, which init_weights then overwrites in full: for a
-    1B-parameter preset, 10 of the 25 s building it took (gemma3-1b, timed by hand on the 2-core Xeon VM). Within this block they draw nothing (their parameters hold
-    whatever memory they were given until init_weights fills them)."""
+    1B-parameter preset, 10 of the 25 s building it took (gemma3-1b, timed by hand on the 2-core Xeon VM). Within this
+    block they draw nothing (their parameters hold whatever memory they were given until init_weights fills them)."""
     skipped = ("kaiming_uniform_", "uniform_", "normal_", "zeros_", "ones_")
     saved = {name: getattr(nn.init, name) for name in skipped}
     try:
