@@ -7,7 +7,9 @@ import logging
 import warnings
 from pathlib import Path
 
+import numpy as np
 import onnx
+import onnx_ir as ir
 import torch
 from torch import nn
 from torch.export import Dim
@@ -17,9 +19,11 @@ from kvserve.contract.config import LLAMA_ARCH
 from kvserve.contract.artifact import MODEL_DATA_FILE, MODEL_FILE
 from kvserve.model.decoders import Decoder
 from kvserve.model.fused_attention import supports_fused_attention
-from kvserve.model.kv_storage import STORED_TYPES, stored_dtype
+from kvserve.model.kv_storage import STORED_TYPES, store_kv_as, stored_dtype
+from kvserve.model.weights import WeightSource, parameter, skeleton
 
 from .fused_graph import declare_operators, expand_rows_and_chunk_attention, fused_write_problems, rows_and_chunk_placeholder
+from .weight_plan import PENDING, WeightPlan, materialize, weight_bytes, write_external
 
 OPSET = 18
 # onnxruntime 1.31 refuses the IR version onnx 1.23 writes by default (14); 10 covers opset 18.
@@ -177,8 +181,66 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
 def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention: str = io.STANDARD,
                 kv_dtype: str | None = None) -> tuple[onnx.ModelProto, dict]:
     """Trace model in dtype with the kv_cache layout and attention, K/V stored as kv_dtype (the model's dtype when None;
-    else model's cache must store them so: kv_storage.store_kv_as): the graph, checked against the contract, and the
-    manifest's facts about it (save_graph writes it)."""
+    else model's cache must store them so: kv_storage.store_kv_as): the graph with its weights in it, checked against the
+    contract, and the manifest's facts about it (save_graph writes it). Holds the model's weights three times over: the
+    small models' and the tests' way; trace_streamed holds none."""
+    return _trace(copy.deepcopy(model).to(TORCH_DTYPES[dtype]).eval(), dtype, kv_cache, attention, kv_dtype)  # the caller keeps its float32 reference
+
+
+def trace_streamed(weights: WeightSource, dtype: str, kv_cache: str = io.SLOTS, attention: str = io.STANDARD,
+                   kv_dtype: str | None = None, kv_scales: tuple | None = None) -> tuple[onnx.ModelProto, dict, WeightPlan]:
+    """trace_graph without the weights: a skeleton of weights.config (kv_scales: int8 K/V's) is traced with fake
+    parameters, and every weight becomes a pending initializer (weight_plan.py) that save_graph writes from weights a
+    block of rows at a time. The exporter's optimizer still sees the values it folds or compares (small tensors only:
+    it skips what is larger than a few thousand elements), read from weights as it asks."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    kv_dtype = kv_dtype or dtype
+    model = skeleton(weights.config, TORCH_DTYPES[dtype])
+    store_kv_as(model, None if kv_dtype == dtype else kv_dtype, *(kv_scales or ()))
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    keys = {}
+    for key, param in model.named_parameters():
+        keys[id(param)] = key
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                fake = fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, param.data, torch.device("cpu"))
+                module._parameters[name] = nn.Parameter(fake, requires_grad=False)
+    plan = WeightPlan(weights)
+    np_dtype = np.dtype(dtype)
+
+    def lazy_weights(program) -> None:
+        """The fake parameters' initializers read from weights when the optimizer asks for their values."""
+        for value in program.model.graph.initializers.values():
+            key = value.name.removeprefix(SIGNATURE_PREFIX)
+            if key in weights.keys():
+                value.const_value = ir.LazyTensor(lambda key=key: ir.tensor(parameter(weights, key).numpy().astype(np_dtype)),
+                                                  dtype=value.const_value.dtype, shape=value.const_value.shape, name=value.name)
+                value.const_value.kvserve_key = key
+
+    proto, facts = _trace(model, dtype, kv_cache, attention, kv_dtype, lazy_weights, plan)
+    return proto, facts, plan
+
+
+SIGNATURE_PREFIX = "model."  # the exported initializers' names are the signature module's, whose decoder is .model
+
+
+def _pending_weights(program, plan: WeightPlan) -> None:
+    """Every matrix still read lazily after the optimizer: pending, its bytes the plan's. Vectors (biases, norms) are
+    read now and kept in the graph: ONNX Runtime's fusions look at a bias's values, and they are small."""
+    for value in program.model.graph.initializers.values():
+        key = getattr(value.const_value, "kvserve_key", None)
+        if key is not None and len(value.const_value.shape) <= 1:
+            value.const_value = ir.tensor(value.const_value.numpy(), name=value.name)
+        elif key is not None:
+            tensor = value.const_value
+            value.const_value = ir.ExternalTensor(PENDING, offset=None, length=None, dtype=tensor.dtype, shape=tensor.shape, name=value.name)
+            plan.parameter(value.name, key, np.dtype(tensor.dtype.numpy()))
+
+
+def _trace(model: Decoder, dtype: str, kv_cache: str, attention: str, kv_dtype: str | None, lazy_weights=None,
+           plan: WeightPlan | None = None) -> tuple[onnx.ModelProto, dict]:
     if attention == io.FUSED and (refusal := fused_attention_refusal(model, kv_cache)):
         raise ValueError(refusal)
     kv_dtype = kv_dtype or dtype
@@ -189,7 +251,6 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
     config = model.config
     torch_dtype = TORCH_DTYPES[dtype]
     kv_torch_dtype = STORED_TYPES[kv_dtype]
-    model = copy.deepcopy(model).to(torch_dtype).eval()  # the caller keeps its float32 reference
     n_layer = config.n_layer
     dynamic = Dim.DYNAMIC
     step_axes = {name: {0: dynamic, 1: dynamic} for name in ("input_ids", "attention_mask", "position_ids")}
@@ -219,6 +280,7 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
             "logits_index": {0: dynamic}, "past_key_values": kv_axes,
         }
     example, dynamic_shapes = example + rope_example, dynamic_shapes | rope_axes
+    input_names, output_names = io.input_names(n_layer, kv_cache, attention, long_rope), io.output_names(n_layer, kv_cache, attention)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")  # the exporter's deprecation chatter is not the user's concern
         logging.getLogger("torch.onnx").setLevel(logging.ERROR)
@@ -227,12 +289,22 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
             example,
             dynamo=True,
             dynamic_shapes=dynamic_shapes,
-            input_names=io.input_names(n_layer, kv_cache, attention, long_rope),
-            output_names=io.output_names(n_layer, kv_cache, attention),
+            input_names=None if lazy_weights else input_names,
+            output_names=None if lazy_weights else output_names,
             opset_version=OPSET,
             custom_translation_table=translations,
             verbose=False,
+            optimize=lazy_weights is None,
         )
+        if lazy_weights is not None:  # the exporter's own optimisation and naming, in its order, once the weights it may read are readable
+            from torch.onnx._internal.exporter import _ir_passes
+
+            lazy_weights(program)
+            logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # a line per deduplicated constant at INFO
+            program.optimize()
+            _ir_passes.rename_inputs(program.model, input_names)
+            _ir_passes.rename_outputs(program.model, output_names)
+            _pending_weights(program, plan)
     model_proto = program.model_proto
     if attention == io.FUSED:
         expand_rows_and_chunk_attention(model_proto, dtype, kv_dtype)
@@ -245,23 +317,20 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
     return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, "attention": attention, **spec}
 
 
-def save_graph(model_proto: onnx.ModelProto, directory: Path) -> bool:
-    """Write directory/model.onnx (weights in model.onnx.data when large) and check it; True when external."""
+def save_graph(model_proto: onnx.ModelProto, directory: Path, plan: WeightPlan | None = None) -> bool:
+    """Write directory/model.onnx (weights in model.onnx.data when large, the plan's pending ones produced as they are
+    written) and check it; True when external."""
     model_proto.ir_version = IR_VERSION
     model_proto.producer_name = "kvserve"
-    # From the raw bytes, not ByteSize(): protobuf refuses to size a message past 2 GB, and one table can be (Phi-4-mini's
-    # 200,064 x 3,072 float32 embedding is 2.46 GB); external data is what lets such a graph be saved at all.
-    weight_bytes = sum(len(t.raw_data) or t.ByteSize() for t in model_proto.graph.initializer)
-    external = weight_bytes > EXTERNAL_DATA_THRESHOLD
+    external = weight_bytes(model_proto, plan) > EXTERNAL_DATA_THRESHOLD
     path = directory / MODEL_FILE
-    onnx.save_model(
-        model_proto,
-        str(path),
-        save_as_external_data=external,
-        all_tensors_to_one_file=True,
-        location=MODEL_DATA_FILE,
-        size_threshold=1024,
-    )
+    if external:
+        write_external(model_proto, plan, directory / MODEL_DATA_FILE)
+        onnx.save_model(model_proto, str(path))
+    else:
+        if plan is not None:
+            materialize(model_proto, plan)
+        onnx.save_model(model_proto, str(path), save_as_external_data=False)
     # Contrib ops (a quantized graph's com.microsoft.MatMulNBits) have no schema in onnx: skip its strict pass.
     contrib = any(op.domain == "com.microsoft" for op in model_proto.opset_import)
     onnx.checker.check_model(str(path), full_check=not contrib)

@@ -32,7 +32,8 @@ from onnx import numpy_helper
 
 from kvserve.contract.io_contract import LOGITS, QUANTIZATIONS
 
-from .graph_fusions import fuse_operators
+from .graph_fusions import MICROSOFT, fuse_operators
+from .weight_plan import WeightPlan, is_pending, materialize, row_blocks
 
 SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
 # (bits, block size) per MatMulNBits scheme. A block is that many input rows of one output column sharing a scale;
@@ -58,9 +59,9 @@ class QuantizeError(RuntimeError):
     """The graph could not be quantized as asked (an unknown scheme, nothing to quantize)."""
 
 
-def fold_weight_transposes(model: onnx.ModelProto) -> int:
+def fold_weight_transposes(model: onnx.ModelProto, plan: WeightPlan | None = None) -> int:
     """Replace MatMul(x, Transpose(W)) with MatMul(x, W^T) for a 2-D initializer W, so the weight is an
-    initializer a quantizer can rewrite. Returns how many were folded."""
+    initializer a quantizer can rewrite (a pending W's transpose is pending too). Returns how many were folded."""
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     consumers: dict[str, list[onnx.NodeProto]] = {}
@@ -76,7 +77,10 @@ def fold_weight_transposes(model: onnx.ModelProto) -> int:
         readers = consumers.get(node.output[0], [])
         if len(weight.dims) != 2 or perm != [1, 0] or not readers or any(r.op_type != "MatMul" or r.input[1] != node.output[0] for r in readers):
             continue
-        transposed = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), f"{weight.name}.T")  # (in, out)
+        if plan is not None and is_pending(weight):
+            transposed = plan.transposed(f"{weight.name}.T", weight.name)  # (in, out)
+        else:
+            transposed = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(weight).T), f"{weight.name}.T")  # (in, out)
         graph.initializer.append(transposed)
         for reader in readers:
             reader.input[1] = transposed.name
@@ -98,9 +102,10 @@ def _transposed(weight: np.ndarray) -> np.ndarray:
     return out
 
 
-def gemms_to_matmuls(model: onnx.ModelProto) -> int:
+def gemms_to_matmuls(model: onnx.ModelProto, plan: WeightPlan | None = None) -> int:
     """Replace Gemm(x, W, b) with a float weight W (what a linear layer on 2-D rows exports as: the Llama family's
-    slots step) by MatMul(x, W as (in, out)) + b, the form the quantizers rewrite. Returns how many."""
+    slots step) by MatMul(x, W as (in, out)) + b, the form the quantizers rewrite (a pending W's (in, out) form is
+    pending too: the plan's transpose, never computed whole when it is quantized). Returns how many."""
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
     readers = collections.Counter(name for node in graph.node for name in node.input)
@@ -110,17 +115,25 @@ def gemms_to_matmuls(model: onnx.ModelProto) -> int:
         plain = attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0 and not attributes.get("transA", 0)
         if node.op_type != "Gemm" or node.input[1] not in initializers or not plain:
             continue
-        weight = numpy_helper.to_array(initializers[node.input[1]])
-        if attributes.get("transB", 0):
-            weight = _transposed(weight)  # (out, in) -> (in, out)
         name = f"{node.input[1]}.matmul"
-        if readers[node.input[1]] == 1:  # rewritten where it lies: appending a copy of a 1.2 GB table took seconds
-            init = initializers[node.input[1]]
-            init.ClearField("float_data")
-            init.name, init.raw_data = name, weight.tobytes()
-            init.dims[:] = weight.shape
-        else:  # also read elsewhere (a tied table's lookup): a copy beside it
-            graph.initializer.append(numpy_helper.from_array(weight, name))
+        init = initializers[node.input[1]]
+        if plan is not None and is_pending(init):
+            as_matmul = (plan.transposed if attributes.get("transB", 0) else plan.alias)(name, init.name)  # (in, out)
+            if readers[node.input[1]] == 1:
+                init.name = name
+                init.dims[:] = as_matmul.dims
+            else:
+                graph.initializer.append(as_matmul)
+        else:
+            weight = numpy_helper.to_array(init)
+            if attributes.get("transB", 0):
+                weight = _transposed(weight)  # (out, in) -> (in, out)
+            if readers[node.input[1]] == 1:  # rewritten where it lies: appending a copy of a 1.2 GB table took seconds
+                init.ClearField("float_data")
+                init.name, init.raw_data = name, weight.tobytes()
+                init.dims[:] = weight.shape
+            else:  # also read elsewhere (a tied table's lookup): a copy beside it
+                graph.initializer.append(numpy_helper.from_array(weight, name))
         has_bias = len(node.input) > 2 and node.input[2]
         product = f"{node.output[0]}.product" if has_bias else node.output[0]
         replacement = [onnx.helper.make_node("MatMul", [node.input[0], name], [product], name=f"{node.name}.matmul")]
@@ -136,7 +149,7 @@ def gemms_to_matmuls(model: onnx.ModelProto) -> int:
     return replaced
 
 
-def share_tied_table(model: onnx.ModelProto) -> int:
+def share_tied_table(model: onnx.ModelProto, plan: WeightPlan | None = None) -> int:
     """Replace each Gather on a float table whose transposed copy became a MatMulNBits weight (the tied LM head: named
     "<table>.<suffix>_Q<bits>" by the quantizer) with a GatherBlockQuantized reading that weight's blocks, and drop the
     float table. Returns how many tables are now shared."""
@@ -158,19 +171,26 @@ def share_tied_table(model: onnx.ModelProto) -> int:
         vocab, width = table.dims
         if (attributes["N"], attributes["K"]) != (vocab, width) or len(head.input) > 3 and head.input[3]:
             continue  # not this table's transpose, or an asymmetric head (zero points) the lookup would have to share too
-        scales = numpy_helper.to_array(initializers[head.input[2]])
+        scales = _array(initializers[head.input[2]], plan)
         _gather_blocks(graph, node, head.input[1], scales.reshape(vocab, -1, 1), attributes["bits"], attributes["block_size"], width)
         graph.initializer.remove(initializers[node.input[0]])
         shared += 1
     return shared
 
 
-def _gather_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, data: str, scales: np.ndarray, bits: int, block_size: int, width: int) -> None:
+def _array(tensor: onnx.TensorProto, plan: WeightPlan | None) -> np.ndarray:
+    """An initializer's values, a pending one's produced by the plan."""
+    return plan.array(tensor.name) if plan is not None and is_pending(tensor) else numpy_helper.to_array(tensor)
+
+
+def _gather_blocks(graph: onnx.GraphProto, node: onnx.NodeProto, data: str, scales: np.ndarray | onnx.TensorProto, bits: int, block_size: int,
+                   width: int) -> None:
     """Replace the Gather node (in place in graph) with a GatherBlockQuantized of the (V, blocks, block bytes) uint8
-    blocks named data, with scales (V, blocks, 1), and the reshape (and cut, where the last block is padded) back to
-    (N, width) rows."""
-    blocks = scales.shape[1]
-    scales_3d = numpy_helper.from_array(scales.astype(np.float32), f"{node.name}.scales")  # (V, blocks, 1)
+    blocks named data, with scales (V, blocks, 1) (an array, or the pending initializer named for the node), and the
+    reshape (and cut, where the last block is padded) back to (N, width) rows."""
+    if isinstance(scales, np.ndarray):
+        scales = numpy_helper.from_array(scales.astype(np.float32), f"{node.name}.scales")  # (V, blocks, 1)
+    blocks, scales_3d = scales.dims[1], scales
     graph.initializer.append(scales_3d)
     rows = f"{node.output[0]}.blocks"
     lookup = onnx.helper.make_node("GatherBlockQuantized", [data, node.input[1], scales_3d.name], [rows], name=f"{node.name}.quantized",
@@ -209,7 +229,7 @@ def block_quantize(table: np.ndarray, bits: int, block_size: int) -> tuple[np.nd
     return np.ascontiguousarray(values), scales.astype(np.float32)
 
 
-def quantize_untied_tables(model: onnx.ModelProto, bits: int, block_size: int) -> int:
+def quantize_untied_tables(model: onnx.ModelProto, bits: int, block_size: int, plan: WeightPlan | None = None) -> int:
     """Replace each Gather on a float (vocabulary, width) table (an untied model's token embedding; a tied one is
     share_tied_table's) with a GatherBlockQuantized of its own bits-bit blocks, and drop the float table. The vocabulary
     is the logits output's last axis: a position table (GPT-2's wpe) is not one. Returns how many tables."""
@@ -222,13 +242,122 @@ def quantize_untied_tables(model: onnx.ModelProto, bits: int, block_size: int) -
         table = initializers.get(node.input[0]) if node.op_type == "Gather" else None
         if table is None or len(table.dims) != 2 or table.dims[0] != vocab or table.data_type != onnx.TensorProto.FLOAT:
             continue
-        values, scales = block_quantize(numpy_helper.to_array(table), bits, block_size)
-        data = numpy_helper.from_array(values, f"{table.name}_Q{bits}.lookup")
+        if plan is not None and is_pending(table):
+            data, scales = _pending_table_blocks(plan, table, f"{table.name}_Q{bits}.lookup", f"{node.name}.scales", bits, block_size)
+        else:
+            values, scales = block_quantize(numpy_helper.to_array(table), bits, block_size)
+            data = numpy_helper.from_array(values, f"{table.name}_Q{bits}.lookup")
         graph.initializer.append(data)
         _gather_blocks(graph, node, data.name, scales, bits, block_size, table.dims[1])
         graph.initializer.remove(table)
         quantized += 1
     return quantized
+
+
+class _Quantized:
+    """Two pending initializers made by one pass over a weight's blocks of rows (the blocks, then their scales, as the
+    graph lists and the writer writes them): the first's producer keeps each block's scales for the second, which runs
+    the pass itself if asked first."""
+
+    def __init__(self, passes):
+        self.passes = passes  # () -> iterator of (values block, scales block)
+        self.kept: list[np.ndarray] | None = None
+
+    def values(self):
+        kept = []
+        for values, scales in self.passes():
+            kept.append(scales)
+            yield values
+        self.kept = kept
+
+    def scales(self):
+        if self.kept is None:
+            for _ in self.values():
+                pass
+        kept, self.kept = self.kept, None
+        yield from kept
+
+
+def _pending_table_blocks(plan: WeightPlan, table: onnx.TensorProto, data_name: str, scales_name: str, bits: int,
+                          block_size: int) -> tuple[onnx.TensorProto, onnx.TensorProto]:
+    """block_quantize of a pending (V, C) table, a block of rows at a time: its pending values and scales."""
+    vocab, width = table.dims
+    blocks = -(-width // block_size)
+
+    def passes():
+        for start, stop in row_blocks(vocab, width * 4):
+            yield block_quantize(plan.rows(table.name, start, stop), bits, block_size)
+
+    quantized = _Quantized(passes)
+    data = plan.add(data_name, np.uint8, (vocab, blocks, block_size * bits // 8), quantized.values)
+    return data, plan.add(scales_name, np.float32, (vocab, blocks, 1), quantized.scales)
+
+
+def _nbits_quantize(model: onnx.ModelProto, plan: WeightPlan, bits: int, block_size: int, exclude: list[str]) -> None:
+    """What onnxruntime's MatMulNBitsQuantizer (DEFAULT, QOperator, symmetric) makes of model, node for node and byte for
+    byte, its weights pending: each quantized by the same kernel a block of output columns at a time (a column's blocks
+    depend on that column alone), from the rows of the weight it transposes, so no weight is held whole."""
+    from onnxruntime.quantization.onnx_model import ONNXModel
+
+    wrapped = ONNXModel(model)
+    wrapped.set_opset_import(MICROSOFT, 1)
+    _nbits_graph([model.graph], plan, bits, block_size, set(exclude))
+    wrapped.clean_initializers()
+
+
+def _nbits_graph(stack: list[onnx.GraphProto], plan: WeightPlan, bits: int, block_size: int, exclude: set[str]) -> onnx.GraphProto:
+    from onnxruntime.quantization.quant_utils import attribute_to_kwarg
+
+    graph, rewritten = stack[-1], []
+    for node in graph.node:
+        if any(a.type in (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS) for a in node.attribute):
+            kwargs = {}
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    kwargs[attr.name] = _nbits_graph([*stack, attr.g], plan, bits, block_size, exclude)
+                elif attr.type == onnx.AttributeProto.GRAPHS:
+                    kwargs[attr.name] = [_nbits_graph([*stack, g], plan, bits, block_size, exclude) for g in attr.graphs]
+                else:
+                    kwargs.update(attribute_to_kwarg(attr))
+            node = onnx.helper.make_node(node.op_type, node.input, node.output, name=node.name, **kwargs)  # as the quantizer rebuilds it
+        quantizable = node.op_type == "MatMul" and node.name not in exclude
+        rewritten.extend(_nbits_matmul(node, stack, plan, bits, block_size) if quantizable else [node])
+    graph.ClearField("node")
+    graph.node.extend(rewritten)
+    return graph
+
+
+def _nbits_matmul(node: onnx.NodeProto, stack: list[onnx.GraphProto], plan: WeightPlan, bits: int, block_size: int) -> list[onnx.NodeProto]:
+    from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+    found = next(((t, g) for g in reversed(stack) for t in g.initializer if t.name == node.input[1]), None)
+    if found is None or len(found[0].dims) != 2:
+        return [node]
+    weight, owner = found
+    rows, cols = weight.dims  # (K, N)
+    pack = 8 // bits
+    blocks, blob = -(-rows // block_size), (block_size + pack - 1) // pack
+    kernel = quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits
+
+    def passes():
+        for start, stop in row_blocks(cols, rows * 4):  # output columns: rows of the (N, K) weight this one transposes
+            columns = plan.columns(weight.name, start, stop) if is_pending(weight) else numpy_helper.to_array(weight)[:, start:stop]
+            columns = np.pad(np.ascontiguousarray(columns, np.float32), ((0, blocks * block_size - rows), (0, 0)))  # (K padded, n)
+            packed = np.zeros((stop - start, blocks, blob), np.uint8)
+            scales = np.zeros((stop - start, blocks), np.float32)
+            kernel(packed, columns, scales, np.zeros((stop - start, (blocks + pack - 1) // pack), np.uint8), block_size, stop - start, rows, True)
+            yield packed, scales
+
+    quantized = _Quantized(passes)
+    owner.initializer.extend([plan.add(f"{weight.name}_Q{bits}", np.uint8, (cols, blocks, blob), quantized.values),
+                              plan.add(f"{weight.name}_scales", np.float32, (cols, blocks), quantized.scales)])
+    for value in owner.input:
+        if value.name == weight.name:
+            owner.input.remove(value)
+            break
+    return [onnx.helper.make_node("MatMulNBits", [node.input[0], f"{weight.name}_Q{bits}", f"{weight.name}_scales"], [node.output[0]],
+                                  name=f"{node.name}_Q{bits}" if node.name else "", domain=MICROSOFT, K=rows, N=cols, bits=bits,
+                                  block_size=block_size, accuracy_level=ACCURACY_LEVEL or None)]
 
 
 def weight_matmuls(model: onnx.ModelProto) -> int:
@@ -242,11 +371,16 @@ def attention_matmuls(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and ATTENTION_WEIGHT in n.input[1]]
 
 
-def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None) -> tuple[onnx.ModelProto, dict]:
+def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None, plan: WeightPlan | None = None) -> tuple[onnx.ModelProto, dict]:
     """The quantized graph and what the manifest records about it; block_size overrides the scheme's (BLOCKS) for a
-    MatMulNBits scheme (bench/quantize_blocks.py compares them)."""
-    fold_weight_transposes(model)
-    gemms_to_matmuls(model)
+    MatMulNBits scheme (bench/quantize_blocks.py compares them). With a plan, the graph's pending weights stay pending:
+    what they are quantized to is the plan's, produced as save_graph writes it (int8-dynamic, quantized by
+    onnxruntime's file-based quantizer, takes the weights into memory first)."""
+    if plan is not None and scheme not in BLOCKS:
+        materialize(model, plan)
+        plan = None
+    fold_weight_transposes(model, plan)
+    gemms_to_matmuls(model, plan)
     count = weight_matmuls(model)
     if count == 0:
         raise QuantizeError("the graph has no weight MatMul to quantize")
@@ -260,20 +394,24 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
         attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS else []
         if "" in attention:
             raise QuantizeError("an attention projection's MatMul has no name to keep it in 8 bits by")
-        first = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
-                                     nodes_to_exclude=attention)
-        first.process()
-        quantized = first.model.model
+        def nbits(graph: onnx.ModelProto, bits: int, block_size: int, exclude: list[str]) -> onnx.ModelProto:
+            if plan is not None:
+                _nbits_quantize(graph, plan, bits, block_size, exclude)
+                return graph
+            quantizer = MatMulNBitsQuantizer(graph, bits=bits, block_size=block_size, is_symmetric=True, accuracy_level=ACCURACY_LEVEL,
+                                             nodes_to_exclude=exclude)
+            quantizer.process()
+            return quantizer.model.model
+
+        quantized = nbits(model, bits, block_size, attention)
         facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
                  "accuracy_level": ACCURACY_LEVEL}
         if attention:
             attention_bits, attention_block = BLOCKS["int8"]
-            second = MatMulNBitsQuantizer(quantized, bits=attention_bits, block_size=attention_block, is_symmetric=True,
-                                          accuracy_level=ACCURACY_LEVEL)  # the weight MatMuls the first pass left: attention's
-            second.process()
-            quantized = second.model.model
+            quantized = nbits(quantized, attention_bits, attention_block, [])  # the weight MatMuls the first pass left: attention's
             facts |= {"attention_bits": attention_bits, "attention_block_size": attention_block, "attention_matmuls": len(attention)}
-        facts |= {"shared_embedding": share_tied_table(quantized) > 0, "quantized_embedding": quantize_untied_tables(quantized, bits, block_size) > 0}
+        facts |= {"shared_embedding": share_tied_table(quantized, plan) > 0,
+                  "quantized_embedding": quantize_untied_tables(quantized, bits, block_size, plan) > 0}
     elif scheme == "int8-dynamic":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -13,8 +13,10 @@ Every tensor is checked by its checkpoint name and shape, so an error names what
 
 from __future__ import annotations
 
-import hashlib
 import json
+import math
+import os
+import struct
 from pathlib import Path
 
 import torch
@@ -23,7 +25,9 @@ from kvserve.contract.config import GPT2_ARCH, DecoderConfig
 from kvserve.contract.hf_config import config_from_hf, config_to_hf
 from kvserve.errors import UserError
 
-from .decoders import Decoder, new_decoder
+from .decoders import Decoder, _default_init_skipped, new_decoder
+from .weights import ModelWeights, parameter, skeleton
+from .weights import weights_checksum as source_checksum
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 # Buffers some checkpoints carry (GPT-2's causal mask, old Llama's rotary frequencies); ours compute them.
@@ -40,19 +44,69 @@ class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be loaded; the message names the file or tensor at fault."""
 
 
-def _read_file(path: Path) -> dict[str, torch.Tensor]:
+# safetensors' dtype names of the float types a checkpoint's weights may be published in
+SAFETENSORS_FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+SAFETENSORS_OTHERS = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+class _StoredTensor:
+    """Where one checkpoint tensor lies: a safetensors file's byte range (read with pread when asked, never mapped, so
+    what was read leaves no trace in the process's memory), or a tensor torch.load mapped from a .bin file."""
+
+    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], begin: int = 0, loaded: torch.Tensor | None = None):
+        self.path, self.dtype, self.shape, self.begin, self.loaded = path, dtype, shape, begin, loaded
+
+    @property
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop (the first axis), float32."""
+        if self.loaded is not None:
+            return self.loaded[start:stop].float()
+        row = 1
+        for size in self.shape[1:]:
+            row *= size
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        count = (stop - start) * row
+        buffer = bytearray(count * itemsize)
+        with open(self.path, "rb", buffering=0) as file:
+            read = os.preadv(file.fileno(), [buffer], self.begin + start * row * itemsize) if count else 0
+        if read != len(buffer):
+            raise CheckpointError(f"{self.path}: ends inside a tensor (read {read} of {len(buffer)} bytes)")
+        values = torch.frombuffer(buffer, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
+        return values.reshape(stop - start, *self.shape[1:]).float()
+
+
+def _index_file(path: Path) -> dict[str, _StoredTensor]:
+    """Every tensor of one weights file, located but not read."""
     try:
         if path.suffix == ".safetensors":
-            from safetensors.torch import load_file
-
-            return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+            with open(path, "rb") as file:
+                (length,) = struct.unpack("<Q", file.read(8))
+                header = json.loads(file.read(length))
+            base = 8 + length
+            tensors = {}
+            for name, entry in header.items():
+                if name == "__metadata__":
+                    continue
+                dtype = SAFETENSORS_FLOATS.get(entry["dtype"]) or SAFETENSORS_OTHERS.get(entry["dtype"])
+                if dtype is None:
+                    raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which kvserve does not read")
+                begin, end = entry["data_offsets"]
+                shape = tuple(entry["shape"])
+                tensors[name] = _StoredTensor(path, dtype, shape, base + begin)
+                if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
+                    raise ValueError(f"tensor {name!r}: its byte range does not fit its shape {shape}")
+            return tensors
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return {name: _StoredTensor(path, t.dtype, tuple(t.shape), loaded=t) for name, t in loaded.items()}
     except Exception as exc:  # the libraries' own errors name no file; ours does
         raise CheckpointError(f"{path}: cannot read weights ({type(exc).__name__}: {exc})") from None
 
 
-def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
-    """Every tensor of the checkpoint, and the file to name in errors (the index, for shards)."""
+def _index_tensors(directory: Path) -> tuple[dict[str, _StoredTensor], Path]:
+    """Every tensor of the checkpoint, located, and the file to name in errors (the index, for shards)."""
     index = directory / SHARD_INDEX
     if index.exists():
         try:
@@ -64,14 +118,14 @@ def _read_tensors(directory: Path) -> tuple[dict[str, torch.Tensor], Path]:
         for shard in shards:
             if not (directory / shard).exists():
                 raise CheckpointError(f"{index}: lists shard {shard}, which is missing")
-            tensors.update(_read_file(directory / shard))
+            tensors.update(_index_file(directory / shard))
         unlisted = sorted(set(weight_map) - set(tensors))
         if unlisted:
             raise CheckpointError(f"{index}: tensor {unlisted[0]!r} is listed but in none of its shards")
         return tensors, index
     for name in WEIGHT_FILES:
         if (directory / name).exists():
-            return _read_file(directory / name), directory / name
+            return _index_file(directory / name), directory / name
     raise CheckpointError(f"{directory}: no weights file (expected {' or '.join(WEIGHT_FILES)}, or {SHARD_INDEX} with its shards)")
 
 
@@ -102,19 +156,21 @@ def read_config(directory: Path) -> DecoderConfig:
 
 def checkpoint_shapes(model: Decoder) -> dict[str, tuple[int, ...]]:
     """Every tensor a checkpoint of this model holds, by the checkpoint's own name, with its shape."""
-    config = model.config
+    return _checkpoint_shapes({key: tuple(param.shape) for key, param in model.state_dict().items()}, model.config)
+
+
+def _checkpoint_shapes(ours: dict[str, tuple[int, ...]], config: DecoderConfig) -> dict[str, tuple[int, ...]]:
     shapes = {}
-    for key, param in model.state_dict().items():
+    for key, shape in ours.items():
         if key.endswith(TRANSPOSED):
-            shapes[key] = tuple(param.shape[::-1])
+            shapes[key] = shape[::-1]
             continue
         fused = _fused_into(key, config)
         if fused is None:
-            shapes[key] = tuple(param.shape)
+            shapes[key] = shape
             continue
-        parts = _split_sizes(config, fused)
-        for part, size in zip(FUSED[fused], parts):
-            shapes[key.replace(fused, part)] = (size, *param.shape[1:])
+        for part, size in zip(FUSED[fused], _split_sizes(config, fused)):
+            shapes[key.replace(fused, part)] = (size, *shape[1:])
     return shapes
 
 
@@ -139,46 +195,88 @@ def _canonical_name(name: str, config: DecoderConfig) -> str:
     return name
 
 
-def load_checkpoint(directory: str | Path) -> Decoder:
-    """Load a checkpoint directory, checking every tensor's name and shape against the config."""
-    directory = Path(directory)
-    config = read_config(directory)
-    tensors, path = _read_tensors(directory)
-    model = new_decoder(config)
-    expected = checkpoint_shapes(model)
-    found: dict[str, torch.Tensor] = {}
-    lm_head = None
-    for name, tensor in tensors.items():
-        if name.endswith(IGNORED_SUFFIXES):
-            continue
-        key = _canonical_name(name, config)
-        if key == "lm_head.weight" and config.tie_word_embeddings:
-            lm_head = tensor  # a tied head some checkpoints store anyway: it must be the embedding
-            continue
-        if key not in expected:
-            raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of a {config.model_type} model with this config)")
-        if tuple(tensor.shape) != expected[key]:
-            raise CheckpointError(f"{path}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {expected[key]}")
-        if not tensor.is_floating_point():
-            raise CheckpointError(f"{path}: tensor {key!r} has dtype {tensor.dtype}, expected a float type")
-        found[key] = tensor.float()
-    missing = sorted(set(expected) - set(found))
-    if missing:
-        raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
-    state = {}
-    for key, param in model.state_dict().items():
-        fused = _fused_into(key, config)
+class CheckpointWeights:
+    """A checkpoint directory's weights by our parameter names (weights.WeightSource), every tensor's name, shape and
+    dtype checked against the config up front, each read from its file only when asked for, as float32."""
+
+    def __init__(self, directory: str | Path):
+        directory = Path(directory)
+        self.directory = directory
+        self.config = config = read_config(directory)
+        tensors, path = _index_tensors(directory)
+        self.shapes = {key: tuple(param.shape) for key, param in skeleton(config).state_dict().items()}
+        expected = _checkpoint_shapes(self.shapes, config)
+        found: dict[str, _StoredTensor] = {}
+        lm_head = None
+        for name, tensor in tensors.items():
+            if name.endswith(IGNORED_SUFFIXES):
+                continue
+            key = _canonical_name(name, config)
+            if key == "lm_head.weight" and config.tie_word_embeddings:
+                lm_head = tensor  # a tied head some checkpoints store anyway: it must be the embedding
+                continue
+            if key not in expected:
+                raise CheckpointError(f"{path}: unexpected tensor {name!r} (not part of a {config.model_type} model with this config)")
+            if tensor.shape != expected[key]:
+                raise CheckpointError(f"{path}: tensor {key!r} has shape {tensor.shape}, expected {expected[key]}")
+            if not tensor.is_floating_point:
+                raise CheckpointError(f"{path}: tensor {key!r} has dtype {tensor.dtype}, expected a float type")
+            found[key] = tensor
+        missing = sorted(set(expected) - set(found))
+        if missing:
+            raise CheckpointError(f"{path}: missing tensor(s): {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+        self.found = found
+        if lm_head is not None:
+            self._check_tied_head(lm_head, path)
+
+    def _check_tied_head(self, lm_head: _StoredTensor, path: Path) -> None:
+        embedding = "transformer.wte.weight" if self.config.architecture == GPT2_ARCH else "model.embed_tokens.weight"
+        rows = self.shapes[embedding][0]
+        same = lm_head.shape == self.shapes[embedding] and all(
+            torch.equal(lm_head.rows(start, min(start + TIED_CHECK_ROWS, rows)), self.rows(embedding, start, min(start + TIED_CHECK_ROWS, rows)))
+            for start in range(0, rows, TIED_CHECK_ROWS))
+        if not same:
+            raise CheckpointError(
+                f"{path}: lm_head.weight differs from the token embedding, but config.json says tie_word_embeddings"
+                + (" (GPT-2 is always tied; untied heads are unsupported)" if self.config.architecture == GPT2_ARCH else "")
+            )
+
+    def keys(self) -> list[str]:
+        return list(self.shapes)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.shapes[key]
+
+    def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop of our parameter key, float32: a slice of one stored tensor, of the stored tensors a fused
+        one stacks (Q, K, V; gate, up), or of a transposed Conv1D's columns."""
+        fused = _fused_into(key, self.config)
         if fused is not None:
-            state[key] = torch.cat([found[key.replace(fused, part)] for part in FUSED[fused]])
-        else:
-            state[key] = found[key].T if key.endswith(TRANSPOSED) else found[key]
-    embedding = state["transformer.wte.weight" if config.architecture == GPT2_ARCH else "model.embed_tokens.weight"]
-    if lm_head is not None and (lm_head.shape != embedding.shape or not torch.equal(lm_head.float(), embedding)):
-        raise CheckpointError(
-            f"{path}: lm_head.weight differs from the token embedding, but config.json says tie_word_embeddings"
-            + (" (GPT-2 is always tied; untied heads are unsupported)" if config.architecture == GPT2_ARCH else "")
-        )
-    model.load_state_dict(state)
+            parts, offset = [], 0
+            for part, size in zip(FUSED[fused], _split_sizes(self.config, fused)):
+                lo, hi = max(start, offset), min(stop, offset + size)
+                if lo < hi:
+                    parts.append(self.found[key.replace(fused, part)].rows(lo - offset, hi - offset))
+                offset += size
+            return torch.cat(parts) if len(parts) != 1 else parts[0]
+        stored = self.found[key]
+        if key.endswith(TRANSPOSED):  # (in, out) stored: our rows are its columns (GPT-2's matrices are small)
+            return stored.rows(0, stored.shape[0])[:, start:stop].T.contiguous()
+        return stored.rows(start, stop)
+
+
+TIED_CHECK_ROWS = 4096  # rows of a stored tied head compared with the embedding at a time
+
+
+def load_checkpoint(directory: str | Path) -> Decoder:
+    """Load a checkpoint directory into an eager float32 model, checking every tensor's name and shape against the config;
+    one tensor at a time beside the model."""
+    weights = CheckpointWeights(directory)
+    with _default_init_skipped():
+        model = new_decoder(weights.config)
+    with torch.no_grad():
+        for key, param in model.state_dict().items():
+            param.copy_(parameter(weights, key))
     return model.eval()
 
 
@@ -203,8 +301,4 @@ def save_checkpoint(model: Decoder, directory: str | Path, dtype: torch.dtype = 
 
 def weights_checksum(model: Decoder) -> str:
     """sha256 over every parameter's name and float32 bytes: identifies the weights, not the file."""
-    digest = hashlib.sha256()
-    for key, tensor in sorted(model.state_dict().items()):
-        digest.update(key.encode())
-        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
-    return digest.hexdigest()
+    return source_checksum(ModelWeights(model))
