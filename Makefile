@@ -49,13 +49,13 @@ tools-constraints: ## re-pin deploy/checks-requirements.txt
 
 # Debian's docker-compose (validates the compose file), nginx (the load balancer the tests start) and openssl
 # (mints the test certificates), the King James text (bible-kjv: held-out English for int8 parity and the
-# default model's perplexity test).
-system-tools: ## Debian's docker-compose, nginx, openssl and the King James text (apt, as root)
-	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null || ! command -v openssl >/dev/null || ! command -v bible >/dev/null; then \
+# default model's perplexity test), GNU time (a bounded export's peak memory, measured by a test and bench/large_export.py).
+system-tools: ## Debian's docker-compose, nginx, openssl, GNU time and the King James text (apt, as root)
+	@if ! command -v docker-compose >/dev/null || ! command -v nginx >/dev/null || ! command -v openssl >/dev/null || ! command -v bible >/dev/null || ! [ -x /usr/bin/time ]; then \
 	  if [ "$$(id -u)" = 0 ]; then \
-	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light openssl bible-kjv bible-kjv-text >/dev/null; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-compose nginx-light openssl bible-kjv bible-kjv-text time >/dev/null; \
 	  else \
-	    echo "missing docker-compose, nginx, openssl or bible: sudo apt-get install docker-compose nginx-light openssl bible-kjv bible-kjv-text"; exit 1; \
+	    echo "missing docker-compose, nginx, openssl, bible or time: sudo apt-get install docker-compose nginx-light openssl bible-kjv bible-kjv-text time"; exit 1; \
 	  fi; \
 	fi
 

@@ -182,8 +182,8 @@ def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention:
                 kv_dtype: str | None = None) -> tuple[onnx.ModelProto, dict]:
     """Trace model in dtype with the kv_cache layout and attention, K/V stored as kv_dtype (the model's dtype when None;
     else model's cache must store them so: kv_storage.store_kv_as): the graph with its weights in it, checked against the
-    contract, and the manifest's facts about it (save_graph writes it). Holds the model's weights three times over: the
-    small models' and the tests' way; trace_streamed holds none."""
+    contract, and the manifest's facts about it (save_graph writes it). The graph holds a copy of every weight beside the
+    model's (the tests' whole-model reference and the benchmarks' way); trace_streamed holds none."""
     return _trace(copy.deepcopy(model).to(TORCH_DTYPES[dtype]).eval(), dtype, kv_cache, attention, kv_dtype)  # the caller keeps its float32 reference
 
 
@@ -199,22 +199,19 @@ def trace_streamed(weights: WeightSource, dtype: str, kv_cache: str = io.SLOTS, 
     model = skeleton(weights.config, TORCH_DTYPES[dtype])
     store_kv_as(model, None if kv_dtype == dtype else kv_dtype, *(kv_scales or ()))
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    keys = {}
-    for key, param in model.named_parameters():
-        keys[id(param)] = key
     for module in model.modules():
         for name, param in module._parameters.items():
             if param is not None:
                 fake = fake_mode.fake_tensor_converter.from_meta_and_device(fake_mode, param.data, torch.device("cpu"))
                 module._parameters[name] = nn.Parameter(fake, requires_grad=False)
     plan = WeightPlan(weights)
-    np_dtype = np.dtype(dtype)
+    np_dtype, keys = np.dtype(dtype), set(weights.keys())
 
     def lazy_weights(program) -> None:
         """The fake parameters' initializers read from weights when the optimizer asks for their values."""
         for value in program.model.graph.initializers.values():
             key = value.name.removeprefix(SIGNATURE_PREFIX)
-            if key in weights.keys():
+            if key in keys:
                 value.const_value = ir.LazyTensor(lambda key=key: ir.tensor(parameter(weights, key).numpy().astype(np_dtype)),
                                                   dtype=value.const_value.dtype, shape=value.const_value.shape, name=value.name)
                 value.const_value.kvserve_key = key
@@ -300,7 +297,8 @@ def _trace(model: Decoder, dtype: str, kv_cache: str, attention: str, kv_dtype: 
             from torch.onnx._internal.exporter import _ir_passes
 
             lazy_weights(program)
-            logging.getLogger("onnx_ir").setLevel(logging.WARNING)  # a line per deduplicated constant at INFO
+            for chatty in ("onnx_ir", "onnxscript"):  # a line per deduplicated or skipped constant at INFO
+                logging.getLogger(chatty).setLevel(logging.WARNING)
             program.optimize()
             _ir_passes.rename_inputs(program.model, input_names)
             _ir_passes.rename_outputs(program.model, output_names)

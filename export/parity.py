@@ -45,7 +45,7 @@ from .parity_report import (
     kv_divergence,
     write_report,
 )
-from .quality import eval_windows, greedy_tokens, text_quality
+from .quality import GREEDY_PROMPT_TOKENS, GREEDY_STEPS, WINDOW_TOKENS, eval_windows, greedy_tokens, text_quality
 
 __all__ = ["ParityReport", "VerifyRefused", "artifact_greedy", "format_report", "verify", "write_report"]
 
@@ -57,12 +57,20 @@ class VerifyRefused(UserError):
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
 DECODE_PROMPTS = (7, 13)
 GREEDY_PROMPTS = (5, 9)
+LONG_SLOTS_PROMPTS = (9, 17)  # a slots graph's long-rope check: every row told to turn long, whatever its length
 # A model whose held-out perplexity is above this share of its vocabulary has not learned the text (the trained
 # default model: 22 of 4,096; the random gpt2 preset: 57,000 of 50,257).
 LEARNED_PERPLEXITY_SHARE = 0.1
 # Prompt tokens a step of the held-out text's prefill (the prefill checks chunk by 5, crossing boundaries; this check reads
 # logits only): gemma3-1b int8's text check took 44 s in chunks of 5.
 TEXT_CHUNK = 64
+
+
+def columns_needed(steps: int) -> int:
+    """The most tokens a parity row holds over every check with steps decode steps: its K/V pool is sized to them (a
+    Qwen3-4B shape's four rows of 2,048 columns took 2.4 GB of float32 K/V, of 137 columns 0.16 GB)."""
+    return max(WINDOW_TOKENS, max(map(max, PREFILL_CASES)), max(DECODE_PROMPTS) + steps, max(GREEDY_PROMPTS) + steps,
+               max(LONG_SLOTS_PROMPTS) + steps, GREEDY_PROMPT_TOKENS + GREEDY_STEPS)
 
 
 class _Verification:
@@ -72,7 +80,7 @@ class _Verification:
         self.artifact, self.reference, self.runtime, self.steps = artifact, reference, runtime, steps
         self.config = artifact.config
         self.tolerance = artifact.tolerance
-        self.driver = driver_for(runtime, artifact)
+        self.driver = driver_for(runtime, artifact, columns_needed(steps))
         self.rng = np.random.default_rng(0)
         self.max_prompt = max(1, min(33, self.config.n_ctx - steps - 1))
         self.kv_max = np.zeros((self.config.n_layer, self.config.n_kv_head))  # (L, H_kv): worst over every check
@@ -141,7 +149,7 @@ class _Verification:
         slots = isinstance(self.driver, SlotsDriver)
         if after is None or (not slots and after + 3 + self.steps > DRIVEN_COLUMNS):
             return []
-        lengths = (9, 17) if slots else (after + 3, after + 1)
+        lengths = LONG_SLOTS_PROMPTS if slots else (after + 3, after + 1)
         prompts = [self.rng.integers(0, self.config.vocab_size, n).tolist() for n in lengths]
         check = CheckStats(f"long rope B={len(prompts)} T={','.join(map(str, lengths))}")
         long = torch.ones(len(prompts), 1, dtype=torch.bool)  # (B, 1)

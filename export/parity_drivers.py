@@ -164,8 +164,8 @@ def artifact_greedy(artifact_dir: str | Path, prompts: list[list[int]], steps: i
     return greedy_tokens(driver_for(runtime, artifact), prompts, steps)
 
 
-def driver_for(runtime: DecoderRuntime, artifact):
-    """The driver that runs artifact's layout as its users do."""
+def driver_for(runtime: DecoderRuntime, artifact, columns: int = DRIVEN_COLUMNS):
+    """The driver that runs artifact's layout as its users do; a slots one's rows hold columns tokens (and a scratch column)."""
     if artifact.kv_cache == io.SLOTS:
-        return SlotsDriver(runtime, artifact.config, min(pool_capacity(artifact.config), DRIVEN_COLUMNS + 1), artifact.kv_scales())
+        return SlotsDriver(runtime, artifact.config, min(pool_capacity(artifact.config), min(columns, DRIVEN_COLUMNS) + 1), artifact.kv_scales())
     return ConcatDriver(runtime, artifact.config)

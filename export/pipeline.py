@@ -21,20 +21,22 @@ from kvserve.contract import artifact as art
 from kvserve.contract import io_contract as io
 from kvserve.contract.hf_config import config_to_hf
 from kvserve.errors import JobFailed, UserError
-from kvserve.model.checkpoint import TOKENIZER_FILES, load_checkpoint, weights_checksum
+from kvserve.model.checkpoint import TOKENIZER_FILES, CheckpointWeights
 from kvserve.model.decoders import Decoder, build
 from kvserve.model.generate import generate
 from kvserve.model.kv_storage import kv_stored_as
 from kvserve.model.presets import preset
 from kvserve.model.vocabulary import write_preset_tokenizer
+from kvserve.model.weights import reference_model, weight_source_of, weights_checksum
 from kvserve.progress import stage
 from kvserve.runtime import cuda_available
 
 from .graph_fusions import fuse_operators
 from .kv_calibration import calibrate_int8_scales, calibration_windows
-from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_graph
+from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_streamed
 from .parity import format_report, verify, write_report
 from .quantize import SCHEMES, QuantizeError, quantize_model
+from .weight_plan import WeightPlan
 
 GOLDEN_STEPS = 8
 
@@ -58,20 +60,20 @@ def load_source(preset_name: str | None, checkpoint: str | Path | None, seed: in
             raise ExportError(str(exc)) from None
         return build(config, seed), {"kind": "preset", "name": preset_name, "seed": seed}
     checkpoint = Path(checkpoint).resolve()
-    return load_checkpoint(checkpoint), {"kind": "checkpoint", "path": str(checkpoint)}
+    return reference_model(CheckpointWeights(checkpoint)), {"kind": "checkpoint", "path": str(checkpoint)}
 
 
 def reference_for(artifact_dir: str | Path, checkpoint: str | Path | None = None) -> Decoder:
     """The eager model an artifact is verified against: the given checkpoint, else its recorded source."""
     manifest = art.open_artifact(artifact_dir, check_files=False).manifest
     if checkpoint is not None:
-        return load_checkpoint(checkpoint)
+        return reference_model(CheckpointWeights(checkpoint))
     source = manifest["source"]
     if source["kind"] == "preset":
         return build(preset(source["name"]), source["seed"])
     if not Path(source["path"]).is_dir():
         raise ExportError(f"the source checkpoint {source['path']} is gone; pass --checkpoint DIR")
-    return load_checkpoint(source["path"])
+    return reference_model(CheckpointWeights(source["path"]))
 
 
 def record_golden(model: Decoder) -> art.GoldenRecord:
@@ -85,11 +87,11 @@ def record_golden(model: Decoder) -> art.GoldenRecord:
 
 
 def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str, attention: str = io.STANDARD,
-                   block_size: int | None = None) -> tuple[onnx.ModelProto, dict]:
+                   block_size: int | None = None, plan: WeightPlan | None = None) -> tuple[onnx.ModelProto, dict]:
     """The graph with scheme's 8- or 4-bit weights (in blocks of block_size, or the scheme's default), and the manifest's
-    facts about them."""
+    facts about them; pending weights (plan) stay pending."""
     try:
-        quantized, facts = quantize_model(graph, scheme, block_size)
+        quantized, facts = quantize_model(graph, scheme, block_size, plan)
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
     if kv_cache == io.SLOTS:
@@ -185,18 +187,19 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
                      quantize: str | None, attention: str, quantize_block: int | None, kv_dtype: str, kv_scales, kv_quantization) -> dict:
     """export_artifact's work once its arguments hold, the model's cache storing K/V as kv_dtype: staging filled,
     verified and renamed to out."""
+    weights = weight_source_of(model)
     with stage(f"trace the {kv_cache} graph ({dtype}, {attention} attention{'' if kv_dtype == dtype else f', {kv_dtype} K/V'})"):
-        proto, graph = trace_graph(model, dtype, kv_cache, attention, kv_dtype)
+        proto, graph, plan = trace_streamed(weights, dtype, kv_cache, attention, kv_dtype, kv_scales)
     if dtype == "float32":  # ONNX Runtime's fused kernels are held to float32 parity here; float16 keeps the plain ops
         with stage("fuse operators"):
             graph["fused_operators"] = fuse_operators(proto)
     if quantize is not None:
         with stage(f"quantize the weights ({quantize})"):
-            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block)
+            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block, plan)
             graph["fused_operators"] = graph["quantization"].pop("fused_operators")
-    with stage("check and save the graph"):
-        graph["external_data"] = save_graph(proto, staging)
-    del proto  # its weights are on disk now; verify loads the graph from there
+    with stage("write the weights, check and save the graph"):
+        graph["external_data"] = save_graph(proto, staging, plan)
+    del proto, plan  # the weights are on disk now; verify loads the graph from there
     (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
@@ -228,7 +231,7 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
         "kv_heads": model.config.n_kv_head,
         "kv_layout": "(batch_size, num_key_value_heads, sequence, head_dim) per layer, key and value",
         "source": source,
-        "weights_sha256": weights_checksum(model),
+        "weights_sha256": weights_checksum(weights),
         "files": {name: art.sha256_file(staging / name) for name in files},
         "golden": {"file": art.GOLDEN_FILE, "steps": GOLDEN_STEPS},
         "tokenizer": art.TOKENIZER_FILE if (staging / art.TOKENIZER_FILE).exists() else None,

@@ -162,6 +162,11 @@ def write_external(model: onnx.ModelProto, plan: WeightPlan | None, data_path: P
     with open(data_path, "wb") as file:
         for tensor in initializers(model.graph):
             offset = file.tell()
+            if plan is not None and is_pending(tensor) and plan.nbytes(tensor.name) + BYTES_OBJECT_HEADER < INLINE_BELOW:
+                tensor.raw_data = plan.array(tensor.name).tobytes()  # small: inline, where onnx.save_model leaves it
+                tensor.ClearField("data_location")
+                del tensor.external_data[:]
+                continue
             if plan is not None and is_pending(tensor):
                 dtype = plan.producers[tensor.name][0]
                 for chunk in plan.chunks(tensor.name):

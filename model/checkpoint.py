@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import warnings
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -25,8 +28,8 @@ from kvserve.contract.config import GPT2_ARCH, DecoderConfig
 from kvserve.contract.hf_config import config_from_hf, config_to_hf
 from kvserve.errors import UserError
 
-from .decoders import Decoder, _default_init_skipped, new_decoder
-from .weights import ModelWeights, parameter, skeleton
+from .decoders import Decoder
+from .weights import ModelWeights, WeightSource, load_model, parameter, skeleton
 from .weights import weights_checksum as source_checksum
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -50,8 +53,8 @@ SAFETENSORS_OTHERS = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16
 
 
 class _StoredTensor:
-    """Where one checkpoint tensor lies: a safetensors file's byte range (read with pread when asked, never mapped, so
-    what was read leaves no trace in the process's memory), or a tensor torch.load mapped from a .bin file."""
+    """Where one checkpoint tensor lies: a safetensors file's byte range (mapped only while rows of it are read, so what
+    was read leaves no trace in the process's memory), or a tensor torch.load mapped from a .bin file."""
 
     def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], begin: int = 0, loaded: torch.Tensor | None = None):
         self.path, self.dtype, self.shape, self.begin, self.loaded = path, dtype, shape, begin, loaded
@@ -62,20 +65,35 @@ class _StoredTensor:
 
     def rows(self, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop (the first axis), float32."""
+        out = torch.empty((stop - start, *self.shape[1:]), dtype=torch.float32)
+        self.read_into(out, start, stop)
+        return out
+
+    def read_into(self, out: torch.Tensor, start: int, stop: int) -> None:
+        """Rows start..stop into out (float32, their shape), converted as they are copied. Mapped, not read into a buffer
+        first: bfloat16 to float32 at 4.5 GB/s of the file against 1 GB/s through pread (a 50 MB tensor of a Qwen3-4B
+        shard in the page cache, 11 ms against 51-58, timed by hand on the 2-core EPYC Zen 4 VM)."""
         if self.loaded is not None:
-            return self.loaded[start:stop].float()
-        row = 1
-        for size in self.shape[1:]:
-            row *= size
+            out.copy_(self.loaded[start:stop])
+            return
+        count = (stop - start) * math.prod(self.shape[1:])
+        if count == 0:
+            return
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        count = (stop - start) * row
-        buffer = bytearray(count * itemsize)
-        with open(self.path, "rb", buffering=0) as file:
-            read = os.preadv(file.fileno(), [buffer], self.begin + start * row * itemsize) if count else 0
-        if read != len(buffer):
-            raise CheckpointError(f"{self.path}: ends inside a tensor (read {read} of {len(buffer)} bytes)")
-        values = torch.frombuffer(buffer, dtype=self.dtype) if count else torch.empty(0, dtype=self.dtype)
-        return values.reshape(stop - start, *self.shape[1:]).float()
+        begin = self.begin + start * (count // (stop - start)) * itemsize
+        page = begin - begin % mmap.ALLOCATIONGRANULARITY
+        with open(self.path, "rb") as file:
+            if os.fstat(file.fileno()).st_size < begin + count * itemsize:
+                raise CheckpointError(f"{self.path}: ends inside a tensor (it holds {os.fstat(file.fileno()).st_size} bytes)")
+            mapped = mmap.mmap(file.fileno(), begin - page + count * itemsize, prot=mmap.PROT_READ, offset=page)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch warns that the mapping is read-only: it is only read
+                values = torch.frombuffer(mapped, dtype=self.dtype, count=count, offset=begin - page)
+            out.copy_(values.view(out.shape))
+            del values
+        finally:
+            mapped.close()
 
 
 def _index_file(path: Path) -> dict[str, _StoredTensor]:
@@ -250,19 +268,25 @@ class CheckpointWeights:
     def rows(self, key: str, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop of our parameter key, float32: a slice of one stored tensor, of the stored tensors a fused
         one stacks (Q, K, V; gate, up), or of a transposed Conv1D's columns."""
+        out = torch.empty((stop - start, *self.shapes[key][1:]), dtype=torch.float32)
+        self.rows_into(key, out, start, stop)
+        return out
+
+    def rows_into(self, key: str, out: torch.Tensor, start: int, stop: int) -> None:
         fused = _fused_into(key, self.config)
         if fused is not None:
-            parts, offset = [], 0
+            offset = 0
             for part, size in zip(FUSED[fused], _split_sizes(self.config, fused)):
                 lo, hi = max(start, offset), min(stop, offset + size)
                 if lo < hi:
-                    parts.append(self.found[key.replace(fused, part)].rows(lo - offset, hi - offset))
+                    self.found[key.replace(fused, part)].read_into(out[lo - start : hi - start], lo - offset, hi - offset)
                 offset += size
-            return torch.cat(parts) if len(parts) != 1 else parts[0]
+            return
         stored = self.found[key]
         if key.endswith(TRANSPOSED):  # (in, out) stored: our rows are its columns (GPT-2's matrices are small)
-            return stored.rows(0, stored.shape[0])[:, start:stop].T.contiguous()
-        return stored.rows(start, stop)
+            out.copy_(stored.rows(0, stored.shape[0])[:, start:stop].T)
+        else:
+            stored.read_into(out, start, stop)
 
 
 TIED_CHECK_ROWS = 4096  # rows of a stored tied head compared with the embedding at a time
@@ -271,32 +295,61 @@ TIED_CHECK_ROWS = 4096  # rows of a stored tied head compared with the embedding
 def load_checkpoint(directory: str | Path) -> Decoder:
     """Load a checkpoint directory into an eager float32 model, checking every tensor's name and shape against the config;
     one tensor at a time beside the model."""
-    weights = CheckpointWeights(directory)
-    with _default_init_skipped():
-        model = new_decoder(weights.config)
-    with torch.no_grad():
-        for key, param in model.state_dict().items():
-            param.copy_(parameter(weights, key))
-    return model.eval()
+    return load_model(CheckpointWeights(directory))
 
 
-def save_checkpoint(model: Decoder, directory: str | Path, dtype: torch.dtype = torch.float32) -> None:
-    """Write config.json + model.safetensors in the layout transformers' from_pretrained reads."""
+def checkpoint_tensors(source: WeightSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """source's parameters as a checkpoint names and lays them out (Q, K and V apart; GPT-2's matrices transposed), one
+    parameter at a time."""
+    config = source.config
+    for key in source.keys():
+        tensor = parameter(source, key)
+        fused = _fused_into(key, config)
+        if fused is not None:
+            yield from zip((key.replace(fused, name) for name in FUSED[fused]), tensor.split(_split_sizes(config, fused)))
+        else:
+            yield key, tensor.T if key.endswith(TRANSPOSED) else tensor
+
+
+def write_checkpoint(config: DecoderConfig, directory: str | Path, tensors: Iterable[tuple[str, torch.Tensor]],
+                     dtype: torch.dtype = torch.float32, shard_bytes: int | None = None) -> None:
+    """config.json and the tensors in the layout transformers' save_pretrained writes: model.safetensors, or with
+    shard_bytes shards of about that size (model-00001-of-0000N.safetensors) and model.safetensors.index.json. One shard
+    is held at a time."""
     from safetensors.torch import save_file
 
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
-    state = {}
-    for key, tensor in model.state_dict().items():
-        fused = _fused_into(key, model.config)
-        if fused is not None:
-            parts = tensor.split(_split_sizes(model.config, fused))
-            state.update({key.replace(fused, name): part for name, part in zip(FUSED[fused], parts)})
-        else:
-            state[key] = tensor.T if key.endswith(TRANSPOSED) else tensor
-    state = {key: tensor.contiguous().to(dtype) for key, tensor in state.items()}
-    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    (directory / "config.json").write_text(json.dumps(config_to_hf(config), indent=2) + "\n")
+    shards, shard, size, weight_map, total = [], {}, 0, {}, 0
+
+    def flush():
+        path = directory / f"shard-{len(shards):05d}.tmp"
+        save_file(shard, str(path), metadata={"format": "pt"})
+        shards.append((path, list(shard)))
+
+    for name, tensor in tensors:
+        tensor = tensor.detach().contiguous().to(dtype)
+        nbytes = tensor.numel() * tensor.element_size()
+        if shard_bytes is not None and shard and size + nbytes > shard_bytes:
+            flush()
+            shard, size = {}, 0
+        shard[name], size, total = tensor, size + nbytes, total + nbytes
+    flush()
+    if shard_bytes is None:
+        shards[0][0].rename(directory / "model.safetensors")
+        return
+    for number, (path, names) in enumerate(shards, 1):
+        final = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        path.rename(directory / final)
+        weight_map.update(dict.fromkeys(names, final))
+    (directory / SHARD_INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+
+
+def save_checkpoint(model: Decoder, directory: str | Path, dtype: torch.dtype = torch.float32, shard_bytes: int | None = None) -> None:
+    """Write config.json + model.safetensors (or shards of about shard_bytes and their index) in the layout transformers'
+    from_pretrained reads."""
+    write_checkpoint(model.config, directory, checkpoint_tensors(ModelWeights(model)), dtype, shard_bytes)
 
 
 def weights_checksum(model: Decoder) -> str:

@@ -216,13 +216,16 @@ class Llama(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; logits leave in float32 whatever the model's dtype, so sampling is precise."""
-        x = self.model.norm(x)
+        logits = self.head(self.model.norm(x)).float()
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., C) -> (..., V) by the LM head: the embedding when tied (weights.streamed_reference reads it in blocks)."""
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight  # (V, C)
         # F.linear, not x @ weight.T: on a slots step's (K, C) rows it exports as one Gemm reading the (V, C) matrix
         # as stored, row by row, the faster layout for a few rows on the CPU (and no transposed copy of the table).
-        logits = F.linear(x, weight).float()
-        cap = self.config.final_logit_softcapping
-        return logits if cap is None else torch.tanh(logits / cap) * cap
+        return F.linear(x, weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings, (..., C); Gemma's scaled by sqrt(d_model) rounded to the model's dtype, as transformers has it."""

@@ -1,0 +1,123 @@
+"""Export and verify of the 3-8 B models people run on CPUs: peak memory and time of `kvserve export` on a checkpoint
+of a published model's shape (random weights, bfloat16 shards of 2 GB with their index, as downloaded), per precision.
+
+    python bench/large_export.py [--shape qwen3-4b] [--precision int4 float16] [--work /tmp/kvserve-large]
+
+The checkpoint is written once into --work (kept for the next run; 8 GB for qwen3-4b, 16 GB for llama3.1-8b) a tensor
+at a time. Each export runs as its own process under /usr/bin/time -v (peak RSS is its maximum resident set: what
+the process held, the page cache of the files it read not included) and the table says which stages took the time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+from kvserve.contract.config import DecoderConfig, RopeScaling  # noqa: E402
+from kvserve.model.checkpoint import _checkpoint_shapes, write_checkpoint  # noqa: E402
+from kvserve.model.weights import skeleton  # noqa: E402
+
+SHARD_BYTES = 2 * 10**9  # transformers' default max_shard_size for these models' published shards ("2GB" .. "5GB")
+
+SHAPES = {
+    # Qwen3-4B's published config: 36 layers of 2,560, 32 query and 8 K/V heads of 128, per-head Q/K norms, tied
+    # 151,936-token head, 40,960-token context. 4.02 B parameters.
+    "qwen3-4b": DecoderConfig(
+        model_type="qwen3", vocab_size=151936, n_ctx=40960, d_model=2560, n_head=32, n_kv_head=8, head_dim=128, n_layer=36, d_mlp=9728,
+        eos_token_ids=(151645, 151643), bos_token_id=151643, rope_theta=1000000.0, layer_norm_eps=1e-6, qk_norm=True,
+    ),
+    # Llama-3.1-8B's: 32 layers of 4,096, 32 query and 8 K/V heads of 128, untied 128,256-token head, llama3 RoPE scaling
+    # to a 131,072-token context. 8.03 B parameters.
+    "llama3.1-8b": DecoderConfig(
+        model_type="llama", vocab_size=128256, n_ctx=131072, d_model=4096, n_head=32, n_kv_head=8, n_layer=32, d_mlp=14336,
+        eos_token_ids=(128001, 128008, 128009), bos_token_id=128000, rope_theta=500000.0, layer_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling=RopeScaling(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                 original_max_position_embeddings=8192),
+    ),
+}
+PRECISIONS = {"int4": ["--quantize", "int4"], "int4-b32": ["--quantize", "int4", "--quantize-block", "32"], "int8": ["--quantize", "int8"], "float16": ["--dtype", "float16"], "float32": []}
+
+
+RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
+
+
+def random_tensors(config: DecoderConfig, seed: int = 0):
+    """A checkpoint's tensors of config's shape, one at a time: unit norms, zero biases, normal(0, 0.02) matrices but for
+    the projections into the residual stream, drawn at 0.02 / sqrt(2 x layers) as GPT-2 initialises them. Drawn all at
+    0.02, 36 layers make a chaotic function of their input: the Qwen3-4B shape's int8 artifact then differed from
+    itself by 0.26 in a logit between a cached decode and a recompute of the same tokens, and no quantized export of it
+    could pass verify (bench/results/cpu-2core.md, "Export in bounded memory")."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = _checkpoint_shapes({key: tuple(p.shape) for key, p in skeleton(config).state_dict().items()}, config)
+    residual_std = config.initializer_range / math.sqrt(2 * config.n_layer)
+    for name, shape in shapes.items():
+        if "norm" in name:
+            yield name, torch.ones(shape)
+        elif name.endswith("bias"):
+            yield name, torch.zeros(shape)
+        else:
+            std = residual_std if name.endswith(RESIDUAL_PROJECTIONS) else config.initializer_range
+            yield name, torch.randn(shape, generator=generator, dtype=torch.bfloat16).mul_(std)
+
+
+def checkpoint(shape: str, work: Path) -> Path:
+    directory = work / f"{shape}-bf16-scaled"
+    if not (directory / "model.safetensors.index.json").exists():
+        started = time.perf_counter()
+        write_checkpoint(SHAPES[shape], directory, random_tensors(SHAPES[shape]), torch.bfloat16, SHARD_BYTES)
+        print(f"wrote {directory} in {time.perf_counter() - started:.0f} s", flush=True)
+    return directory
+
+
+def timed_export(directory: Path, out: Path, precision: str) -> dict:
+    """One `kvserve export` under /usr/bin/time -v: peak RSS, wall seconds, the stage lines it printed, its result."""
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "kvserve.cli", "export", "--checkpoint", str(directory), "--out", str(out),
+               "--overwrite", "--no-tokenizer", *PRECISIONS[precision]]  # random weights: a vocabulary would change nothing measured
+    started = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True)
+    wall = time.perf_counter() - started
+    out.with_suffix(".log").write_text(run.stdout + run.stderr)  # the whole report, beside the artifact
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
+    stages = re.findall(r"^== (.+?): ([\d.]+) s \(total", run.stdout + run.stderr, re.M)
+    passed = "result: PASS" in run.stdout + run.stderr
+    return {"peak_gb": int(peak.group(1)) * 1024 / 1e9 if peak else float("nan"), "wall_s": wall, "passed": passed, "rc": run.returncode,
+            "stages": stages, "tail": (run.stdout + run.stderr)[-1500:]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
+    parser.add_argument("--precision", nargs="+", choices=sorted(PRECISIONS), default=["int4"])
+    parser.add_argument("--work", type=Path, default=Path("/tmp/kvserve-large"))
+    args = parser.parse_args()
+    directory = checkpoint(args.shape, args.work)
+    params = sum(torch.Size(s).numel() for s in (p.shape for p in skeleton(SHAPES[args.shape]).parameters()))
+    rows = []
+    for precision in args.precision:
+        result = timed_export(directory, args.work / f"{args.shape}-{precision}", precision)
+        rows.append((precision, result))
+        if result["rc"] not in (0, 1):
+            print(result["tail"], file=sys.stderr)
+    print(f"\n{args.shape}: {params / 1e9:.2f} B parameters, bfloat16 shards of {SHARD_BYTES / 1e9:.0f} GB")
+    print("| precision | export + verify peak RSS | wall | verify | where the time went |")
+    print("|---|---|---|---|---|")
+    for precision, r in rows:
+        where = ", ".join(f"{name} {float(s):.0f} s" for name, s in r["stages"])
+        verdict = "PASS" if r["passed"] else f"FAIL (rc {r['rc']})"
+        print(f"| {precision} | {r['peak_gb']:.2f} GB | {r['wall_s'] / 60:.1f} min | {verdict} | {where} |")
+    print(f"\nmachine: {describe()}")
+
+
+if __name__ == "__main__":
+    main()
