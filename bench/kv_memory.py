@@ -54,9 +54,10 @@ def install_revision(revision: str) -> Path:
     return site
 
 
-def resident_bytes(pid: int) -> int:
+def resident_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory now (VmRSS), or its peak so far (VmHWM)."""
     with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
 
 
 class Peak(threading.Thread):
@@ -95,6 +96,7 @@ def run_once(artifact: str, site: Path | None, vocab: int, new_tokens: int, seed
         if not wait_until_serving(server, target):
             sys.exit("the server did not start")
         to_serving = time.perf_counter() - started
+        start_peak = resident_bytes(server.pid, "VmHWM")  # the session, gate and warm-up's highest, before any request
         time.sleep(1.0)  # settled
         idle = resident_bytes(server.pid)
         peak = Peak(server.pid)
@@ -102,7 +104,7 @@ def run_once(artifact: str, site: Path | None, vocab: int, new_tokens: int, seed
         rate = asyncio.run(load(target, vocab, new_tokens, seed))
         peak.stopped.set()
         peak.join()
-        return {"to_serving": to_serving, "idle": idle, "peak": max(peak.peak, idle), "rate": rate}
+        return {"to_serving": to_serving, "start_peak": start_peak, "idle": idle, "peak": max(peak.peak, idle), "rate": rate}
     finally:
         server.terminate()
         server.wait(60)
@@ -139,7 +141,8 @@ def main() -> None:
     print(f"# K/V memory: {STREAMS} streams x {PROMPT + args.new_tokens} tokens\n\n{describe()}\n")
     print(f"{compared}; context {config.n_ctx}, {STREAMS} rows, {args.rounds} rounds alternating; server VmRSS. K/V growth: "
           f"(peak - idle) over the live tokens' K/V bytes ({live_tokens:,} tokens)\n")
-    print("| round | server | to SERVING s | idle RSS GB | peak RSS GB | K/V growth | tokens/s |\n|---:|---|---:|---:|---:|---:|---:|")
+    print("| round | server | to SERVING s | start-up peak GB | idle RSS GB | peak RSS GB | K/V growth | tokens/s |\n"
+          "|---:|---|---:|---:|---:|---:|---:|---:|")
     results: dict[str, list[dict]] = {side: [] for side in sides}
     for round_number in range(args.rounds):
         order = list(sides) if round_number % 2 == 0 else list(reversed(sides))
@@ -148,7 +151,8 @@ def main() -> None:
             result = run_once(artifact, side_site, config.vocab_size, args.new_tokens, 1000 * round_number)
             result["growth"] = (result["peak"] - result["idle"]) / (live_tokens * token_bytes(artifact))
             results[side].append(result)
-            print(f"| {round_number + 1} | {side} | {result['to_serving']:.2f} | {result['idle'] / 1e9:.3f} | {result['peak'] / 1e9:.3f} | "
+            print(f"| {round_number + 1} | {side} | {result['to_serving']:.2f} | {result['start_peak'] / 1e9:.3f} | {result['idle'] / 1e9:.3f} | "
+                  f"{result['peak'] / 1e9:.3f} | "
                   f"{result['growth']:.2f}x | {result['rate']:.1f} |")
     print("\n| server | to SERVING s (median) | idle RSS GB (median) | peak RSS GB (median) | K/V growth (median) | tokens/s (mean) |"
           "\n|---|---:|---:|---:|---:|---:|")

@@ -1,7 +1,9 @@
 """Export and verify of the 3-8 B models people run on CPUs: peak memory and time of `kvserve export` on a checkpoint
-of a published model's shape (random weights, bfloat16 shards of 2 GB with their index, as downloaded), per precision.
+of a published model's shape (random weights, bfloat16 shards of 2 GB with their index, as downloaded), per precision;
+or of a preset, this tree against a baseline revision, alternating (--preset, --baseline).
 
     python bench/large_export.py [--shape qwen3-4b] [--precision int4 float16] [--work /tmp/kvserve-large]
+    python bench/large_export.py --preset qwen2.5-0.5b --precision int4 --baseline d63c112 [--rounds 2]
 
 The checkpoint is written once into --work (kept for the next run; 8 GB for qwen3-4b, 16 GB for llama3.1-8b) a tensor
 at a time. Each export runs as its own process under /usr/bin/time -v (peak RSS is its maximum resident set: what
@@ -11,7 +13,9 @@ the process held, the page cache of the files it read not included) and the tabl
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -22,6 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kv_memory import install_revision  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.config import DecoderConfig, RopeScaling  # noqa: E402
@@ -80,14 +85,16 @@ def checkpoint(shape: str, work: Path) -> Path:
     return directory
 
 
-def timed_export(directory: Path, out: Path, precision: str) -> dict:
-    """One `kvserve export` under /usr/bin/time -v: peak RSS, wall seconds, the stage lines it printed, its result."""
-    command = ["/usr/bin/time", "-v", sys.executable, "-m", "kvserve.cli", "export", "--checkpoint", str(directory), "--out", str(out),
-               "--overwrite", "--no-tokenizer", *PRECISIONS[precision]]  # random weights: a vocabulary would change nothing measured
+def timed_export(source: list[str], out: Path, precision: str, site: Path | None = None) -> dict:
+    """One `kvserve export` of source (its --checkpoint or --preset arguments) under /usr/bin/time -v, the kvserve installed
+    at site if given: peak RSS, wall seconds, the stage lines it printed, its result."""
+    command = ["/usr/bin/time", "-v", sys.executable, "-m", "kvserve.cli", "export", *source, "--out", str(out), "--overwrite",
+               *PRECISIONS[precision]]
+    env = dict(os.environ) | ({"PYTHONPATH": str(site)} if site is not None else {})
     started = time.perf_counter()
-    run = subprocess.run(command, capture_output=True, text=True)
+    run = subprocess.run(command, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - started
-    out.with_suffix(".log").write_text(run.stdout + run.stderr)  # the whole report, beside the artifact
+    (out.parent / f"{out.name}.log").write_text(run.stdout + run.stderr)  # the whole report, beside the artifact
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     stages = re.findall(r"^== (.+?): ([\d.]+) s \(total", run.stdout + run.stderr, re.M)
     passed = "result: PASS" in run.stdout + run.stderr
@@ -100,12 +107,19 @@ def main() -> None:
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
     parser.add_argument("--precision", nargs="+", choices=sorted(PRECISIONS), default=["int4"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvserve-large"))
+    parser.add_argument("--preset", help="export this preset instead of a checkpoint of --shape")
+    parser.add_argument("--baseline", help="with --preset: a revision whose export runs in turn with this tree's")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    if args.preset:
+        compare_presets(args)
+        return
     directory = checkpoint(args.shape, args.work)
     params = sum(torch.Size(s).numel() for s in (p.shape for p in skeleton(SHAPES[args.shape]).parameters()))
     rows = []
     for precision in args.precision:
-        result = timed_export(directory, args.work / f"{args.shape}-{precision}", precision)
+        # random weights: a vocabulary would change nothing measured
+        result = timed_export(["--checkpoint", str(directory), "--no-tokenizer"], args.work / f"{args.shape}-{precision}", precision)
         rows.append((precision, result))
         if result["rc"] not in (0, 1):
             print(result["tail"], file=sys.stderr)
@@ -116,6 +130,27 @@ def main() -> None:
         where = ", ".join(f"{name} {float(s):.0f} s" for name, s in r["stages"])
         verdict = "PASS" if r["passed"] else f"FAIL (rc {r['rc']})"
         print(f"| {precision} | {r['peak_gb']:.2f} GB | {r['wall_s'] / 60:.1f} min | {verdict} | {where} |")
+    print(f"\nmachine: {describe()}")
+
+
+def compare_presets(args) -> None:
+    """--preset: this tree's export against --baseline's, alternating, each round; and whether their weights files match."""
+    trees = {"this tree": None} | ({f"baseline {args.baseline}": install_revision(args.baseline)} if args.baseline else {})
+    rows = []
+    for precision in args.precision:
+        for round_ in range(args.rounds):
+            for tree, site in trees.items():
+                out = args.work / f"{args.preset}-{precision}-{tree.split()[0]}"
+                result = timed_export(["--preset", args.preset], out, precision, site)
+                data = out / "model.onnx.data"
+                result["data_sha256"] = json.loads((out / "manifest.json").read_text())["files"].get("model.onnx.data", "") if data.exists() else ""
+                rows.append((precision, round_, tree, result))
+    print(f"\n{args.preset}: `kvserve export --preset`, {args.rounds} round(s), trees alternating")
+    print("| precision | round | tree | peak RSS | wall | verify | model.onnx.data sha256 |")
+    print("|---|---|---|---|---|---|---|")
+    for precision, round_, tree, r in rows:
+        verdict = "PASS" if r["passed"] else f"FAIL (rc {r['rc']})"
+        print(f"| {precision} | {round_ + 1} | {tree} | {r['peak_gb']:.2f} GB | {r['wall_s']:.0f} s | {verdict} | {r['data_sha256'][:12]} |")
     print(f"\nmachine: {describe()}")
 
 

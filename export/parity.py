@@ -68,7 +68,7 @@ TEXT_CHUNK = 64
 
 def columns_needed(steps: int) -> int:
     """The most tokens a parity row holds over every check with steps decode steps: its K/V pool is sized to them (a
-    Qwen3-4B shape's four rows of 2,048 columns took 2.4 GB of float32 K/V, of 137 columns 0.16 GB)."""
+    Qwen3-4B shape's four rows of 2,049 columns took 2.4 GB of float32 K/V, of 129 columns 0.15 GB)."""
     return max(WINDOW_TOKENS, max(map(max, PREFILL_CASES)), max(DECODE_PROMPTS) + steps, max(GREEDY_PROMPTS) + steps,
                max(LONG_SLOTS_PROMPTS) + steps, GREEDY_PROMPT_TOKENS + GREEDY_STEPS)
 
