@@ -51,7 +51,7 @@ SHAPES = {
                                  original_max_position_embeddings=8192),
     ),
 }
-PRECISIONS = {"int4": ["--quantize", "int4"], "int4-b32": ["--quantize", "int4", "--quantize-block", "32"], "int8": ["--quantize", "int8"], "float16": ["--dtype", "float16"], "float32": []}
+PRECISIONS = {"int4": ["--quantize", "int4"], "int4-b32": ["--quantize", "int4", "--quantize-block", "32"], "int8-b32": ["--quantize", "int8", "--quantize-block", "32"], "int8": ["--quantize", "int8"], "float16": ["--dtype", "float16"], "float32": []}
 
 
 RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")
