@@ -4,8 +4,8 @@ them without holding them all.
 A weight source answers by our parameter names (the eager modules' state_dict keys), in float32 whatever the source
 holds: ModelWeights over a model in memory (a preset), checkpoint.CheckpointWeights over a checkpoint's files. Export
 writes each initializer from rows of one parameter at a time; verify's eager reference (streamed_reference) holds the
-token embedding, the head and the norms, and loads each block's weights as the block runs, then drops them, so a
-model of 8 B parameters is checked in the memory of one float32 layer beside its tables.
+norms and biases, reads each linear layer's weights into one float32 buffer as it runs, the embedding's looked-up rows
+and the head a block of rows at a time, so a model of 8 B parameters is checked in the memory of its largest matrix.
 """
 
 from __future__ import annotations
