@@ -33,7 +33,9 @@ from onnx import numpy_helper
 from kvserve.contract.io_contract import LOGITS, QUANTIZATIONS
 
 from .graph_fusions import MICROSOFT, fuse_operators
-from .weight_plan import WeightPlan, is_pending, materialize, row_blocks
+from kvserve.model.weights import row_blocks
+
+from .weight_plan import WeightPlan, is_pending, materialize
 
 SCHEMES = QUANTIZATIONS  # what `kvserve export --quantize` offers
 # (bits, block size) per MatMulNBits scheme. A block is that many input rows of one output column sharing a scale;
@@ -338,10 +340,11 @@ def _nbits_matmul(node: onnx.NodeProto, stack: list[onnx.GraphProto], plan: Weig
     pack = 8 // bits
     blocks, blob = -(-rows // block_size), (block_size + pack - 1) // pack
     kernel = quantize_matmul_8bits if bits == 8 else quantize_matmul_4bits
+    inline = None if is_pending(weight) else numpy_helper.to_array(weight)  # (K, N): a small graph's weight in the graph
 
     def passes():
         for start, stop in row_blocks(cols, rows * 4):  # output columns: rows of the (N, K) weight this one transposes
-            columns = plan.columns(weight.name, start, stop) if is_pending(weight) else numpy_helper.to_array(weight)[:, start:stop]
+            columns = plan.columns(weight.name, start, stop) if inline is None else inline[:, start:stop]
             columns = np.pad(np.ascontiguousarray(columns, np.float32), ((0, blocks * block_size - rows), (0, 0)))  # (K padded, n)
             packed = np.zeros((stop - start, blocks, blob), np.uint8)
             scales = np.zeros((stop - start, blocks), np.float32)

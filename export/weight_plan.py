@@ -3,13 +3,14 @@
 The traced graph's weights never enter the ModelProto: each is a pending initializer (its name, dtype and dims, and an
 external-data location of PENDING) beside a producer in a WeightPlan that yields its bytes a block of rows at a time
 from the weight source (model/weights.py). Graph rewrites (quantization, transposes) register producers derived from
-others. save_streamed then writes every initializer to the external data file in the order and layout onnx.save_model
+others. save_graph (write_external) then writes every initializer to the external data file in the order and layout onnx.save_model
 gives it (one file, each tensor where the last ended, small ones kept inline), producing each as it is reached: the
 export holds one block of one weight at a time, whatever the model's size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,24 +18,15 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from kvserve.model.weights import WeightSource
+from kvserve.model.weights import WeightSource, row_blocks
 
 PENDING = "kvserve:pending"  # the external-data location of an initializer whose bytes the plan produces
-# A weight is produced this many float32 bytes of rows at a time (a 1.5 GB embedding in 24 blocks).
-BLOCK_BYTES = 64 * 2**20
 # onnx.save_model moves an initializer to the external file when sys.getsizeof(raw_data) reaches its size_threshold
 # (1024 here): a bytes object's size is its length plus this header.
 BYTES_OBJECT_HEADER = 33
 INLINE_BELOW = 1024
 
 Chunks = Callable[[], Iterator[np.ndarray]]
-
-
-def row_blocks(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) of consecutive blocks of rows, each about BLOCK_BYTES."""
-    step = max(1, BLOCK_BYTES // max(1, row_bytes))
-    for start in range(0, rows, step):
-        yield start, min(rows, start + step)
 
 
 class WeightPlan:
@@ -56,14 +48,9 @@ class WeightPlan:
     def parameter(self, name: str, key: str, dtype: np.dtype) -> TensorProto:
         """The source's parameter key, cast to dtype, as the initializer name."""
         shape = self.source.shape(key)
-        row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * 4
-
-        def chunks():
-            for start, stop in row_blocks(shape[0], row_bytes):
-                yield self.source.rows(key, start, stop).numpy().astype(dtype, copy=False)
-
         self.keys[name] = (key, np.dtype(dtype))
-        return self.add(name, dtype, shape, chunks)
+        blocks = list(row_blocks(shape[0], 4 * math.prod(shape[1:])))
+        return self.add(name, dtype, shape, lambda: (self.rows(name, start, stop) for start, stop in blocks))
 
     def transposed(self, name: str, of: str) -> TensorProto:
         """name: the 2-D pending initializer of, transposed. Its rows are of's columns: whoever can use of's rows instead
@@ -161,22 +148,22 @@ def write_external(model: onnx.ModelProto, plan: WeightPlan | None, data_path: P
     onnx.save_model lays them; the graph is left pointing at them."""
     with open(data_path, "wb") as file:
         for tensor in initializers(model.graph):
-            offset = file.tell()
-            if plan is not None and is_pending(tensor) and plan.nbytes(tensor.name) + BYTES_OBJECT_HEADER < INLINE_BELOW:
-                tensor.raw_data = plan.array(tensor.name).tobytes()  # small: inline, where onnx.save_model leaves it
-                tensor.ClearField("data_location")
-                del tensor.external_data[:]
+            pending = plan is not None and is_pending(tensor)
+            size = plan.nbytes(tensor.name) if pending else len(tensor.raw_data)
+            if size + BYTES_OBJECT_HEADER < INLINE_BELOW:  # small: inline, where onnx.save_model leaves it
+                if pending:
+                    tensor.raw_data = plan.array(tensor.name).tobytes()
+                    tensor.ClearField("data_location")
+                    del tensor.external_data[:]
                 continue
-            if plan is not None and is_pending(tensor):
+            offset = file.tell()
+            if pending:
                 dtype = plan.producers[tensor.name][0]
                 for chunk in plan.chunks(tensor.name):
                     file.write(np.ascontiguousarray(chunk, dtype=dtype).data)
-            elif tensor.HasField("raw_data") and len(tensor.raw_data) + BYTES_OBJECT_HEADER >= INLINE_BELOW:
+            else:
                 file.write(tensor.raw_data)
                 tensor.ClearField("raw_data")
-            else:
-                continue
-            length = file.tell() - offset
-            if plan is not None and is_pending(tensor) and length != plan.nbytes(tensor.name):
-                raise RuntimeError(f"{tensor.name}: produced {length} bytes, expected {plan.nbytes(tensor.name)}")
-            _set_external(tensor, data_path.name, offset, length)
+            if file.tell() - offset != size:
+                raise RuntimeError(f"{tensor.name}: produced {file.tell() - offset} bytes, expected {size}")
+            _set_external(tensor, data_path.name, offset, size)

@@ -29,7 +29,7 @@ from kvserve.contract.hf_config import config_from_hf, config_to_hf
 from kvserve.errors import UserError
 
 from .decoders import Decoder
-from .weights import ModelWeights, WeightSource, load_model, parameter, skeleton
+from .weights import ModelWeights, WeightSource, load_model, parameter, row_blocks, skeleton
 from .weights import weights_checksum as source_checksum
 
 TRANSPOSED = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -249,10 +249,9 @@ class CheckpointWeights:
 
     def _check_tied_head(self, lm_head: _StoredTensor, path: Path) -> None:
         embedding = "transformer.wte.weight" if self.config.architecture == GPT2_ARCH else "model.embed_tokens.weight"
-        rows = self.shapes[embedding][0]
+        rows, width = self.shapes[embedding]
         same = lm_head.shape == self.shapes[embedding] and all(
-            torch.equal(lm_head.rows(start, min(start + TIED_CHECK_ROWS, rows)), self.rows(embedding, start, min(start + TIED_CHECK_ROWS, rows)))
-            for start in range(0, rows, TIED_CHECK_ROWS))
+            torch.equal(lm_head.rows(start, stop), self.rows(embedding, start, stop)) for start, stop in row_blocks(rows, 4 * width))
         if not same:
             raise CheckpointError(
                 f"{path}: lm_head.weight differs from the token embedding, but config.json says tie_word_embeddings"
@@ -287,9 +286,6 @@ class CheckpointWeights:
             out.copy_(stored.rows(0, stored.shape[0])[:, start:stop].T)
         else:
             stored.read_into(out, start, stop)
-
-
-TIED_CHECK_ROWS = 4096  # rows of a stored tied head compared with the embedding at a time
 
 
 def load_checkpoint(directory: str | Path) -> Decoder:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+from collections.abc import Iterator
 from functools import partial
 from typing import Protocol
 
@@ -45,6 +46,18 @@ def parameter(source: WeightSource, key: str) -> torch.Tensor:
     return source.rows(key, 0, source.shape(key)[0])
 
 
+# A large weight is read, hashed, quantized or multiplied this many float32 bytes of rows at a time (a 1.5 GB table in
+# 24 blocks): what one weight costs in memory while it streams.
+BLOCK_BYTES = 64 * 2**20
+
+
+def row_blocks(rows: int, row_bytes: int) -> Iterator[tuple[int, int]]:
+    """(start, stop) of consecutive blocks of rows, each about BLOCK_BYTES."""
+    step = max(1, BLOCK_BYTES // max(1, row_bytes))
+    for start in range(0, rows, step):
+        yield start, min(rows, start + step)
+
+
 class ModelWeights:
     """The weights of an eager model in memory (a preset's, or one already loaded)."""
 
@@ -72,13 +85,9 @@ def weights_checksum(source: WeightSource) -> str:
     for key in sorted(source.keys()):
         digest.update(key.encode())
         shape = source.shape(key)
-        step = max(1, CHECKSUM_BLOCK_BYTES // (4 * math.prod(shape[1:])))
-        for start in range(0, shape[0], step):
-            digest.update(source.rows(key, start, min(shape[0], start + step)).contiguous().numpy().data)
+        for start, stop in row_blocks(shape[0], 4 * math.prod(shape[1:])):
+            digest.update(source.rows(key, start, stop).contiguous().numpy().data)
     return digest.hexdigest()
-
-
-CHECKSUM_BLOCK_BYTES = 64 * 2**20
 
 
 @contextlib.contextmanager
@@ -182,20 +191,17 @@ class _StreamedHead:
     def __init__(self, source: WeightSource, key: str):
         self.source, self.key = source, key
         vocab, width = source.shape(key)
-        self.buffer = torch.empty((min(vocab, max(1, HEAD_BLOCK_BYTES // (4 * width))), width))  # (rows, C)
+        self.blocks = list(row_blocks(vocab, 4 * width))
+        self.buffer = torch.empty((self.blocks[0][1], width))  # (rows, C)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        vocab, step = self.source.shape(self.key)[0], self.buffer.shape[0]
-        out = x.new_empty((*x.shape[:-1], vocab))  # (..., V)
-        for start in range(0, vocab, step):
-            stop = min(vocab, start + step)
+        out = x.new_empty((*x.shape[:-1], self.source.shape(self.key)[0]))  # (..., V)
+        for start, stop in self.blocks:
             weight = self.buffer[: stop - start]
             self.source.rows_into(self.key, weight, start, stop)
             out[..., start:stop] = F.linear(x, weight)
         return out
 
-
-HEAD_BLOCK_BYTES = 64 * 2**20  # float32 rows of the head (and the tied table) multiplied at a time
 
 
 def streamed_reference(source: WeightSource) -> Decoder:
