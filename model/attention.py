@@ -131,44 +131,54 @@ def cached_attention(q, k, v, bias, past: LayerKV, scale: float | None = None, s
     return scaled_dot_product_attention(q, k, v, bias, scale, softcap), (k, v)
 
 
+def counting(like: torch.Tensor) -> torch.Tensor:
+    """0, 1, ..., n - 1 for a 1-D like of n elements, counted from its values (a running sum of ones), not from its
+    shape: an arange of a shape runs on the CPU under ONNX Runtime's CUDA provider and is copied to the device, which
+    a CUDA graph cannot capture (export/cuda_placement.py)."""
+    return (like * 0 + 1).cumsum(0) - 1  # (n,)
+
+
 class SlotStep:
     """Where one `slots` step's N = B + T tokens go: B decode tokens (one per cache row, rows 0..B-1) then
     a prompt chunk of T tokens of row `chunk_slot`. Built once per forward, shared by every layer.
 
     Both parts read their rows' columns with one gather from the pool seen as (S * H_kv * C_cap, d_k): decode
     rows their first W columns, the chunk its own row's first W_c. (Slicing the pool's column axis cost ONNX
-    Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.)"""
+    Runtime a fifth of a 16-row decode step; the gather copies the same cells at memcpy speed.) Every index is
+    computed from values on the device, none from a shape (counting): the CUDA provider then runs the whole step
+    there, and a decode step can be captured as a CUDA graph (export/cuda_placement.py checks it)."""
 
     def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV,
                  window: int | None = None):
         """The slots inputs (see GPT2.forward_slots, contract/io_contract.py), a layer's row pool, and the sliding window
         of the layers that have one (their biases are built beside the others')."""
-        B, T = position_ids.shape[0], chunk_position_ids.shape[1]
-        n_kv_head, capacity = pool[0].shape[1], pool[0].shape[2]
-        device = position_ids.device
-        self.token_ids = torch.cat([input_ids.reshape(B), chunk_ids.reshape(T)])  # (N,): decode tokens, then the chunk
-        rows = torch.cat([torch.arange(B, device=device), chunk_slot.expand(T)])  # (N,)
-        columns = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
-        heads = torch.arange(n_kv_head, device=device)  # (H_kv,)
+        n_kv_head = pool[0].shape[1]
+        decode_positions, chunk_positions = position_ids.reshape(-1), chunk_position_ids.reshape(-1)  # (B,), (T,)
+        self.token_ids = torch.cat([input_ids.reshape(-1), chunk_ids.reshape(-1)])  # (N,): decode tokens, then the chunk
+        decode_rows = counting(decode_positions)  # (B,)
+        rows = torch.cat([decode_rows, chunk_slot + chunk_positions * 0])  # (N,): the chunk's tokens all in chunk_slot
+        self.positions = torch.cat([decode_positions, chunk_positions])  # (N,): a token's column is its position
+        heads = torch.arange(n_kv_head, device=position_ids.device)  # (H_kv,): a constant in the graph
         # Every token's K/V goes to (its row, each head, its column): indices built whole, once a step, so each
         # layer's scatter takes its K/V as they are.
-        shape = (B + T, n_kv_head)
-        self.write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), columns[:, None].expand(shape)]  # 3 x (N, H_kv)
-        self.n_decode = B
-        decode_columns = torch.arange(attention_mask.shape[1], device=device)  # (W,): decode rows read these
-        decode_planes = torch.arange(B, device=device)[:, None] * n_kv_head + heads[None, :]  # (B, H_kv)
-        self.decode_cells = decode_planes[:, :, None] * capacity + decode_columns[None, None, :]  # (B, H_kv, W)
+        self.write_index = [rows[:, None] + heads * 0, heads + rows[:, None] * 0, self.positions[:, None] + heads * 0]  # 3 x (N, H_kv)
+        self.n_decode = position_ids.shape[0]  # B: a size that sizes a Split (read from the host, no copy)
+        decode_columns = counting(attention_mask[0])  # (W,): decode rows read these
+        decode_planes = (decode_rows[:, None] * n_kv_head + heads)[:, :, None]  # (B, H_kv, 1)
+        # The pool's row width as a device value (counted, as counting does): as a shape it would be a host value.
+        capacity = torch.ones(pool[0].shape[2], dtype=torch.int64, device=position_ids.device).sum()  # ()
+        self.decode_cells = decode_planes * capacity + decode_columns  # (B, H_kv, W)
         self.decode_bias = attention_bias((attention_mask > 0)[:, None, None, :])  # (B, 1, 1, W)
-        chunk_columns = torch.arange(chunk_attention_mask.shape[1], device=device)  # (W_c,): the chunk reads these
-        self.chunk_cells = ((chunk_slot * n_kv_head + heads)[:, None] * capacity + chunk_columns[None, :])[:, None]  # (H_kv, 1, W_c)
-        causal = chunk_columns[None, :] <= chunk_position_ids.reshape(T)[:, None]  # (T, W_c)
+        chunk_columns = counting(chunk_attention_mask[0])  # (W_c,): the chunk reads these
+        chunk_planes = (chunk_slot * n_kv_head + heads)[:, None, None]  # (H_kv, 1, 1)
+        self.chunk_cells = chunk_planes * capacity + chunk_columns  # (H_kv, 1, W_c)
+        causal = chunk_columns[None, :] <= chunk_positions[:, None]  # (T, W_c)
         self.chunk_bias = attention_bias(causal & (chunk_attention_mask > 0))  # (T, W_c)
         if window is not None:  # a row's columns are its positions: the window counts back from each query's own
-            recent = within_window(decode_columns[None, :], position_ids.reshape(B)[:, None], window)  # (B, W)
+            recent = within_window(decode_columns[None, :], decode_positions[:, None], window)  # (B, W)
             self.decode_bias_local = attention_bias((recent & (attention_mask > 0))[:, None, None, :])  # (B, 1, 1, W)
-            recent = within_window(chunk_columns[None, :], chunk_position_ids.reshape(T)[:, None], window)  # (T, W_c)
+            recent = within_window(chunk_columns[None, :], chunk_positions[:, None], window)  # (T, W_c)
             self.chunk_bias_local = attention_bias(recent & (chunk_attention_mask > 0))  # (T, W_c)
-        self.positions = torch.cat([position_ids.reshape(B), chunk_position_ids.reshape(T)])  # (N,)
 
 
 def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False, scale: float | None = None,

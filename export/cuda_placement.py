@@ -1,0 +1,86 @@
+"""Where ONNX Runtime's CUDA provider would run a graph's shape arithmetic, read from the graph alone (no GPU needed),
+and whether a step of it can be captured as a CUDA graph.
+
+ONNX Runtime captures a session's steps only when every compute node runs on the CUDA provider and no Memcpy node
+was inserted (inference_session.cc). Nodes reading shapes are the exception it allows: Shape's output lives in host
+memory, and ONNX Runtime moves a node whose inputs are all such host tensors, constants or graph inputs onto the CPU
+("the CPU execution path is deemed faster", fallback_cpu_capability.cc), so a chain of shape arithmetic runs on the
+CPU. That is harmless while the chain ends at an input a CUDA kernel reads from host memory (a Reshape's shape, an
+Expand's shape, a Slice's bounds): ONNX Runtime hands it over without a copy, and a replayed graph needs no such
+value again at its captured shape. It is fatal when the chain reaches a CUDA kernel's data (an arange used as
+indices, zeros made to a tensor's shape): a Memcpy is inserted and capture is refused.
+
+capture_blockers simulates that placement on the graph's nodes and names every host-to-device edge it would need;
+it also names operators whose CUDA kernels read their inputs back to the host themselves (Range copies start,
+limit and delta off the device) and control flow (the fused graph's If over an empty chunk), which a capture cannot
+hold either. Checked on the exported graph: ONNX Runtime's own optimizations only fold shape arithmetic further.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+# Outputs the CUDA provider's kernels leave in host memory.
+HOST_OUTPUTS = {"Shape": {0}, "Size": {0}}
+# Inputs the CUDA provider's kernels read from host memory (their KernelDefBuilder's InputMemoryType(OrtMemTypeCPUInput)).
+HOST_INPUTS = {
+    "Reshape": {1}, "Expand": {1}, "ConstantOfShape": {0}, "Slice": {1, 2, 3, 4}, "Split": {1}, "Squeeze": {1},
+    "Unsqueeze": {1}, "Tile": {1}, "TopK": {1}, "CumSum": {1}, "ReduceSum": {1}, "ReduceMax": {1}, "ReduceMin": {1},
+    "ReduceMean": {1}, "Pad": {1, 2, 3}, "Clip": {1, 2}, "OneHot": {1}, "Resize": {1, 2, 3}, "If": {0}, "Loop": {0, 1},
+}
+# CUDA kernels that copy an input to the host inside the step (a synchronising copy no capture holds).
+READS_BACK = {"Range", "NonZero"}
+# Control flow: ONNX Runtime refuses to capture a graph holding any (inference_session.cc).
+CONTROL_FLOW = {"If", "Loop", "Scan"}
+# ONNX Runtime never moves a node with inputs of these types to the CPU (fallback_cpu_capability.cc).
+DEVICE_ONLY_TYPES = {onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16}
+
+
+def _value_types(graph: onnx.GraphProto) -> dict[str, int]:
+    types = {}
+    for info in list(graph.value_info) + list(graph.input) + list(graph.output):
+        if info.type.HasField("tensor_type"):
+            types[info.name] = info.type.tensor_type.elem_type
+    for tensor in graph.initializer:
+        types[tensor.name] = tensor.data_type
+    return types
+
+
+def capture_blockers(model: onnx.ModelProto) -> list[str]:
+    """Why ONNX Runtime would refuse to capture model's steps as CUDA graphs, one line per cause (empty: none found):
+    each node moved to the CPU whose output a CUDA kernel reads as data (a Memcpy), and each kernel that reads its
+    inputs back to the host."""
+    graph = onnx.shape_inference.infer_shapes(model, data_prop=False).graph
+    types = _value_types(graph)
+    constants = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    graph_inputs = {i.name for i in graph.input}
+    host: set[str] = set()  # tensors in host memory
+    on_cpu: set[str] = set()  # nodes moved to the CPU, by name
+    problems = []
+    for node in graph.node:  # exported graphs are topologically sorted
+        if node.op_type in CONTROL_FLOW:
+            problems.append(f"{node.op_type} {node.name}: control flow, which CUDA graphs cannot hold")
+        if node.op_type in READS_BACK:
+            problems.append(f"{node.op_type} {node.name}: its CUDA kernel copies its inputs to the host")
+        reads_host = [i for i, name in enumerate(node.input) if name in host]
+        if node.op_type in HOST_OUTPUTS:
+            host.update(node.output[i] for i in HOST_OUTPUTS[node.op_type] if i < len(node.output))
+            continue
+        if not reads_host:
+            continue
+        host_inputs = HOST_INPUTS.get(node.op_type, set())
+        movable = all(
+            (name in host and i not in host_inputs) or name in constants or name in graph_inputs or name == ""
+            for i, name in enumerate(node.input)
+        ) and not any(types.get(name) in DEVICE_ONLY_TYPES for name in node.input)
+        if movable and not all(i in host_inputs for i in reads_host):
+            on_cpu.add(node.name)
+            host.update(node.output)
+            fed = [name for name in node.input if name in graph_inputs]
+            if fed:
+                problems.append(f"{node.op_type} {node.name}: moved to the CPU with graph input {fed[0]} (a copy to the host)")
+            continue
+        for i in reads_host:
+            if i not in host_inputs:
+                problems.append(f"{node.op_type} {node.name}: reads host tensor {node.input[i]} as data (a Memcpy to the device)")
+    return problems
