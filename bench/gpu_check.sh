@@ -2,9 +2,13 @@
 # On a host with an NVIDIA GPU: parity on the CUDA provider (float32 and float16, tiny, gpt2 and tiny-llama presets),
 # the service tests on CUDA, and the benchmarks on CUDA (CUDA graphs included). Each step's whole output goes to
 # ${RESULTS:-gpu-results}/NAME.txt (its last lines to the terminal); the exit status is 1 if any step failed.
-# PARTS picks and orders them, most telling first (a lent machine's time runs out): parity, then tests, then bench.
+# PARTS picks and orders them, most telling first (a lent machine's time runs out): parity, then tests, then bench;
+# capture is the short loan's run: CUDA graphs on gpt2 and qwen2.5-0.5b float16 against their floors, parity included.
+# LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
+# On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
 #   PARTS="parity tests" bash bench/gpu_check.sh
+#   PARTS=capture LOG=$OUT/gpu-check.log bash bench/gpu_check.sh
 set -uo pipefail
 RESULTS=${RESULTS:-gpu-results}
 ART=${ART:-/tmp/kvserve-gpu-artifacts}
@@ -13,16 +17,18 @@ mkdir -p "$RESULTS" "$ART"
 PY=${PYTHON:-python3}
 # It needs the project installed (make setup: kvserve's layers as packages, the test extras) with onnxruntime-gpu
 # seeing the GPU; stop at once otherwise instead of failing every step.
-$PY -c "import kvserve.runtime, jsonschema, onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()" 2>/dev/null \
-  || { echo "gpu_check: $PY lacks the installed project, its test extras or onnxruntime-gpu's CUDA provider (run make setup on the GPU host)"; exit 2; }
+$PY -c "import kvserve.runtime, jsonschema, openai, onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()" 2>/dev/null \
+  || { echo "gpu_check: $PY lacks the installed project, its test extras or onnxruntime-gpu's CUDA provider (make setup, or on a host without a package index bench/gpu_wheels.sh)"; exit 2; }
 status=0
 # step NAME COMMAND...: COMMAND's output to $RESULTS/NAME.txt, its last lines shown; a failure marks the run failed.
 step() {
   local name=$1
   shift
   echo "== $name: $*"
+  local started=$SECONDS
   "$@" >"$RESULTS/$name.txt" 2>&1 || { echo "!! failed: $name"; status=1; }
   grep -v -e "ScatterND with reduction" -e "^Loading" "$RESULTS/$name.txt" | tail -12
+  [ -n "${LOG:-}" ] && { echo "== $name ($((SECONDS - started)) s): $*"; cat "$RESULTS/$name.txt"; } >>"$LOG"
 }
 export_cuda() { step "parity-$1" $PY -m kvserve.cli export --provider cuda --overwrite "${@:2}"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
@@ -40,6 +46,18 @@ for part in $PARTS; do
       # Where CUDA and the CPU provider part, step by step, on a Llama-family graph in each attention.
       step provider-diff-tiny-llama-float32 $PY bench/provider_diff.py --artifact "$ART/tiny-llama-float32" --prompt 24 --chunk 5 --steps 6
       step provider-diff-tiny-llama-float16 $PY bench/provider_diff.py --artifact "$ART/tiny-llama-float16" --prompt 24 --chunk 5 --steps 6 --columns-over 0.1
+      ;;
+    capture)
+      # Decode steps captured as CUDA graphs (the standard slots graph, bucketed shapes) against uncaptured, same
+      # tokens required; each artifact verified on CUDA as it is exported; the floor from the device's read bandwidth.
+      export_cuda gpt2-float16-standard --preset gpt2 --dtype float16 --attention standard --out "$ART/gpt2-float16-standard"
+      step cuda-graph-gpt2-fp16 $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-standard"
+      export_cuda qwen2.5-0.5b-float16-standard --preset qwen2.5-0.5b --dtype float16 --attention standard \
+        --out "$ART/qwen2.5-0.5b-float16-standard"
+      step cuda-graph-qwen2.5-0.5b-fp16 $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/qwen2.5-0.5b-float16-standard"
+      step floor $PY bench/device_bandwidth.py "$ART/gpt2-float16-standard" "$ART/qwen2.5-0.5b-float16-standard"
+      step grpc-cuda-graph-fp16 $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
+        --levels 1,16,64,256 --max-batch-size 256
       ;;
     tests)
       step tests-cuda env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py \
@@ -65,7 +83,7 @@ for part in $PARTS; do
       step bench-serving-cuda $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32"
       ;;
     *)
-      echo "gpu_check: unknown part '$part' in PARTS (parity, tests, bench)"
+      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, tests, bench)"
       exit 2
       ;;
   esac

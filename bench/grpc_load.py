@@ -1,5 +1,5 @@
 """Load over gRPC on loopback: aggregate tokens/s, time to first token and inter-token latency at
-concurrency 1, 4 and 16, against a `kvserve serve` process; plus the in-process engine alone at
+concurrency 1, 4 and 16 (or --levels, with the server's batch at --max-batch-size), against a `kvserve serve` process; plus the in-process engine alone at
 concurrency 1, to show what gRPC costs. Bounded: a fixed number of requests per level and a time cap.
 
 Each gRPC level also reports the server process's CPU time per streamed token (all its threads, from
@@ -8,7 +8,7 @@ however fast its steps run. With a model whose steps cost next to nothing (`--ar
 the tokens/s column is the serving stack's own ceiling.
 
     python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64] [--cuda-graph]
-                              [--requests-per-stream 2]
+                              [--requests-per-stream 2] [--levels 1,16,64,256 --max-batch-size 256]
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
 class InProcess:
     """The engine without gRPC, in this process: the same requests, one stream."""
 
-    def __init__(self, artifact_dir, provider, cuda_graph: bool = False):
+    def __init__(self, artifact_dir, provider, cuda_graph: bool = False, max_batch: int = 16):
         from kvserve.contract.artifact import open_artifact
         from kvserve.service.batch import SlotBatch
         from kvserve.runtime.step import DecoderRuntime
@@ -102,19 +102,20 @@ class InProcess:
         self.config = artifact.config
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider,
                                       cuda_graph=cuda_graph)
-        self.batch = SlotBatch(self.runtime, self.config, 16)  # one batch for every run: its decode shapes captured once
+        self.max_batch = max_batch
+        self.batch = SlotBatch(self.runtime, self.config, max_batch)  # one batch for every run: its decode shapes captured once
         self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
         if self.batch.fixed_decode:
             self.steps.submit(self.batch.prepare_decode_shapes).result()
 
     def engine(self, batch=None):
-        """A started Engine (16 rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
+        """A started Engine (max_batch rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
         one); on a running event loop, and the caller closes it."""
         from kvserve.service.engine import Engine
         from kvserve.service.limits import EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
-        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=16, max_queue=64),
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=self.max_batch, max_queue=64),
                         batch=self.batch if batch is None else batch, step_thread=self.steps)
         engine.start()
         return engine
@@ -172,10 +173,10 @@ def merged(runs: list[dict]) -> dict:
     }
 
 
-def start_server(artifact, provider, cuda_graph: bool = False):
+def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 16):
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", provider,
-         "--max-batch-size", "16", "--max-queue", "64"] + (["--cuda-graph"] if cuda_graph else []),
+         "--max-batch-size", str(max_batch), "--max-queue", str(max(64, 4 * max_batch))] + (["--cuda-graph"] if cuda_graph else []),
         stderr=subprocess.PIPE, text=True,
     )
     port = None
@@ -199,15 +200,18 @@ def main() -> None:
     parser.add_argument("--requests-per-stream", type=int, default=REQUESTS_PER_STREAM,
                         help="requests each concurrent stream sends back to back (more: a longer, steadier level)")
     parser.add_argument("--cuda-graph", action="store_true", help="serve (and run the in-process engine) with --cuda-graph")
+    parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels, comma-separated, from 1 (default 1,4,16)")
+    parser.add_argument("--max-batch-size", type=int, default=16, help="the server's --max-batch-size (default 16)")
     args = parser.parse_args()
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
     from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.artifact).config
-    local = InProcess(args.artifact, args.provider, args.cuda_graph)
+    levels = sorted({1, *(int(c) for c in args.levels.split(","))})
+    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size)
     provider = local.runtime.provider
-    process, target = start_server(args.artifact, args.provider, args.cuda_graph)
+    process, target = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size)
     try:
         engine_runs, grpc_runs = [], []
         for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
@@ -216,7 +220,7 @@ def main() -> None:
                                                    args.requests_per_stream, server_pid=process.pid)))
         engine_result = merged(engine_runs)
         results = {1: merged(grpc_runs)}
-        for c in LEVELS[1:]:
+        for c in levels[1:]:
             results[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size,
                                                args.requests_per_stream, server_pid=process.pid))
     finally:
@@ -225,7 +229,7 @@ def main() -> None:
 
     print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
           f"{args.new_tokens} new tokens, greedy, {args.requests_per_stream} requests per stream "
-          f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= 16"
+          f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= {args.max_batch_size}"
           + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "") + "\n")
     print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | server CPU µs/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -236,11 +240,12 @@ def main() -> None:
               f"{percentile(r['ttft'], 99):.1f} | {percentile(r['itl'], 50):.1f} | {percentile(r['itl'], 99):.1f} | {cpu} |")
 
     row("in-process engine", 1, engine_result)
-    for c in LEVELS:
+    for c in levels:
         row("gRPC", c, results[c])
-    scale = results[16]["tokens_per_s"] / results[1]["tokens_per_s"]
+    top = 16 if 16 in results else levels[-1]
+    scale = results[top]["tokens_per_s"] / results[1]["tokens_per_s"]
     overhead = results[1]["tokens_per_s"] / engine_result["tokens_per_s"]
-    print(f"\nconcurrency 16 / concurrency 1: {scale:.2f}x aggregate tokens/s (target >= 4x)")
+    print(f"\nconcurrency {top} / concurrency 1: {scale:.2f}x aggregate tokens/s (target >= 4x at 16)")
     print(f"single stream over gRPC / in-process engine: {overhead:.0%} (target >= 90%)")
     print(f"\nmachine: {describe(provider)}")
 
