@@ -84,7 +84,8 @@ class ChatTemplate:
         if tools:
             extra["tools"] = tools
         try:
-            return self._compiled.render(**extra, messages=conversation, add_generation_prompt=add_generation_prompt, **self.special_tokens)
+            # One mapping, not keyword arguments: a caller's variable may be named as render's own ("self").
+            return self._compiled.render({**extra, "messages": conversation, "add_generation_prompt": add_generation_prompt, **self.special_tokens})
         except TemplateError:
             raise
         except Exception as exc:  # the sandbox refusing an attribute, a type error in the template's logic, ...

@@ -21,6 +21,7 @@ from .limits import MAX_BIAS, MAX_PENALTY, EngineLimits
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .structured import FormatKind, ResponseFormat
+from .text import encodable
 from .tool_call_text import CallDelta
 from .tool_calls import ToolChoice, ToolRequest
 from .validation import check_sizes
@@ -131,19 +132,11 @@ def check_body(body, limits: EngineLimits) -> None:
                                f"{f' under {param}' if param else ''}", param)
             items = value.items() if isinstance(value, dict) else enumerate(value)
             for key, item in items:
-                if isinstance(key, str) and not _encodable(key):
+                if isinstance(key, str) and not encodable(key):
                     raise ApiError(400, f"a key {f'under {param} ' if param else ''}is not valid Unicode (a lone surrogate)", param)
                 stack.append((item, depth + 1, param if param is not None else key))
-        elif isinstance(value, str) and not _encodable(value):
+        elif isinstance(value, str) and not encodable(value):
             raise ApiError(400, f"{param or 'the body'} is not valid Unicode (a lone surrogate)", param)
-
-
-def _encodable(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
 
 
 def _same(value, no_op) -> bool:

@@ -8,6 +8,35 @@ from kvserve.contract.tokenizer import Tokenizer
 REPLACEMENT = "\ufffd"
 
 
+def encodable(text: str) -> bool:
+    """Whether text is valid Unicode: no lone surrogate (JSON's \\ud800 escapes and CESU-8 bytes spell them; no
+    tokenizer or response encodes them)."""
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def lone_surrogate_at(value, where: str) -> str | None:
+    """Where in a parsed JSON value (named where) the first key or string holding a lone surrogate is, or None;
+    walked without recursion."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            if not encodable(item):
+                return path
+        elif isinstance(item, dict):
+            for key, inner in item.items():
+                if isinstance(key, str) and not encodable(key):
+                    return f"a key under {path}"
+                stack.append((inner, f"{path}.{key}" if len(str(key)) <= 40 else f"{path}.<key>"))
+        elif isinstance(item, list):
+            stack.extend((inner, f"{path}[{index}]") for index, inner in enumerate(item))
+    return None
+
+
 class IncrementalDecoder:
     """Turns a token stream into text deltas that are always whole characters.
 

@@ -28,6 +28,7 @@ from kvserve.contract.tokenizer import Tokenizer
 from .engine_errors import InvalidArgument
 from .limits import EngineLimits
 from .structured import FormatCompiler, FormatError, schema_depth
+from .text import lone_surrogate_at
 from .tool_call_text import RULES, CallFormat, ToolCallSplit, call_format
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -57,7 +58,51 @@ class ToolRequest:
 @dataclass(frozen=True)
 class Function:
     name: str
-    parameters: dict
+    parameters: dict  # its local references rebased under $defs/<key> (_rebased)
+    index: int = 0  # its place among the request's functions
+
+    @staticmethod
+    def key_of(index: int) -> str:
+        return f"kvserve_function_{index}"
+
+    @property
+    def key(self) -> str:
+        return self.key_of(self.index)
+
+
+# Keywords whose values are data, not schemas: a "$ref" inside them is a value to match, not a reference.
+DATA_KEYWORDS = {"const", "enum", "default", "examples"}
+# Keywords whose values map names (any names, "enum" or "$ref" among them) to schemas.
+NAMED_SCHEMAS = {"properties", "patternProperties", "$defs", "definitions", "dependentSchemas"}
+
+
+def _rebased(parameters: dict, where: str, index: int) -> dict:
+    """A function's parameters as they sit in the calls grammar, under $defs/<key>: each local reference ("#", "#/...")
+    rewritten to point into them there, so "#/$defs/X" and "#/properties/name" mean what they meant in the client's
+    document; a reference to another document is refused (nothing is fetched)."""
+    base = f"#/$defs/{Function.key_of(index)}"
+
+    def walk(node, path: str, names: bool = False):
+        if isinstance(node, list):
+            return [walk(item, f"{path}[{i}]") for i, item in enumerate(node)]
+        if not isinstance(node, dict):
+            return node
+        out = {}
+        for key, value in node.items():
+            if names or key in NAMED_SCHEMAS:
+                inner = f"{path}.{key}" if len(key) <= 40 else f"{path}.<key>"
+                out[key] = walk(value, inner, names=not names)
+            elif key == "$ref" and isinstance(value, str):
+                if not value.startswith("#"):
+                    raise InvalidArgument(f"{path}.$ref", f"{value[:40]!r} is not a local reference (#/...): other documents are never fetched")
+                out[key] = base + value[1:]
+            elif key in DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = walk(value, f"{path}.{key}" if len(key) <= 40 else f"{path}.<key>")
+        return out
+
+    return walk(parameters, where)  # depth already bounded (schema_depth)
 
 
 class ToolCalling:
@@ -87,6 +132,9 @@ class ToolCalling:
             raise InvalidArgument("tools", f"not JSON ({type(exc).__name__})") from None
         if not isinstance(tools, list) or not tools:
             raise InvalidArgument("tools", "must be a non-empty list of tools")
+        surrogate = lone_surrogate_at(tools, "tools")
+        if surrogate is not None:
+            raise InvalidArgument(surrogate, "is not valid Unicode (a lone surrogate)")
         if len(tools) > limits.max_tools:
             raise InvalidArgument("tools", f"{len(tools)} tools; at most {limits.max_tools}")
         functions, names = [], set()
@@ -108,27 +156,35 @@ class ToolCalling:
             names.add(name)
             if not isinstance(function.get("description", ""), str):
                 raise InvalidArgument(f"{where}.function.description", "must be a string")
+            if not isinstance(function.get("strict", False), bool):
+                raise InvalidArgument(f"{where}.function.strict", "must be true or false")
             parameters = function.get("parameters", NO_PARAMETERS)
-            if not isinstance(parameters, dict):
-                raise InvalidArgument(f"{where}.function.parameters", "must be a JSON schema object")
+            parameters = NO_PARAMETERS if parameters == {} else parameters  # absent or {}: no parameters, as OpenAI reads them
+            if not isinstance(parameters, dict) or parameters.get("type") != "object":
+                raise InvalidArgument(f"{where}.function.parameters", 'must be a JSON schema of an object ({"type": "object", ...}): '
+                                      "a call's arguments are an object")
             depth = schema_depth(parameters)
             if depth > limits.max_schema_depth:
                 raise InvalidArgument(f"{where}.function.parameters", f"nested {depth} deep; at most {limits.max_schema_depth}")
-            functions.append(Function(name, parameters))
+            functions.append(Function(name, _rebased(parameters, f"{where}.function.parameters", len(functions)), len(functions)))
         if request.choice is ToolChoice.FUNCTION and request.function not in names:
             raise InvalidArgument("tool_choice", f"names the function {request.function!r}, which is not among the tools")
         return tools, functions
 
     def grammar(self, functions: list[Function], parallel: bool) -> str:
-        """The calls grammar (llguidance's Lark) of functions in this model's format, its marker included."""
+        """The calls grammar (llguidance's Lark) of functions in this model's format, its marker included. Each function's
+        parameters sit under the document's $defs (_rebased), where their own references still point into them."""
         call = {"type": "object", "properties": None, "required": ["name", self.rules.arguments_key], "additionalProperties": False}
-        choices = [{**call, "properties": {"name": {"const": f.name}, self.rules.arguments_key: f.parameters}} for f in functions]
+        choices = [{**call, "properties": {"name": {"const": f.name}, self.rules.arguments_key: {"$ref": f"#/$defs/{f.key}"}}}
+                   for f in functions]
         one_call = choices[0] if len(choices) == 1 else {"anyOf": choices}
+        defs = {"$defs": {f.key: f.parameters for f in functions}}
         marker = self._literal(self.rules.marker)
         if self.format is CallFormat.MISTRAL:
-            calls = {"type": "array", "items": one_call, "minItems": 1, **({} if parallel else {"maxItems": 1}), "x-guidance": CALL_JSON_STYLE}
+            calls = {"type": "array", "items": one_call, "minItems": 1, **({} if parallel else {"maxItems": 1}), **defs,
+                     "x-guidance": CALL_JSON_STYLE}
             return f"start: {marker} calls\ncalls: %json {json.dumps(calls)}\n"
-        body = f"call_json: %json {json.dumps({**one_call, 'x-guidance': CALL_JSON_STYLE})}\n"
+        body = f"call_json: %json {json.dumps({**one_call, **defs, 'x-guidance': CALL_JSON_STYLE})}\n"
         if self.format is CallFormat.HERMES:
             more = f' ("\\n" call)*' if parallel else ""
             return f'start: call{more}\ncall: {marker} "\\n" call_json "\\n" {self._literal("</tool_call>")}\n' + body

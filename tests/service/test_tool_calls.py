@@ -16,6 +16,7 @@ import pytest
 from kvserve.contract.chat import ChatMessage, ChatTemplate, ToolCall, load_chat_template
 from kvserve.contract.tokenizer import ByteTokenizer, HFTokenizer
 from kvserve.model.presets import preset
+from kvserve.service.engine_errors import InvalidArgument
 from kvserve.service.limits import EngineLimits
 from kvserve.service.sampling import SamplingParams
 from kvserve.service.sequence import FinishReason, GenerationRequest
@@ -191,8 +192,17 @@ BAD = [
     (dict(tools=[tool("bad name")]), "tools", "tools[0].function.name: must be 1 to 64 letters"),
     (dict(tools=[tool("a"), tool("a")]), "tools", "tools[1].function.name: 'a' is named twice"),
     (dict(tools=[{"type": "function", "function": {"name": "a", "returns": {}}}]), "tools", "tools[0].function.returns: is not a field"),
-    (dict(tools=[tool("a", [])]), "tools", "tools[0].function.parameters: must be a JSON schema object"),
-    (dict(tools=[tool("a", {"type": "integer", "minimum": 2, "maximum": 1})], tool_choice="required"), "tools", "tools:"),
+    (dict(tools=[tool("a", [])]), "tools", "tools[0].function.parameters: must be a JSON schema of an object"),
+    # A call's arguments are an object (OpenAI's rule): a schema of anything else is refused, whatever the choice.
+    (dict(tools=[tool("a", {"type": "integer"})], tool_choice="required"), "tools", "tools[0].function.parameters: must be a JSON schema of an object"),
+    (dict(tools=[tool("a", {"enum": [1, 2]})], tool_choice={"type": "function", "function": {"name": "a"}}), "tools",
+     "tools[0].function.parameters: must be a JSON schema of an object"),
+    (dict(tools=[tool("a", {"type": "array", "items": {"type": "string"}})]), "tools", "tools[0].function.parameters: must be a JSON schema of an object"),
+    (dict(tools=[tool("a", {"type": "object", "properties": {"n": {"type": "integer", "minimum": 2, "maximum": 1}}, "required": ["n"]})],
+          tool_choice="required"), "tools", "tools:"),
+    (dict(tools=[{"type": "function", "function": {"name": "a", "strict": "yes"}}]), "tools", "tools[0].function.strict: must be true or false"),
+    (dict(tools=[tool("a", {"type": "object", "properties": {"x": {"$ref": "https://example.com/x.json"}}})]), "tools",
+     "tools[0].function.parameters.properties.x.$ref: 'https://example.com/x.json' is not a local reference"),
     (dict(tools=[tool("a")] * 4), "tools", "tools: 4 tools; at most 3"),
     (dict(tools=[tool("a", {"description": "x" * 3000})]), "tools", "bytes of JSON; at most 2048"),
     (dict(tools=[tool("a")], tool_choice={"type": "function", "function": {"name": "b"}}), "tool_choice", "names the function 'b'"),
@@ -205,6 +215,9 @@ BAD = [
                                                                          "function": {"name": "a", "arguments": "{nope"}}]}]),
      "messages", "messages[0].tool_calls[0].arguments: must be a JSON object"),
     (dict(messages=[{"role": "assistant", "tool_calls": "x"}]), "messages[0].tool_calls", "messages[0].tool_calls must be a list"),
+    (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [{"id": "x", "type": "function",
+                                                                         "function": {"name": "a", "arguments": '{"x": ["\\ud800"]}'}}]}]),
+     "messages", "messages[0].tool_calls[0].arguments.x[0]: is not valid Unicode (a lone surrogate)"),
     (dict(messages=[{"role": "tool", "content": "{}", "tool_call_id": "x" * 300_000}]), "messages", "bytes of content; at most"),
     (dict(messages=[{"role": "assistant", "content": None, "tool_calls": [
         {"id": "a", "type": "function", "function": {"name": "f", "arguments": json.dumps({"x": "y" * 300_000})}}]}]), "messages",
@@ -426,3 +439,70 @@ def test_auto_opens_a_call_mid_stream_through_the_server(tool_server, monkeypatc
     streamed_content, calls, reason = streamed_calls(client.chat.completions.create(stream=True, **request))
     assert (streamed_content, reason) == (content, "tool_calls") and [c["name"] for c in calls] == ["clock"]
     assert calls[0]["arguments"] == whole.message.tool_calls[0].function.arguments
+
+
+# Surrogates spelled as JSON escapes inside JSON text (a tool's schema or description, a call's arguments, the template's
+# variables): valid UTF-8 on the wire, lone surrogates once parsed. Refused by name through the validator both edges use.
+SURROGATE_TOOLS = json.dumps([{"type": "function", "function": {"name": "clock", "description": "\udc00", "parameters": CLOCK}}])
+
+
+@pytest.mark.parametrize("choice", [ToolChoice.NONE, ToolChoice.AUTO])
+def test_a_lone_surrogate_in_the_tools_is_refused_by_its_path(choice):
+    validator = validator_for("hermes")
+    assert "\\udc00" in SURROGATE_TOOLS  # an escape: the text itself is ASCII
+    with pytest.raises(InvalidArgument) as error:
+        validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),), tools=ToolRequest(SURROGATE_TOOLS, choice)))
+    assert (error.value.field, error.value.message) == ("tools[0].function.description", "is not valid Unicode (a lone surrogate)")
+
+
+def test_grpc_refuses_surrogates_in_tools_and_arguments_as_invalid_argument(tool_server):
+    _, running, _ = tool_server
+    call = pb.ChatMessage(role="assistant", tool_calls=[pb.ToolCall(id="c", name="clock", arguments='{"zone": "\\ud800"}')])
+    cases = [(pb.Conversation(messages=[pb.ChatMessage(role="user", content="Hi")], tools=SURROGATE_TOOLS,
+                              tool_choice=pb.ToolChoice(mode=pb.TOOL_CHOICE_MODE_NONE)),
+              "tools[0].function.description: is not valid Unicode (a lone surrogate)"),
+             (pb.Conversation(messages=[pb.ChatMessage(role="user", content="Hi"), call], tools=json.dumps(TOOLS)),
+              "prompt.messages[1].tool_calls[0].arguments.zone: is not valid Unicode (a lone surrogate)")]
+    with stub_of(running) as stub:
+        for conversation, details in cases:
+            with pytest.raises(grpc.RpcError) as error:
+                list(stub.Generate(pb.GenerateRequest(messages=conversation, max_new_tokens=2), timeout=60))
+            assert (error.value.code(), error.value.details()) == (grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+# The client's own references: "#/$defs/..." and "#/properties/..." point into its parameters, not the server's wrapper.
+DIGITS = {"type": "object", "$defs": {"Digit": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "properties": {"first": {"$ref": "#/$defs/Digit"}, "copy": {"$ref": "#/properties/first"},
+                         "enum": {"type": "array", "items": {"$ref": "#/$defs/Digit"}, "maxItems": 2}},
+          "required": ["first", "copy", "enum"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("style", sorted(TOOL_TEMPLATES))
+def test_local_references_resolve_in_the_clients_own_parameters(style):
+    validator = validator_for(style)
+    tools = json.dumps([{"type": "function", "function": {"name": "digits", "parameters": DIGITS}}, TOOLS[1]])
+    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),), tools=ToolRequest(tools, ToolChoice.REQUIRED),
+                                                    sampling=SamplingParams(temperature=0), max_new_tokens=200))
+    masks, event, rng = TokenMasks(257), None, np.random.default_rng(5)
+    try:
+        while event is None or event.finish is None:
+            allowed = masks.start([seq]).result()[seq]
+            logits = np.full(257, -10.0, dtype=np.float32)
+            logits[rng.choice(allowed)] = 10.0  # any token the grammar allows
+            event = seq.advance(logits, allowed=allowed)
+    finally:
+        masks.close()
+    calls = event.finish.tool_calls
+    assert event.finish.reason is FinishReason.TOOL_CALLS and calls, event
+    for call in calls:
+        arguments = json.loads(call.arguments)
+        jsonschema.validate(arguments, DIGITS if call.name == "digits" else CLOCK)
+
+
+def test_template_variables_may_bear_the_renderers_own_names_and_no_lone_surrogate():
+    validator = validator_for("hermes")
+    seq = validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),), chat_template_kwargs=json.dumps({"self": 1})))
+    assert seq.prompt_ids
+    with pytest.raises(InvalidArgument) as error:  # gRPC's chat_template_kwargs is JSON text: an escape spells the surrogate
+        validator.make_sequence(GenerationRequest(prompt_messages=(ChatMessage("user", "Hi"),), chat_template_kwargs='{"note": ["\\udc00"]}'))
+    assert (error.value.field, error.value.message) == ("chat_template_kwargs.note[0]", "is not valid Unicode (a lone surrogate)")
