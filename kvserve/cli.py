@@ -11,6 +11,7 @@ import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import kvserve
 from kvserve.contract.config import MODEL_TYPES
@@ -102,6 +103,13 @@ def _serve(args) -> int:
             raise UserError(f"--otlp-traces-protocol must be one of {', '.join(TRACE_PROTOCOLS)}, got {protocol!r}")
         if not endpoint.startswith(("http://", "https://")):
             raise UserError(f"--otlp-traces-endpoint must be an http:// or https:// URL, got {endpoint!r}")
+        try:  # what the exporter would fail on at load: a bracket left open, a port out of range
+            parts = urlsplit(endpoint)
+            host, _ = parts.hostname, parts.port
+        except ValueError as exc:
+            raise UserError(f"--otlp-traces-endpoint {endpoint!r} is not a valid URL ({exc})") from None
+        if not host:
+            raise UserError(f"--otlp-traces-endpoint {endpoint!r} names no host")
         return TraceExport(endpoint, protocol)
 
     limits = EngineLimits(**{d.name: getattr(args, d.name) for d in declarations()})
@@ -343,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "KV cache [KVSERVE_MAX_CONTEXT] (default: the model's context)")
     serve.add_argument("--kv-cache-memory", type=size, default=FromEnv("KV_CACHE_MEMORY", None, size), metavar="BYTES",
                        help="what the K/V of running sequences and of the prompt cache may take, in bytes or with K, M, G (powers of "
-                       "1000) or Ki, Mi, Gi (of 1024); a request waits until its prompt and max_new_tokens fit, and one that never "
+                       "1000) or Ki, Mi, Gi (of 1024), at most 2^63 - 1 bytes; a request waits until its prompt and max_new_tokens fit, and one that never "
                        "could is refused (CPU provider; under CUDA the pool is allocated whole) [KVSERVE_KV_CACHE_MEMORY] "
                        "(default: half the memory the server may use, its container's limit or the machine's)")
     serve.add_argument("--tls-cert", default=FromEnv("TLS_CERT", None), help="PEM certificate chain: TLS on the gRPC port [KVSERVE_TLS_CERT]")

@@ -10,6 +10,7 @@ the pool is allocated whole at start, which is its own bound: no budget applies 
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from pathlib import Path
 
 # The default budget: this share of the memory the server may use (the container's limit where one is set, else the
@@ -20,6 +21,7 @@ DEFAULT_SHARE = 0.5
 MIN_BUDGET_TOKENS = 64
 CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # v2, v1
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+MAX_SIZE = 2**63 - 1  # bytes: past this no machine addresses memory
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
 
@@ -29,7 +31,12 @@ def parse_size(text: str) -> int:
     if not match:
         raise ValueError(f"{text!r} is not a size: bytes, or a number with K, M, G, T (powers of 1000) or Ki, Mi, Gi, Ti")
     unit = (match.group(2) or "").lower().removesuffix("b")
-    return int(float(match.group(1)) * _UNITS[unit])
+    if len(match.group(1)) > 24:  # more digits than any size needs; Decimal below would take their time
+        raise ValueError(f"{text[:40]!r} is past the largest size, {MAX_SIZE} bytes")
+    value = int(Decimal(match.group(1)) * _UNITS[unit])
+    if value > MAX_SIZE:
+        raise ValueError(f"{text!r} is past the largest size, {MAX_SIZE} bytes (what a 64-bit machine addresses)")
+    return value
 
 
 def memory_limit() -> int:

@@ -249,3 +249,15 @@ def test_a_kv_budget_too_small_or_not_a_size_is_refused_in_one_line(tiny_artifac
     one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--kv-cache-memory", "lots"), "argument --kv-cache-memory: invalid size value: 'lots'")
     monkeypatch.setenv("KVSERVE_KV_CACHE_MEMORY", "lots")
     one_line_error(run_cli("serve", "--model", str(tiny_artifact)), "KVSERVE_KV_CACHE_MEMORY='lots' is not a valid size")
+    monkeypatch.setenv("KVSERVE_KV_CACHE_MEMORY", "9" * 400)  # past what a machine addresses: no OverflowError
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact)), "is not a valid size")
+    monkeypatch.delenv("KVSERVE_KV_CACHE_MEMORY")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--kv-cache-memory", "9" * 400), "argument --kv-cache-memory: invalid size value")
+
+
+@pytest.mark.parametrize("endpoint, message", [
+    ("http://[::1", "is not a valid URL (Invalid IPv6 URL)"), ("http://collector:99999", "is not a valid URL (Port out of range"),
+    ("http://", "names no host"), ("grpc://collector:4317", "must be an http:// or https:// URL")])
+def test_a_trace_endpoint_the_exporter_would_fail_on_is_refused_at_start(tiny_artifact, endpoint, message):
+    result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--otlp-traces-protocol", "grpc", "--otlp-traces-endpoint", endpoint)
+    one_line_error(result, message)

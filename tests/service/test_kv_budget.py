@@ -46,4 +46,8 @@ def test_sizes_parse_in_bytes_and_both_kinds_of_unit_and_the_default_is_a_share_
     for bad in ("", "eight", "8 gigs", "-1", "8X"):
         with pytest.raises(ValueError, match="is not a size"):
             parse_size(bad)
+    assert parse_size(f"{2**63 - 1}") == 2**63 - 1
+    for huge in ("9" * 400, f"{2**63}", "9999999Ti", "9" * 20 + ".5"):  # a float would overflow on the first
+        with pytest.raises(ValueError, match="is past the largest size"):
+            parse_size(huge)
     assert default_budget() == int(DEFAULT_SHARE * memory_limit()) and 0 < memory_limit()
