@@ -251,7 +251,10 @@ class App:
         if self.steps is not None:
             self.steps.shutdown(wait=False)  # a load cancelled by a signal may still be running a gate or warm-up step
         if self.tracer is not None:
-            await asyncio.to_thread(self.tracer.close)  # the spans still buffered are exported first
+            if not await asyncio.to_thread(self.tracer.close):  # the spans still buffered are exported first, bounded
+                from .tracing import TRACE_FLUSH_SECONDS
+
+                log.warning("the trace collector did not take the last spans within %gs; they were dropped", TRACE_FLUSH_SECONDS)
         self.metrics.close()
         log.info("stopped")
 

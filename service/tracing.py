@@ -14,6 +14,7 @@ skips even that.
 
 from __future__ import annotations
 
+import threading
 import time
 
 from opentelemetry import trace
@@ -25,12 +26,18 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 
 from .options import TraceExport
 
+# What a stop waits for the buffered spans to reach the collector, and what one export may take: a collector that is down
+# must not hold a stopping server past its drain (the Kubernetes grace period is the drain + 15 s: deploy/k8s).
+TRACE_FLUSH_SECONDS = 5.0
+
+
 class RequestTracer:
     """Turns finished sequences into spans and exports them."""
 
     def __init__(self, export: TraceExport, span_processor=None):
         """span_processor: instead of a batch processor over the OTLP exporter (tests pass their own)."""
-        self._provider = TracerProvider(resource=Resource.create({"service.name": export.service_name}))
+        # Not shut down at interpreter exit: close() does it, bounded; the SDK's own hook would wait on the collector again.
+        self._provider = TracerProvider(resource=Resource.create({"service.name": export.service_name}), shutdown_on_exit=False)
         self._provider.add_span_processor(span_processor or BatchSpanProcessor(_exporter(export)))
         self._tracer = self._provider.get_tracer("kvserve")
         self._propagator = TraceContextTextMapPropagator()
@@ -83,16 +90,24 @@ class RequestTracer:
             root.set_status(Status(StatusCode.ERROR, "cancelled by the client"))
         root.end(end_time=end + offset)
 
-    def close(self) -> None:
-        """Export what is buffered, then stop."""
-        self._provider.shutdown()
+    def close(self) -> bool:
+        """Export what is buffered, then stop, waiting at most TRACE_FLUSH_SECONDS; False when the collector did not take
+        the spans in that time (they are dropped with the daemon thread still trying)."""
+        done = threading.Event()
+
+        def shut_down() -> None:
+            self._provider.shutdown()
+            done.set()
+
+        threading.Thread(target=shut_down, name="kvserve-trace-flush", daemon=True).start()
+        return done.wait(TRACE_FLUSH_SECONDS)
 
 
 def _exporter(export: TraceExport):
     if export.protocol == "grpc":
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
-        return OTLPSpanExporter(endpoint=export.endpoint, insecure=export.endpoint.startswith("http://"))
+        return OTLPSpanExporter(endpoint=export.endpoint, insecure=export.endpoint.startswith("http://"), timeout=TRACE_FLUSH_SECONDS)
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-    return OTLPSpanExporter(endpoint=export.endpoint)
+    return OTLPSpanExporter(endpoint=export.endpoint, timeout=TRACE_FLUSH_SECONDS)

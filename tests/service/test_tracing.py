@@ -2,7 +2,9 @@
 one trace a request with its queue, prefill and decode spans and its token counts, a caller's W3C traceparent honoured
 from HTTP headers and gRPC metadata, n completions under one request span; and nothing at all with traces off."""
 
+import socket
 import threading
+import time
 from concurrent import futures
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -12,9 +14,10 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from kvserve.service.options import TraceExport
+from kvserve.service.tracing import TRACE_FLUSH_SECONDS
 from kvserve.v1 import generation_pb2 as pb
 
-from .conftest import collect, serving, stub_of
+from .conftest import collect, serving, start_server, stub_of
 
 CALLER_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CALLER_SPAN = "b7ad6b7169203331"
@@ -156,3 +159,25 @@ def test_a_cancelled_stream_ends_its_trace_with_an_error(tiny_artifact, http_col
 
 def test_with_traces_off_the_engine_holds_no_tracer(server):
     assert server.app.engine.tracer is None and server.app.tracer is None
+
+
+def test_a_stop_with_the_collector_down_waits_for_it_at_most_the_flush_bound(tiny_artifact, caplog):
+    """A collector that takes connections and never answers (down behind its load balancer, say) holds a stopping server
+    at most TRACE_FLUSH_SECONDS (the OTLP exporters' own timeouts and retries took 30 s, past the Kubernetes grace period
+    after the drain), and the dropped spans are said in the log."""
+    with socket.socket() as silent:  # the kernel completes each connection; nothing ever reads or answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(64)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        for protocol in ("grpc", "http/protobuf"):
+            caplog.clear()
+            running = start_server(tiny_artifact, max_batch_size=1, traces=TraceExport(endpoint, protocol))
+            try:
+                with stub_of(running) as stub:
+                    collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), max_new_tokens=2))  # a span buffered
+            finally:
+                started = time.monotonic()
+                running.stop()
+                stopped_in = time.monotonic() - started
+            assert stopped_in < TRACE_FLUSH_SECONDS + 3, (protocol, stopped_in)
+            assert any("did not take the last spans within 5s" in r.getMessage() for r in caplog.records), protocol
