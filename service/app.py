@@ -119,14 +119,15 @@ class App:
         self.tokens = TokenFile(self.options.auth_tokens) if self.options.auth_tokens else None
         if self.options.metrics_port is not None:
             try:
-                self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port)
+                self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port, self.options.limits.header_timeout_seconds,
+                                                            self.options.limits.max_connections)
             except OSError as exc:
                 raise ListenFailed(f"cannot serve metrics on {self.options.host}:{self.options.metrics_port} ({exc.strerror or exc})") from None
         if self.options.gateway_metrics_port is not None:
             limits = self.options.limits
             try:
                 self.gateway_metrics_port = await asyncio.to_thread(self.metrics.serve_gateway, self.options.host, self.options.gateway_metrics_port,
-                                                                    limits.idle_timeout_seconds, limits.max_connections)
+                                                                    limits.header_timeout_seconds, limits.max_connections)
             except OSError as exc:
                 raise ListenFailed(f"cannot serve the gateway's gauges on {self.options.host}:{self.options.gateway_metrics_port} "
                                    f"({exc.strerror or exc})") from None

@@ -27,7 +27,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .bounded_http import BoundedHandler, BoundedHTTPServer, listening_socket
 
 # The protocol's gauges (gateway-api-inference-extension, proposal 003) under vLLM's names, the endpoint picker's
 # defaults; metrics.py registers the same names and help for the HTTP API's /metrics.
@@ -79,21 +80,16 @@ def exposition(values: tuple[float, float, float]) -> bytes:
 class GatewayGaugeServer:
     """The child process that answers the gauges, and the board the server writes them to."""
 
-    def __init__(self, host: str, port: int, idle_timeout: float, max_connections: int):
+    def __init__(self, host: str, port: int, header_timeout: float, max_connections: int):
         """Binds host:port now (OSError if it cannot), then starts the child and waits for it to say it is ready."""
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener = listening_socket(host, port)
         try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # accepted connections inherit it
-            listener.bind((host, port))
-            listener.listen(16)
             self.port = listener.getsockname()[1]
             self.board = GaugeBoard.create()
             self.board.write(0.0, 0.0, 0.0)
             self._child = subprocess.Popen(
                 [sys.executable, "-m", __spec__.name, "--socket-fd", str(listener.fileno()), "--board-fd", str(self.board.fd),
-                 "--idle-timeout", str(idle_timeout), "--max-connections", str(max_connections)],
+                 "--header-timeout", str(header_timeout), "--max-connections", str(max_connections)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(listener.fileno(), self.board.fd))
         finally:
             listener.close()  # the child's copy listens; with the child gone, a scrape is refused, not left waiting
@@ -124,50 +120,14 @@ class GatewayGaugeServer:
 # --- the child ------------------------------------------------------------------------------------------------
 
 
-class _GaugeHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"  # kept alive: the picker's Go client reuses its connection
+class _GaugeHandler(BoundedHandler):
     board: GaugeBoard  # set on the class at the child's start
-    timeout: float  # likewise: a connection silent this long is closed
 
     def do_GET(self) -> None:
         if self.path.split("?", 1)[0] != "/metrics":
-            self._answer(404, b"not found: this port serves /metrics\n", "text/plain; charset=utf-8")
+            self.answer(404, b"not found: this port serves /metrics\n", "text/plain; charset=utf-8")
         else:
-            self._answer(200, exposition(self.board.read()), CONTENT_TYPE)
-
-    def _answer(self, status: int, body: bytes, content_type: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format, *args) -> None:  # noqa: A002 (the base class's name)
-        pass  # one line a scrape, 20 a second, is noise
-
-
-class _BoundedServer(ThreadingHTTPServer):
-    """A thread a connection, at most max_connections at once; one beyond is closed unanswered."""
-
-    daemon_threads = True
-
-    def __init__(self, listener: socket.socket, max_connections: int):
-        super().__init__(listener.getsockname()[:2], _GaugeHandler, bind_and_activate=False)
-        self.socket.close()
-        self.socket = listener
-        self._slots = threading.BoundedSemaphore(max_connections)
-
-    def process_request(self, request, client_address) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+            self.answer(200, exposition(self.board.read()), CONTENT_TYPE)
 
 
 def _ask_for_a_short_slice() -> None:
@@ -190,15 +150,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="the inference gateway's gauges, for a kvserve server (it starts this)")
     parser.add_argument("--socket-fd", type=int, required=True)
     parser.add_argument("--board-fd", type=int, required=True)
-    parser.add_argument("--idle-timeout", type=float, required=True)
+    parser.add_argument("--header-timeout", type=float, required=True)
     parser.add_argument("--max-connections", type=int, required=True)
     args = parser.parse_args()
     _ask_for_a_short_slice()
     threading.Thread(target=_exit_at_end_of_stdin, daemon=True, name="kvserve-parent-watch").start()
     listener = socket.socket(fileno=args.socket_fd)
     _GaugeHandler.board = GaugeBoard(args.board_fd)
-    _GaugeHandler.timeout = args.idle_timeout
-    server = _BoundedServer(listener, args.max_connections)
+    server = BoundedHTTPServer(listener, _GaugeHandler, args.max_connections, args.header_timeout)
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()
     server.serve_forever()

@@ -12,8 +12,11 @@ streams least.
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+import threading
 
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .bounded_http import BoundedHandler, BoundedHTTPServer, listening_socket
 from .gateway_gauges import GAUGES, GatewayGaugeServer
 
 # Latency buckets in seconds: decode steps take ~1 ms on a GPU and tens of ms on a CPU.
@@ -70,14 +73,25 @@ class Metrics:
         """The batch's rows: what a full K/V cache holds (a row is a whole context of K/V for one sequence)."""
         self._rows = max(1, rows)
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Start the /metrics endpoint; returns the port it listens on."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
-        return self._http.server_port
+    def serve_http(self, host: str, port: int, header_timeout: float, max_connections: int) -> int:
+        """Start the /metrics endpoint on host:port (its waits on clients bounded: bounded_http.py); returns the port it
+        listens on."""
+        registry = self.registry
 
-    def serve_gateway(self, host: str, port: int, idle_timeout: float, max_connections: int) -> int:
+        class MetricsHandler(BoundedHandler):
+            def do_GET(self) -> None:
+                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                    self.answer(404, b"not found: this port serves /metrics\n", "text/plain; charset=utf-8")
+                else:
+                    self.answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+
+        self._http = BoundedHTTPServer(listening_socket(host, port), MetricsHandler, max_connections, header_timeout)
+        threading.Thread(target=self._http.serve_forever, name="kvserve-metrics", daemon=True).start()
+        return self._http.server_address[1]
+
+    def serve_gateway(self, host: str, port: int, header_timeout: float, max_connections: int) -> int:
         """Start the gauges' own process (gateway_gauges.py) on host:port; returns the port it listens on."""
-        self._gateway_server = GatewayGaugeServer(host, port, idle_timeout, max_connections)
+        self._gateway_server = GatewayGaugeServer(host, port, header_timeout, max_connections)
         return self._gateway_server.port
 
     def close(self) -> None:
