@@ -115,9 +115,10 @@ class Engine:
                 if isinstance(event, BaseException):
                     failure = SequenceFailed(f"generation failed: {type(event).__name__}: {event}")
                     raise failure from event
-                yield event
-                if event.finish is not None:
+                if event.finish is not None:  # before the yield: a consumer may stop at the last event without resuming us
                     finish = event.finish
+                yield event
+                if finish is not None:
                     return
         finally:
             if not seq.finished:

@@ -112,3 +112,42 @@ def test_limits_outside_their_declared_bounds_are_refused_when_the_engine_is_mad
     runtime, config = tiny_runtime
     with pytest.raises(ValueError, match=r"--max-batch-size must be in \[1, 4096\], got 0"):
         Engine(runtime, config, ByteTokenizer(), EngineLimits(max_batch_size=0))
+
+
+class RecordingTracer:
+    """A stand-in for tracing.RequestTracer: what each finished sequence would be traced as."""
+
+    def __init__(self):
+        self.finishes = []
+
+    def caller_context(self, traceparent, tracestate):
+        return None
+
+    def record(self, seq, finish, context, model, chat, error=None):
+        self.finishes.append(None if finish is None else finish.reason.value)
+
+
+def test_a_stream_its_consumer_leaves_at_its_last_event_is_traced_as_finished(tiny_runtime):
+    """An edge that stops reading at the finish (closing the stream without resuming it) must not make a finished
+    request look cancelled in its trace (a CI run saw a root span without its finish reason)."""
+    runtime, config = tiny_runtime
+    tracer = RecordingTracer()
+
+    async def run():
+        engine = Engine(runtime, config, ByteTokenizer(), EngineLimits(), tracer=tracer)
+        engine.start()
+        try:
+            stream = engine.generate(GenerationRequest(prompt_ids=(1, 2), max_new_tokens=3, ignore_eos=True))
+            async for event in stream:
+                if event.finish is not None:
+                    break  # not resumed: the generator is closed at the yield of its last event
+            await stream.aclose()
+            cancelled = engine.generate(GenerationRequest(prompt_ids=(1, 2), max_new_tokens=50, ignore_eos=True))
+            await anext(cancelled)
+            await cancelled.aclose()  # a real cancellation, for contrast
+        finally:
+            await engine.close()
+            engine.batch.close()
+
+    asyncio.run(run())
+    assert tracer.finishes == ["length", None]
