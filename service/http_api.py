@@ -110,7 +110,8 @@ class HttpApi:
         limits = options.limits
         config = uvicorn.Config(
             self.asgi, lifespan="off", log_level="warning", access_log=False, timeout_graceful_shutdown=1,
-            http=bounded_protocol(limits.header_timeout_seconds, limits.body_timeout_seconds, limits.max_connections),
+            http=bounded_protocol(limits.header_timeout_seconds, limits.body_timeout_seconds, limits.max_connections,
+                                  limits.max_connections_per_address),
             timeout_keep_alive=limits.idle_timeout_seconds, **tls,
         )
         self._server = _QuietServer(config)

@@ -62,8 +62,12 @@ class EngineLimits:
                                            "finish its handshake (gRPC)", 1, 3600)
     body_timeout_seconds: int = declared(30, "seconds an HTTP request has to send its whole body once its headers are in", 1, 3600)
     idle_timeout_seconds: int = declared(60, "seconds a connection with no request in flight stays open", 1, 86400)
-    max_connections: int = declared(512, "HTTP connections open at once (more are answered 503 and closed); gRPC calls in "
-                                    "flight at once (more are refused RESOURCE_EXHAUSTED)", 1, 1_000_000)
+    max_connections: int = declared(512, "HTTP connections open at once (a new one past it closes the longest-idle or stalled "
+                                    "one, or with none is answered 503); gRPC calls in flight at once (more are refused "
+                                    "RESOURCE_EXHAUSTED)", 1, 1_000_000)
+    max_connections_per_address: int = declared(512, "HTTP connections open at once from one client address, shed as "
+                                                "--max-connections sheds; lower it where clients connect directly, not "
+                                                "through one proxy", 1, 1_000_000)
     max_n: int = declared(8, "completions of one prompt a request (n): each a sequence with its own row", 1, 64)
     max_top_logprobs: int = declared(20, "alternatives reported with each token (top_logprobs; /v1/completions' logprobs)", 0, 1000)
     max_logit_bias: int = declared(300, "tokens one request may bias (logit_bias entries)", 0, 1_000_000)
