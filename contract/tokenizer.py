@@ -12,7 +12,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def decode(self, ids: list[int]) -> str: ...
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def pieces(self, ids: list[int]) -> list[str]: ...
 
@@ -30,8 +30,8 @@ class ByteTokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))  # no special tokens to add
 
-    def decode(self, ids: list[int]) -> str:
-        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")  # ids past 255 have no text either way
 
     def pieces(self, ids: list[int]) -> list[str]:
         """Each id's own text, as decode([id]) gives it (a byte of a multi-byte character alone is U+FFFD)."""
@@ -57,8 +57,8 @@ class HFTokenizer:
         # chat template writes its own (contract/chat.py), so it is encoded without them.
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)  # no "<|endoftext|>" in the text
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)  # by default no "<|endoftext|>" in the text
 
     def to_json(self) -> str:
         """The tokenizer.json text (structured output builds its grammar tokenizer from it)."""

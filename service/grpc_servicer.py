@@ -129,6 +129,9 @@ def _to_domain(request: pb.GenerateRequest, metadata=()) -> GenerationRequest:
         return_logprobs=request.return_logprobs,
         top_logprobs=request.top_logprobs,
         ignore_eos=request.ignore_eos,
+        min_new_tokens=request.min_new_tokens,
+        skip_special_tokens=not request.keep_special_tokens,
+        include_stop_sequence=request.include_stop_sequence,
         response_format=_response_format(request.response_format) if request.HasField("response_format") else None,
     )
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from kvserve.contract.chat import ChatMessage, ToolCall
 
 from .engine_errors import EngineError, InvalidArgument, QueueFull, Unavailable
-from .limits import MAX_BIAS, MAX_PENALTY, EngineLimits
+from .limits import MAX_BIAS, MAX_PENALTY, MAX_SCALE, MIN_SCALE, EngineLimits
 from .sampling import MAX_SEED, SamplingParams
 from .sequence import FinishReason, GenerationRequest, StepEvent
 from .structured import FormatKind, ResponseFormat
@@ -40,8 +40,10 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 # their no-op value, never silently ignored.
 # (functions and function_call: the API's older spelling of tools and tool_choice.)
 NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "function_call": None}
+# vLLM's sampling extensions, as vLLM names them (benchmark tools send them): docs/serving.md, "vLLM's extensions".
+VLLM = {"ignore_eos", "min_tokens", "top_k", "repetition_penalty", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
-          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"}
+          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"} | VLLM
 CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"}
 ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | CHAT | set(NOT_YET)}
 
@@ -61,7 +63,8 @@ class ApiError(Exception):
 # The engine names gRPC's fields; an HTTP client is told the OpenAI parameter it sent.
 PARAMS = {"max_new_tokens": "max_tokens", "prompt.text": "prompt", "prompt.token_ids": "prompt", "prompt.messages": "messages",
           "stop_sequences": "stop", "sampling.temperature": "temperature", "sampling.top_p": "top_p",
-          "response_format.json_schema": "response_format", "response_format.json_object": "response_format"}
+          "response_format.json_schema": "response_format", "response_format.json_object": "response_format",
+          "min_new_tokens": "min_tokens", "sampling.top_k": "top_k", "sampling.repetition_penalty": "repetition_penalty"}
 
 
 def api_error(exc: EngineError) -> ApiError:
@@ -203,7 +206,15 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
         presence_penalty=_number(body, "presence_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         frequency_penalty=_number(body, "frequency_penalty", 0.0, -MAX_PENALTY, MAX_PENALTY),
         min_p=_number(body, "min_p", 0.0, 0.0, 1.0),
+        top_k=max(0, _number(body, "top_k", 0, -1, 2**31 - 1, int)),  # vLLM's -1 (and 0): off
+        repetition_penalty=_number(body, "repetition_penalty", 1.0, MIN_SCALE, MAX_SCALE),
     )
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids):
+        raise ApiError(400, "stop_token_ids must be a list of token ids (non-negative integers)", "stop_token_ids")
+    skip_special = body.get("skip_special_tokens", True)
+    if not isinstance(skip_special, bool):
+        raise ApiError(400, f"skip_special_tokens must be true or false, got {shown(skip_special)}", "skip_special_tokens")
     stop = body.get("stop")
     stop = [stop] if isinstance(stop, str) else (stop or [])
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
@@ -221,7 +232,9 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
         top = 0 if logprobs is None else _number(body, "logprobs", 0, 0, limits.max_top_logprobs, int)
         logprobs = logprobs is not None
     common = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top,
-                  response_format=_response_format(body.get("response_format")))
+                  response_format=_response_format(body.get("response_format")), ignore_eos=_flag(body, "ignore_eos"),
+                  min_new_tokens=_number(body, "min_tokens", 0, 0, 2**31 - 1, int), stop_token_ids=tuple(stop_token_ids),
+                  skip_special_tokens=skip_special, include_stop_sequence=_flag(body, "include_stop_str_in_output"))
     if kind == "chat":
         request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))),
                                     chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), tools=_tools(body), **common)

@@ -34,6 +34,9 @@ class GenerationRequest:
     return_logprobs: bool = False
     top_logprobs: int = 0  # with return_logprobs: this many likeliest alternatives each token
     ignore_eos: bool = False
+    min_new_tokens: int = 0  # before this many new tokens, no stop token (end-of-sequence included) may be taken
+    skip_special_tokens: bool = True  # special tokens' text left out of the output
+    include_stop_sequence: bool = False  # a matched stop sequence ends the text
     response_format: ResponseFormat | None = None  # the output's structure (structured.py); None: free text
     traceparent: str | None = None  # the caller's W3C trace context (HTTP headers, gRPC metadata), read when tracing is on
     tracestate: str | None = None
@@ -102,6 +105,7 @@ class Sequence:
     long_rope: bool = False  # a longrope model's: its K/V turn by the long factors (it is longer than the original context)
     long_rope_from: int = 0  # the first column turned long: past 0 when it crossed without its cache computed again
     refill_ids: list[int] | None = None  # every token so far, prefilled again, long, where it first grows past (scheduler.py)
+    min_new_tokens: int = 0  # until this many are generated, stop_ids' logits are held back (vLLM's min_tokens)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -125,7 +129,8 @@ class Sequence:
         """Whether the argmax of its logits is the token this sequence takes (greedy, with no repetition, presence or
         frequency penalty, no logit bias, no constraint and no log-probability): then it takes the graph's greedy token
         (runtime.Sampled)."""
-        return self.params.greedy and not self.params.changes_logits and not self.return_logprobs and self.constraint is None
+        return (self.params.greedy and not self.params.changes_logits and not self.return_logprobs and self.constraint is None
+                and len(self.generated) >= self.min_new_tokens)
 
     @property
     def needs_logits(self) -> bool:
@@ -148,7 +153,16 @@ class Sequence:
             seen = None
             if self.params.repetition_penalty != 1.0:
                 seen = np.fromiter(itertools.chain(self.prompt_ids, self.generated), dtype=np.int64)
-            token = choose(logits, self.params, self.rng, seen, self.generated, self._allowed_ids(allowed) if self.constraint is not None else None)
+            held_back = len(self.generated) < self.min_new_tokens and self.stop_ids
+            allowed_ids = self._allowed_ids(allowed) if self.constraint is not None else None
+            sampled = logits
+            if held_back and allowed_ids is not None:
+                kept = np.setdiff1d(allowed_ids, list(self.stop_ids), assume_unique=True)
+                allowed_ids = kept if kept.size else allowed_ids  # a structure that can only end, ends
+            elif held_back:
+                sampled = logits.copy()
+                sampled[list(self.stop_ids)] = -np.inf
+            token = choose(sampled, self.params, self.rng, seen, self.generated, allowed_ids)
             logprob = log_probability(logits, token) if self.return_logprobs else None
         top = top_log_probabilities(logits, self.top_logprobs) if self.top_logprobs else None
         self.generated.append(token)

@@ -46,18 +46,20 @@ class IncrementalDecoder:
     ends in an incomplete character (which decodes to U+FFFD).
     """
 
-    def __init__(self, tokenizer: Tokenizer, context: list[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, context: list[int] = (), skip_special_tokens: bool = True):
         """context: the prompt's last few tokens. Decoded before the first new token, they keep its text as it reads
-        after the prompt: a SentencePiece tokenizer drops a word's leading space when the word comes first."""
+        after the prompt: a SentencePiece tokenizer drops a word's leading space when the word comes first.
+        skip_special_tokens: leave special tokens' text out (the default), or write it."""
         self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = list(context)
         self._prefix = 0  # start of the decode window (one emitted chunk of context for merges)
         self._read = len(self._ids)  # tokens up to here are already emitted (or are the prompt's)
 
     def push(self, token_id: int) -> str:
         self._ids.append(token_id)
-        before = self._tokenizer.decode(self._ids[self._prefix : self._read])
-        after = self._tokenizer.decode(self._ids[self._prefix :])
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
+        after = self._tokenizer.decode(self._ids[self._prefix :], self._skip)
         if len(after) > len(before) and not after.endswith(REPLACEMENT):
             self._prefix, self._read = self._read, len(self._ids)
             return after[len(before) :]
@@ -65,8 +67,8 @@ class IncrementalDecoder:
 
     def flush(self) -> str:
         """At the end of the stream: whatever is held back (an incomplete character becomes U+FFFD)."""
-        before = self._tokenizer.decode(self._ids[self._prefix : self._read])
-        after = self._tokenizer.decode(self._ids[self._prefix :])
+        before = self._tokenizer.decode(self._ids[self._prefix : self._read], self._skip)
+        after = self._tokenizer.decode(self._ids[self._prefix :], self._skip)
         self._prefix = self._read = len(self._ids)
         return after[len(before) :]
 
@@ -80,7 +82,9 @@ class StopSequences:
     begins some stop, which is what must be held back. The first stop to complete wins (among stops that
     complete at the same character, the longest), so the result does not depend on how text is chunked."""
 
-    def __init__(self, stops: tuple[str, ...]):
+    def __init__(self, stops: tuple[str, ...], include_stop: bool = False):
+        """include_stop: the matched stop ends the text emitted (else it is left out)."""
+        self._include = include_stop
         self._stops = tuple(s for s in stops if s)
         self._next: list[dict[str, int]] = [{}]  # state -> character -> state (the trie)
         self._fail = [0]  # state -> the state of its longest proper suffix that is also in the trie
@@ -123,7 +127,7 @@ class StopSequences:
             if stop is not None:
                 end = len(self._held) + offset + 1
                 self._state, self._held = 0, ""
-                return text[: end - len(stop)], stop
+                return text[: end if self._include else end - len(stop)], stop
         keep = self._depth[self._state]
         self._held = text[len(text) - keep :]
         return text[: len(text) - keep], None

@@ -161,6 +161,10 @@ class RequestValidator:
         longest = max((len(stop) for stop in request.stop_sequences), default=0)
         if longest > limits.max_stop_length:
             raise InvalidArgument("stop_sequences", f"a stop sequence of {longest} characters; at most {limits.max_stop_length}")
+        if not 0 <= request.min_new_tokens <= max_new:
+            raise InvalidArgument("min_new_tokens", f"must be in [0, max_new_tokens = {max_new}], got {request.min_new_tokens}")
+        if len(request.stop_token_ids) > limits.max_stop_sequences:
+            raise InvalidArgument("stop_token_ids", f"{len(request.stop_token_ids)} stop tokens; at most {limits.max_stop_sequences}")
         bad = [t for t in request.stop_token_ids if not 0 <= t < config.vocab_size]
         if bad:
             raise InvalidArgument("stop_token_ids", f"token id {bad[0]} is outside the vocabulary [0, {config.vocab_size})")
@@ -183,8 +187,9 @@ class RequestValidator:
             stop_ids=frozenset(stop_ids),
             return_logprobs=request.return_logprobs,
             top_logprobs=request.top_logprobs,
-            decoder=IncrementalDecoder(self.tokenizer, context=prompt[-PROMPT_CONTEXT_TOKENS:]),
-            stops=StopSequences(request.stop_sequences),
+            decoder=IncrementalDecoder(self.tokenizer, context=prompt[-PROMPT_CONTEXT_TOKENS:], skip_special_tokens=request.skip_special_tokens),
+            stops=StopSequences(request.stop_sequences, include_stop=request.include_stop_sequence),
+            min_new_tokens=request.min_new_tokens,
             constraint=constraint,
             blocked_ids=tuple(config.eos_token_ids) if constraint is not None and request.ignore_eos else (),
             tool_calls=split,

@@ -205,3 +205,15 @@ def test_while_loading_the_api_answers_503_and_health_says_not_serving(chat_arti
         with pytest.raises(openai.InternalServerError) as error:
             openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0).completions.create(model=MODEL, prompt="a")
         assert error.value.status_code == 503 and "still loading" in error.value.body["message"]
+
+
+def test_what_vllms_bench_serve_sends_is_served(client):
+    """vLLM's `bench serve` on random data: completions streamed with usage, ignore_eos so every request runs to
+    max_tokens; genai-perf adds min_tokens the same way."""
+    stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=12, temperature=0.0, stream=True,
+                                       stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True, "min_tokens": 12, "top_k": -1, "repetition_penalty": 1.0,
+                                                   "skip_special_tokens": True, "include_stop_str_in_output": False})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 12
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]

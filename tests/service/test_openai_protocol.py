@@ -43,12 +43,32 @@ def test_a_chat_body_becomes_the_engine_request_it_describes():
     ({"model": "m", "prompt": [1, "x"]}, "completions", 400, "prompt"),
     ({**CHAT, "response_format": {"type": "xml"}}, "chat", 400, "response_format"),
     ([1, 2], "chat", 400, None),
+    ({**CHAT, "ignore_eos": 1}, "chat", 400, "ignore_eos"), ({**CHAT, "min_tokens": -1}, "chat", 400, "min_tokens"),
+    ({**CHAT, "top_k": -2}, "chat", 400, "top_k"), ({**CHAT, "repetition_penalty": 0}, "chat", 400, "repetition_penalty"),
+    ({**CHAT, "stop_token_ids": [1, -1]}, "chat", 400, "stop_token_ids"), ({**CHAT, "stop_token_ids": [True]}, "chat", 400, "stop_token_ids"),
+    ({**CHAT, "skip_special_tokens": "no"}, "chat", 400, "skip_special_tokens"),
+    ({"model": "m", "prompt": "x", "include_stop_str_in_output": 0}, "completions", 400, "include_stop_str_in_output"),
+    ({**CHAT, "use_beam_search": True}, "chat", 400, "use_beam_search"),  # an extension kvserve does not take: named
 ])
 def test_each_refusal_has_its_status_and_names_its_parameter(body, kind, status, param):
     with pytest.raises(ApiError) as refused:
         parse(body, kind, "m", LIMITS)
     assert refused.value.status == status and refused.value.param == param
     assert refused.value.body()["error"]["message"]
+
+
+def test_vllms_sampling_extensions_reach_the_engine_request():
+    """What vLLM's bench serve and genai-perf send: ignore_eos, min_tokens, top_k (-1: off), repetition_penalty,
+    stop_token_ids, skip_special_tokens, include_stop_str_in_output."""
+    request = parse({"model": "m", "prompt": "x", "max_tokens": 8, "ignore_eos": True, "min_tokens": 4, "top_k": 40, "repetition_penalty": 1.1,
+                     "stop_token_ids": [7, 9], "skip_special_tokens": False, "include_stop_str_in_output": True}, "completions", "m", LIMITS).request
+    assert (request.ignore_eos, request.min_new_tokens, request.stop_token_ids) == (True, 4, (7, 9))
+    assert (request.sampling.top_k, request.sampling.repetition_penalty) == (40, 1.1)
+    assert (request.skip_special_tokens, request.include_stop_sequence) == (False, True)
+    default = parse({**CHAT, "top_k": -1}, "chat", "m", LIMITS).request
+    assert (default.sampling.top_k, default.ignore_eos, default.min_new_tokens, default.skip_special_tokens, default.include_stop_sequence) == (
+        0, False, 0, True, False)
+    assert api_error(InvalidArgument("min_new_tokens", "must be in [0, 8]")).param == "min_tokens"
 
 
 def test_engine_errors_become_openai_errors_naming_the_parameter_sent():

@@ -127,3 +127,51 @@ def test_n_completions_compute_their_prompt_once(stub):
     finishes = {r.index: r.finish for r in stub.Generate(request, timeout=60) if r.HasField("finish")}
     # the first computes it; the others copy its K/V (all but the last prompt token, always computed)
     assert sorted(f.cached_prompt_tokens for f in finishes.values()) == [0, 39, 39]
+
+
+def test_min_new_tokens_holds_the_stop_tokens_back_until_then(stub, tiny_model):
+    """vLLM's min_tokens: before min_new_tokens tokens no stop token (stop_token_ids, end-of-sequence) is taken; the
+    greedy choice is the eager model's with their logits at -inf until then, and a stop token ends it after."""
+    plain = eager_greedy(tiny_model, lambda logits, _: logits)
+    stop, least = plain[1], 6
+
+    def held(logits, generated):
+        if len(generated) < least:
+            logits[[stop, 256]] = -float("inf")  # 256: the tiny preset's end-of-sequence
+        return logits
+
+    expected = eager_greedy(tiny_model, held)
+    ends = [i for i, token in enumerate(expected) if token in (stop, 256) and i >= least]
+    expected = expected[: ends[0] + 1] if ends else expected
+    ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, stop_token_ids=[stop],
+                                                      min_new_tokens=least))
+    assert ids == expected and len(ids) > least
+    short, _, _ = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, stop_token_ids=[stop]))
+    assert short == plain[:2]  # without it, the stop token ends it at once
+    with pytest.raises(grpc.RpcError) as error:
+        collect(stub, pb.GenerateRequest(text="a", max_new_tokens=2, min_new_tokens=3))
+    assert error.value.details() == "min_new_tokens: must be in [0, max_new_tokens = 2], got 3"
+
+
+def test_a_stop_sequence_ends_the_text_when_asked_and_is_left_out_otherwise(stub):
+    _, text, _ = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, ignore_eos=True))
+    at = next(i for i in range(1, len(text)) if text.find(text[i]) == i)  # a character's first place, past the first
+    stop = text[at]
+    _, left_out, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, ignore_eos=True,
+                                                           stop_sequences=[stop]))
+    _, included, _ = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), max_new_tokens=STEPS, ignore_eos=True,
+                                                      stop_sequences=[stop], include_stop_sequence=True))
+    assert (left_out, included, finish.stop_sequence) == (text[:at], text[: at + 1], stop)
+
+
+def test_special_tokens_are_written_only_when_asked():
+    from kvserve.contract.tokenizer import HFTokenizer
+    from kvserve.model.vocabulary import gpt2_tokenizer
+    from kvserve.service.text import IncrementalDecoder
+
+    tokenizer = HFTokenizer.__new__(HFTokenizer)
+    tokenizer._tokenizer = gpt2_tokenizer()
+    ids = tokenizer.encode("Hi") + [50256]  # <|endoftext|>
+    for skip, expected in ((True, "Hi"), (False, "Hi<|endoftext|>")):
+        decoder = IncrementalDecoder(tokenizer, skip_special_tokens=skip)
+        assert "".join(decoder.push(i) for i in ids) + decoder.flush() == expected
