@@ -18,8 +18,9 @@ from kvserve.contract.config import MODEL_TYPES
 from kvserve.contract.io_contract import KV_DTYPES, QUANTIZATIONS, kv_dtype_refusal, quantize_block_refusal
 from kvserve.errors import JobFailed, UserError
 
-DESCRIPTION = ("Export a transformer decoder (GPT-2, Llama, Qwen2, Mistral) to ONNX with its KV cache as graph inputs and "
-               "outputs, check it against the eager PyTorch model, and serve it over gRPC and an OpenAI-compatible HTTP API.")
+DESCRIPTION = (f"Export a transformer decoder (a checkpoint of model_type {', '.join(MODEL_TYPES)}, or a built-in preset) to "
+               "ONNX with its KV cache as graph inputs and outputs, check it against the eager PyTorch model, and serve it over "
+               "gRPC and an OpenAI-compatible HTTP API.")
 BYTE_VOCABULARY = 257  # 256 bytes and an end-of-sequence id: what an artifact without tokenizer.json reads text as
 
 

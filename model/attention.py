@@ -161,7 +161,8 @@ class SlotStep:
         heads = torch.arange(n_kv_head, device=position_ids.device)  # (H_kv,): a constant in the graph
         # Every token's K/V goes to (its row, each head, its column): indices built whole, once a step, so each
         # layer's scatter takes its K/V as they are.
-        self.write_index = [rows[:, None] + heads * 0, heads + rows[:, None] * 0, self.positions[:, None] + heads * 0]  # 3 x (N, H_kv)
+        shape = (rows.shape[0], n_kv_head)  # an Expand's shape: read on the host, which no data depends on
+        self.write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), self.positions[:, None].expand(shape)]  # 3 x (N, H_kv)
         self.n_decode = position_ids.shape[0]  # B: a size that sizes a Split (read from the host, no copy)
         decode_columns = counting(attention_mask[0])  # (W,): decode rows read these
         decode_planes = (decode_rows[:, None] * n_kv_head + heads)[:, :, None]  # (B, H_kv, 1)

@@ -223,6 +223,13 @@ def test_ctrl_c_during_export_ends_it_with_130_and_leaves_nothing(tmp_path):
         assert not out.exists() and not [p for p in tmp_path.iterdir() if p.name != "a"]
 
 
+def test_the_top_level_help_names_every_model_type_served():
+    from kvserve.contract.config import MODEL_TYPES
+
+    help_text = " ".join(run_cli("--help").stdout.split())
+    assert all(name in help_text for name in MODEL_TYPES)
+
+
 def test_export_help_names_every_preset_and_model_type():
     """The CLI names the presets without loading model code; this holds its list to model/presets.py's."""
     from kvserve.cli import PRESET_NAMES

@@ -10,11 +10,11 @@ from kvserve.export.parity import artifact_greedy
 from kvserve.v1 import generation_pb2 as pb
 
 from ..conftest import PROVIDER
-from .conftest import collect, serving, stub_of
+from .conftest import collect, serving, slow_down, stub_of
 
 
 @pytest.mark.parametrize("attention, kv_dtype", [("fused", "int8"), ("standard", "float16")])
-def test_a_kv_dtype_artifact_serves_its_own_greedy_tokens_holding_its_tokens_bytes(kv_dtype_artifacts, attention, kv_dtype):
+def test_a_kv_dtype_artifact_serves_its_own_greedy_tokens_holding_its_tokens_bytes(kv_dtype_artifacts, attention, kv_dtype, monkeypatch):
     directory = kv_dtype_artifacts("tiny", attention, kv_dtype)
     config = open_artifact(directory).config
     token = 2 * config.n_layer * config.n_kv_head * config.head_dim * np.dtype(kv_dtype).itemsize  # K and V of one token, every layer
@@ -26,6 +26,7 @@ def test_a_kv_dtype_artifact_serves_its_own_greedy_tokens_holding_its_tokens_byt
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=12, ignore_eos=True)
         ids, _, _ = collect(stub, request)
         assert ids == artifact_greedy(directory, [prompt], 12, PROVIDER)[0].tolist()
+        slow_down(monkeypatch, running.app)  # so the stream is still running when it is looked at, however fast the model
         stream = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=200, ignore_eos=True), timeout=60)
         next(stream)
         (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
