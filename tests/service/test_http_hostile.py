@@ -11,7 +11,7 @@ import time
 import httpx2 as httpx
 import pytest
 
-from .conftest import serving, wait_for
+from .conftest import serving, slow_down, wait_for
 
 MODEL = "tiny-chat"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -186,16 +186,17 @@ def chat_seconds(port: int) -> float:
     return time.monotonic() - started
 
 
-def test_one_address_holding_the_cap_with_stalled_uploads_and_idle_connections_locks_no_one_out(tiny_chat_artifact, caplog):
+def test_one_address_holding_the_cap_with_stalled_uploads_and_idle_connections_locks_no_one_out(tiny_chat_artifact, caplog, monkeypatch):
     """20 stalled uploads and 44 idle connections from one address fill the cap (timeouts far off, so only shedding
     frees a slot): a chat completion is admitted by closing the longest-waiting of them, and served within 3x its time
     alone; a stream in flight is never the one closed."""
     slow = dict(header_timeout_seconds=60, body_timeout_seconds=60, idle_timeout_seconds=60)
     with serving(tiny_chat_artifact, http_port=0, max_connections=65, **slow) as server:
         port = server.app.http_port
+        slow_down(monkeypatch, server.app, 0.02)  # 200 tokens take 4 s at least: the stream is running throughout
         alone = min(chat_seconds(port) for _ in range(3))
         stream = httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
-                              json={**CHAT, "max_tokens": 200, "stream": True})
+                              json={**CHAT, "max_tokens": 200, "stream": True, "ignore_eos": True})
         response = stream.__enter__()
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")  # streaming: a request being answered
