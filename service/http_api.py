@@ -39,21 +39,8 @@ from .engine import Engine
 from .engine_errors import EngineError, Unavailable
 from .http_connections import bounded_protocol
 from .metrics import Metrics
-from .openai_protocol import (
-    STATUS_CODES,
-    STREAM_END,
-    ApiError,
-    Parsed,
-    api_error,
-    object_name,
-    opening_choices,
-    parse_body,
-    shown,
-    sse,
-    token_choice,
-    usage,
-    whole_body,
-)
+from .openai_answers import STREAM_END, object_name, opening_choices, sse, token_choice, usage, whole_body
+from .openai_protocol import STATUS_CODES, ApiError, Parsed, api_error, parse_body, shown
 from .options import ServerOptions
 from .security import TokenFile
 from .tokenizing import TokenizeProcess

@@ -1,6 +1,6 @@
-"""The OpenAI protocol, apart from its transport (http_api.py): request bodies parsed into engine requests (every
-refusal an ApiError naming the parameter), engine errors as OpenAI error objects, and the response and stream-chunk
-bodies of /v1/completions and /v1/chat/completions (vLLM's entrypoints keep their protocol module the same way).
+"""The OpenAI protocol's requests, apart from its transport (http_api.py): request bodies parsed into engine requests
+(every refusal an ApiError naming the parameter) and engine errors as OpenAI error objects; the answers' bodies are
+openai_answers.py's.
 
 Errors are OpenAI-shaped (`{"error": {"message", "type", "param", "code"}}`): 400 for a bad or unsupported parameter
 (named), a body nested too deep or holding invalid Unicode; 401; 404 for another model or path; 405; 413 for a body
@@ -11,7 +11,6 @@ or draining.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvserve.contract.chat import ChatMessage, ToolCall
@@ -19,17 +18,14 @@ from kvserve.contract.chat import ChatMessage, ToolCall
 from .engine_errors import EngineError, InvalidArgument, QueueFull, Unavailable
 from .limits import MAX_BIAS, MAX_PENALTY, MAX_SCALE, MIN_SCALE, EngineLimits
 from .sampling import MAX_SEED, SamplingParams
-from .sequence import FinishReason, GenerationRequest, StepEvent
+from .sequence import GenerationRequest
 from .structured import FormatKind, ResponseFormat
 from .text import encodable
-from .tool_call_text import CallDelta
 from .tool_calls import ToolChoice, ToolRequest
 from .validation import check_sizes
 
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_SCALE)
 
-FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP_SEQUENCE: "stop", FinishReason.END_OF_SEQUENCE: "stop",
-                  FinishReason.TOOL_CALLS: "tool_calls"}
 # The status each refusal gets, and the gRPC code name the request metric counts it under (one label set for both APIs).
 STATUS_CODES = {200: "OK", 400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 404: "NOT_FOUND", 405: "UNIMPLEMENTED",
                 413: "RESOURCE_EXHAUSTED", 415: "INVALID_ARGUMENT", 429: "RESOURCE_EXHAUSTED", 500: "INTERNAL", 503: "UNAVAILABLE"}
@@ -366,91 +362,3 @@ def _message_calls(calls, where: str) -> tuple[ToolCall, ...]:
                            f'"arguments": "<JSON text>"}}}}', f"{where}.tool_calls")
         out.append(ToolCall(call["id"], function["name"], function["arguments"]))
     return tuple(out)
-
-def logprobs_object(kind: str, events: list[StepEvent], pieces: Callable[[list[int]], list[str]]) -> dict:
-    """A choice's logprobs object for events (a whole answer's, or one streamed token's); pieces: the tokenizer's text of ids."""
-    tokens = pieces([e.token_id for e in events])
-    alternatives = [[(piece, lp) for piece, (_, lp) in zip(pieces([t for t, _ in e.top_logprobs]), e.top_logprobs)]
-                    if e.top_logprobs else [] for e in events]
-    if kind == "chat":
-        return {"content": [
-            {"token": token, "logprob": e.logprob, "bytes": list(token.encode("utf-8")),
-             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in top]}
-            for token, e, top in zip(tokens, events, alternatives)]}
-    return {"tokens": tokens, "token_logprobs": [e.logprob for e in events], "top_logprobs": [dict(top) for top in alternatives],
-            "text_offset": None}
-
-
-def usage(finishes: list) -> dict:
-    """The usage object of n completions of one prompt (each completion's Finish)."""
-    prompt = finishes[0].prompt_tokens  # one prompt, counted once
-    completion = sum(f.generated_tokens for f in finishes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)}}
-
-
-def object_name(kind: str, streamed: bool) -> str:
-    if kind == "chat":
-        return "chat.completion.chunk" if streamed else "chat.completion"
-    return "text_completion"
-
-
-def whole_body(ids: str, kind: str, model: str, created: int, completions: list[list[StepEvent]], parsed: Parsed,
-               pieces: Callable[[list[int]], list[str]]) -> dict:
-    """The one JSON body of an answer not streamed: every completion's text (or message), finish reason and usage."""
-    choices = []
-    for index, completion in enumerate(completions):
-        text = "".join(event.text for event in completion)
-        finish = completion[-1].finish
-        choice = {"index": index, "logprobs": logprobs_object(kind, completion, pieces) if parsed.logprobs else None,
-                  "finish_reason": FINISH_REASONS[finish.reason]}
-        if kind == "chat":
-            message = {"role": "assistant", "content": text}
-            if finish.tool_calls:
-                message["content"] = text or None
-                message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
-                                         for c in finish.tool_calls]
-            choice["message"] = message
-        else:
-            choice["text"] = text
-        choices.append(choice)
-    return {"id": ids, "object": object_name(kind, False), "created": created, "model": model, "choices": choices,
-            "usage": usage([c[-1].finish for c in completions])}
-
-
-def token_choice(kind: str, index: int, event: StepEvent, parsed: Parsed, pieces: Callable[[list[int]], list[str]]) -> dict:
-    """One streamed token of completion index, as a chunk's choice (with its finish reason on the last)."""
-    reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
-    choice = {"index": index, "logprobs": logprobs_object(kind, [event], pieces) if parsed.logprobs else None, "finish_reason": reason}
-    if kind == "chat":
-        choice["delta"] = {"content": event.text} if event.text or not event.call_deltas else {}
-        if event.call_deltas:
-            choice["delta"]["tool_calls"] = call_deltas(event.call_deltas)
-    else:
-        choice["text"] = event.text
-    return choice
-
-
-def call_deltas(deltas: tuple[CallDelta, ...]) -> list[dict]:
-    """A step's pieces of tool calls as OpenAI streams them: one entry a call, its id and name first."""
-    merged: dict[int, dict] = {}
-    for delta in deltas:
-        entry = merged.setdefault(delta.index, {"index": delta.index, "function": {"arguments": ""}})
-        if delta.name is not None:
-            entry.update(id=delta.id, type="function")
-            entry["function"]["name"] = delta.name
-        entry["function"]["arguments"] += delta.arguments
-    return list(merged.values())
-
-
-def opening_choices(n: int) -> list[dict]:
-    """A chat stream's first chunk: each completion's assistant role, no content yet."""
-    return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None} for i in range(n)]
-
-
-def sse(body: dict) -> str:
-    """One server-sent event."""
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-
-STREAM_END = "data: [DONE]\n\n"
