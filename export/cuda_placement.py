@@ -55,7 +55,6 @@ def capture_blockers(model: onnx.ModelProto) -> list[str]:
     constants = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
     graph_inputs = {i.name for i in graph.input}
     host: set[str] = set()  # tensors in host memory
-    on_cpu: set[str] = set()  # nodes moved to the CPU, by name
     problems = []
     for node in graph.node:  # exported graphs are topologically sorted
         if node.op_type in CONTROL_FLOW:
@@ -73,8 +72,7 @@ def capture_blockers(model: onnx.ModelProto) -> list[str]:
             (name in host and i not in host_inputs) or name in constants or name in graph_inputs or name == ""
             for i, name in enumerate(node.input)
         ) and not any(types.get(name) in DEVICE_ONLY_TYPES for name in node.input)
-        if movable and not all(i in host_inputs for i in reads_host):
-            on_cpu.add(node.name)
+        if movable and not all(i in host_inputs for i in reads_host):  # moved to the CPU: its outputs are host tensors
             host.update(node.output)
             fed = [name for name in node.input if name in graph_inputs]
             if fed:

@@ -96,10 +96,22 @@ class BoundedHTTPServer(ThreadingHTTPServer):
 
 
 class BoundedHandler(BaseHTTPRequestHandler):
-    """A handler for BoundedHTTPServer: kept alive, each request's headers on the server's deadline, no access log."""
+    """A handler for BoundedHTTPServer answering GET /metrics with exposition(): kept alive, each request's headers on
+    the server's deadline, no access log."""
 
     protocol_version = "HTTP/1.1"  # kept alive: scrapers reuse their connection
     server: BoundedHTTPServer
+    paths = ("/metrics",)  # what is answered; any other path is 404
+
+    def exposition(self) -> tuple[bytes, str]:
+        """The body and its content type."""
+        raise NotImplementedError
+
+    def do_GET(self) -> None:
+        if self.path.split("?", 1)[0] not in self.paths:
+            self.answer(404, b"not found: this port serves /metrics\n", "text/plain; charset=utf-8")
+        else:
+            self.answer(200, *self.exposition())
 
     def handle_one_request(self) -> None:
         self.server.expect_request(self.connection)

@@ -123,11 +123,8 @@ class GatewayGaugeServer:
 class _GaugeHandler(BoundedHandler):
     board: GaugeBoard  # set on the class at the child's start
 
-    def do_GET(self) -> None:
-        if self.path.split("?", 1)[0] != "/metrics":
-            self.answer(404, b"not found: this port serves /metrics\n", "text/plain; charset=utf-8")
-        else:
-            self.answer(200, exposition(self.board.read()), CONTENT_TYPE)
+    def exposition(self) -> tuple[bytes, str]:
+        return exposition(self.board.read()), CONTENT_TYPE
 
 
 def _ask_for_a_short_slice() -> None:

@@ -79,11 +79,10 @@ class Metrics:
         registry = self.registry
 
         class MetricsHandler(BoundedHandler):
-            def do_GET(self) -> None:
-                if self.path.split("?", 1)[0] not in ("/metrics", "/"):
-                    self.answer(404, b"not found: this port serves /metrics\n", "text/plain; charset=utf-8")
-                else:
-                    self.answer(200, generate_latest(registry), CONTENT_TYPE_LATEST)
+            paths = ("/metrics", "/")  # prometheus_client's server, which this replaced, answered any path
+
+            def exposition(self) -> tuple[bytes, str]:
+                return generate_latest(registry), CONTENT_TYPE_LATEST
 
         self._http = BoundedHTTPServer(listening_socket(host, port), MetricsHandler, max_connections, header_timeout)
         threading.Thread(target=self._http.serve_forever, name="kvserve-metrics", daemon=True).start()

@@ -1,9 +1,12 @@
-"""Text out: the streaming rules that keep every text delta valid UTF-8 and keep stop sequences out of the
-stream (the tokenizers themselves are the artifact's: contract/tokenizer.py)."""
+"""Text: the Unicode a client's JSON text must hold (no lone surrogate), and out, the streaming rules that keep every
+text delta valid UTF-8 and keep stop sequences out of the stream (the tokenizers themselves are the artifact's:
+contract/tokenizer.py)."""
 
 from __future__ import annotations
 
 from kvserve.contract.tokenizer import Tokenizer
+
+from .engine_errors import InvalidArgument
 
 REPLACEMENT = "\ufffd"
 
@@ -18,23 +21,22 @@ def encodable(text: str) -> bool:
         return False
 
 
-def lone_surrogate_at(value, where: str) -> str | None:
-    """Where in a parsed JSON value (named where) the first key or string holding a lone surrogate is, or None;
-    walked without recursion."""
+def refuse_lone_surrogates(value, where: str) -> None:
+    """InvalidArgument naming the first key or string of a parsed JSON value (named where) that holds a lone surrogate
+    (a JSON escape spells one inside valid text); walked without recursion."""
     stack = [(value, where)]
     while stack:
         item, path = stack.pop()
         if isinstance(item, str):
             if not encodable(item):
-                return path
+                raise InvalidArgument(path, "is not valid Unicode (a lone surrogate)")
         elif isinstance(item, dict):
             for key, inner in item.items():
                 if isinstance(key, str) and not encodable(key):
-                    return f"a key under {path}"
+                    raise InvalidArgument(f"a key under {path}", "is not valid Unicode (a lone surrogate)")
                 stack.append((inner, f"{path}.{key}" if len(str(key)) <= 40 else f"{path}.<key>"))
         elif isinstance(item, list):
             stack.extend((inner, f"{path}[{index}]") for index, inner in enumerate(item))
-    return None
 
 
 class IncrementalDecoder:

@@ -28,7 +28,7 @@ from kvserve.contract.tokenizer import Tokenizer
 from .engine_errors import InvalidArgument
 from .limits import EngineLimits
 from .structured import FormatCompiler, FormatError, schema_depth
-from .text import lone_surrogate_at
+from .text import refuse_lone_surrogates
 from .tool_call_text import RULES, CallFormat, ToolCallSplit, call_format
 
 FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
@@ -132,9 +132,7 @@ class ToolCalling:
             raise InvalidArgument("tools", f"not JSON ({type(exc).__name__})") from None
         if not isinstance(tools, list) or not tools:
             raise InvalidArgument("tools", "must be a non-empty list of tools")
-        surrogate = lone_surrogate_at(tools, "tools")
-        if surrogate is not None:
-            raise InvalidArgument(surrogate, "is not valid Unicode (a lone surrogate)")
+        refuse_lone_surrogates(tools, "tools")
         if len(tools) > limits.max_tools:
             raise InvalidArgument("tools", f"{len(tools)} tools; at most {limits.max_tools}")
         functions, names = [], set()

@@ -18,7 +18,7 @@ from .limits import MAX_BIAS, MAX_PENALTY, MAX_SCALE, MIN_SCALE, EngineLimits
 from .sampling import SamplingParams
 from .sequence import GenerationRequest, Sequence
 from .structured import FormatCompiler, FormatError
-from .text import IncrementalDecoder, StopSequences, encodable, lone_surrogate_at
+from .text import IncrementalDecoder, StopSequences, encodable, refuse_lone_surrogates
 from .tool_calls import ToolCalling, ToolChoice
 
 # Prompt tokens the text decoder reads before the first new one: enough for a character split across byte
@@ -227,9 +227,7 @@ class RequestValidator:
                 where = f"{field_name}[{index}].tool_calls[{number}].arguments"
                 if not isinstance(arguments, dict):
                     raise InvalidArgument(where, "must be a JSON object (as text)")
-                surrogate = lone_surrogate_at(arguments, where)
-                if surrogate is not None:
-                    raise InvalidArgument(surrogate, "is not valid Unicode (a lone surrogate)")
+                refuse_lone_surrogates(arguments, where)
         variables = _template_variables(template_kwargs)
         try:
             text = self.chat_template.render(messages, variables=variables, tools=tools)
@@ -263,9 +261,7 @@ def _template_variables(template_kwargs: str | None) -> dict:
         raise InvalidArgument("chat_template_kwargs", f"not valid JSON ({type(exc).__name__})") from None
     if not isinstance(variables, dict):
         raise InvalidArgument("chat_template_kwargs", f"must be a JSON object, got {type(variables).__name__}")
-    surrogate = lone_surrogate_at(variables, "chat_template_kwargs")
-    if surrogate is not None:
-        raise InvalidArgument(surrogate, "is not valid Unicode (a lone surrogate)")
+    refuse_lone_surrogates(variables, "chat_template_kwargs")
     reserved = sorted(set(variables) & RESERVED_TEMPLATE_VARIABLES)
     if reserved:
         raise InvalidArgument("chat_template_kwargs", f"{reserved[0]!r} is set by the server, not by chat_template_kwargs")
