@@ -26,7 +26,7 @@ def test_a_kv_dtype_artifact_serves_its_own_greedy_tokens_holding_its_tokens_byt
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=12, ignore_eos=True)
         ids, _, _ = collect(stub, request)
         assert ids == artifact_greedy(directory, [prompt], 12, PROVIDER)[0].tolist()
-        slow_down(monkeypatch, running.app)  # so the stream is still running when it is looked at, however fast the model
+        slow_down(monkeypatch, running.app, 0.05)  # 200 steps take 10 s: the stream is still running when it is looked at
         stream = stub.Generate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=200, ignore_eos=True), timeout=60)
         next(stream)
         (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
