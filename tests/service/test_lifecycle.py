@@ -319,6 +319,7 @@ def test_streams_still_running_when_the_drain_period_runs_out_end_with_unavailab
 
 def test_a_failed_model_step_fails_every_stream_in_it_and_the_server_goes_on(stub, server, monkeypatch, tiny_model):
     runtime = server.app.runtime
+    slow_down(monkeypatch, server.app, 0.02)  # 150 tokens take 3 s: every stream is still running when the step fails
     real = runtime.run_slots
     armed = {"fail": False}
 
