@@ -190,9 +190,8 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
     weights = weight_source_of(model)
     with stage(f"trace the {kv_cache} graph ({dtype}, {attention} attention{'' if kv_dtype == dtype else f', {kv_dtype} K/V'})"):
         proto, graph, plan = trace_streamed(weights, dtype, kv_cache, attention, kv_dtype, kv_scales)
-    if dtype == "float32":  # ONNX Runtime's fused kernels are held to float32 parity here; float16 keeps the plain ops
-        with stage("fuse operators"):
-            graph["fused_operators"] = fuse_operators(proto)
+    with stage("fuse operators"):  # float16: its norms' float32 round trips made single operators first
+        graph["fused_operators"] = fuse_operators(proto, float16=dtype == "float16", plan=plan)
     if quantize is not None:
         with stage(f"quantize the weights ({quantize})"):
             proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block, plan)

@@ -19,9 +19,9 @@ from kvserve.runtime.step import DecoderRuntime
 from ..conftest import PROVIDER
 
 
-def chunk_logits(directory, config) -> np.ndarray:
+def chunk_logits(directory, config, dtype: str = "float32") -> np.ndarray:
     """Logits at every position of a 40-token prompt chunk, then of one decode step beside nothing."""
-    runtime = DecoderRuntime(directory / "model.onnx", config.n_layer, "float32", PROVIDER)
+    runtime = DecoderRuntime(directory / "model.onnx", config.n_layer, dtype, PROVIDER)
     pool = runtime.new_pool(1, config.n_kv_head, config.head_dim, pool_capacity(config))
     prompt = np.arange(7, 47, dtype=np.int64) % config.vocab_size
     scratch = np.array([pool.capacity - 1])
@@ -59,3 +59,35 @@ def test_sort_nodes_puts_an_if_after_what_its_branches_read():
                          [h.make_tensor_value_info("y", onnx.TensorProto.FLOAT, None)])
     sort_nodes(graph)
     assert [n.op_type for n in graph.node] == ["Relu", "If"]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_float16_norms_become_single_operators_and_keep_the_numbers(trained_model, tiny_llama_model, tmp_path, family):
+    model = trained_model if family == "gpt2" else tiny_llama_model
+    plain, _ = trace_graph(model, "float16", io.SLOTS, io.FUSED)
+    fused = copy.deepcopy(plain)
+    counts = fuse_operators(fused, float16=True)
+    layers = model.config.n_layer
+    # Every residual norm fused with its Add but the first layer's (its Add reads the embedding Gather); the first and
+    # the final norm (after the sampled rows' Gather) stand alone. Llama's RMSNorm keeps its float16 weight multiply inside.
+    if family == "gpt2":
+        assert counts == {"FastGelu": layers, "SkipLayerNormalization": 2 * layers - 1, "LayerNormalization": 2,
+                          "SimplifiedLayerNormalization": 0, "SkipSimplifiedLayerNormalization": 0}
+    else:
+        assert counts == {"FastGelu": 0, "SkipLayerNormalization": 0, "LayerNormalization": 0,
+                          "SimplifiedLayerNormalization": 3, "SkipSimplifiedLayerNormalization": 2 * layers - 2}
+    ops = collections.Counter(n.op_type for n in fused.graph.node)
+    assert ops["Pow"] == ops["Sqrt"] == ops["ReduceMean"] == 0
+    # no float32 round trip is left around a norm: nothing a norm reads or writes passes through a Cast, its weights are float16
+    norms = [n for n in fused.graph.node if n.op_type.endswith("LayerNormalization")]
+    cast_ends = {name for n in fused.graph.node if n.op_type == "Cast" for name in (*n.input, *n.output)}
+    assert norms and not cast_ends & {name for n in norms for name in (*n.input, *n.output)}
+    weights = {t.name: t.data_type for t in fused.graph.initializer}
+    assert {weights[name] for n in norms for name in n.input if name in weights} == {onnx.TensorProto.FLOAT16}
+    for name, graph in (("plain", plain), ("fused", fused)):
+        (tmp_path / name).mkdir()
+        save_graph(graph, tmp_path / name)  # the checker knows SimplifiedLayerNormalization (declared)
+    want = chunk_logits(tmp_path / "plain", model.config, "float16")
+    got = chunk_logits(tmp_path / "fused", model.config, "float16")
+    assert np.abs(got - want).max() <= 0.01 * np.abs(want).max()  # the float16 bound (contract/tolerances.py)
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.95
