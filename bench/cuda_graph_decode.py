@@ -1,5 +1,5 @@
 """Decode steps as CUDA graphs against uncaptured ones: the serving batch (batch.SlotBatch, no gRPC) of one
-standard slots artifact, in-process, both ways in one run.
+standard slots artifact (or a fused float16 one, whose decode graph the fixed shapes run), in-process, both ways in one run.
 
   uncaptured     the server's default: decode steps at their exact shapes, inputs bound from host memory
   fixed shapes   `serve --cuda-graph`: decode steps at bucketed (rows, width) shapes, inputs written into bound
@@ -33,7 +33,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
-from kvserve.contract.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import DECODE_GRAPH_FILE, open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
 from kvserve.service.gate import _greedy_sequence  # noqa: E402
 from kvserve.service.batch import SlotBatch  # noqa: E402
@@ -69,7 +69,7 @@ def warm_batch(artifact, provider: str, cuda_graph: bool, rows: int, fixed: bool
     allocation and kernel selection."""
     config = artifact.config
     fixed = cuda_graph if fixed is None else fixed
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, cuda_graph=cuda_graph)
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, cuda_graph=cuda_graph, decode_graph=fixed)
     batch = SlotBatch(runtime, config, rows, fixed_decode=fixed)
     if fixed:
         batch.prepare_decode_shapes()
@@ -109,8 +109,9 @@ def host_ms_per_step(runtime: DecoderRuntime, batch: SlotBatch, rows: int, steps
     for seq in seqs:
         scheduler.waiting.append(seq)
     batch.run(scheduler.plan())  # the prefill, for real
-    session = runtime.session
-    session.run_with_iobinding = lambda *args, **kwargs: None  # an instance attribute shadows the method
+    sessions = {id(s): s for s in (runtime.session, runtime.fixed_steps.session)}.values()  # a fused artifact's decode graph has its own
+    for session in sessions:
+        session.run_with_iobinding = lambda *args, **kwargs: None  # an instance attribute shadows the method
     try:
         best = float("inf")
         for _ in range(3):
@@ -119,7 +120,8 @@ def host_ms_per_step(runtime: DecoderRuntime, batch: SlotBatch, rows: int, steps
                 batch.run(scheduler.plan())
             best = min(best, (time.perf_counter() - start) / steps * 1e3)
     finally:
-        del session.run_with_iobinding
+        for session in sessions:
+            del session.run_with_iobinding
     for seq in seqs:
         seq.cancelled = True
     batch.run(scheduler.plan())  # frees the rows
@@ -128,7 +130,8 @@ def host_ms_per_step(runtime: DecoderRuntime, batch: SlotBatch, rows: int, steps
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--artifact", default="artifacts/gpt2", help="a standard slots artifact; the gpt2 preset is exported there if missing")
+    parser.add_argument("--artifact", default="artifacts/gpt2", help="a standard slots artifact, or a fused one with its decode graph "
+                        "(float16); the gpt2 preset is exported there if missing")
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
@@ -138,8 +141,8 @@ def main() -> None:
         model, source = load_source("gpt2", None)
         export_artifact(model, source, artifact_dir, provider=args.provider)
     artifact = open_artifact(artifact_dir)
-    if artifact.kv_cache != "slots" or artifact.attention != "standard":
-        raise SystemExit(f"{artifact_dir}: need a slots artifact with standard attention (kvserve export --kv-cache slots)")
+    if artifact.kv_cache != "slots" or not (artifact.attention == "standard" or (artifact_dir / DECODE_GRAPH_FILE).exists()):
+        raise SystemExit(f"{artifact_dir}: need a slots artifact with standard attention, or a fused float16 one with its decode graph")
     config = artifact.config
     rows_needed = max(SOLO[0], CROWD[0])
     variants = {name: warm_batch(artifact, args.provider, cuda_graph, rows_needed)
@@ -149,7 +152,7 @@ def main() -> None:
     best, generated = alternate(variants, args.rounds, config.vocab_size)
     runtime = variants["fixed shapes"][0]
     captured = capture_state(runtime)
-    print(f"{artifact_dir} ({config.n_layer} layers, d_model {config.d_model}, {artifact.dtype}), {runtime.provider}, greedy, "
+    print(f"{artifact_dir} ({config.n_layer} layers, d_model {config.d_model}, {artifact.dtype}, {artifact.attention} attention), {runtime.provider}, greedy, "
           f"best of {args.rounds} rounds, alternating; fixed shapes: {captured}\n")
     print("| decode steps | batch 1 ms/step | batch 1 tokens/s | batch 16 ms/step | batch 16 tokens/s | same tokens as uncaptured "
           "| same tokens as fixed, uncaptured |")

@@ -36,6 +36,7 @@ GOLDEN_FILE = "golden.npz"
 PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
+DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE
 # Format 2: the slots graph always outputs greedy_tokens, and the inplace layout is gone; kvserve reads format 2 alone.
 FORMAT = "kvserve-artifact/2"
 

@@ -10,7 +10,8 @@ Expand's shape, a Slice's bounds): ONNX Runtime hands it over without a copy, an
 value again at its captured shape. It is fatal when the chain reaches a CUDA kernel's data (an arange used as
 indices, zeros made to a tensor's shape): a Memcpy is inserted and capture is refused.
 
-capture_blockers simulates that placement on the graph's nodes and names every host-to-device edge it would need;
+capture_blockers simulates that placement on the graph's nodes and names every host-to-device edge it would need, and
+every device tensor a kernel wants in host memory (GroupQueryAttention's total length computed on the device);
 it also names operators whose CUDA kernels read their inputs back to the host themselves (Range copies start,
 limit and delta off the device) and control flow (the fused graph's If over an empty chunk), which a capture cannot
 hold either. Checked on the exported graph: ONNX Runtime's own optimizations only fold shape arithmetic further.
@@ -27,6 +28,7 @@ HOST_INPUTS = {
     "Reshape": {1}, "Expand": {1}, "ConstantOfShape": {0}, "Slice": {1, 2, 3, 4}, "Split": {1}, "Squeeze": {1},
     "Unsqueeze": {1}, "Tile": {1}, "TopK": {1}, "CumSum": {1}, "ReduceSum": {1}, "ReduceMax": {1}, "ReduceMin": {1},
     "ReduceMean": {1}, "Pad": {1, 2, 3}, "Clip": {1, 2}, "OneHot": {1}, "Resize": {1, 2, 3}, "If": {0}, "Loop": {0, 1},
+    "GroupQueryAttention": {6},  # total_sequence_length
 }
 # CUDA kernels that copy an input to the host inside the step (a synchronising copy no capture holds).
 READS_BACK = {"Range", "NonZero"}
@@ -62,6 +64,10 @@ def capture_blockers(model: onnx.ModelProto) -> list[str]:
         if node.op_type in READS_BACK:
             problems.append(f"{node.op_type} {node.name}: its CUDA kernel copies its inputs to the host")
         reads_host = [i for i, name in enumerate(node.input) if name in host]
+        for i in HOST_INPUTS.get(node.op_type, set()) - set(reads_host):
+            name = node.input[i] if i < len(node.input) else ""
+            if name and name not in constants and name not in graph_inputs:
+                problems.append(f"{node.op_type} {node.name}: reads device tensor {name} from host memory (a Memcpy to the host)")
         if node.op_type in HOST_OUTPUTS:
             host.update(node.output[i] for i in HOST_OUTPUTS[node.op_type] if i < len(node.output))
             continue

@@ -155,7 +155,7 @@ def float16_norms(model: onnx.ModelProto, plan: WeightPlan | None = None) -> int
     kept = [node for node in graph.node if id(node) not in casts_down]
     del graph.node[:]
     graph.node.extend(kept)
-    _drop_unread(graph)
+    drop_unread(graph)
     return len(replaced)
 
 
@@ -183,7 +183,7 @@ def declare_simplified_layer_norm() -> None:
                     attr("stash_type", OpSchema.AttrType.INT, "the statistics' type: 1 float32", required=False)]))
 
 
-def _drop_unread(graph: onnx.GraphProto) -> None:
+def drop_unread(graph: onnx.GraphProto) -> None:
     """Remove nodes none of whose outputs is read by another node or is a graph output, until none is left, then the
     initializers nothing reads."""
     outputs = {o.name for o in graph.output}

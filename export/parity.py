@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.contract.artifact import ArtifactError, contract_problems, open_artifact
+from kvserve.contract.artifact import DECODE_GRAPH_FILE, ArtifactError, contract_problems, open_artifact
 from kvserve.contract.tokenizer import load_tokenizer
 from kvserve.errors import UserError
 from kvserve.model.decoders import Decoder
@@ -142,6 +142,20 @@ class _Verification:
         recompute.add_logits(onnx_last, np.stack([row[-1] for row in full]))
         return [decode, recompute.result(self.tolerance)]
 
+    def decode_graph(self) -> list[CheckResult]:
+        """A fused artifact's decode graph (export/decode_graph.py), which serves its decode steps under CUDA graphs: the
+        decode check again with every decode step through it."""
+        check = CheckStats(f"decode graph {self.steps} steps B={len(DECODE_PROMPTS)}")
+        prompts = self.prompts_of(DECODE_PROMPTS)
+        eager_logits, eager_past, mask, pos = self.eager_prefill(prompts)
+        self.driver.prefill(prompts)
+        self.driver.fixed_decode = True
+        try:
+            eager_past, mask, _, _ = self.decode_alongside(check, eager_logits, eager_past, mask, pos)
+        finally:
+            self.driver.fixed_decode = False
+        return [self.kv_check(check, eager_past, mask.numpy().astype(bool))]
+
     def long_factors(self) -> list[CheckResult]:
         """A longrope model's long factors: prompts prefilled and decoded with every row turned long, against the eager
         model told the same. [] for other models, and for a concat graph whose original context is past the parity rows."""
@@ -209,7 +223,8 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     most_steps = min(config.n_ctx, DRIVEN_COLUMNS) - max(DECODE_PROMPTS) - 1  # the decode check feeds its longest prompt this many tokens
     if not 1 <= steps <= most_steps:
         raise VerifyRefused(f"--steps must be in [1, {most_steps}] for this model (context {config.n_ctx}), got {steps}")
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider)
+    has_decode_graph = (artifact.directory / DECODE_GRAPH_FILE).exists()
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, decode_graph=has_decode_graph)
     problems = contract_problems(runtime.signature(), artifact)
     if problems:  # e.g. an artifact from a kvserve whose graph for this layout differed: driving it would fail midway
         raise VerifyRefused(f"{artifact.directory}: the graph is not the contract its manifest declares ({'; '.join(problems[:2])}); re-export it")
@@ -220,7 +235,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     with kv_stored_as(reference.float().eval(), stores, *(() if scales is None else (torch.from_numpy(s) for s in scales))):
         run = _Verification(artifact, reference, runtime, steps)
         with stage(f"parity: prefill and decode checks on {runtime.provider}"):
-            checks = run.prefill() + run.decode_and_recompute() + run.long_factors()
+            checks = run.prefill() + run.decode_and_recompute() + run.long_factors() + (run.decode_graph() if has_decode_graph else [])
         with stage("parity: greedy generation"):
             greedy = run.greedy()
         with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():

@@ -83,6 +83,7 @@ class SlotsDriver:
         self.argmax_rows = self.argmax_mismatches = 0  # the graph's greedy_tokens against its logits' argmax
         self.long_rope = False
         self.chunk = self.CHUNK
+        self.fixed_decode = False  # decode steps through the runtime's fixed-shape path (a fused artifact's decode graph)
 
     @contextlib.contextmanager
     def chunks_of(self, tokens: int):
@@ -103,6 +104,15 @@ class SlotsDriver:
         self.argmax_rows += len(sampled.greedy_tokens)
         self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
         return sampled.logits
+
+    def _run_fixed(self, tokens, positions):
+        """A decode step through run_decode, every row's logits: what `serve --cuda-graph` runs (and captures)."""
+        mask = None if self.runtime.attention == io.FUSED else (np.arange(int(positions.max()) + 1)[None, :] <= positions[:, None]).astype(np.int64)
+        sampled = self.runtime.run_decode(self.pool, tokens, positions, mask, long_rope=self.long.astype(np.int64))
+        logits = sampled.logits.copy()  # the fixed step's own buffer on the CPU provider: the next step overwrites it
+        self.argmax_rows += len(sampled.greedy_tokens)
+        self.argmax_mismatches += int((sampled.greedy_tokens != logits.argmax(-1)).sum())
+        return logits
 
     def _turns_long(self, length: int) -> bool:
         after = self.config.long_rope_after
@@ -145,7 +155,10 @@ class SlotsDriver:
             recomputed[row] = self._prefill_row(row, self.sequences[row])[-1]
         positions = self.lengths.copy()
         positions[crossing] = self.capacity - 1  # recomputed rows decode a scratch token
-        out = self._run(tokens, positions, logits_index=np.arange(len(tokens)))
+        if self.fixed_decode:
+            out = self._run_fixed(tokens, positions)
+        else:
+            out = self._run(tokens, positions, logits_index=np.arange(len(tokens)))
         for row, logits in recomputed.items():
             out[row] = logits
         self.lengths += 1

@@ -31,6 +31,7 @@ from kvserve.model.weights import reference_model, weight_source_of, weights_che
 from kvserve.progress import stage
 from kvserve.runtime import cuda_available
 
+from .decode_graph import save_decode_graph, writes_decode_graph
 from .graph_fusions import fuse_operators
 from .kv_calibration import calibrate_int8_scales, calibration_windows
 from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_streamed
@@ -198,6 +199,9 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
             graph["fused_operators"] = graph["quantization"].pop("fused_operators")
     with stage("write the weights, check and save the graph"):
         graph["external_data"] = save_graph(proto, staging, plan)
+    if writes_decode_graph(dtype, kv_cache, attention):
+        with stage("write the decode graph"):
+            save_decode_graph(proto, staging)
     del proto, plan  # the weights are on disk now; verify loads the graph from there
     (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     if tokenizer_dir is not None:

@@ -7,6 +7,9 @@ gpu_graph_id -1 (never captured). A captured graph belongs to the thread that ca
 the warm-up (which captures every shape) and every step on one thread. If a capture fails, capturing ends for the
 session: the failure is noted (cuda_graph_note) and steps run uncaptured. On the CPU provider the same fixed shapes
 run uncaptured (how the tests drive this path without a GPU).
+
+A fused artifact's decode steps run its decode graph (export/decode_graph.py: the step graph without the If that
+no capture holds), in a session of its own: it reads each row's own length, so a shape is its row count alone.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class FixedDecode:
     binding: object
     input_ids: object  # OrtValue (B, 1)
     position_ids: object  # OrtValue (B, 1)
-    attention_mask: object  # OrtValue (B, W)
+    attention_mask: object | None  # OrtValue (B, W); None: a fused decode graph reads each row's own length
     logits: object  # OrtValue (B, V) float32
     greedy_tokens: object  # OrtValue (B,) int64
     run_options: object  # names the CUDA graph, when captured
@@ -88,22 +91,24 @@ class FixedDecodeSteps:
         self._steps: dict[tuple, FixedDecode] = {}  # (pool, rows, width) -> its buffers
         self._graph_ids = itertools.count(1)  # never reused: a captured graph holds its buffers' addresses
 
-    def run(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+    def run(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray | None,
             with_logits: bool = True, before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:
-        """A decode-only step of a standard slots graph at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at
-        position_ids (B,), reading attention_mask (B, W); no chunk, logits for every row. The inputs go into device
+        """A decode-only step at a fixed shape: rows 0..B-1 of the pool decode input_ids (B,) at position_ids (B,),
+        reading attention_mask (B, W) of a standard slots graph (a fused artifact's decode graph reads none: None, one
+        shape per B); no chunk, logits for every row. The inputs go into device
         buffers bound once per (pool, B, W) and, when the session captures (captures), the step is a CUDA graph
         of its own, captured at its first run and replayed after. Returns every row's greedy token (B,) and, with_logits,
         its logits (B, V), in host memory: on the CPU provider the bound
         buffers themselves, which the next step at this shape overwrites (read them before then). long_rope (B,): a
         longrope graph's rows that turn long (None: none)."""
-        rows, width = attention_mask.shape
+        rows, width = (len(input_ids), 0) if attention_mask is None else attention_mask.shape
         step = self._steps.get((pool, rows, width))
         if step is None:
             step = self._steps[(pool, rows, width)] = self._bind_fixed(pool, rows, width)
         step.input_ids.update_inplace(np.ascontiguousarray(input_ids, dtype=np.int64).reshape(rows, 1))
         step.position_ids.update_inplace(np.ascontiguousarray(position_ids, dtype=np.int64).reshape(rows, 1))
-        step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
+        if step.attention_mask is not None:
+            step.attention_mask.update_inplace(np.ascontiguousarray(attention_mask, dtype=np.int64))
         if step.long_rope is not None:
             step.long_rope.update_inplace(np.zeros(rows, np.int64) if long_rope is None else np.ascontiguousarray(long_rope, dtype=np.int64))
         if before_run is not None:
@@ -139,8 +144,11 @@ class FixedDecodeSteps:
 
     def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
         """A shape's buffers and binding; the graph's kind is checked here, once a shape, not at every step."""
-        if self.attention != io.STANDARD:
-            raise ValueError("run_decode drives a standard slots graph; a fused graph's steps go through run_slots")
+        inputs = {i.name for i in self.session.get_inputs()}
+        if io.ATTENTION_MASK not in inputs and io.CHUNK_IDS in inputs:
+            raise ValueError("a fused step graph's decode steps go through run_slots (its artifact has no decode graph)")
+        if (io.ATTENTION_MASK in inputs) != (width > 0):
+            raise ValueError("run_decode takes a mask for a standard slots graph and none (None) for a fused decode graph")
         if rows > pool.rows:
             raise ValueError(f"a decode step of {rows} rows on a pool of {pool.rows}")
         host = {
@@ -152,9 +160,10 @@ class FixedDecodeSteps:
             io.CHUNK_ATTENTION_MASK: np.ones((1, 1), np.int64),  # (1, 1)
             io.CHUNK_SLOT: np.zeros(1, np.int64),  # (1,)
             io.LOGITS_INDEX: np.arange(rows, dtype=np.int64),  # (B,): every row
+            io.LONG_ROPE: np.zeros(rows, np.int64),  # (B,): a longrope graph's (io_contract)
+            io.CHUNK_LONG_ROPE: np.zeros(1, np.int64),  # (1,)
         }
-        if io.LONG_ROPE in {i.name for i in self.session.get_inputs()}:  # a longrope graph (io_contract)
-            host |= {io.LONG_ROPE: np.zeros(rows, np.int64), io.CHUNK_LONG_ROPE: np.zeros(1, np.int64)}  # (B,), (1,)
+        host = {name: array for name, array in host.items() if name in inputs}  # a decode graph has no chunk, nor a mask
         logits = np.zeros((rows, self.vocab_size), np.float32)  # (B, V)
         tokens = np.zeros(rows, np.int64)  # (B,)
         values = {name: ort.OrtValue.ortvalue_from_numpy(array, self.device, 0) for name, array in host.items()}
@@ -174,7 +183,7 @@ class FixedDecodeSteps:
             graph_id, run_options = next(self._graph_ids), ort.RunOptions()
             run_options.add_run_config_entry(GRAPH_ID, str(graph_id))
         host_arrays = list(host.values()) + [logits, tokens] if self.device == "cpu" else []
-        return FixedDecode(binding, values[io.INPUT_IDS], values[io.POSITION_IDS], values[io.ATTENTION_MASK], logits_value,
+        return FixedDecode(binding, values[io.INPUT_IDS], values[io.POSITION_IDS], values.get(io.ATTENTION_MASK), logits_value,
                            tokens_value, run_options, graph_id, host_arrays, long_rope=values.get(io.LONG_ROPE))
 
     def shapes(self, pool: SlotPool) -> list[tuple[int, int]]:

@@ -119,6 +119,11 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
     return OpenedSession(session, running, fallback_reason, captures_decode, cuda_graph_note)
 
 
+def planned_device(provider: str) -> str:
+    """The device open_session runs a graph on for provider, known before it opens anything."""
+    return "cuda" if provider in ("auto", "cuda") and _cuda_missing_reason() is None else "cpu"
+
+
 def _open(model_path, options, providers):
     disabled = CUDA_DISABLED_FUSIONS if providers[0] != CPU else []
     try:

@@ -23,10 +23,11 @@ import numpy as np
 import onnxruntime as ort
 
 from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import DECODE_GRAPH_FILE
 
 from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
 from .pool import KvTraffic, SlotPool
-from .providers import ProviderUnavailable, open_session
+from .providers import ProviderUnavailable, open_session, planned_device
 from .sampled import Sampled
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
@@ -37,9 +38,15 @@ class DecoderRuntime:
     """One ONNX Runtime session over an exported decoder graph, and the slots step over it."""
 
     def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0,
-                 cuda_graph: bool = False):
-        """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode)."""
-        opened = open_session(model_path, dtype, provider, threads, cuda_graph)
+                 cuda_graph: bool = False, decode_graph: bool | None = None):
+        """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode).
+        decode_graph: a fused graph's fixed-shape decode steps run its artifact's decode graph (DECODE_GRAPH_FILE beside
+        model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider)."""
+        model_path = Path(model_path)
+        decode_path = model_path.parent / DECODE_GRAPH_FILE
+        fused_decode = decode_path.exists() and (decode_graph or (decode_graph is None and cuda_graph and planned_device(provider) == "cuda"))
+        # A fused step graph holds an If, which no CUDA graph captures: its decode steps are the decode graph's to capture.
+        opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode)
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
         self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
@@ -60,9 +67,16 @@ class DecoderRuntime:
         self._pool_binding: tuple | None = None  # (key, binding): the last step's K/V binding, reused while its key holds
         self._uncaptured = ort.RunOptions()
         self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
-        self.fixed_steps = FixedDecodeSteps(self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
-                                            (self._past_names, self._present_names), self.traffic, opened.captures_decode,
-                                            opened.cuda_graph_note, self._uncaptured)
+        captures, note, decode_session = opened.captures_decode, opened.cuda_graph_note, None
+        if self.attention == io.FUSED:
+            if fused_decode:
+                decoder = open_session(decode_path, dtype, opened.device, threads, cuda_graph)
+                decode_session, captures, note = decoder.session, decoder.captures_decode, decoder.cuda_graph_note
+            elif cuda_graph:
+                captures, note = False, "CUDA graphs off: this fused artifact has no decode graph (re-export it); decode steps run uncaptured"
+        self.decodes_fixed = self.attention == io.STANDARD or decode_session is not None  # whether run_decode can run
+        self.fixed_steps = FixedDecodeSteps(decode_session or self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
+                                            (self._past_names, self._present_names), self.traffic, captures, note, self._uncaptured)
 
     @property
     def captures_decode(self) -> bool:
@@ -86,9 +100,10 @@ class DecoderRuntime:
         """A pool on this session's device whose copies count in this runtime's traffic."""
         return SlotPool(rows, n_kv_head, d_head, capacity, self.n_layer, self.kv_dtype, self.device, self.traffic)
 
-    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray,
+    def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray | None,
                    with_logits: bool = True, before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:
-        """A decode-only step at a fixed shape (cuda_graphs.FixedDecodeSteps.run): standard slots graphs only."""
+        """A decode-only step at a fixed shape (cuda_graphs.FixedDecodeSteps.run): a standard slots graph, or a fused one's
+        decode graph (decodes_fixed; its steps read no mask: None)."""
         return self.fixed_steps.run(pool, input_ids, position_ids, attention_mask, with_logits, before_run, long_rope)
 
     def fixed_shapes(self, pool: SlotPool) -> list[tuple[int, int]]:

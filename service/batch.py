@@ -10,8 +10,9 @@ when no prompt chunk runs and one row is much longer than the rest (a long promp
 goes through the chunk instead, and the others read their own short widths, not the long one's.
 
 A batch with fixed_decode (the runtime captures CUDA graphs) runs each decode-only step at a bucketed shape instead
-(decode_shape: rows and width rounded up to powers of two), every shape bound, and captured, at warm-up
-(prepare_decode_shapes); the rows beyond the batch's run scratch tokens. Steps with a chunk keep exact shapes.
+(decode_shape: rows and width rounded up to powers of two; a fused artifact's decode graph reads each row's own
+length, so its shapes are row counts alone), every shape bound, and captured, at warm-up (prepare_decode_shapes);
+the rows beyond the batch's run scratch tokens. Steps with a chunk keep exact shapes.
 
 A step whose sampled rows all take the graph's greedy token (Sequence.takes_greedy_token: greedy, no penalty, no logit
 bias, no constraint, no log-probabilities) asks the runtime for those tokens alone, so its logits never leave the
@@ -92,8 +93,9 @@ class SlotBatch:
         pool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
         self.kv = KvRows(pool, runtime.device, config.n_layer, prompt_cache, kv_budget if runtime.device == "cpu" else None)
         self.fixed_decode = runtime.captures_decode if fixed_decode is None else fixed_decode
-        if self.fixed_decode and runtime.attention != STANDARD:
-            raise ValueError("fixed-shape decode steps need a standard slots graph (a fused graph's If cannot be captured)")
+        if self.fixed_decode and not runtime.decodes_fixed:
+            raise ValueError("fixed-shape decode steps need a standard slots graph or a fused one's decode graph (a fused step "
+                             "graph's If cannot be captured; its artifact has no decode.onnx: re-export it)")
         self._masks: TokenMasks | None = None  # made for the first constrained sequence
 
     # --- one step --------------------------------------------------------------------------------------
@@ -121,11 +123,15 @@ class SlotBatch:
         return longest if far else None
 
     def decode_shape(self, width: int) -> tuple[int, int]:
-        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at."""
-        return decode_shape(len(self.kv.slots), width, self.max_rows, self.config.n_ctx)
+        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at; width 0 for
+        a fused decode graph, which reads each row's own columns."""
+        rows, columns = decode_shape(len(self.kv.slots), width, self.max_rows, self.config.n_ctx)
+        return rows, columns if self.runtime.attention == STANDARD else 0
 
     def decode_shapes(self) -> list[tuple[int, int]]:
         """Every shape decode_shape can return for this pool, smallest first."""
+        if self.runtime.attention != STANDARD:
+            return sorted({(rows, 0) for rows, _ in decode_shapes(self.max_rows, self.config.n_ctx)})
         return decode_shapes(self.max_rows, self.config.n_ctx)
 
     def close(self) -> None:
@@ -155,7 +161,7 @@ class SlotBatch:
         scratch = self.kv.pool.capacity - 1
         for rows, width in self.decode_shapes():
             positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
-            self.runtime.run_decode(self.kv.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64))
+            self.runtime.run_decode(self.kv.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64) if width else None)
 
     def _decode_fixed(self, decode: list[Sequence], before_model: Callable[[], None] | None) -> StepResults:
         """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""
@@ -166,7 +172,7 @@ class SlotBatch:
         for seq in decode:
             input_ids[seq.slot] = seq.generated[-1]
             position_ids[seq.slot] = seq.cached_tokens
-        attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
+        attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64) if columns else None  # (B, W)
         masks = self._start_masks(decode)
         sampled = self.runtime.run_decode(self.kv.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
                                           self._long_rope(rows))  # B rows

@@ -66,3 +66,13 @@ def test_a_device_only_type_keeps_the_node_on_the_device_and_its_host_input_is_c
     nodes = [helper.make_node("Shape", ["h"], ["s"], start=0, end=1), helper.make_node("Cast", ["s"], ["c"], to=TensorProto.FLOAT16),
              helper.make_node("Mul", ["h", "c"], ["y"], name="scale")]
     assert capture_blockers(_model(nodes, [half], [Y])) == ["Mul scale: reads host tensor c as data (a Memcpy to the device)"]
+
+
+def test_a_device_value_a_kernel_reads_from_host_memory_is_named():
+    """GroupQueryAttention's total length, computed on the device as the fused step graph does (the longest row's),
+    would be copied to the host mid-step; a graph input or host arithmetic from a shape is not."""
+    lengths = helper.make_tensor_value_info("lengths", TensorProto.INT32, ["b"])
+    nodes = [helper.make_node("ReduceMax", ["lengths"], ["longest"], keepdims=0), helper.make_node("Add", ["longest", "one"], ["total"]),
+             helper.make_node("Reshape", ["x", "total"], ["y"], name="host_input")]
+    model = _model(nodes, [X, lengths], [Y], [helper.make_tensor("one", TensorProto.INT32, [], [1])])
+    assert capture_blockers(model) == ["Reshape host_input: reads device tensor total from host memory (a Memcpy to the host)"]

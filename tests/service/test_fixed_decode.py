@@ -135,11 +135,44 @@ def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_standard
     assert runtime.fixed_shapes(batch.kv.pool) == []
 
 
-def test_only_a_standard_slots_graph_takes_fixed_shape_decode(tiny_llama_fused_artifact, tiny_llama_model):
-    fused = open_runtime(tiny_llama_fused_artifact)
-    assert not fused.captures_decode
-    with pytest.raises(ValueError, match="standard slots graph"):
-        SlotBatch(fused, tiny_llama_model.config, 2, fixed_decode=True)
+def test_a_fused_step_graph_without_a_decode_graph_takes_no_fixed_shape_decode(tiny_llama_fused_artifacts, tiny_llama_model):
+    artifact = tiny_llama_fused_artifacts("float16")
+    fused = DecoderRuntime(artifact / "model.onnx", tiny_llama_model.config.n_layer, "float16", PROVIDER, decode_graph=True)
+    without = DecoderRuntime(artifact / "model.onnx", tiny_llama_model.config.n_layer, "float16", PROVIDER, decode_graph=False)
+    assert not without.decodes_fixed and not without.captures_decode
+    with pytest.raises(ValueError, match="re-export it"):
+        SlotBatch(without, tiny_llama_model.config, 2, fixed_decode=True)
+    assert fused.decodes_fixed
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(family, tmp_path_factory, tiny_model, tiny_llama_model,
+                                                                         tiny_llama_fused_artifacts):
+    """The decode graph (what `serve --cuda-graph` captures for a fused artifact): fixed-shape decode steps, a shape per
+    row count, give each sequence the tokens the step graph gives it, across joins, leaves, holes and chunks."""
+    from kvserve.export.pipeline import export_artifact
+
+    if family == "gpt2":
+        artifact = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16-decode"
+        export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, artifact, dtype="float16", provider=PROVIDER, attention="fused")
+        model = tiny_model
+    else:
+        artifact, model = tiny_llama_fused_artifacts("float16"), tiny_llama_model
+    exact = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER)
+    fixed = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", decode_graph=True)
+    assert fixed.captures_decode == (PROVIDER == "cuda"), fixed.cuda_graph_note
+    generated = {}
+    for name, runtime in (("exact", exact), ("fixed", fixed)):
+        batch = SlotBatch(runtime, model.config, 5, fixed_decode=name == "fixed")
+        seqs = [_greedy_sequence(i, prompt(900 + i, 1 + (11 * i) % 40), 1 + (7 * i) % 50) for i in range(12)]
+        Scheduler(batch, step_token_budget=8).drive(seqs)
+        generated[name] = [s.generated for s in seqs]
+        if name == "fixed":
+            shapes = runtime.fixed_shapes(batch.kv.pool)
+            assert set(shapes) <= set(batch.decode_shapes()) == {(rows, 0) for rows in (1, 2, 4, 5)} and len(shapes) >= 2
+        batch.close()
+    assert generated["fixed"] == generated["exact"]
+    assert len({tuple(g) for g in generated["fixed"]}) == 12
 
 
 def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_standard_artifact):

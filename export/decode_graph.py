@@ -1,0 +1,92 @@
+"""A fused slots graph's decode-only form, which CUDA graphs can capture (contract/io_contract.py, "The decode graph").
+
+The fused step graph decides per layer, by an If on "the step has a chunk", whether a second GroupQueryAttention
+runs; ONNX Runtime captures no graph holding control flow, so a fused artifact's decode steps could never be replayed.
+decode_only rewrites the graph for steps that only decode, one token a row: each layer's If becomes its else branch
+(the rows' operator alone), the chunk's inputs and outputs go (its ids and positions become empty constants, its
+K/V inputs and outputs are dropped), and the operators' total_sequence_length, which their CUDA kernel reads from
+host memory, is the pool's width read from the K/V input's shape: host arithmetic that needs no copy and no graph
+input, and at least every row's length (a row with nothing to decode writes its scratch token in the last column).
+Everything else, weights included, is the step graph's own: the export writes it beside model.onnx (decode.onnx),
+its weights pointing into the same model.onnx.data.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+from kvserve.contract import io_contract as io
+from kvserve.contract.artifact import DECODE_GRAPH_FILE
+
+from .graph_fusions import drop_unread
+
+GQA = "GroupQueryAttention"
+TOTAL_INPUT = 6  # GroupQueryAttention's total_sequence_length
+TOTAL = "kvserve_decode/total_sequence_length"  # the value decode_only feeds it
+
+
+def decode_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """model (a fused slots graph, its weights in it or external) rewritten for decode-only steps (module docstring);
+    model itself is left as it was."""
+    graph = model.graph
+    if not any(node.op_type == "If" for node in graph.node):
+        raise ValueError("decode_only rewrites a fused slots graph: this one has no attention If")
+    decode = onnx.ModelProto()
+    decode.CopyFrom(model)  # an export's weights are external here: the copy holds their locations, not their bytes
+    graph = decode.graph
+    chunk_inputs = {io.CHUNK_IDS: np.zeros((1, 0), np.int64), io.CHUNK_POSITION_IDS: np.zeros((1, 0), np.int64),
+                    io.CHUNK_LONG_ROPE: np.zeros(1, np.int64)}  # (1, 0), (1, 0), (1,)
+    kept_inputs = [i for i in graph.input if i.name not in chunk_inputs and not i.name.startswith("chunk_key_values.")]
+    for name, value in chunk_inputs.items():
+        if any(i.name == name for i in graph.input):
+            graph.initializer.append(numpy_helper.from_array(value, name))
+    del graph.input[:]
+    graph.input.extend(kept_inputs)
+    kept_outputs = [o for o in graph.output if not o.name.startswith("chunk_present.")]
+    del graph.output[:]
+    graph.output.extend(kept_outputs)
+
+    past_key = io.past_names(0)[0]
+    total = [
+        helper.make_node("Shape", [past_key], [f"{TOTAL}/shape"], start=2, end=3),  # (1,): the pool's columns, on the host
+        helper.make_node("Squeeze", [f"{TOTAL}/shape"], [f"{TOTAL}/columns"]),  # ()
+        helper.make_node("Cast", [f"{TOTAL}/columns"], [TOTAL], to=TensorProto.INT32),  # () int32, as the operator wants it
+    ]
+    nodes = list(total)
+    for node in graph.node:
+        if node.op_type != "If":
+            nodes.append(node)
+            continue
+        branch = next(a.g for a in node.attribute if a.name == "else_branch")
+        renamed = {out.name: outer for out, outer in zip(branch.output, node.output)}  # the branch's outputs are the If's
+        for inner in branch.node:
+            inner = copy.deepcopy(inner)
+            for i, name in enumerate(inner.output):
+                inner.output[i] = renamed.get(name, name)
+            if inner.op_type == GQA:
+                inner.input[TOTAL_INPUT] = TOTAL
+            nodes.append(inner)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    drop_unread(graph)  # the chunk's pass-through, the If conditions, the device-side totals
+    return decode
+
+
+
+def writes_decode_graph(dtype: str, kv_cache: str, attention: str) -> bool:
+    """Whether an export of these writes a decode graph: fused slots graphs in float16, the dtype ONNX Runtime's CUDA
+    provider runs GroupQueryAttention in (a float32 or quantized fused graph runs on the CPU, where nothing captures)."""
+    return dtype == "float16" and kv_cache == io.SLOTS and attention == io.FUSED
+
+
+def save_decode_graph(step_graph: onnx.ModelProto, directory: Path) -> None:
+    """directory/DECODE_GRAPH_FILE from step_graph as save_graph left it (external weights pointing into
+    directory/MODEL_DATA_FILE, which the decode graph reads too), checked as the step graph is."""
+    path = directory / DECODE_GRAPH_FILE
+    onnx.save_model(decode_only(step_graph), str(path))
+    onnx.checker.check_model(str(path), full_check=False)  # contrib operators: no strict pass, as save_graph
