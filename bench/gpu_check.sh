@@ -3,7 +3,8 @@
 # the service tests on CUDA, and the benchmarks on CUDA (CUDA graphs included). Each step's whole output goes to
 # ${RESULTS:-gpu-results}/NAME.txt (its last lines to the terminal); the exit status is 1 if any step failed.
 # PARTS picks and orders them, most telling first (a lent machine's time runs out): parity, then tests, then bench;
-# capture is the short loan's run: CUDA graphs on gpt2 and qwen2.5-0.5b float16 against their floors, parity included.
+# capture is the short loan's run: CUDA graphs on gpt2 and qwen2.5-0.5b float16 against their floors, parity included;
+# fused the same with fused attention's decode graphs, torch's captured decode beside them, and the kernels a step.
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
@@ -58,6 +59,22 @@ for part in $PARTS; do
       step floor $PY bench/device_bandwidth.py "$ART/gpt2-float16-standard" "$ART/qwen2.5-0.5b-float16-standard"
       step grpc-cuda-graph-fp16 $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
         --levels 1,16,64,256 --max-batch-size 256
+      ;;
+    fused)
+      # Fused float16 artifacts (GroupQueryAttention, norms fused) whose decode graph is what CUDA graphs capture, beside
+      # torch's captured decode of the same eager model, the kernels a step launches, the server at 1 to 256 streams,
+      # then the standard graph (float16 norms fused now too) for the comparison.
+      export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
+      step cuda-graph-gpt2-fp16-fused $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-fused"
+      export_cuda qwen2.5-0.5b-float16-fused --preset qwen2.5-0.5b --dtype float16 --attention fused --out "$ART/qwen2.5-0.5b-float16-fused"
+      step cuda-graph-qwen2.5-0.5b-fp16-fused $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/qwen2.5-0.5b-float16-fused"
+      step kernels-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/gpt2-float16-fused"
+      step torch-peer-gpt2-fp16 timeout 240 $PY bench/torch_graph_decode.py --preset gpt2
+      step grpc-cuda-graph-fp16-fused $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" --cuda-graph \
+        --levels 1,16,64,256 --max-batch-size 256
+      export_cuda gpt2-float16-standard --preset gpt2 --dtype float16 --attention standard --out "$ART/gpt2-float16-standard"
+      step cuda-graph-gpt2-fp16-standard $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-standard"
+      step kernels-gpt2-fp16-standard $PY bench/kernel_profile.py --artifact "$ART/gpt2-float16-standard"
       ;;
     tests)
       step tests-cuda env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py \
