@@ -98,6 +98,7 @@ class SlotPool:
         self.rows, self.capacity, self.kv_dtype, self.traffic = rows, capacity, kv_dtype, traffic
         self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
         self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one layer's K of one row
+        self._spare = None  # under CUDA, one row of one layer that exchange_rows moves a row's K/V through
         if device == "cpu":
             self._mappings, self.arrays = zip(*(reserve(self.shape, kv_dtype) for _ in range(2 * n_layer)))
             self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]  # the same memory
@@ -153,20 +154,34 @@ class SlotPool:
         traffic.device_copy_bytes += columns * self.row_bytes // self.capacity * len(self.values)
 
     def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
-        """Rows a and b trade contents: b takes a's first a_columns columns and a takes b's first b_columns (on the CPU
-        provider, where rows are moved to keep the computed ones dense; through a spare of the shorter side's columns,
-        made for the exchange and let go after it: kept, it would hold the pages of the longest row it ever moved)."""
+        """Rows a and b trade contents: b takes a's first a_columns columns and a takes b's first b_columns (rows are
+        moved to keep the computed ones dense), through a spare of the shorter side's columns: on the CPU provider
+        made for the exchange and let go after it (kept, it would hold the pages of the longest row it ever moved);
+        under CUDA one row of one layer, kept on the device (cudaMemcpy2D, never through the host)."""
         if a == b:
             return
-        if self.arrays is None:
-            raise RuntimeError("rows are exchanged on the CPU provider only (under CUDA a freed row stays where it is)")
         if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
-        spare = np.empty((self.shape[1], a_columns, self.shape[3]), self.kv_dtype)  # (H, a_columns, d_k): one layer's K or V of row a
-        for array in self.arrays:
-            spare[...] = array[a, :, :a_columns]
-            array[a, :, :b_columns] = array[b, :, :b_columns]
-            array[b, :, :a_columns] = spare
+        if self.arrays is not None:
+            spare = np.empty((self.shape[1], a_columns, self.shape[3]), self.kv_dtype)  # (H, a_columns, d_k): one layer's K or V of row a
+            for array in self.arrays:
+                spare[...] = array[a, :, :a_columns]
+                array[a, :, :b_columns] = array[b, :, :b_columns]
+                array[b, :, :a_columns] = spare
+        else:
+            copy_2d = device_copy_2d()
+            if copy_2d is None:
+                raise RuntimeError("no CUDA runtime to exchange K/V rows (copies_rows is False)")
+            if self._spare is None:
+                self._spare = ort.OrtValue.ortvalue_from_shape_and_type(self.shape[1:], self.kv_dtype, "cuda", 0)  # (H, C, d_k)
+            spare = self._spare.data_ptr()  # laid out as a row: the same pitch
+            a_width, b_width = (columns * self.row_bytes // self.capacity // self.shape[1] for columns in (a_columns, b_columns))
+            pitch, heads = self.row_bytes // self.shape[1], self.shape[1]
+            for value in self.values:
+                row_a, row_b = value.data_ptr() + a * self.row_bytes, value.data_ptr() + b * self.row_bytes
+                copy_2d(spare, row_a, pitch, a_width, heads)
+                copy_2d(row_a, row_b, pitch, b_width, heads)
+                copy_2d(row_b, spare, pitch, a_width, heads)
         traffic = self.traffic
         traffic.device_copies += 1
         traffic.device_copy_bytes += (2 * a_columns + b_columns) * self.row_bytes // self.capacity * len(self.values)

@@ -17,11 +17,12 @@ when a sequence joins or the cache outgrows what the budget leaves (settle).
 
 A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, prompt_cache.py); a joining one takes the
 free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty row,
-else the least recently used cached one, and prefills only the rest. On the CPU provider rows 0..B-1 stay dense, so
-a step computes no idle row: a leave moves the last row into the hole (and the hole's cached K/V to the last row's
-place), a join moves the row it takes to the end of the rows in use; only used columns move, within the pool's
-memory. Under CUDA a free row stays where it is (a hole the steps run a scratch token in), and a prefix copied from a
-row in use moves on the device (cudaMemcpy2D, runtime/pool.py): no K/V crosses to the host.
+else the least recently used cached one, and prefills only the rest. Rows 0..B-1 stay dense, so a step computes no
+idle row: a leave moves the last row into the hole (and the hole's cached K/V to the last row's place), a join moves
+the row it takes to the end of the rows in use; only used columns move, within the pool's memory (under CUDA on the
+device, cudaMemcpy2D, runtime/pool.py: no K/V crosses to the host). Only where no CUDA runtime can be loaded for
+those copies does a free row stay where it is, a hole the steps run a scratch token in. (An idle row costs a standard
+graph its bucketed width of reads; a fused graph's operator reads the idle row's whole width, every layer, every step.)
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ class KvRows:
         together (None: no bound but the pool's, as under CUDA, where the pool is allocated whole)."""
         self.pool, self.device, self.max_rows = pool, device, pool.rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
-        self.compact = device == "cpu"  # fill a hole by moving the last row (see the module docstring)
+        # Fill a hole by moving the last row (see the module docstring): on the CPU, and under CUDA where rows can be
+        # copied on the device. Then a step computes no idle row: a fused graph's idle row reads its whole width.
+        self.compact = device == "cpu" or pool.copies_rows
         self.prefixes = PrefixIndex() if prompt_cache else None  # every row's tokens, in use or cached
         self.cached: OrderedDict[int, None] = OrderedDict()  # free rows holding K/V, least recently used first
         self.copies_from_busy = prompt_cache and pool.copies_rows

@@ -71,6 +71,33 @@ def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns():
         assert np.array_equal(got, want)
 
 
+def test_an_exchange_under_cuda_moves_each_heads_columns_through_one_spare_row(monkeypatch):
+    """exchange_rows under CUDA (cudaMemcpy2D through a spare row kept on the device), its copies run as the same 2-D
+    memory copies on the host pool: the rows trade their used columns, the third row is untouched."""
+    import kvserve.runtime.pool as pool_module
+
+    pool = host_pool(rows=3, layers=2, heads=4, columns=257, width=16)
+    before = filled(pool, seed=2)
+    arrays, pool.arrays = pool.arrays, None  # as under CUDA: only addresses
+    spare = np.zeros((4, 257, 16), np.float32)  # (H, C, d_k): one row of one layer
+
+    class Spare:
+        def data_ptr(self):
+            return spare.ctypes.data
+
+    def copy_2d(destination, source, pitch, width, height):
+        for head in range(height):
+            ctypes.memmove(destination + head * pitch, source + head * pitch, width)
+
+    pool._spare = Spare()
+    monkeypatch.setattr(pool_module, "device_copy_2d", lambda: copy_2d)
+    pool.exchange_rows(2, 0, a_columns=7, b_columns=3)
+    for got, want in zip(arrays, before):
+        assert np.array_equal(got[0, :, :7], want[2, :, :7]) and np.array_equal(got[2, :, :3], want[0, :, :3])
+        assert np.array_equal(got[1], want[1]) and np.array_equal(got[0, :, 7:], want[0, :, 7:])
+    assert pool.traffic.device_copies == 1
+
+
 def resident_bytes() -> int:
     with open("/proc/self/statm") as statm:
         return int(statm.read().split()[1]) * mmap.PAGESIZE
