@@ -4,7 +4,8 @@
 # ${RESULTS:-gpu-results}/NAME.txt (its last lines to the terminal); the exit status is 1 if any step failed.
 # PARTS picks and orders them, most telling first (a lent machine's time runs out): parity, then tests, then bench;
 # capture is the short loan's run: CUDA graphs on gpt2 and qwen2.5-0.5b float16 against their floors, parity included;
-# fused the same with fused attention's decode graphs, torch's captured decode beside them, and the kernels a step.
+# fused the same with fused attention's decode graphs, torch's captured decode beside them, and the kernels a step;
+# serve the server's side of them (each kind of step's time under load, gRPC at 1 to 256 streams, their CUDA tests).
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
@@ -75,6 +76,20 @@ for part in $PARTS; do
       export_cuda gpt2-float16-standard --preset gpt2 --dtype float16 --attention standard --out "$ART/gpt2-float16-standard"
       step cuda-graph-gpt2-fp16-standard $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/gpt2-float16-standard"
       step kernels-gpt2-fp16-standard $PY bench/kernel_profile.py --artifact "$ART/gpt2-float16-standard"
+      ;;
+    serve)
+      # The server's side of the captured steps: what each kind of step costs under 16 streams in-process, the gRPC load
+      # at 1 to 256 streams, fused then standard, and the CUDA tests of the fixed-shape and decode-graph paths.
+      export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
+      step step-kinds-gpt2-fp16-fused $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" --cuda-graph
+      step grpc-cuda-graph-fp16-fused $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" --cuda-graph \
+        --levels 1,16,64,256 --max-batch-size 256
+      export_cuda gpt2-float16-standard --preset gpt2 --dtype float16 --attention standard --out "$ART/gpt2-float16-standard"
+      step step-kinds-gpt2-fp16-standard $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph
+      step grpc-cuda-graph-fp16-standard $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
+        --levels 16,64 --max-batch-size 256
+      step tests-cuda-fixed-decode env KVSERVE_TEST_PROVIDER=cuda timeout 200 $PY -m pytest -q -p no:cacheprovider \
+        tests/service/test_fixed_decode.py tests/export/test_decode_graph.py tests/runtime/test_pool.py
       ;;
     tests)
       step tests-cuda env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py \
