@@ -128,6 +128,13 @@ class Engine:
                 self.tracer.record(seq, finish, self.tracer.caller_context(request.traceparent, request.tracestate), self.model_name,
                                    request.prompt_messages is not None, failure)
 
+    async def render(self, request: GenerationRequest) -> tuple[str | None, list[int]]:
+        """request's prompt text and token ids as generate would see them, refused as generate would refuse it; nothing
+        runs on the model (the render endpoints: a router tokenizes through the server it routes to)."""
+        if not self._accepting:
+            raise Unavailable("the server is shutting down")
+        return await asyncio.to_thread(self.validator.render, request)
+
     async def generate_n(self, request: GenerationRequest, n: int):
         """n completions of request, each its own sequence (seeds seed, seed + 1, ...): yields (index, StepEvent) as the
         steps make them, each completion ending with its finish. Every completion has its first token before the first

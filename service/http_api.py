@@ -68,6 +68,8 @@ class HttpApi:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions/render", self.render_completions, methods=["POST"]),
+            Route("/v1/chat/completions/render", self.render_chat_completions, methods=["POST"]),
         ], exception_handlers={HTTPException: self._unrouted})
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -187,16 +189,45 @@ class HttpApi:
             raise ClientGone() from None
         return b"".join(chunks)
 
+    async def render_completions(self, request: Request) -> Response:
+        return await self._render(request, "completions", "RenderCompletions")
+
+    async def render_chat_completions(self, request: Request) -> Response:
+        return await self._render(request, "chat", "RenderChatCompletions")
+
+    async def _parsed(self, request: Request, kind: str, engine: Engine) -> Parsed:
+        """The request's body read and parsed as kind (in the input worker when large)."""
+        raw = await self._body(request, engine.limits)
+        if len(raw) <= INLINE_BODY_BYTES:
+            return parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
+        return await self.ready_inputs().parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
+
+    async def _render(self, request: Request, kind: str, method: str) -> Response:
+        """vLLM's render endpoints, which llm-d's router calls to tokenize a request as the server it routes to would:
+        the body of a completions or chat request, answered with its prompt's token ids (and text) as generating it
+        would have them, refused as generating it would be. Completions answer a list (one item a prompt), chat an object."""
+        try:
+            self._authorized(request)
+            engine = self.ready_engine()
+            parsed = await self._parsed(request, kind, engine)
+            text, token_ids = await engine.render(parsed.request)
+        except ApiError as error:
+            return self._refusal(method, error)
+        except EngineError as exc:
+            return self._refusal(method, api_error(exc))
+        except ClientGone:
+            self.metrics.on_request(method, "CANCELLED")
+            return Response(status_code=499)
+        self.metrics.on_request(method, "OK")
+        rendered = {"request_id": f"render-{secrets.token_hex(12)}", "model": self.model_name, "token_ids": token_ids, "prompt": text}
+        return JSONResponse([rendered] if kind == "completions" else rendered)
+
     async def _generate(self, request: Request, kind: str, method: str) -> Response:
         events = None
         try:
             self._authorized(request)
             engine = self.ready_engine()
-            raw = await self._body(request, engine.limits)
-            if len(raw) <= INLINE_BODY_BYTES:
-                parsed = parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
-            else:
-                parsed = await self.ready_inputs().parse_body(raw, kind, self.model_name, engine.limits, engine.config.n_ctx)
+            parsed = await self._parsed(request, kind, engine)
             if "traceparent" in request.headers:  # the caller's W3C trace context, for --otlp-traces-endpoint
                 parsed = dataclasses.replace(parsed, request=dataclasses.replace(
                     parsed.request, traceparent=request.headers["traceparent"], tracestate=request.headers.get("tracestate")))

@@ -207,9 +207,23 @@ class RequestValidator:
         split, constraint = self.tool_calling.start(request.tools, functions)
         return tools, split, constraint
 
+    def render(self, request: GenerationRequest) -> tuple[str | None, list[int]]:
+        """(the prompt's text as the model reads it, its token ids) exactly as generating request would have them: the
+        request goes through every check make_sequence runs, so a request refused there is refused here with the same
+        message. The text: the chat template's rendering of a conversation, a text prompt as given, None for token ids."""
+        prompt_ids = self.make_sequence(request).prompt_ids
+        if request.prompt_messages is not None:
+            tools, _, _ = self._tools(request)
+            return self.conversation_text(list(request.prompt_messages), request.chat_template_kwargs, tools), prompt_ids
+        return request.prompt_text if request.prompt_ids is None else None, prompt_ids
+
     def render_conversation(self, messages: list[ChatMessage], template_kwargs: str | None = None, tools: list[dict] | None = None) -> list[int]:
         """A conversation's prompt tokens: rendered by the model's chat template (given template_kwargs' variables, a JSON
         object, and the tools the reply may call), the assistant's turn opened."""
+        return self._encode("prompt.messages", self.conversation_text(messages, template_kwargs, tools), add_special_tokens=False)  # the template wrote the special tokens
+
+    def conversation_text(self, messages: list[ChatMessage], template_kwargs: str | None = None, tools: list[dict] | None = None) -> str:
+        """render_conversation's text, before it is tokenized; every refusal names its field."""
         field_name = "prompt.messages"
         if self.chat_template is None:
             raise InvalidArgument(field_name, "this model has no chat template (its artifact has no chat_template.jinja and no "
@@ -235,7 +249,7 @@ class RequestValidator:
             raise InvalidArgument(field_name, str(exc)) from None
         if not encodable(text):  # whatever the checks above missed: no tokenizer encodes a lone surrogate
             raise InvalidArgument(field_name, "the rendered conversation is not valid Unicode (a lone surrogate)")
-        return self._encode(field_name, text, add_special_tokens=False)  # the template wrote the special tokens
+        return text
 
     def _encode(self, field_name: str, text: str, add_special_tokens: bool) -> list[int]:
         """text's ids; a long text by the encoder, which counts what does not fit the context instead of returning it."""
