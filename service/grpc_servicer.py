@@ -132,6 +132,7 @@ def _to_domain(request: pb.GenerateRequest, metadata=()) -> GenerationRequest:
         min_new_tokens=request.min_new_tokens,
         skip_special_tokens=not request.keep_special_tokens,
         include_stop_sequence=request.include_stop_sequence,
+        thinking_token_budget=request.thinking_token_budget if request.HasField("thinking_token_budget") else None,
         response_format=_response_format(request.response_format) if request.HasField("response_format") else None,
     )
 
@@ -172,7 +173,7 @@ def _response_format(message: pb.ResponseFormat) -> ResponseFormat:
 
 def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
     response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob,
-                                                  tool_call_delta=event.call_text))
+                                                  tool_call_delta=event.call_text, reasoning_delta=event.reasoning))
     if event.top_logprobs:
         pieces = tokenizer.pieces([token for token, _ in event.top_logprobs])
         response.token.top_logprobs.extend(
@@ -183,7 +184,7 @@ def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
             pb.FinishDetails(
                 reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
                 time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
-                cached_prompt_tokens=finish.cached_prompt_tokens,
+                cached_prompt_tokens=finish.cached_prompt_tokens, reasoning_tokens=finish.reasoning_tokens,
                 tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in finish.tool_calls],
             )
         )

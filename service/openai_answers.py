@@ -33,7 +33,8 @@ def usage(finishes: list) -> dict:
     prompt = finishes[0].prompt_tokens  # one prompt, counted once
     completion = sum(f.generated_tokens for f in finishes)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)}}
+            "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)},
+            "completion_tokens_details": {"reasoning_tokens": sum(f.reasoning_tokens for f in finishes)}}
 
 
 def object_name(kind: str, streamed: bool) -> str:
@@ -53,6 +54,9 @@ def whole_body(ids: str, kind: str, model: str, created: int, completions: list[
                   "finish_reason": FINISH_REASONS[finish.reason]}
         if kind == "chat":
             message = {"role": "assistant", "content": text}
+            thinking = "".join(event.reasoning for event in completion)
+            if thinking or finish.reasoning_tokens:  # a reasoning model's thinking, under both names clients read
+                message["reasoning_content"] = message["reasoning"] = thinking
             if finish.tool_calls:
                 message["content"] = text or None
                 message["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -70,7 +74,9 @@ def token_choice(kind: str, index: int, event: StepEvent, parsed: Parsed, pieces
     reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
     choice = {"index": index, "logprobs": logprobs_object(kind, [event], pieces) if parsed.logprobs else None, "finish_reason": reason}
     if kind == "chat":
-        choice["delta"] = {"content": event.text} if event.text or not event.call_deltas else {}
+        choice["delta"] = {"content": event.text} if event.text or not (event.call_deltas or event.reasoning) else {}
+        if event.reasoning:
+            choice["delta"]["reasoning_content"] = choice["delta"]["reasoning"] = event.reasoning
         if event.call_deltas:
             choice["delta"]["tool_calls"] = call_deltas(event.call_deltas)
     else:

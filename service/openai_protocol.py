@@ -40,7 +40,8 @@ NOT_YET = {"best_of": 1, "echo": False, "suffix": None, "functions": None, "func
 VLLM = {"ignore_eos", "min_tokens", "top_k", "repetition_penalty", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
           "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"} | VLLM
-CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls"}
+CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
+        "thinking_token_budget"}
 ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | CHAT | set(NOT_YET)}
 
 
@@ -232,7 +233,8 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
                   min_new_tokens=_number(body, "min_tokens", 0, 0, 2**31 - 1, int), stop_token_ids=tuple(stop_token_ids),
                   skip_special_tokens=skip_special, include_stop_sequence=_flag(body, "include_stop_str_in_output"))
     if kind == "chat":
-        request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))),
+        budget = None if body.get("thinking_token_budget") is None else _number(body, "thinking_token_budget", 0, 1, 2**31 - 1, int)
+        request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))), thinking_token_budget=budget,
                                     chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), tools=_tools(body), **common)
     else:
         prompt = body.get("prompt")

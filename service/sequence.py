@@ -16,6 +16,7 @@ from kvserve.contract.chat import ChatMessage, ToolCall
 from .sampling import SamplingParams, choose, log_probability, top_log_probabilities
 from .structured import Constraint, FormatError, ResponseFormat
 from .text import IncrementalDecoder, StopSequences
+from .reasoning import ThinkingSplit
 from .tool_call_text import CallDelta, ToolCallSplit
 from .tool_calls import ToolRequest
 
@@ -38,6 +39,7 @@ class GenerationRequest:
     skip_special_tokens: bool = True  # special tokens' text left out of the output
     include_stop_sequence: bool = False  # a matched stop sequence ends the text
     response_format: ResponseFormat | None = None  # the output's structure (structured.py); None: free text
+    thinking_token_budget: int | None = None  # a reasoning model's thinking bound in tokens; None: the server's default
     traceparent: str | None = None  # the caller's W3C trace context (HTTP headers, gRPC metadata), read when tracing is on
     tracestate: str | None = None
 
@@ -59,6 +61,7 @@ class Finish:
     stop_sequence: str = ""
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V were reused from the prompt cache, not computed
     tool_calls: tuple[ToolCall, ...] = ()  # the reply's calls, parsed whole (with FinishReason.TOOL_CALLS)
+    reasoning_tokens: int = 0  # of the generated tokens, those spent thinking (a reasoning model's, reasoning.py)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class StepEvent:
     top_logprobs: list[tuple[int, float]] | None = None  # (id, log-probability) of the likeliest tokens, when asked
     call_text: str = ""  # with tools: this step's text of the reply's tool calls, as the model wrote it (text: content only)
     call_deltas: tuple[CallDelta, ...] = ()  # and what it adds to each call: a name, then pieces of its arguments
+    reasoning: str = ""  # a reasoning model's: this step's text of its thinking (text: the answer only)
 
 
 @dataclass(eq=False)
@@ -106,6 +110,12 @@ class Sequence:
     long_rope_from: int = 0  # the first column turned long: past 0 when it crossed without its cache computed again
     refill_ids: list[int] | None = None  # every token so far, prefilled again, long, where it first grows past (scheduler.py)
     min_new_tokens: int = 0  # until this many are generated, stop_ids' logits are held back (vLLM's min_tokens)
+    thinking: ThinkingSplit | None = None  # a reasoning model's conversation: splits its thinking from its answer
+    thinking_budget: int = 0  # tokens it may think before it is made to answer (0: no bound)
+    thinking_close_ids: tuple[int, ...] = ()  # the closing marker's ids, written for it once the budget is spent
+    answer_constraint: Constraint | None = None  # a structure the answer is held to, from the end of the thinking
+    forced: list[int] = field(default_factory=list)  # ids it takes next whatever the model says (the closing marker)
+    reasoning_tokens: int = 0  # generated tokens spent thinking
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -147,7 +157,10 @@ class Sequence:
             raise ValueError(f"sequence {self.id} reads its logits, but the step returned only greedy tokens")
         if self.captured_logits is not None:
             self.captured_logits.append(logits.copy())
-        if greedy_token is not None and self.takes_greedy_token:
+        if self.forced:  # the thinking budget is spent: the closing marker, whatever the model says
+            token = self.forced.pop(0)
+            logprob = log_probability(logits, token) if self.return_logprobs and logits is not None else None
+        elif greedy_token is not None and self.takes_greedy_token:
             token, logprob = int(greedy_token), None
         else:
             seen = None
@@ -183,6 +196,9 @@ class Sequence:
                 reason = FinishReason.STOP_SEQUENCE
             else:
                 text += self.stops.flush()
+        reasoning = ""
+        if self.thinking is not None:
+            reasoning, text = self._think(text, finishing=reason is not None)
         call_text, deltas, calls = "", (), ()
         if self.tool_calls is not None:
             text, call_text, deltas = self.tool_calls.split(self, token, text, finishing=reason is not None)
@@ -202,9 +218,25 @@ class Sequence:
                 stop_sequence=stop or "",
                 cached_prompt_tokens=self.reused_prompt_tokens,
                 tool_calls=calls,
+                reasoning_tokens=self.reasoning_tokens,
             )
         return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top, call_text=call_text,
-                         call_deltas=tuple(deltas))
+                         call_deltas=tuple(deltas), reasoning=reasoning)
+
+    def _think(self, text: str, finishing: bool) -> tuple[str, str]:
+        """(thinking, answer) of this step's text; counts the token as thinking, forces the closing marker once the budget
+        is spent, and holds the answer to its structure from its first token."""
+        split = self.thinking
+        was_thinking = split.thinking
+        reasoning, text = split.split(text, finishing)
+        if was_thinking or split.thinking:
+            self.reasoning_tokens += 1
+        if split.thinking and self.thinking_budget and self.reasoning_tokens >= self.thinking_budget and not self.forced:
+            self.forced = list(self.thinking_close_ids)
+            self.thinking_budget = 0  # spent: forced once
+        if not split.thinking and self.answer_constraint is not None and (was_thinking or not split.thought):
+            self.constraint, self.answer_constraint = self.answer_constraint, None
+        return reasoning, text
 
     def _allowed_ids(self, allowed: np.ndarray | None) -> np.ndarray:
         """The ids this sequence may take next, ascending: its mask's (allowed), less the blocked ones."""

@@ -15,6 +15,7 @@ from kvserve.contract.tokenizer import Tokenizer
 
 from .engine_errors import InvalidArgument
 from .limits import MAX_BIAS, MAX_PENALTY, MAX_SCALE, MIN_SCALE, EngineLimits
+from .reasoning import ThinkingSplit, opens_thinking, thinking_markers
 from .sampling import SamplingParams
 from .sequence import GenerationRequest, Sequence
 from .structured import FormatCompiler, FormatError
@@ -89,6 +90,9 @@ class RequestValidator:
         self.formats = FormatCompiler(tokenizer, config.vocab_size, config.eos_token_ids, limits.max_response_format_bytes,
                                       limits.max_schema_depth)
         self.tool_calling = ToolCalling(chat_template, tokenizer, self.formats, limits)
+        self.thinking_markers = thinking_markers(chat_template.source if chat_template is not None else None)
+        close = self.thinking_markers.close if self.thinking_markers is not None else ""
+        self.thinking_close_ids = tuple(tokenizer.encode(close, add_special_tokens=False)) if close else ()
         self._ids = itertools.count(1)
 
     def check_text(self, field_name: str, text: str) -> None:
@@ -105,8 +109,9 @@ class RequestValidator:
             prompt = list(request.prompt_ids)
             field_name = "prompt.token_ids"
         elif request.prompt_messages is not None:
-            prompt = self.render_conversation(list(request.prompt_messages), request.chat_template_kwargs, tools)
             field_name = "prompt.messages"
+            conversation = self.conversation_text(list(request.prompt_messages), request.chat_template_kwargs, tools)
+            prompt = self._encode(field_name, conversation, add_special_tokens=False)  # the template wrote the special tokens
         else:
             field_name = "prompt.text"
             prompt = self._encode(field_name, request.prompt_text or "", add_special_tokens=True)
@@ -177,6 +182,17 @@ class RequestValidator:
                 constraint = self.formats.compile(request.response_format)
             except FormatError as exc:
                 raise InvalidArgument(exc.field, exc.message) from None
+        budget = self.limits.thinking_token_budget if request.thinking_token_budget is None else request.thinking_token_budget
+        if request.thinking_token_budget is not None and not 1 <= request.thinking_token_budget <= config.n_ctx:
+            raise InvalidArgument("thinking_token_budget", f"must be in [1, {config.n_ctx}] (the context), got {request.thinking_token_budget}")
+        thinking, answer_constraint = None, None
+        if request.prompt_messages is not None and self.thinking_markers is not None:
+            # A structure the reply is held to from its first token leaves it no room to open a thinking; one the prompt
+            # opened is thought through first, the structure holding the answer after it.
+            inside = opens_thinking(conversation, self.thinking_markers)
+            thinking = ThinkingSplit(self.thinking_markers, inside, may_open=constraint is None)
+            if inside and constraint is not None:
+                constraint, answer_constraint = None, constraint
         if params.seed == 0:
             params = SamplingParams(**{**params.__dict__, "seed": secrets.randbits(63)})
         return Sequence(
@@ -191,8 +207,12 @@ class RequestValidator:
             stops=StopSequences(request.stop_sequences, include_stop=request.include_stop_sequence),
             min_new_tokens=request.min_new_tokens,
             constraint=constraint,
-            blocked_ids=tuple(config.eos_token_ids) if constraint is not None and request.ignore_eos else (),
+            blocked_ids=tuple(config.eos_token_ids) if (constraint or answer_constraint) is not None and request.ignore_eos else (),
             tool_calls=split,
+            thinking=thinking,
+            thinking_budget=budget if thinking is not None else 0,
+            thinking_close_ids=self.thinking_close_ids,
+            answer_constraint=answer_constraint,
         )
 
     def _tools(self, request: GenerationRequest):

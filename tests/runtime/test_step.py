@@ -53,10 +53,10 @@ def test_a_binding_is_reused_while_the_step_keeps_its_shape_and_made_anew_when_i
     assert runtime._pool_binding is None
 
 
-def test_fixed_shape_decode_steps_drive_standard_graphs_only(tiny_fused_artifact):
-    runtime, config = opened(tiny_fused_artifact)
+def test_fixed_shape_decode_steps_drive_a_standard_graph_or_a_decode_graph_only(tiny_fused_artifact):
+    runtime, config = opened(tiny_fused_artifact)  # a fused step graph without its decode graph (float32: none written)
     pool = runtime.new_pool(2, config.n_kv_head, config.d_head, pool_capacity(config))
-    with pytest.raises(ValueError, match="run_decode drives a standard slots graph"):
+    with pytest.raises(ValueError, match="a fused step graph's decode steps go through run_slots"):
         runtime.run_decode(pool, np.zeros(2, np.int64), np.zeros(2, np.int64), np.ones((2, 64), np.int64))
 
 

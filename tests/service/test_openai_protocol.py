@@ -90,4 +90,5 @@ def test_a_whole_answer_reports_each_completion_and_the_usage_of_one_prompt():
     assert [c["message"]["content"] for c in body["choices"]] == ["ab", "cd"] and body["object"] == "chat.completion"
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
     assert body["usage"] == usage([e[-1].finish for e in (events("ab", 2, 3), events("cd", 2, 0))]) == {
-        "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0}}
+        "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0}}
