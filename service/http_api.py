@@ -38,9 +38,12 @@ from starlette.routing import Route
 from .engine import Engine
 from .engine_errors import EngineError, Unavailable
 from .http_connections import bounded_protocol
+from .http_disconnect import ClientGone, unless_disconnected
 from .metrics import Metrics
 from .openai_answers import STREAM_END, object_name, opening_choices, sse, token_choice, usage, whole_body
 from .openai_protocol import STATUS_CODES, ApiError, Parsed, api_error, parse_body, shown
+from .http_responses import ResponsesEndpoints
+from .openai_responses import ResponseStore
 from .options import ServerOptions
 from .security import TokenFile
 from .tokenizing import TokenizeProcess
@@ -53,7 +56,7 @@ log = logging.getLogger("kvserve.http")
 INLINE_BODY_BYTES = 64 * 1024
 
 
-class HttpApi:
+class HttpApi(ResponsesEndpoints):
     """The HTTP side of one server: routes bound to its engine (asked for per request: ready_engine raises Unavailable
     while loading or draining), a uvicorn server on the server's loop."""
 
@@ -62,6 +65,7 @@ class HttpApi:
         """ready_engine, ready_inputs: the engine and the input worker (tokenizing.py), once the model is loaded."""
         self.ready_engine, self.ready_inputs, self.options, self.tokens, self.metrics = ready_engine, ready_inputs, options, tokens, metrics
         self.model_name = Path(options.artifact).resolve().name
+        self.stored = ResponseStore(options.limits.max_stored_responses)  # previous_response_id's (openai_responses.py)
         self.asgi = Starlette(routes=[
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.prometheus_metrics, methods=["GET"]),
@@ -70,6 +74,8 @@ class HttpApi:
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions/render", self.render_completions, methods=["POST"]),
             Route("/v1/chat/completions/render", self.render_chat_completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
         ], exception_handlers={HTTPException: self._unrouted})
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
@@ -233,7 +239,7 @@ class HttpApi:
                     parsed.request, traceparent=request.headers["traceparent"], tracestate=request.headers.get("tracestate")))
             events = engine.generate_n(parsed.request, parsed.n)
             # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
-            first = await _unless_disconnected(request, anext(events))
+            first = await unless_disconnected(request, anext(events))
         except ApiError as error:
             return self._refusal(method, error)
         except EngineError as exc:
@@ -261,7 +267,7 @@ class HttpApi:
                 collected[index].append(event)
 
         try:
-            await _unless_disconnected(request, rest())
+            await unless_disconnected(request, rest())
         except ClientGone:  # the sequences are cancelled: their rows are freed at the next step
             self.metrics.on_request(method, "CANCELLED")
             return Response(status_code=499)
@@ -309,34 +315,6 @@ class HttpApi:
         finally:
             await events.aclose()
             self.metrics.on_request(method, code)
-
-
-class ClientGone(Exception):
-    """The client disconnected before its answer started."""
-
-
-async def _unless_disconnected(request: Request, awaitable):
-    """awaitable's result, or ClientGone when the client disconnects first (awaitable is then cancelled)."""
-    work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not work.done():
-        work.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-        raise ClientGone()
-    return work.result()
-
-
-async def _disconnected(request: Request) -> None:
-    """Returns when the client has gone away (the body has been read: the next message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
 
 
 class _QuietServer(uvicorn.Server):

@@ -69,6 +69,8 @@ class EngineLimits:
                                                 "--max-connections sheds; lower it where clients connect directly, not "
                                                 "through one proxy", 1, 1_000_000)
     max_n: int = declared(8, "completions of one prompt a request (n): each a sequence with its own row", 1, 64)
+    max_stored_responses: int = declared(1000, "responses kept in memory for previous_response_id, retrieve and delete "
+                                         "(/v1/responses), least recently used dropped first; 0: none kept", 0, 1_000_000)
     thinking_token_budget: int = declared(0, "tokens a reasoning model's reply may think before it is made to answer, where its "
                                           "request sets no thinking_token_budget; 0: no bound", 0, INT_MAX)
     max_top_logprobs: int = declared(20, "alternatives reported with each token (top_logprobs; /v1/completions' logprobs)", 0, 1000)

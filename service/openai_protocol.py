@@ -150,6 +150,11 @@ def parse_body(raw: bytes, kind: str, model_name: str, limits: EngineLimits, con
     which bounds a prompt of token ids). Run in the
     server's input worker process (tokenizing.py): a 4 MiB body is ~8 ms of parsing that holds the GIL, which four
     clients sending such bodies would otherwise take from the model steps and the event loop streaming their tokens."""
+    return checked(parse(load_body(raw, limits), kind, model_name, limits), limits, context)
+
+
+def load_body(raw: bytes, limits: EngineLimits):
+    """A body's JSON, its nesting and Unicode checked (check_body)."""
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -157,7 +162,11 @@ def parse_body(raw: bytes, kind: str, model_name: str, limits: EngineLimits, con
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not JSON: {exc}") from None
     check_body(body, limits)
-    parsed = parse(body, kind, model_name, limits)
+    return body
+
+
+def checked(parsed: Parsed, limits: EngineLimits, context: int | None) -> Parsed:
+    """parsed, its request's sizes held to the limits (validation.check_sizes)."""
     try:
         check_sizes(parsed.request, limits, context)
     except InvalidArgument as exc:
