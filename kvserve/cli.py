@@ -124,7 +124,13 @@ def _serve(args) -> int:
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         health_port=args.health_port, max_context=args.max_context, cuda_graph=args.cuda_graph, http_port=args.http_port,
         traces=_trace_export(args.otlp_traces_endpoint, args.otlp_traces_protocol), kv_cache_memory=args.kv_cache_memory,
+        kv_events=_zmq_endpoint("--kv-events", args.kv_events), kv_events_replay=_zmq_endpoint("--kv-events-replay", args.kv_events_replay),
+        kv_events_topic=args.kv_events_topic,
     )
+    if options.kv_events_replay and not options.kv_events:
+        raise UserError("--kv-events-replay replays --kv-events: give that too")
+    if options.kv_events and not limits.prompt_cache:
+        raise UserError("--kv-events publishes the prompt cache's blocks: it needs --prompt-cache on")
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--gateway-metrics-port": options.gateway_metrics_port,
              "--health-port": options.health_port, "--http-port": options.http_port}
     if not all(p is None or 0 <= p < 65536 for p in ports.values()):
@@ -224,6 +230,19 @@ class FromEnv:
 
     def resolve(self):
         return _env(self.name, self.default, self.kind)
+
+
+def _zmq_endpoint(flag: str, endpoint: str | None) -> str | None:
+    """A ZeroMQ endpoint to bind: tcp://HOST:PORT (HOST may be *) or ipc://PATH."""
+    if endpoint is None:
+        return None
+    transport, _, address = endpoint.partition("://")
+    if transport == "ipc" and address:
+        return endpoint
+    host, _, port = address.rpartition(":")
+    if transport != "tcp" or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UserError(f"{flag} must be tcp://HOST:PORT (HOST may be *) or ipc://PATH, got {endpoint!r}")
+    return endpoint
 
 
 def _env(name: str, default, kind=str):
@@ -375,6 +394,14 @@ def build_parser() -> argparse.ArgumentParser:
                        "(default off)")
     serve.add_argument("--otlp-traces-protocol", choices=TRACE_PROTOCOLS, default=FromEnv("OTLP_TRACES_PROTOCOL", "http/protobuf"),
                        help="OTLP's transport for --otlp-traces-endpoint [KVSERVE_OTLP_TRACES_PROTOCOL] (default http/protobuf)")
+    serve.add_argument("--kv-events", default=FromEnv("KV_EVENTS", None), metavar="ENDPOINT",
+                       help="publish the prompt cache's blocks as KV events for llm-d's precise prefix-cache router on this "
+                       "ZeroMQ endpoint, e.g. tcp://*:5557 [KVSERVE_KV_EVENTS] (default off)")
+    serve.add_argument("--kv-events-replay", default=FromEnv("KV_EVENTS_REPLAY", None), metavar="ENDPOINT",
+                       help="answer subscribers that join late with the last events, on this ZeroMQ endpoint, e.g. tcp://*:5558 "
+                       "[KVSERVE_KV_EVENTS_REPLAY] (default off)")
+    serve.add_argument("--kv-events-topic", default=FromEnv("KV_EVENTS_TOPIC", None), metavar="TOPIC",
+                       help="the events' topic [KVSERVE_KV_EVENTS_TOPIC] (default kv@HOSTNAME@MODEL, the router's)")
     serve.set_defaults(run=_serve)
 
     generate = commands.add_parser("generate", help="stream a generation from a running server")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -72,6 +73,7 @@ class App:
         self.health_port: int | None = None
         self.metrics = Metrics()
         self.tracer = None  # tracing.RequestTracer with --otlp-traces-endpoint
+        self.kv_events = None  # kv_events.KvEventPublisher with --kv-events
         self.metrics_port: int | None = None
         self.gateway_metrics_port: int | None = None
         self.tokens: TokenFile | None = None
@@ -131,6 +133,16 @@ class App:
             except OSError as exc:
                 raise ListenFailed(f"cannot serve the gateway's gauges on {self.options.host}:{self.options.gateway_metrics_port} "
                                    f"({exc.strerror or exc})") from None
+        if self.options.kv_events is not None:
+            from .kv_events import KvEventPublisher
+            from .prompt_cache import BLOCK_TOKENS
+
+            topic = self.options.kv_events_topic or f"kv@{socket.gethostname()}@{Path(self.options.artifact).resolve().name}"
+            try:
+                self.kv_events = await asyncio.to_thread(KvEventPublisher, self.options.kv_events, topic, BLOCK_TOKENS, "CPU",
+                                                         self.options.kv_events_replay)
+            except OSError as exc:
+                raise ListenFailed(str(exc)) from None
         self.health = health.aio.HealthServicer()
         limits = self.options.limits
         self.server = grpc.aio.server(
@@ -213,6 +225,10 @@ class App:
                         model_name=Path(options.artifact).resolve().name)
         self.metrics.set_rows(options.limits.max_batch_size)
         self.metrics.kv_budget.set(loaded.batch.kv.budget_bytes or 0)
+        if self.kv_events is not None:  # from now on, not the warm-up's rows: they were forgotten
+            self.kv_events.medium = "GPU" if loaded.runtime.device == "cuda" else "CPU"
+            loaded.batch.kv.prefixes.events = self.kv_events
+            self.metrics.watch_kv_events(self.kv_events)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):
@@ -251,6 +267,8 @@ class App:
             self.tokenizing.close()
         if self.steps is not None:
             self.steps.shutdown(wait=False)  # a load cancelled by a signal may still be running a gate or warm-up step
+        if self.kv_events is not None:
+            await asyncio.to_thread(self.kv_events.close)
         if self.tracer is not None:
             if not await asyncio.to_thread(self.tracer.close):  # the spans still buffered are exported first, bounded
                 from .tracing import TRACE_FLUSH_SECONDS

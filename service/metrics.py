@@ -69,6 +69,13 @@ class Metrics:
         """The inference gateway's gauges in Prometheus' text format (what the HTTP API's /metrics answers)."""
         return generate_latest(self.gateway_registry)
 
+    def watch_kv_events(self, publisher) -> None:
+        """Export a KV event publisher's counts (serve --kv-events, kv_events.py), read at each scrape."""
+        Gauge("kvserve_kv_events_published", "KV event messages sent to llm-d's router (serve --kv-events)",
+              registry=self.registry).set_function(lambda: publisher.published)
+        Gauge("kvserve_kv_events_dropped", "Prompt cache changes not published: the event queue was full (a subscriber sees the "
+              "gap in sequence numbers)", registry=self.registry).set_function(lambda: publisher.dropped)
+
     def set_rows(self, rows: int) -> None:
         """The batch's rows: what a full K/V cache holds (a row is a whole context of K/V for one sequence)."""
         self._rows = max(1, rows)

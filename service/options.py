@@ -53,3 +53,8 @@ class ServerOptions:
     # Bytes the K/V of running sequences and of the prompt cache may take (kv_budget.py); None: kv_budget.DEFAULT_SHARE
     # of the memory the server may use. The CPU provider only: under CUDA the pool is allocated whole.
     kv_cache_memory: int | None = None
+    # The prompt cache's changes as KV events for llm-d's router (kv_events.py): a ZeroMQ endpoint to publish on
+    # (tcp://*:5557), the replay endpoint late subscribers ask (None: no replay), the topic (None: kv@HOST@MODEL).
+    kv_events: str | None = None
+    kv_events_replay: str | None = None
+    kv_events_topic: str | None = None

@@ -44,11 +44,14 @@ def shared_length(a: Sequence[int], b: Sequence[int]) -> int:
 class PrefixIndex:
     """Rows and the token ids they hold (or will hold: a row's prompt is indexed when it joins), by prefix."""
 
-    def __init__(self):
+    def __init__(self, events=None):
+        """events: told of every block that comes to be held by some row, or held by none any more, and of a clear
+        (kv_events.KvEventPublisher: stored, removed, cleared); None: nobody is."""
         self._tokens: dict[int, list[int]] = {}  # row -> its ids
         self._keys: dict[int, list[int]] = {}  # row -> its whole blocks' keys
         self._rows: dict[int, set[int]] = {}  # block key -> rows holding that prefix
         self._kinds: dict[int, int] = {}  # row -> its kind
+        self.events = events
 
     def __contains__(self, row: int) -> bool:
         return row in self._tokens
@@ -58,37 +61,67 @@ class PrefixIndex:
 
     def put(self, row: int, tokens: Sequence[int], kind: int = 0) -> None:
         """Row now holds tokens, their K/V of kind (replacing what it held)."""
-        self.remove(row)
+        gone = self._remove(row)
         tokens = list(tokens)
         keys = _block_keys(tokens, len(tokens) // BLOCK_TOKENS, kind)
         self._tokens[row], self._keys[row], self._kinds[row] = tokens, keys, kind
-        for key in keys:
-            self._rows.setdefault(key, set()).add(row)
+        new = []  # indices of the blocks no row held
+        for index, key in enumerate(keys):
+            rows = self._rows.setdefault(key, set())
+            if not rows and key not in gone:
+                new.append(index)
+            rows.add(row)
+        if self.events is not None:
+            self._announce_removed([key for key in gone if key not in self._rows])
+            start = 0
+            for end in range(1, len(new) + 1):  # each run of consecutive new blocks: one event, chained to the block before
+                if end == len(new) or new[end] != new[end - 1] + 1:
+                    first, last = new[start], new[end - 1]
+                    self.events.stored(keys[first : last + 1], keys[first - 1] if first else None,
+                                       tokens[first * BLOCK_TOKENS : (last + 1) * BLOCK_TOKENS])
+                    start = end
 
     def remove(self, row: int) -> None:
+        self._announce_removed(self._remove(row))
+
+    def _remove(self, row: int) -> list[int]:
+        """Forget row; returns the keys no row holds any more."""
         self._tokens.pop(row, None)
         self._kinds.pop(row, None)
+        gone = []
         for key in self._keys.pop(row, ()):
             rows = self._rows[key]
             rows.discard(row)
             if not rows:
                 del self._rows[key]
+                gone.append(key)
+        return gone
+
+    def _announce_removed(self, keys: list[int]) -> None:
+        if keys and self.events is not None:
+            self.events.removed(keys)
 
     def swap(self, a: int, b: int) -> None:
-        """Rows a and b exchanged their contents."""
+        """Rows a and b exchanged their contents (the blocks held are the same: nothing to announce)."""
         (tokens_a, kind_a), (tokens_b, kind_b) = ((self._tokens.get(row), self._kinds.get(row, 0)) for row in (a, b))
-        self.remove(a)
-        self.remove(b)
-        if tokens_b is not None:
-            self.put(a, tokens_b, kind_b)
-        if tokens_a is not None:
-            self.put(b, tokens_a, kind_a)
+        events, self.events = self.events, None
+        try:
+            self.remove(a)
+            self.remove(b)
+            if tokens_b is not None:
+                self.put(a, tokens_b, kind_b)
+            if tokens_a is not None:
+                self.put(b, tokens_a, kind_a)
+        finally:
+            self.events = events
 
     def clear(self) -> None:
         self._tokens.clear()
         self._keys.clear()
         self._rows.clear()
         self._kinds.clear()
+        if self.events is not None:
+            self.events.cleared()
 
     def matches(self, prompt: Sequence[int], kind: int = 0) -> dict[int, int]:
         """{row: how many leading ids of prompt it shares} for every row of kind sharing at least one whole block."""

@@ -268,3 +268,27 @@ def test_a_kv_budget_too_small_or_not_a_size_is_refused_in_one_line(tiny_artifac
 def test_a_trace_endpoint_the_exporter_would_fail_on_is_refused_at_start(tiny_artifact, endpoint, message):
     result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--otlp-traces-protocol", "grpc", "--otlp-traces-endpoint", endpoint)
     one_line_error(result, message)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--kv-events", "http://x:1"], "--kv-events must be tcp://HOST:PORT (HOST may be *) or ipc://PATH, got 'http://x:1'"),
+    (["--kv-events", "tcp://*:99999"], "--kv-events must be tcp://HOST:PORT"),
+    (["--kv-events-replay", "tcp://*:5558"], "--kv-events-replay replays --kv-events: give that too"),
+    (["--kv-events", "tcp://*:5557", "--prompt-cache", "off"], "it needs --prompt-cache on"),
+])
+def test_kv_event_flags_that_cannot_work_are_refused_at_start(tiny_artifact, flags, message):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", *flags), message)
+
+
+def test_a_kv_events_endpoint_already_bound_is_one_line_and_exit_2(tiny_artifact):
+    import zmq
+
+    context = zmq.Context()
+    taken = context.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://127.0.0.1")  # (an ipc path is taken over, not refused: tcp is what is taken)
+    try:
+        result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--kv-events", f"tcp://127.0.0.1:{port}", timeout=120)
+    finally:
+        taken.close(0)
+        context.term()
+    one_line_error(result, "for KV events")
