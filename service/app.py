@@ -26,7 +26,8 @@ from .gate import GateResult
 from .grpc_errors import ErrorInterceptor
 from .grpc_servicer import GenerationServicer
 from .limits import TRANSPORT_METADATA_BYTES
-from .loading import load_model, open_servable
+from .loading import load_model, open_servable, served_config
+from .prompt_cache import BLOCK_TOKENS
 from .metrics import Metrics
 from .model_info import ModelInfo
 from .options import ServerOptions
@@ -117,6 +118,8 @@ class App:
         """Check the artifact's files, bind metrics and gRPC (health NOT_SERVING); a bad artifact or a taken
         port is refused before anything listens."""
         self.artifact = await asyncio.to_thread(open_servable, self.options.artifact)
+        served = served_config(self.artifact.config, self.options.max_context)
+        self.metrics.set_cache_config(BLOCK_TOKENS, self.options.limits.max_batch_size * served.n_ctx // BLOCK_TOKENS)
         credentials = server_credentials(self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca)
         self.tokens = TokenFile(self.options.auth_tokens) if self.options.auth_tokens else None
         if self.options.metrics_port is not None:
@@ -135,7 +138,6 @@ class App:
                                    f"({exc.strerror or exc})") from None
         if self.options.kv_events is not None:
             from .kv_events import KvEventPublisher
-            from .prompt_cache import BLOCK_TOKENS
 
             topic = self.options.kv_events_topic or f"kv@{socket.gethostname()}@{Path(self.options.artifact).resolve().name}"
             try:

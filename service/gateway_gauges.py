@@ -71,17 +71,30 @@ class GaugeBoard:
         os.close(self.fd)
 
 
-def exposition(values: tuple[float, float, float]) -> bytes:
-    """The three gauges in Prometheus' text format."""
+def exposition(values: tuple[float, float, float], constant: bytes = b"") -> bytes:
+    """The three gauges in Prometheus' text format, then constant (what does not change while the server runs: the
+    cache's configuration, cache_config_exposition)."""
     return "".join(f"# HELP {name} {help_text}\n# TYPE {name} gauge\n{name} {float(value)!r}\n"
-                   for (name, help_text), value in zip(GAUGES, values)).encode()
+                   for (name, help_text), value in zip(GAUGES, values)).encode() + constant
+
+
+CACHE_CONFIG = "vllm:cache_config_info"  # vLLM's, read by the router's prefix scorer for its block size
+
+
+def cache_config_exposition(block_size: int, blocks: int) -> bytes:
+    """vllm:cache_config_info in Prometheus' text format: the prompt cache's block size and how many blocks the K/V
+    holds (every row's context), as vLLM labels them; its value is 1."""
+    return (f"# HELP {CACHE_CONFIG} The K/V cache's configuration (block_size: the prompt cache's blocks; num_gpu_blocks: "
+            f"blocks of K/V the batch's rows hold)\n# TYPE {CACHE_CONFIG} gauge\n"
+            f'{CACHE_CONFIG}{{block_size="{block_size}",num_gpu_blocks="{blocks}"}} 1.0\n').encode()
 
 
 class GatewayGaugeServer:
     """The child process that answers the gauges, and the board the server writes them to."""
 
-    def __init__(self, host: str, port: int, header_timeout: float, max_connections: int):
-        """Binds host:port now (OSError if it cannot), then starts the child and waits for it to say it is ready."""
+    def __init__(self, host: str, port: int, header_timeout: float, max_connections: int, constant: bytes = b""):
+        """Binds host:port now (OSError if it cannot), then starts the child and waits for it to say it is ready; constant:
+        exposition text answered after the gauges (cache_config_exposition)."""
         listener = listening_socket(host, port)
         try:
             self.port = listener.getsockname()[1]
@@ -89,7 +102,7 @@ class GatewayGaugeServer:
             self.board.write(0.0, 0.0, 0.0)
             self._child = subprocess.Popen(
                 [sys.executable, "-m", __spec__.name, "--socket-fd", str(listener.fileno()), "--board-fd", str(self.board.fd),
-                 "--header-timeout", str(header_timeout), "--max-connections", str(max_connections)],
+                 "--header-timeout", str(header_timeout), "--max-connections", str(max_connections), "--constant", constant.decode()],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, pass_fds=(listener.fileno(), self.board.fd))
         finally:
             listener.close()  # the child's copy listens; with the child gone, a scrape is refused, not left waiting
@@ -122,9 +135,10 @@ class GatewayGaugeServer:
 
 class _GaugeHandler(BoundedHandler):
     board: GaugeBoard  # set on the class at the child's start
+    constant = b""
 
     def exposition(self) -> tuple[bytes, str]:
-        return exposition(self.board.read()), CONTENT_TYPE
+        return exposition(self.board.read(), self.constant), CONTENT_TYPE
 
 
 def _ask_for_a_short_slice() -> None:
@@ -149,11 +163,13 @@ def main() -> None:
     parser.add_argument("--board-fd", type=int, required=True)
     parser.add_argument("--header-timeout", type=float, required=True)
     parser.add_argument("--max-connections", type=int, required=True)
+    parser.add_argument("--constant", default="")
     args = parser.parse_args()
     _ask_for_a_short_slice()
     threading.Thread(target=_exit_at_end_of_stdin, daemon=True, name="kvserve-parent-watch").start()
     listener = socket.socket(fileno=args.socket_fd)
     _GaugeHandler.board = GaugeBoard(args.board_fd)
+    _GaugeHandler.constant = args.constant.encode()
     server = BoundedHTTPServer(listener, _GaugeHandler, args.max_connections, args.header_timeout)
     sys.stdout.buffer.write(READY)
     sys.stdout.buffer.flush()

@@ -17,7 +17,7 @@ import threading
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from .bounded_http import BoundedHandler, BoundedHTTPServer, listening_socket
-from .gateway_gauges import GAUGES, GatewayGaugeServer
+from .gateway_gauges import CACHE_CONFIG, GAUGES, GatewayGaugeServer, cache_config_exposition
 
 # Latency buckets in seconds: decode steps take ~1 ms on a GPU and tens of ms on a CPU.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -60,6 +60,7 @@ class Metrics:
             Gauge(name, help_text, registry=self.gateway_registry) for name, help_text in GAUGES)
         self.registry.register(self.gateway_registry)
         self._rows = 1
+        self.cache_config = b""  # set_cache_config's text, for the gauges' own process
         self._http = None
         self._gateway_server: GatewayGaugeServer | None = None
 
@@ -95,9 +96,16 @@ class Metrics:
         threading.Thread(target=self._http.serve_forever, name="kvserve-metrics", daemon=True).start()
         return self._http.server_address[1]
 
+    def set_cache_config(self, block_size: int, blocks: int) -> None:
+        """vllm:cache_config_info, in the gateway's gauges (the HTTP API's /metrics and --gateway-metrics-port's)."""
+        self.cache_config = cache_config_exposition(block_size, blocks)
+        Gauge(CACHE_CONFIG, "The K/V cache's configuration (block_size: the prompt cache's blocks; num_gpu_blocks: blocks of "
+              "K/V the batch's rows hold)", ["block_size", "num_gpu_blocks"], registry=self.gateway_registry).labels(
+            block_size=str(block_size), num_gpu_blocks=str(blocks)).set(1)
+
     def serve_gateway(self, host: str, port: int, header_timeout: float, max_connections: int) -> int:
         """Start the gauges' own process (gateway_gauges.py) on host:port; returns the port it listens on."""
-        self._gateway_server = GatewayGaugeServer(host, port, header_timeout, max_connections)
+        self._gateway_server = GatewayGaugeServer(host, port, header_timeout, max_connections, self.cache_config)
         return self._gateway_server.port
 
     def close(self) -> None:

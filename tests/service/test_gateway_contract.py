@@ -86,3 +86,19 @@ def test_the_scrape_needs_no_token_where_the_api_does(tiny_artifact, monkeypatch
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{running.app.http_port}/v1", api_key="wrong", max_retries=0, timeout=60)
         with pytest.raises(openai.AuthenticationError):
             client.models.list()
+
+
+def cache_config(port: int) -> dict[str, str]:
+    """The labels of vllm:cache_config_info's one sample (value 1), as a scraper reads them from the text format."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    (line,) = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    match = SAMPLE.match(line)
+    assert match and float(match.group(3)) == 1.0
+    return dict(re.findall(r'(\w+)="([^"]*)"', match.group(2)))
+
+
+def test_the_cache_configuration_gives_the_prefix_scorer_its_block_size(tiny_artifact, monkeypatch):
+    with slowed_server(tiny_artifact, monkeypatch, seconds=0.0, http_port=0, gateway_metrics_port=0, max_batch_size=2) as (running, _, _):
+        for port in (running.app.http_port, running.app.gateway_metrics_port):
+            assert cache_config(port) == {"block_size": "16", "num_gpu_blocks": str(2 * 256 // 16)}  # 2 rows of 256 tokens
