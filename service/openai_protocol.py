@@ -41,7 +41,8 @@ VLLM = {"ignore_eos", "min_tokens", "top_k", "repetition_penalty", "stop_token_i
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
           "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"} | VLLM
 CHAT = {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "tools", "tool_choice", "parallel_tool_calls",
-        "thinking_token_budget"}
+        "thinking_token_budget", "reasoning_effort"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high")  # OpenAI's, handed to the chat template as reasoning_effort
 ALLOWED = {"completions": COMMON | {"prompt"} | set(NOT_YET), "chat": COMMON | CHAT | set(NOT_YET)}
 
 
@@ -244,7 +245,8 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
     if kind == "chat":
         budget = None if body.get("thinking_token_budget") is None else _number(body, "thinking_token_budget", 0, 1, 2**31 - 1, int)
         request = GenerationRequest(prompt_messages=tuple(_messages(body.get("messages"))), thinking_token_budget=budget,
-                                    chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), tools=_tools(body), **common)
+                                    chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort")),
+                                    tools=_tools(body), **common)
     else:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -290,12 +292,19 @@ def _response_format(value) -> ResponseFormat | None:
     return ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(spec["schema"]))
 
 
-def _template_kwargs(kwargs) -> str | None:
-    """chat_template_kwargs (vLLM's name): a JSON object of the chat template's extra variables, passed on as JSON text."""
-    if kwargs is None:
+def _template_kwargs(kwargs, effort=None) -> str | None:
+    """chat_template_kwargs (vLLM's name): a JSON object of the chat template's extra variables, passed on as JSON text;
+    reasoning_effort joins them as the variable of that name (a template that reads it, as gpt-oss's does, thinks as
+    long as told; others ignore it), unless the kwargs set it themselves."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ApiError(400, f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {shown(effort)}", "reasoning_effort")
+    if kwargs is None and effort is None:
         return None
-    if not isinstance(kwargs, dict):
+    if kwargs is not None and not isinstance(kwargs, dict):
         raise ApiError(400, "chat_template_kwargs must be an object", "chat_template_kwargs")
+    kwargs = dict(kwargs or {})
+    if effort is not None:
+        kwargs.setdefault("reasoning_effort", effort)
     return json.dumps(kwargs, ensure_ascii=False)
 
 

@@ -22,8 +22,8 @@ from .sequence import Finish, FinishReason, StepEvent
 
 # The Responses parameters kvserve reads; NOT_YET: those it accepts only at their no-op values (the rest is refused by name).
 ALLOWED = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "max_output_tokens", "temperature",
-           "top_p", "stream", "store", "previous_response_id", "text", "metadata", "user"}
-NOT_YET = {"reasoning": None, "truncation": "disabled", "include": [], "background": False, "top_logprobs": 0,
+           "top_p", "stream", "store", "previous_response_id", "text", "metadata", "user", "reasoning"}
+NOT_YET = {"truncation": "disabled", "include": [], "background": False, "top_logprobs": 0,
            "service_tier": "auto", "max_tool_calls": None, "prompt": None, "conversation": None}
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 
@@ -66,7 +66,7 @@ class ResponseStore:
 
 
 # Chat's parameter names, as a Responses client knows them (its errors name what it sent).
-PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+PARAMS = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format", "reasoning_effort": "reasoning.effort"}
 
 
 def parse_responses(raw: bytes, model_name: str, limits: EngineLimits, context: int, store: ResponseStore) -> tuple[Parsed, dict, list[dict]]:
@@ -127,6 +127,12 @@ def responses_as_chat(body, store: ResponseStore) -> tuple[dict, list[dict]]:
         if not isinstance(text, dict) or set(text) - {"format", "verbosity"}:
             raise ApiError(400, "text takes format", "text")
         chat["response_format"] = _format(text.get("format"))
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict) or set(reasoning) - {"effort", "summary"} or reasoning.get("summary") not in (None, "auto"):
+            raise ApiError(400, "reasoning takes effort (and summary auto: the thinking is returned whole)", "reasoning")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
     if body.get("metadata") is not None and not isinstance(body["metadata"], dict):
         raise ApiError(400, "metadata must be an object", "metadata")
     if "store" in body and not isinstance(body["store"], bool):
@@ -255,7 +261,7 @@ class Answer:
             "temperature": request.get("temperature", 1.0), "top_p": request.get("top_p", 1.0),
             "max_output_tokens": request.get("max_output_tokens"), "parallel_tool_calls": request.get("parallel_tool_calls", True),
             "tool_choice": request.get("tool_choice", "auto"), "tools": request.get("tools") or [], "text": {"format": text_format},
-            "truncation": "disabled", "reasoning": None, "user": request.get("user"),
+            "truncation": "disabled", "reasoning": request.get("reasoning"), "user": request.get("user"),
         }
 
     def stored_messages(self, conversation: list[dict]) -> list[dict]:

@@ -137,3 +137,31 @@ def test_a_bad_budget_is_refused_naming_it(thinker):
         collect(stub, pb.GenerateRequest(messages=pb.Conversation(messages=[pb.ChatMessage(**m) for m in MESSAGES]), max_new_tokens=2,
                                          thinking_token_budget=10**6))
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and error.value.details().startswith("thinking_token_budget: must be in [1, ")
+
+
+EFFORT_TEMPLATE = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ 'effort=' + (reasoning_effort | default('unset')) + ' assistant:' }}{% endif %}")
+
+
+def test_reasoning_effort_reaches_a_template_that_reads_it_over_chat_and_responses(tiny_artifact, tmp_path):
+    import shutil
+
+    directory = tmp_path / "tiny-effort"
+    shutil.copytree(tiny_artifact, directory)
+    (directory / "chat_template.jinja").write_text(EFFORT_TEMPLATE)
+    with serving(directory, http_port=0, max_batch_size=1) as running:
+        base = f"http://127.0.0.1:{running.app.http_port}/v1"
+        for effort, expected in ((None, "unset"), ("low", "low"), ("high", "high")):
+            body = {"model": "tiny-effort", "messages": MESSAGES, "max_tokens": 1} | ({"reasoning_effort": effort} if effort else {})
+            rendered = httpx.post(f"{base}/chat/completions/render", json=body, timeout=30).json()["prompt"]
+            assert rendered.endswith(f"effort={expected} assistant:")
+        # chat_template_kwargs' own value wins; a value OpenAI does not define is refused naming it
+        body = {"model": "tiny-effort", "messages": MESSAGES, "reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}}
+        assert httpx.post(f"{base}/chat/completions/render", json=body, timeout=30).json()["prompt"].endswith("effort=high assistant:")
+        refused = httpx.post(f"{base}/chat/completions", json={"model": "tiny-effort", "messages": MESSAGES, "reasoning_effort": "max"}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=60)
+        response = client.responses.create(model="tiny-effort", input="Who was Moses?", reasoning={"effort": "medium"}, max_output_tokens=1)
+        assert response.usage.input_tokens == len("user: Who was Moses?\neffort=medium assistant:".encode())
+        refused = httpx.post(f"{base}/responses", json={"model": "tiny-effort", "input": "x", "reasoning": {"effort": "max"}}, timeout=30)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning.effort"
