@@ -111,6 +111,7 @@ class SlotBatch:
         chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
         results = self._step(decode, chunk, plan.chunk_tokens, before_model) if decode or chunk else []
         kv.release([s for s in kv.rows if s.finished])
+        kv.publish_events()
         return results
 
     @staticmethod

@@ -15,9 +15,12 @@ computes its own keys from the token ids, which every BlockStored carries). A bl
 to hold it and removed when the last row holding it lets it go (PrefixIndex counts the rows), so two rows sharing a
 prefix publish it once.
 
-Publishing never holds up a step: the step thread appends each change to a bounded queue (KV_EVENTS_QUEUE batches; a
-change that finds it full is dropped and counted, and its sequence number is skipped, so a subscriber sees the gap),
-and a thread of its own sends them. With a replay endpoint (`--kv-events-replay`), a ROUTER socket answers a
+Publishing never holds up a step: the step thread notes each change as it is made, and at the end of a step packs
+those since the last message into one (at most one each FLUSH_EVERY while steps keep coming; at once when the batch
+empties) and hands it to ZeroMQ without waiting, whose own I/O thread (no Python, no GIL) delivers it; a subscriber's queue holds KV_EVENTS_QUEUE
+messages, and a change that finds one full is dropped for it, counted, and its sequence number is skipped, so the
+subscriber sees the gap. (A Python thread of our own taking changes from a queue cost 5-10% of 16 streams' decode on
+2 cores in bench/kv_events.py, from the handoffs of the GIL; a message a change, 2.8% of the step thread's time.) With a replay endpoint (`--kv-events-replay`), a ROUTER socket answers a
 subscriber that joins late or missed a message with the last KV_EVENTS_HISTORY messages from the sequence number it
 asks for (llm-d's replay protocol: a request of [empty, sequence]; each message back as [empty, topic, sequence,
 payload]; then one with an empty payload).
@@ -25,36 +28,41 @@ payload]; then one with an empty payload).
 
 from __future__ import annotations
 
-import logging
-import queue
 import threading
 import time
 from collections import deque
 
-log = logging.getLogger(__name__)
-
-KV_EVENTS_QUEUE = 10_000  # batches waiting to be sent; past it a change is dropped (and counted)
+KV_EVENTS_QUEUE = 10_000  # messages a subscriber's queue holds; past it a change is dropped for it (and counted)
 KV_EVENTS_HISTORY = 10_000  # messages a replay can reach back to
-HASH_MASK = 2**64 - 1  # block hashes go out as unsigned 64-bit integers, as the router reads them
+HASH_MASK = 2**64 - 1
+# The least time between messages while steps keep coming: Python work right after a model step runs on caches the
+# weights evicted (~70 µs a message then, against 5 µs warm), so busy steps share a message; well inside the router's
+# wait (the issue's 50 ms at p99).
+FLUSH_EVERY = 0.01  # block hashes go out as unsigned 64-bit integers, as the router reads them
 
 
 class KvEventPublisher:
-    """A ZeroMQ PUB socket (and optionally a replay ROUTER socket) fed from a bounded queue by a thread of its own."""
+    """A ZeroMQ XPUB socket the step thread sends on without waiting (and optionally a replay ROUTER socket, answered by
+    a thread of its own that sleeps in ZeroMQ until a request comes)."""
 
     def __init__(self, endpoint: str, topic: str, block_size: int, medium: str, replay_endpoint: str | None = None):
         """Binds endpoint (and replay_endpoint) now, so a taken port is refused at start."""
         import zmq
 
         self.topic, self.block_size, self.medium = topic.encode(), block_size, medium
-        self.dropped = 0  # changes the full queue turned away
+        self.dropped = 0  # changes not sent: a subscriber's queue was full
         self.published = 0  # messages sent
         self._next_sequence = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=KV_EVENTS_QUEUE)
-        self._history: deque = deque(maxlen=KV_EVENTS_HISTORY)  # (sequence, payload) of the last messages sent
+        self._pending: list[list] = []  # the changes since the last flush (the step thread's)
+        self._last_flush = 0.0
+        self._history: deque = deque(maxlen=KV_EVENTS_HISTORY)  # (sequence, payload) of the last messages
         self._context = zmq.Context()
-        self._publisher = self._context.socket(zmq.PUB)
+        self._publisher = self._context.socket(zmq.XPUB)
         self._publisher.setsockopt(zmq.LINGER, 0)
+        self._publisher.setsockopt(zmq.SNDHWM, KV_EVENTS_QUEUE)
+        self._publisher.setsockopt(zmq.XPUB_NODROP, 1)  # a full subscriber queue refuses the message (counted), never blocks
         self._replay = None
+        self._thread = None
         for name, address in (("events", endpoint), ("replay", replay_endpoint)):
             if not address:
                 continue
@@ -66,85 +74,78 @@ class KvEventPublisher:
             except zmq.ZMQError as exc:
                 self._close_sockets()
                 raise OSError(f"cannot bind {address} for KV {name} ({exc})") from None
-        self._stopping = threading.Event()
-        self._thread = threading.Thread(target=self._send_loop, name="kvserve-kv-events", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # one sender at a time on the XPUB socket (ZeroMQ sockets are not thread-safe)
+        if self._replay is not None:
+            self._thread = threading.Thread(target=self._replay_loop, name="kvserve-kv-replay", daemon=True)
+            self._thread.start()
 
     # --- the step thread's side: what PrefixIndex calls ------------------------------------------------------------
 
     def stored(self, hashes: list[int], parent: int | None, token_ids: list[int]) -> None:
         """Consecutive blocks a row now holds and no row held before: their hashes, the hash of the block before them
         (None: they start the row), and their ids (len(hashes) * block_size)."""
-        self._put(["BlockStored", [h & HASH_MASK for h in hashes], None if parent is None else parent & HASH_MASK, list(token_ids),
-                   self.block_size, None, self.medium])
+        self._pending.append(["BlockStored", [h & HASH_MASK for h in hashes], None if parent is None else parent & HASH_MASK,
+                              list(token_ids), self.block_size, None, self.medium])
 
     def removed(self, hashes: list[int]) -> None:
         """Blocks no row holds any more."""
-        self._put(["BlockRemoved", [h & HASH_MASK for h in hashes], self.medium])
+        self._pending.append(["BlockRemoved", [h & HASH_MASK for h in hashes], self.medium])
 
     def cleared(self) -> None:
         """Every block is gone (the pool's contents are unknown after a failed step)."""
-        self._put(["AllBlocksCleared"])
+        self._pending.append(["AllBlocksCleared"])
 
-    def _put(self, event: list) -> None:
-        sequence = self._next_sequence
-        self._next_sequence += 1  # taken even when dropped: the subscriber sees the gap
-        try:
-            self._queue.put_nowait((sequence, time.time(), event))
-        except queue.Full:
-            self.dropped += 1
-
-    # --- the sending thread -----------------------------------------------------------------------------------------
-
-    def _send_loop(self) -> None:
+    def flush(self, now: bool = True) -> None:
+        """Send the changes since the last message as one, without waiting: ZeroMQ's I/O thread delivers it (no Python
+        thread, no GIL); a subscriber whose queue is full (KV_EVENTS_QUEUE messages) makes it a drop, counted, its
+        sequence number skipped. now=False: only once FLUSH_EVERY has passed since the last message (the steps of a busy
+        batch share one; the caller flushes now when no step may follow)."""
+        if not self._pending or (not now and time.monotonic() - self._last_flush < FLUSH_EVERY):
+            return
+        self._last_flush = time.monotonic()
         import msgpack
         import zmq
 
-        poller = zmq.Poller()
-        if self._replay is not None:
-            poller.register(self._replay, zmq.POLLIN)
-        while not self._stopping.is_set():
+        events, self._pending = self._pending, []
+        sequence = self._next_sequence
+        self._next_sequence += 1
+        payload = msgpack.packb([time.time(), events, None])
+        with self._lock:
+            self._history.append((sequence, payload))
             try:
-                sequence, stamp, event = self._queue.get(timeout=0.01 if self._replay is not None else 0.1)
-            except queue.Empty:
-                sequence = None
-            if sequence is not None:
-                payload = msgpack.packb([stamp, [event], None])
-                frames = [self.topic, sequence.to_bytes(8, "big"), payload]
-                try:
-                    self._publisher.send_multipart(frames, flags=zmq.NOBLOCK)  # PUB drops for a subscriber past its high-water mark
-                    self.published += 1
-                except zmq.ZMQError as exc:
-                    log.debug("KV event %d not sent: %s", sequence, exc)
-                self._history.append((sequence, payload))
-            if self._replay is not None and poller.poll(0):
-                self._answer_replay()
+                self._publisher.send_multipart([self.topic, sequence.to_bytes(8, "big"), payload], flags=zmq.NOBLOCK)
+                self.published += 1
+            except zmq.ZMQError:  # EAGAIN: a subscriber's queue is full
+                self.dropped += 1
 
-    def _answer_replay(self) -> None:
+    # --- replay -------------------------------------------------------------------------------------------------------
+
+    def _replay_loop(self) -> None:
         import zmq
 
-        try:
-            frames = self._replay.recv_multipart(flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            return
-        if len(frames) < 2 or len(frames[-1]) != 8:
-            return  # not a replay request
-        identity, start = frames[0], int.from_bytes(frames[-1], "big")
-        last = start
-        for sequence, payload in list(self._history):
-            if sequence >= start:
-                self._replay.send_multipart([identity, b"", self.topic, sequence.to_bytes(8, "big"), payload])
-                last = sequence
-        self._replay.send_multipart([identity, b"", self.topic, last.to_bytes(8, "big"), b""])  # the end of the replay
+        while True:
+            try:
+                frames = self._replay.recv_multipart()  # sleeps in ZeroMQ, the GIL released
+            except zmq.ZMQError:  # closed
+                return
+            if len(frames) < 2 or len(frames[-1]) != 8:
+                continue  # not a replay request
+            identity, start = frames[0], int.from_bytes(frames[-1], "big")
+            with self._lock:
+                retained = [(sequence, payload) for sequence, payload in self._history if sequence >= start]
+            try:
+                for sequence, payload in retained:
+                    self._replay.send_multipart([identity, b"", self.topic, sequence.to_bytes(8, "big"), payload])
+                last = retained[-1][0] if retained else start
+                self._replay.send_multipart([identity, b"", self.topic, last.to_bytes(8, "big"), b""])  # the end of the replay
+            except zmq.ZMQError:
+                return
 
     def close(self) -> None:
-        """Stop the thread (what is queued is sent first, for at most a second) and close the sockets."""
-        deadline = time.monotonic() + 1.0
-        while not self._queue.empty() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        self._stopping.set()
-        self._thread.join(timeout=2)
+        """Close the sockets (the replay thread ends with its socket)."""
         self._close_sockets()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
 
     def _close_sockets(self) -> None:
         for socket in (self._publisher, self._replay):

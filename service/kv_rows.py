@@ -27,6 +27,7 @@ graph its bucketed width of reads; a fused graph's operator reads the idle row's
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import numpy as np
@@ -35,6 +36,8 @@ from kvserve.runtime import SlotPool
 
 from .prompt_cache import PrefixIndex
 from .sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 # A new request takes a prompt prefix from a row in use (a device copy) rather than from the best free row only when
 # the row in use holds at least this many more of its tokens. bench/prompt_cache.py measures the copy against the
@@ -127,7 +130,17 @@ class KvRows:
         self.cached.clear()
         if self.prefixes is not None:
             self.prefixes.clear()
+        self.publish_events()
         return held
+
+    def publish_events(self) -> None:
+        """Send the prompt cache's changes as a KV event message (kv_events.py), if it publishes: when due, or at once when
+        no sequence holds a row (no step may follow soon)."""
+        if self.prefixes is not None and self.prefixes.events is not None:
+            try:
+                self.prefixes.events.flush(now=not self.rows)
+            except Exception:  # events are advice to a router: their failure never fails a step
+                log.exception("KV events not published; serving goes on")
 
     def cached_rows(self) -> int:
         """Free rows that hold a finished sequence's K/V for the prompt cache."""

@@ -121,12 +121,42 @@ def test_a_late_subscriber_gets_the_history_by_replay(published):
     assert replayed[-1][2] == live[0][2]
 
 
-def test_a_full_queue_drops_changes_counts_them_and_leaves_a_gap(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_events_module, "KV_EVENTS_QUEUE", 2)
+def test_a_subscriber_that_does_not_read_gets_drops_counted_and_a_gap_never_a_wait(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_events_module, "KV_EVENTS_QUEUE", 1)  # a subscriber's queue: one message (then the socket's buffers)
     publisher = KvEventPublisher(f"ipc://{tmp_path}/e", "kv@x@m", BLOCK_TOKENS, "CPU")
-    publisher._stopping.set()  # the sending thread stops taking: the step thread's puts meet a full queue
-    publisher._thread.join()
-    for _ in range(5):
-        publisher.removed([1])
-    assert publisher.dropped == 3 and publisher._next_sequence == 5  # the dropped ones' numbers are skipped
-    publisher._close_sockets()
+    context = zmq.Context()
+    slow = context.socket(zmq.SUB)
+    slow.setsockopt(zmq.SUBSCRIBE, b"")
+    slow.setsockopt(zmq.RCVHWM, 1)
+    slow.connect(f"ipc://{tmp_path}/e")
+    tokens = list(range(1000))
+    poller = zmq.Poller()
+    poller.register(slow, zmq.POLLIN)
+    while not poller.poll(10):  # until the subscription has reached the publisher: its first message arrives
+        publisher.stored([1], None, tokens)
+        publisher.flush()
+    for _ in range(20_000):  # never read: the buffers fill, and each flush past them returns at once, counted
+        publisher.stored([1], None, tokens)
+        publisher.flush()
+    assert publisher.dropped > 0 and publisher.published + publisher.dropped == publisher._next_sequence
+    received = []
+    while poller.poll(200):
+        received.append(int.from_bytes(slow.recv_multipart()[1], "big"))
+    assert any(b - a > 1 for a, b in zip(received, received[1:])) or received[-1] < publisher._next_sequence - 1  # the gap shows
+    slow.close(0)
+    context.term()
+    publisher.close()
+
+
+def test_busy_steps_share_a_message_and_an_idle_batch_flushes_at_once(tmp_path):
+    publisher = KvEventPublisher(f"ipc://{tmp_path}/e", "kv@x@m", BLOCK_TOKENS, "CPU")
+    publisher.removed([1])
+    publisher.flush()  # the first: sent
+    publisher.removed([2])
+    publisher.flush(now=False)  # within FLUSH_EVERY of the last: held for the next
+    assert publisher._next_sequence == 1 and len(publisher._pending) == 1
+    publisher.removed([3])
+    publisher.flush(now=True)  # the batch emptied: both go, as one message
+    assert publisher._next_sequence == 2 and not publisher._pending
+    assert msgpack.unpackb(publisher._history[-1][1])[1] == [["BlockRemoved", [2], "CPU"], ["BlockRemoved", [3], "CPU"]]
+    publisher.close()
