@@ -159,3 +159,23 @@ def test_a_reasoning_models_thinking_is_a_reasoning_item(tiny_artifact, tmp_path
     assert [item.type for item in response.output] == ["reasoning", "message"]
     assert response.usage.output_tokens_details.reasoning_tokens == 4 + len("</think>")
     assert "response.reasoning_text.delta" in kinds and streamed.output[0].content[0].text == response.output[0].content[0].text
+
+
+def test_five_chained_turns_with_tools_carry_the_whole_conversation(long_client):
+    client, model = long_client, "tiny-long-chat"
+    turns, previous = [], None
+    for number in range(5):
+        if number % 2 == 0:  # the user asks, and the reply must call the tool
+            response = client.responses.create(model=model, input=f"Turn {number}: find a book.", tools=TOOLS, tool_choice="required",
+                                               previous_response_id=previous, max_output_tokens=120, temperature=0)
+        else:  # the tool's output answers the call of the turn before
+            call = next(item for item in turns[-1].output if item.type == "function_call")
+            response = client.responses.create(model=model, previous_response_id=previous, max_output_tokens=8, temperature=0, tools=TOOLS,
+                                               tool_choice="none",  # tools are sent each turn (they do not carry over, as OpenAI's)
+                                               input=[{"type": "function_call_output", "call_id": call.call_id, "output": "Genesis"}])
+        turns.append(response)
+        previous = response.id
+    assert all(any(item.type == "function_call" for item in turns[i].output) for i in (0, 2, 4))
+    sizes = [turn.usage.input_tokens for turn in turns]
+    assert sizes == sorted(sizes) and len(set(sizes)) == 5  # each turn reads every turn before it
+    assert [client.responses.retrieve(turn.id).id for turn in turns] == [turn.id for turn in turns]
