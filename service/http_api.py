@@ -76,6 +76,7 @@ class HttpApi(ResponsesEndpoints):
             Route("/v1/chat/completions/render", self.render_chat_completions, methods=["POST"]),
             Route("/v1/responses", self.responses, methods=["POST"]),
             Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
+            Route("/v1/responses/{response_id}/input_items", self.response_input_items, methods=["GET"]),
         ], exception_handlers={HTTPException: self._unrouted})
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .engine_errors import EngineError
 from .http_disconnect import ClientGone, unless_disconnected
 from .openai_protocol import STATUS_CODES, ApiError, api_error
-from .openai_responses import Answer, EventStream, StoredResponse, as_responses_error, new_id, parse_responses
+from .openai_responses import Answer, EventStream, StoredResponse, as_responses_error, input_items, new_id, parse_responses
 
 
 class ResponsesEndpoints:
@@ -55,7 +55,7 @@ class ResponsesEndpoints:
         finally:
             await events.aclose()
         if keep:
-            self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body()))
+            self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body(), input_items(answer.request)))
         self.metrics.on_request(method, "OK")
         return JSONResponse(answer.body())
 
@@ -70,7 +70,7 @@ class ResponsesEndpoints:
             for line in stream.finish():
                 yield line
             if keep:
-                self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body()))
+                self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body(), input_items(answer.request)))
         except EngineError as exc:  # the response has started: the error goes in the stream
             error = api_error(exc)
             code = STATUS_CODES[error.status]
@@ -81,6 +81,18 @@ class ResponsesEndpoints:
         finally:
             await events.aclose()
             self.metrics.on_request(method, code)
+
+    async def response_input_items(self, request: Request) -> Response:
+        """GET /v1/responses/{id}/input_items: a stored response's own input, as a list (one page: has_more false)."""
+        method = "ListInputItems"
+        try:
+            self._authorized(request)
+            items = self.stored.get(request.path_params["response_id"]).input_items
+        except ApiError as error:
+            return self._refusal(method, error)
+        self.metrics.on_request(method, "OK")
+        return JSONResponse({"object": "list", "data": items, "first_id": items[0].get("id") if items else None,
+                             "last_id": items[-1].get("id") if items else None, "has_more": False})
 
     async def stored_response(self, request: Request) -> Response:
         """GET or DELETE /v1/responses/{id}: a stored response, or its deletion."""

@@ -30,10 +30,27 @@ ROLES = {"user": "user", "system": "system", "developer": "system", "assistant":
 
 @dataclass
 class StoredResponse:
-    """A stored response: the conversation it answered (chat-style messages) and its body."""
+    """A stored response: the conversation it answered (chat-style messages), its body, and its own input as items."""
 
     messages: list[dict]
     body: dict
+    input_items: list[dict] = field(default_factory=list)
+
+
+def input_items(request: dict) -> list[dict]:
+    """A Responses body's input as the items GET /v1/responses/{id}/input_items lists (messages given ids and text parts)."""
+    given = request.get("input")
+    items = [{"type": "message", "role": "user", "content": given}] if isinstance(given, str) else list(given or [])
+    out = []
+    for item in items:
+        item = dict(item)
+        if item.get("type", "message") == "message":
+            item["type"] = "message"
+            if isinstance(item.get("content"), str):
+                item["content"] = [{"type": "input_text", "text": item["content"]}]
+            item.setdefault("id", new_id("msg"))
+        out.append(item)
+    return out
 
 
 @dataclass

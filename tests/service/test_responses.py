@@ -63,6 +63,8 @@ def test_previous_response_id_carries_the_conversation_and_store_false_keeps_non
     rendered = template.render([ChatMessage("user", "Who was Moses?"), ChatMessage("assistant", first.output_text), ChatMessage("user", "And Aaron?")])
     assert second.usage.input_tokens == len(rendered.encode())  # a token a byte: the whole conversation, rendered
     assert client.responses.retrieve(first.id).output_text == first.output_text
+    (item,) = client.responses.input_items.list(second.id).data  # its own input, not the carried conversation
+    assert item.type == "message" and item.role == "user" and item.content[0].text == "And Aaron?"
     unstored = client.responses.create(model=MODEL, input="x", max_output_tokens=2, store=False)
     with pytest.raises(openai.NotFoundError):
         client.responses.retrieve(unstored.id)
