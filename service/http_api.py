@@ -263,21 +263,30 @@ class HttpApi(ResponsesEndpoints):
         collected: list[list] = [[] for _ in range(parsed.n)]
         collected[first[0]].append(first[1])
 
+        refused = await self._drain(request, events, lambda item: collected[item[0]].append(item[1]), method)
+        if refused is not None:
+            return refused
+        self.metrics.on_request(method, "OK")
+        return JSONResponse(whole_body(ids, kind, self.model_name, int(time.time()), collected, parsed, pieces))
+
+    async def _drain(self, request: Request, events, take, method: str, refusal=api_error) -> Response | None:
+        """Every event left, each to take; the refusal to answer instead (None: all taken): 499 when the client goes
+        away first (the sequences are cancelled, their rows freed at the next step), or the engine's error as refusal
+        words it."""
         async def rest():
-            async for index, event in events:
-                collected[index].append(event)
+            async for event in events:
+                take(event)
 
         try:
             await unless_disconnected(request, rest())
-        except ClientGone:  # the sequences are cancelled: their rows are freed at the next step
+        except ClientGone:
             self.metrics.on_request(method, "CANCELLED")
             return Response(status_code=499)
         except EngineError as exc:
-            return self._refusal(method, api_error(exc))
+            return self._refusal(method, refusal(exc))
         finally:
             await events.aclose()
-        self.metrics.on_request(method, "OK")
-        return JSONResponse(whole_body(ids, kind, self.model_name, int(time.time()), collected, parsed, pieces))
+        return None
 
     async def _stream(self, events, first, parsed: Parsed, kind: str, method: str, ids: str, pieces):
         """Server-sent events: a chunk a token (of whichever completion made it), each completion's last with its finish

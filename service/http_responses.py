@@ -40,20 +40,9 @@ class ResponsesEndpoints:
             return StreamingResponse(self._response_events(events, first, answer, conversation, keep, method), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         answer.add(first)
-
-        async def rest():
-            async for event in events:
-                answer.add(event)
-
-        try:
-            await unless_disconnected(request, rest())
-        except ClientGone:
-            self.metrics.on_request(method, "CANCELLED")
-            return Response(status_code=499)
-        except EngineError as exc:
-            return self._refusal(method, api_error(exc))
-        finally:
-            await events.aclose()
+        refused = await self._drain(request, events, answer.add, method, lambda exc: as_responses_error(api_error(exc)))
+        if refused is not None:
+            return refused
         if keep:
             self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body(), input_items(answer.request)))
         self.metrics.on_request(method, "OK")
