@@ -28,9 +28,12 @@ payload]; then one with an empty payload).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
+
+log = logging.getLogger(__name__)
 
 KV_EVENTS_QUEUE = 10_000  # messages a subscriber's queue holds; past it a change is dropped for it (and counted)
 KV_EVENTS_HISTORY = 10_000  # messages a replay can reach back to
@@ -74,7 +77,8 @@ class KvEventPublisher:
             except zmq.ZMQError as exc:
                 self._close_sockets()
                 raise OSError(f"cannot bind {address} for KV {name} ({exc})") from None
-        self._lock = threading.Lock()  # one sender at a time on the XPUB socket (ZeroMQ sockets are not thread-safe)
+        self._lock = threading.Lock()  # guards the history, which the replay thread reads
+        self._stopping = threading.Event()
         if self._replay is not None:
             self._thread = threading.Thread(target=self._replay_loop, name="kvserve-kv-replay", daemon=True)
             self._thread.start()
@@ -121,31 +125,39 @@ class KvEventPublisher:
     # --- replay -------------------------------------------------------------------------------------------------------
 
     def _replay_loop(self) -> None:
+        """The replay socket's own thread (ZeroMQ sockets are one thread's): answers requests until close asks it to stop,
+        then closes the socket itself."""
         import zmq
 
-        while True:
-            try:
-                frames = self._replay.recv_multipart()  # sleeps in ZeroMQ, the GIL released
-            except zmq.ZMQError:  # closed
-                return
-            if len(frames) < 2 or len(frames[-1]) != 8:
-                continue  # not a replay request
-            identity, start = frames[0], int.from_bytes(frames[-1], "big")
-            with self._lock:
-                retained = [(sequence, payload) for sequence, payload in self._history if sequence >= start]
-            try:
+        poller = zmq.Poller()
+        poller.register(self._replay, zmq.POLLIN)
+        try:
+            while not self._stopping.is_set():
+                if not poller.poll(100):  # sleeps in ZeroMQ, the GIL released; wakes to see whether to stop
+                    continue
+                frames = self._replay.recv_multipart()
+                if len(frames) < 2 or len(frames[-1]) != 8:
+                    continue  # not a replay request
+                identity, start = frames[0], int.from_bytes(frames[-1], "big")
+                with self._lock:
+                    retained = [(sequence, payload) for sequence, payload in self._history if sequence >= start]
                 for sequence, payload in retained:
                     self._replay.send_multipart([identity, b"", self.topic, sequence.to_bytes(8, "big"), payload])
                 last = retained[-1][0] if retained else start
                 self._replay.send_multipart([identity, b"", self.topic, last.to_bytes(8, "big"), b""])  # the end of the replay
-            except zmq.ZMQError:
-                return
+        except zmq.ZMQError as exc:
+            log.warning("KV events' replay stopped: %s", exc)
+        finally:
+            self._replay.close(linger=0)
 
     def close(self) -> None:
-        """Close the sockets (the replay thread ends with its socket)."""
-        self._close_sockets()
+        """Stop the replay thread (it closes its socket), then close the publishing socket and the context. Called once
+        the steps have stopped (nothing sends any more)."""
+        self._stopping.set()
         if self._thread is not None:
             self._thread.join(timeout=2)
+        self._publisher.close(linger=0)
+        self._context.term()
 
     def _close_sockets(self) -> None:
         for socket in (self._publisher, self._replay):
