@@ -293,10 +293,14 @@ class HttpApi(ResponsesEndpoints):
         reason, usage if asked, then [DONE]. Closed early (the client went away), every sequence is cancelled."""
         created, obj = int(time.time()), object_name(kind, True)
 
+        prompt, generated = first[1].prompt_tokens, 0  # the usage so far, for continuous_usage_stats
+
         def chunk(choices, usage_body=None) -> str:
             body = {"id": ids, "object": obj, "created": created, "model": self.model_name, "choices": choices}
             if parsed.include_usage:
                 body["usage"] = usage_body
+                if usage_body is None and parsed.continuous_usage:
+                    body["usage"] = {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated}
             return sse(body)
 
         async def everything():
@@ -309,6 +313,7 @@ class HttpApi(ResponsesEndpoints):
             if kind == "chat":
                 yield chunk(opening_choices(parsed.n))
             async for index, event in everything():
+                generated += 1
                 yield chunk([token_choice(kind, index, event, parsed, pieces)])
                 if event.finish is not None:
                     finishes[index] = event.finish

@@ -86,6 +86,7 @@ class Parsed:
     include_usage: bool
     logprobs: bool
     n: int  # completions of the prompt, each its own sequence (seeds seed, seed + 1, ... when a seed is given)
+    continuous_usage: bool = False  # with include_usage: every streamed chunk carries the usage so far (vLLM's)
 
 
 def shown(value) -> str:
@@ -228,9 +229,10 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
         raise ApiError(400, "stop must be a string or a list of non-empty strings", "stop")
     stream = _flag(body, "stream")
     options = body.get("stream_options") or {}
-    if not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise ApiError(400, "stream_options takes include_usage only", "stream_options")
+    if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+        raise ApiError(400, "stream_options takes include_usage and continuous_usage_stats (vLLM's) only", "stream_options")
     include_usage = _flag(options, "include_usage", "stream_options.include_usage")
+    continuous_usage = _flag(options, "continuous_usage_stats", "stream_options.continuous_usage_stats")
     logprobs = body.get("logprobs")
     if kind == "chat":
         logprobs = _flag(body, "logprobs")
@@ -257,7 +259,7 @@ def parse(body, kind: str, model_name: str, limits: EngineLimits) -> Parsed:
             request = GenerationRequest(prompt_ids=tuple(prompt), **common)
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids (one prompt a request)", "prompt")
-    return Parsed(request, stream, include_usage, logprobs, n)
+    return Parsed(request, stream, include_usage, logprobs, n, continuous_usage)
 
 
 JSON_SCHEMA_KEYS = {"name", "description", "schema", "strict"}

@@ -76,6 +76,7 @@ class StepEvent:
     call_text: str = ""  # with tools: this step's text of the reply's tool calls, as the model wrote it (text: content only)
     call_deltas: tuple[CallDelta, ...] = ()  # and what it adds to each call: a name, then pieces of its arguments
     reasoning: str = ""  # a reasoning model's: this step's text of its thinking (text: the answer only)
+    prompt_tokens: int = 0  # on a sequence's first token: its prompt's length (usage while streaming); else 0
 
 
 @dataclass(eq=False)
@@ -221,7 +222,7 @@ class Sequence:
                 reasoning_tokens=self.reasoning_tokens,
             )
         return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top, call_text=call_text,
-                         call_deltas=tuple(deltas), reasoning=reasoning)
+                         call_deltas=tuple(deltas), reasoning=reasoning, prompt_tokens=len(self.prompt_ids) if len(self.generated) == 1 else 0)
 
     def _think(self, text: str, finishing: bool) -> tuple[str, str]:
         """(thinking, answer) of this step's text; counts the token as thinking, forces the closing marker once the budget

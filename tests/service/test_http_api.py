@@ -217,3 +217,19 @@ def test_what_vllms_bench_serve_sends_is_served(client):
     chunks = list(stream)
     assert chunks[-1].usage.completion_tokens == 12
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(running):
+    import json as json_module
+
+    body = {"model": MODEL, "prompt": "In the beginning", "max_tokens": 6, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    lines = httpx.post(f"http://127.0.0.1:{running.app.http_port}/v1/completions", json=body, timeout=60).text.splitlines()
+    chunks = [json_module.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    counted = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counted == list(range(1, 7)) + [6]  # a token a chunk, then the usage chunk (vLLM's continuous_usage_stats)
+    assert all(c["usage"]["prompt_tokens"] == len("In the beginning") for c in chunks)
+    assert chunks[-1]["usage"]["total_tokens"] == len("In the beginning") + 6
+    body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: no usage, as vLLM
+    lines = httpx.post(f"http://127.0.0.1:{running.app.http_port}/v1/completions", json=body, timeout=60).text.splitlines()
+    assert all("usage" not in json_module.loads(line[6:]) for line in lines if line.startswith("data: {"))
