@@ -81,6 +81,17 @@ def published(tiny_artifact, tmp_path_factory):
     with serving(tiny_artifact, max_batch_size=2, kv_events=events, kv_events_replay=replay, kv_events_topic="kv@replica-0@tiny") as running, \
             stub_of(running) as stub:
         subscriber.connect(events)
+        # A subscription reaches the publisher a moment after connect, and what is sent before it is not for this
+        # subscriber (ZeroMQ's late joiner): requests until one message arrives, then every message so far drained.
+        poller = zmq.Poller()
+        poller.register(subscriber, zmq.POLLIN)
+        for attempt in range(100):
+            prompt = list(f"Warm-up request {attempt} for the subscription.".encode())
+            collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), max_new_tokens=1, ignore_eos=True))
+            if poller.poll(500):
+                break
+        while poller.poll(200):
+            subscriber.recv_multipart()
         yield running, stub, subscriber, context, replay
     subscriber.close(0)
     context.term()
