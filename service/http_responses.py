@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .engine_errors import EngineError
 from .http_disconnect import ClientGone, unless_disconnected
 from .openai_protocol import STATUS_CODES, ApiError, api_error
-from .openai_responses import Answer, EventStream, StoredResponse, as_responses_error, input_items, new_id, parse_responses
+from .openai_responses import Answer, EventStream, as_responses_error, new_id, parse_responses
 
 
 class ResponsesEndpoints:
@@ -44,7 +44,7 @@ class ResponsesEndpoints:
         if refused is not None:
             return refused
         if keep:
-            self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body(), input_items(answer.request)))
+            self.stored.put(answer.response_id, answer.stored(conversation))
         self.metrics.on_request(method, "OK")
         return JSONResponse(answer.body())
 
@@ -59,9 +59,9 @@ class ResponsesEndpoints:
             for line in stream.finish():
                 yield line
             if keep:
-                self.stored.put(answer.response_id, StoredResponse(answer.stored_messages(conversation), answer.body(), input_items(answer.request)))
+                self.stored.put(answer.response_id, answer.stored(conversation))
         except EngineError as exc:  # the response has started: the error goes in the stream
-            error = api_error(exc)
+            error = as_responses_error(api_error(exc))
             code = STATUS_CODES[error.status]
             yield stream.event("error", code=error.code, message=error.message, param=error.param)
         except asyncio.CancelledError:

@@ -281,6 +281,10 @@ class Answer:
             "truncation": "disabled", "reasoning": request.get("reasoning"), "user": request.get("user"),
         }
 
+    def stored(self, conversation: list[dict]) -> StoredResponse:
+        """What the store keeps of this finished response, which answered conversation."""
+        return StoredResponse(self.stored_messages(conversation), self.body(), input_items(self.request))
+
     def stored_messages(self, conversation: list[dict]) -> list[dict]:
         """The conversation to carry to a response that follows this one: its messages, then this answer's turn."""
         calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}} for c in self.finish.tool_calls]

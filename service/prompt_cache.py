@@ -62,13 +62,14 @@ class PrefixIndex:
     def put(self, row: int, tokens: Sequence[int], kind: int = 0) -> None:
         """Row now holds tokens, their K/V of kind (replacing what it held)."""
         gone = self._remove(row)
+        was_held = set(gone)  # blocks this row alone held a moment ago: held again, not new (a row re-put as it grows)
         tokens = list(tokens)
         keys = _block_keys(tokens, len(tokens) // BLOCK_TOKENS, kind)
         self._tokens[row], self._keys[row], self._kinds[row] = tokens, keys, kind
         new = []  # indices of the blocks no row held
         for index, key in enumerate(keys):
             rows = self._rows.setdefault(key, set())
-            if not rows and key not in gone:
+            if not rows and key not in was_held:
                 new.append(index)
             rows.add(row)
         if self.events is not None:
