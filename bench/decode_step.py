@@ -45,7 +45,7 @@ def slots_generate(runtime: DecoderRuntime, pool: SlotPool, prompt: list[int], n
     """Greedy through the slots graph as the server runs a lone stream: the prompt as one chunk of row 0, then
     one decode step per token (row 0 reads its own columns), each token the graph's greedy_tokens; on_token, where
     given, is called with each token as soon as the step that made it returns."""
-    scratch = np.array([pool.capacity - 1])
+    scratch = np.array([pool.scratch])
     tokens = runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), np.asarray(prompt, np.int64), 0, 0,
                                np.array([1 + len(prompt) - 1]), with_logits=False).greedy_tokens.tolist()
     if on_token is not None:

@@ -55,7 +55,7 @@ def greedy(runtime: DecoderRuntime, pool, rows: int, prompt: np.ndarray, new_tok
 
 def prefill(runtime: DecoderRuntime, pool, rows: int, row: int, prompt: np.ndarray) -> np.ndarray:
     """Write prompt into row (every other row idle at the scratch column); the logits after its last token."""
-    return runtime.run_slots(pool, np.zeros(rows, np.int64), np.full(rows, pool.capacity - 1), np.ones((rows, 1), np.int64),
+    return runtime.run_slots(pool, np.zeros(rows, np.int64), np.full(rows, pool.scratch), np.ones((rows, 1), np.int64),
                              prompt, 0, row, np.array([rows + len(prompt) - 1])).logits[0]
 
 

@@ -154,7 +154,7 @@ def copy_against_prefill(artifact: str, provider: str, lengths=(16, 64, 256, 512
         copies, prefills = [], []
         for _ in range(5):
             start = time.perf_counter()
-            runtime.run_slots(pool, np.zeros(1, np.int64), np.full(1, pool.capacity - 1, np.int64), np.ones((1, 1), np.int64),
+            runtime.run_slots(pool, np.zeros(1, np.int64), np.full(1, pool.scratch, np.int64), np.ones((1, 1), np.int64),
                               prompt, 0, 0, np.array([1 + n - 1], np.int64), False)
             prefills.append(time.perf_counter() - start)
             start = time.perf_counter()

@@ -48,7 +48,7 @@ class SlotsPrefill:
 
     def logits(self, window: np.ndarray) -> np.ndarray:
         """(T, V) for a (T,) window."""
-        scratch = np.array([self.pool.capacity - 1])
+        scratch = np.array([self.pool.scratch])
         return self.runtime.run_slots(self.pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), window, 0, 0,
                                       1 + np.arange(len(window))).logits
 

@@ -33,7 +33,7 @@ PROMPT = "In the beginning God created the heaven and the earth. And the earth w
 
 def prompt_logits(runtime: DecoderRuntime, config, ids: np.ndarray) -> np.ndarray:
     pool = one_row_pool(runtime, config)
-    scratch = np.array([pool.capacity - 1])
+    scratch = np.array([pool.scratch])
     return runtime.run_slots(pool, np.zeros(1, np.int64), scratch, np.ones((1, 1), np.int64), ids, 0, 0, 1 + np.arange(len(ids))).logits
 
 

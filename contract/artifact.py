@@ -25,7 +25,7 @@ from kvserve.errors import UserError
 
 from .config import DecoderConfig
 from .hf_config import config_from_hf
-from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, io_spec, kv_dtype_refusal
+from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, SLOTS, STANDARD, io_spec, kv_dtype_refusal
 from .tolerances import Tolerance, tolerance_for
 
 MODEL_FILE = "model.onnx"
@@ -144,6 +144,17 @@ class Artifact:
         return self.manifest.get("kv_dtype") or self.dtype
 
     @property
+    def kv_ring(self) -> int | None:
+        """Positions a windowed layer's ring row holds (config.DecoderConfig.kv_ring), None when the graph has no rings
+        (no window, a fused or concat graph, or one exported before rings)."""
+        return self.manifest.get("kv_ring")
+
+    def ring_columns(self) -> dict[int, int]:
+        """{layer: its rows' columns} of the graph's ring layers (the ring and its scratch column)."""
+        ring = self.kv_ring
+        return {} if ring is None else {layer: ring + 1 for layer in self.config.sliding_layers}
+
+    @property
     def precision(self) -> str:
         """The weights' precision (the quantization, else the dtype), and the K/V's where they differ: what a report
         names its tolerance by."""
@@ -216,6 +227,9 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
     quantization = manifest.get("quantization")
     if quantization is not None and (not isinstance(quantization, dict) or quantization.get("scheme") not in QUANTIZATIONS):
         raise ArtifactError(f"{where}: quantization must be null or an object whose scheme is one of {', '.join(QUANTIZATIONS)}")
+    ring = manifest.get("kv_ring")
+    if ring is not None and (ring != config.kv_ring or manifest["kv_cache"] != SLOTS or manifest["attention"] != STANDARD):
+        raise ArtifactError(f"{where}: kv_ring {ring!r} is not this model's ring ({config.kv_ring}) of a standard slots graph")
     architecture = manifest.get("architecture")
     if architecture != config.architecture or manifest.get("model_type") != config.model_type:
         raise ArtifactError(
@@ -237,7 +251,7 @@ def contract_problems(signature: dict[str, dict], artifact: Artifact) -> list[st
     from the KV contract the artifact declares."""
     config = artifact.config
     expected = io_spec(config.n_layer, config.n_kv_head, config.d_head, config.vocab_size, artifact.dtype, artifact.kv_cache, artifact.attention,
-                       artifact.kv_dtype, config.long_rope_after is not None)
+                       artifact.kv_dtype, config.long_rope_after is not None, artifact.ring_columns())
     live = signature
     problems = []
     for side in ("inputs", "outputs"):

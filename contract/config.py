@@ -13,6 +13,10 @@ MODEL_TYPES = {"gpt2": GPT2_ARCH, "llama": LLAMA_ARCH, "qwen2": LLAMA_ARCH, "mis
 SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "smollm3")
 # The MLP's gate activations: SwiGLU's and GeGLU's (transformers' names).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
+# A windowed layer's slots cache row is a ring of its window and this many positions more (DecoderConfig.kv_ring): a
+# row whose later positions overwrote its earliest still serves a prompt that shares all but its last RING_SLACK
+# tokens (service/kv_rows.py), which a prompt cache matching by blocks of 16 tokens needs.
+RING_SLACK = 16
 
 
 # How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
@@ -176,6 +180,19 @@ class DecoderConfig:
     def window(self, layer: int) -> int | None:
         """How many recent positions layer's queries see (themselves included); None: the whole context."""
         return self.sliding_window if layer in self.sliding_layers else None
+
+    @property
+    def kv_ring(self) -> int | None:
+        """Positions a windowed layer's row of a standard slots cache holds: position p in column p mod kv_ring, the
+        scratch column after them (contract/io_contract.py); None when no layer has a window or a ring would not be
+        shorter than a whole context."""
+        if self.sliding_window is None or self.sliding_window + RING_SLACK >= self.n_ctx:
+            return None
+        return self.sliding_window + RING_SLACK
+
+    def ring_layers(self) -> tuple[int, ...]:
+        """The layers whose standard slots cache rows are rings (kv_ring); () when none are."""
+        return self.sliding_layers if self.kv_ring is not None else ()
 
     @property
     def long_rope_after(self) -> int | None:

@@ -38,6 +38,15 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
     greedy_tokens               (num_logits,)                                          int64, argmax of each logits row
     present.{i}.key / .value    (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
 
+A row with nothing to decode runs a scratch token at position cache_capacity - 1 (its last column, never read).
+
+A sliding-window layer's rows are rings in a standard slots graph of a model that has one (config.DecoderConfig.kv_ring:
+R = the window and RING_SLACK positions, when that is shorter than the context; the manifest's "kv_ring"): that layer's
+K/V are (batch_size, num_heads, R + 1, head_dim), fixed, position p in column p mod R. Its scratch tokens run at the
+model's context length, n_ctx (written in the ring's column R, and in a whole-context layer's last column however wide
+its pool), so one scratch position serves every layer; the graph names it in its metadata (SCRATCH_POSITION), as a
+server may cut the context it serves.
+
 Only the tokens named by logits_index reach the LM head and the host: in serving, one per row that samples.
 greedy_tokens is each of those rows' argmax (the first on a tie, as numpy's), computed where the step runs: a
 step whose rows all choose greedily reads back K tokens instead of K x vocab_size logits (on a GPU, 128 bytes
@@ -103,6 +112,9 @@ CHUNK_SLOT = "chunk_slot"
 LOGITS_INDEX = "logits_index"
 LONG_ROPE = "long_rope"
 CHUNK_LONG_ROPE = "chunk_long_rope"
+
+# A ring graph's metadata key (ModelProto.metadata_props): the position its scratch tokens run at (the module docstring)
+SCRATCH_POSITION = "kvserve.scratch_position"
 
 CONCAT, SLOTS = "concat", "slots"
 STANDARD, FUSED = "standard", "fused"
@@ -180,9 +192,11 @@ def kv_dtype_refusal(kv_dtype: str | None, dtype: str, kv_cache: str) -> str | N
 
 
 def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: str, kv_cache: str = CONCAT,
-            attention: str = STANDARD, kv_dtype: str | None = None, long_rope: bool = False) -> dict[str, dict]:
+            attention: str = STANDARD, kv_dtype: str | None = None, long_rope: bool = False,
+            rings: dict[int, int] | None = None) -> dict[str, dict]:
     """Every graph input and output: {name: {"shape": [...], "dtype": ...}}; strings are symbolic axes. K/V are
-    kv_dtype (a slots graph's; the model's dtype when None); long_rope: a longrope model's (see the module docstring)."""
+    kv_dtype (a slots graph's; the model's dtype when None); long_rope: a longrope model's (see the module docstring);
+    rings: {layer: columns} of a standard slots graph's ring layers (their rows that many columns wide, fixed)."""
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     kv_dtype = kv_dtype or dtype
@@ -193,7 +207,13 @@ def io_spec(n_layer: int, n_kv_head: int, d_head: int, vocab_size: int, dtype: s
     if attention not in ATTENTIONS or (attention == FUSED and kv_cache != SLOTS):
         raise ValueError(f"unsupported attention {attention!r} for the {kv_cache} KV cache")
     if kv_cache == SLOTS:
+        if rings and attention != STANDARD:
+            raise ValueError("ring rows are a standard slots graph's")
         spec = _slots_spec(n_layer, n_kv_head, d_head, vocab_size, kv_dtype, attention)
+        for layer, columns in (rings or {}).items():
+            for name in past_names(layer) + present_names(layer):
+                side = spec["inputs"] if name in spec["inputs"] else spec["outputs"]
+                side[name]["shape"] = [BATCH, n_kv_head, columns, d_head]
         if long_rope:
             spec["inputs"][LONG_ROPE] = {"shape": [BATCH], "dtype": "int64"}
             spec["inputs"][CHUNK_LONG_ROPE] = {"shape": [1], "dtype": "int64"}

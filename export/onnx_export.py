@@ -121,7 +121,9 @@ def _slots_example_inputs(model: Decoder, dtype: torch.dtype):
         torch.tensor([1], dtype=torch.int64),
         torch.arange(n_logits, dtype=torch.int64),
     )
-    kv = tuple((torch.zeros(kv_shape, dtype=dtype), torch.zeros(kv_shape, dtype=dtype)) for _ in range(config.n_layer))
+    rings = set(config.ring_layers())
+    shapes = [kv_shape[:2] + (config.kv_ring + 1,) + kv_shape[3:] if layer in rings else kv_shape for layer in range(config.n_layer)]  # ring rows: fixed
+    kv = tuple((torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for shape in shapes)
     return step + (kv,)
 
 
@@ -160,8 +162,9 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
 
     Safe means: present.{i} is produced by the operator that writes in place, reading past.{i} itself (so ONNX
     Runtime skips the copy when the buffers coincide): a ScatterND whose data input it is; and nothing else reads
-    past.{i}'s values (a reader scheduled after the write would see this step's K/V). Reading only its shape is
-    harmless. A fused graph's writers sit inside each layer's If: fused_graph.fused_write_problems.
+    past.{i}'s values unless the write depends on what it read (a reader scheduled after the write would see this
+    step's K/V; a ring layer's chunk reads its row before the write, model/attention.py ring_attention). Reading only
+    its shape is harmless. A fused graph's writers sit inside each layer's If: fused_graph.fused_write_problems.
     """
     if attention == io.FUSED:
         return fused_write_problems(graph, n_layer)
@@ -172,10 +175,34 @@ def inplace_write_problems(graph: onnx.GraphProto, n_layer: int, attention: str 
             writer = producers.get(present)
             if writer is None or writer.op_type != "ScatterND" or writer.input[0] != past or writer.output[0] != present:
                 problems.append(f"{present} is not a ScatterND into {past}")
-            readers = [n.op_type for n in graph.node if past in n.input and n is not writer and n.op_type != "Shape"]
+                continue
+            before = _ancestors(writer, producers)
+            views = {past}  # past and what ONNX Runtime may hand on as the same memory (a reshape of it)
+            for node in graph.node:
+                if node.op_type in VIEW_OPS and node.input and node.input[0] in views:
+                    views.add(node.output[0])
+            readers = [n.op_type for n in graph.node if views & set(n.input) and n is not writer and n.op_type != "Shape"
+                       and n.op_type not in VIEW_OPS and id(n) not in before]
             if readers:
-                problems.append(f"{past} is also read by {', '.join(readers)}")
+                problems.append(f"{past} is also read by {', '.join(readers)}, not before the write")
     return problems
+
+
+# Operators whose output ONNX Runtime may place in their input's memory: a reader of one reads the input.
+VIEW_OPS = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity")
+
+
+def _ancestors(node: onnx.NodeProto, producers: dict[str, onnx.NodeProto]) -> set[int]:
+    """ids of the nodes node's inputs are computed from, however far back."""
+    seen: set[int] = set()
+    waiting = [node]
+    while waiting:
+        for name in waiting.pop().input:
+            producer = producers.get(name)
+            if producer is not None and id(producer) not in seen:
+                seen.add(id(producer))
+                waiting.append(producer)
+    return seen
 
 
 def trace_graph(model: Decoder, dtype: str, kv_cache: str = io.SLOTS, attention: str = io.STANDARD,
@@ -271,6 +298,8 @@ def _trace(model: Decoder, dtype: str, kv_cache: str, attention: str, kv_dtype: 
         dynamic_shapes = {**step_axes, "past_key_values": kv_axes}
     else:
         signature, example = _SlotsSignature(model), _slots_example_inputs(model, kv_torch_dtype)
+        rings = set(config.ring_layers())  # a ring row's width is fixed: the ring and its scratch column
+        kv_axes = tuple(({0: dynamic}, {0: dynamic}) if layer in rings else axes for layer, axes in enumerate(kv_axes))
         dynamic_shapes = {
             "input_ids": {0: dynamic}, "position_ids": {0: dynamic}, "attention_mask": {0: dynamic, 1: dynamic},
             "chunk_ids": {1: dynamic}, "chunk_position_ids": {1: dynamic}, "chunk_attention_mask": {1: dynamic}, "chunk_slot": None,
@@ -306,13 +335,18 @@ def _trace(model: Decoder, dtype: str, kv_cache: str, attention: str, kv_dtype: 
     model_proto = program.model_proto
     if attention == io.FUSED:
         expand_rows_and_chunk_attention(model_proto, dtype, kv_dtype)
-    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, kv_dtype, long_rope)
+    ring = config.kv_ring if kv_cache == io.SLOTS and attention == io.STANDARD else None
+    rings = {} if ring is None else {layer: ring + 1 for layer in config.ring_layers()}
+    spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, kv_dtype, long_rope, rings)
     _name_axes(model_proto, spec)
+    if ring is not None:
+        entry = model_proto.metadata_props.add()
+        entry.key, entry.value = io.SCRATCH_POSITION, str(config.n_ctx)
     if kv_cache == io.SLOTS:
         problems = inplace_write_problems(model_proto.graph, n_layer, attention)
         if problems:  # the exporter changed how it spells the write; serving this graph would corrupt the cache
             raise RuntimeError("the slots KV cache graph cannot be written in place: " + "; ".join(problems[:3]))
-    return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, "attention": attention, **spec}
+    return model_proto, {"opset": OPSET, "ir_version": IR_VERSION, "kv_cache": kv_cache, "attention": attention, "kv_ring": ring, **spec}
 
 
 def save_graph(model_proto: onnx.ModelProto, directory: Path, plan: WeightPlan | None = None) -> bool:

@@ -96,7 +96,8 @@ class SlotsDriver:
             self.chunk = self.CHUNK
 
     def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
-        width = int(max(positions.max(initial=0), 0)) + 1 if self.decoding else 1
+        real = positions[positions != self.pool.scratch]  # a scratch token reads nothing it needs
+        width = min(int(real.max(initial=0)) + 1, self.capacity) if self.decoding else 1
         mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
         sampled = self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
                                          np.asarray(logits_index, np.int64), long_rope=self.long.astype(np.int64),
@@ -107,7 +108,8 @@ class SlotsDriver:
 
     def _run_fixed(self, tokens, positions):
         """A decode step through run_decode, every row's logits: what `serve --cuda-graph` runs (and captures)."""
-        mask = None if self.runtime.attention == io.FUSED else (np.arange(int(positions.max()) + 1)[None, :] <= positions[:, None]).astype(np.int64)
+        width = min(int(positions[positions != self.pool.scratch].max(initial=0)) + 1, self.capacity)
+        mask = None if self.runtime.attention == io.FUSED else (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)
         sampled = self.runtime.run_decode(self.pool, tokens, positions, mask, long_rope=self.long.astype(np.int64))
         logits = sampled.logits.copy()  # the fixed step's own buffer on the CPU provider: the next step overwrites it
         self.argmax_rows += len(sampled.greedy_tokens)
@@ -121,7 +123,7 @@ class SlotsDriver:
     def _prefill_row(self, row: int, tokens: list[int]) -> np.ndarray:
         """Row's tokens from its first column, a chunk a step, the other rows idle: their logits (L, V)."""
         rows = len(self.sequences)
-        scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.capacity - 1, np.int64)
+        scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.pool.scratch, np.int64)
         decoding, self.decoding = self.decoding, False
         pieces = []
         for start in range(0, len(tokens), self.chunk):
@@ -154,7 +156,7 @@ class SlotsDriver:
         for row in crossing:  # its cache turned short: every token again, long
             recomputed[row] = self._prefill_row(row, self.sequences[row])[-1]
         positions = self.lengths.copy()
-        positions[crossing] = self.capacity - 1  # recomputed rows decode a scratch token
+        positions[crossing] = self.pool.scratch  # recomputed rows decode a scratch token
         if self.fixed_decode:
             out = self._run_fixed(tokens, positions)
         else:

@@ -111,7 +111,7 @@ class CheckStats:
 def kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: np.ndarray, relative: bool = False,
                   rms: bool = False) -> np.ndarray:
     """Max |Δ| per (layer, head) over the real (unpadded) positions. onnx_rows: per batch row, per layer K then
-    V, each (H, L_r, d_k) holding that row's real positions in order; eager_present: per layer (K, V), each
+    V, each (H, L_r, d_k) holding that row's real positions in order (a ring layer's last ones); eager_present: per layer (K, V), each
     (B, H, S, d_k), with real (B, S) bool marking the positions that hold tokens. relative: divided by the
     eager K/V's largest |value| in that (layer, head). rms: each batch row's root-mean-square |Δ| over its eager K/V's
     root mean square instead (the worst row, K or V). Returns (L, H)."""
@@ -122,6 +122,7 @@ def kv_divergence(onnx_rows: list[list[np.ndarray]], eager_present: list, real: 
             eager_kv = eager_kv.double().numpy()
             for row, onnx_row in enumerate(onnx_rows):
                 eager_row = eager_kv[row][:, real[row]]  # (H, L_r, d_k)
+                eager_row = eager_row[:, eager_row.shape[1] - onnx_row[2 * layer + offset].shape[1]:]  # a ring row holds its last positions
                 difference = onnx_row[2 * layer + offset].astype(np.float64) - eager_row  # (H, L_r, d_k)
                 if rms:
                     head_max = np.sqrt((difference**2).mean(axis=(1, 2)) / np.maximum((eager_row**2).mean(axis=(1, 2)), 1e-24))  # (H,)

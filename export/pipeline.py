@@ -224,6 +224,7 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
         "inputs": graph["inputs"],
         "outputs": graph["outputs"],
         "kv_cache": kv_cache,
+        "kv_ring": graph.get("kv_ring"),
         "kv_dtype": kv_dtype,
         "kv_quantization": kv_quantization,
         "attention": attention,

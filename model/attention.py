@@ -8,7 +8,10 @@ are the same. The cache comes in one of two layouts, the same ones the export of
            P = 0 is a prefill.
   slots    the server's: a pool of per-sequence rows (S, H_kv, C, d_k), each row left-aligned (a token at
            position p lives in column p); one step runs one new token for every row plus one chunk of one
-           row's prompt, so decode and chunked prefill share one pass over the weights (SlotStep).
+           row's prompt, so decode and chunked prefill share one pass over the weights (SlotStep). A sliding-window
+           layer's rows are rings instead when the model has one (DecoderConfig.kv_ring: R = the window and a block):
+           (S, H_kv, R + 1, d_k), position p in column p mod R, scratch tokens in column R, so a row holds the
+           window, not the whole context.
 
 The cache holds H_kv heads. With grouped-query attention (H_kv < H) each K/V head serves H / H_kv query
 heads; they are grouped only inside the attention functions below, never repeated in the cache.
@@ -149,9 +152,11 @@ class SlotStep:
     there, and a decode step can be captured as a CUDA graph (export/cuda_placement.py checks it)."""
 
     def __init__(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, pool: LayerKV,
-                 window: int | None = None):
-        """The slots inputs (see GPT2.forward_slots, contract/io_contract.py), a layer's row pool, and the sliding window
-        of the layers that have one (their biases are built beside the others')."""
+                 window: int | None = None, ring: int | None = None, scratch: int | None = None):
+        """The slots inputs (see GPT2.forward_slots, contract/io_contract.py), a whole-context layer's row pool (any layer's
+        when every layer is a ring), the sliding window of the layers that have one (their biases are built beside the
+        others'), and, when those layers' rows are rings, the positions a ring holds (DecoderConfig.kv_ring) and the
+        position scratch tokens run at (the model's context length: a whole-context row writes it in its last column)."""
         n_kv_head = pool[0].shape[1]
         decode_positions, chunk_positions = position_ids.reshape(-1), chunk_position_ids.reshape(-1)  # (B,), (T,)
         self.token_ids = torch.cat([input_ids.reshape(-1), chunk_ids.reshape(-1)])  # (N,): decode tokens, then the chunk
@@ -162,12 +167,15 @@ class SlotStep:
         # Every token's K/V goes to (its row, each head, its column): indices built whole, once a step, so each
         # layer's scatter takes its K/V as they are.
         shape = (rows.shape[0], n_kv_head)  # an Expand's shape: read on the host, which no data depends on
-        self.write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), self.positions[:, None].expand(shape)]  # 3 x (N, H_kv)
+        # The pool's row width as a device value (counted, as counting does): as a shape it would be a host value.
+        capacity = torch.ones(pool[0].shape[2], dtype=torch.int64, device=position_ids.device).sum()  # ()
+        columns = self.positions
+        if ring is not None:  # scratch tokens run at the context length, past a shorter pool's last column: kept in it
+            columns = torch.minimum(columns, capacity - 1)  # (N,)
+        self.write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), columns[:, None].expand(shape)]  # 3 x (N, H_kv)
         self.n_decode = position_ids.shape[0]  # B: a size that sizes a Split (read from the host, no copy)
         decode_columns = counting(attention_mask[0])  # (W,): decode rows read these
         decode_planes = (decode_rows[:, None] * n_kv_head + heads)[:, :, None]  # (B, H_kv, 1)
-        # The pool's row width as a device value (counted, as counting does): as a shape it would be a host value.
-        capacity = torch.ones(pool[0].shape[2], dtype=torch.int64, device=position_ids.device).sum()  # ()
         self.decode_cells = decode_planes * capacity + decode_columns  # (B, H_kv, W)
         self.decode_bias = attention_bias((attention_mask > 0)[:, None, None, :])  # (B, 1, 1, W)
         chunk_columns = counting(chunk_attention_mask[0])  # (W_c,): the chunk reads these
@@ -180,6 +188,36 @@ class SlotStep:
             self.decode_bias_local = attention_bias((recent & (attention_mask > 0))[:, None, None, :])  # (B, 1, 1, W)
             recent = within_window(chunk_columns[None, :], chunk_positions[:, None], window)  # (T, W_c)
             self.chunk_bias_local = attention_bias(recent & (chunk_attention_mask > 0))  # (T, W_c)
+        self.ring = ring
+        if ring is not None:
+            self._ring_indices(rows, heads, shape, decode_positions, decode_columns, decode_planes, chunk_positions, chunk_columns,
+                               chunk_planes, window, ring, scratch)
+
+    def _ring_indices(self, rows, heads, shape, decode_positions, decode_columns, decode_planes, chunk_positions, chunk_columns,
+                      chunk_planes, window: int, ring: int, scratch: int) -> None:
+        """A ring layer's indices and biases (every ring the same width, R + 1 columns: `ring` positions, then the scratch
+        one). A token at position p is written in column p mod R; a scratch token in column R; a chunk token that a later
+        one of the same chunk overwrites (a chunk longer than R) in column R too, as one scatter must not write a cell
+        twice. Decode rows read their ring after this step's write, as the whole-context layers do: the position a
+        column holds is the latest one up to the row's own that falls in it. The chunk reads its row's ring as it was
+        before this step (its later tokens overwrite what its earlier ones see) and its own new K/V beside it."""
+        chunk_index = counting(chunk_positions)  # (T,)
+        chunk_length = (chunk_positions * 0 + 1).sum()  # (): T, counted
+        overwritten = torch.cat([decode_positions < 0, chunk_index + ring < chunk_length])  # (N,): the chunk's first T - R
+        columns = torch.where((self.positions >= scratch) | overwritten, ring, self.positions % ring)  # (N,)
+        self.ring_write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), columns[:, None].expand(shape)]  # 3 x (N, H_kv)
+        read = decode_columns[:ring]  # (W_r,): min(W, R) columns; a row shorter than R has not wrapped
+        self.ring_decode_cells = decode_planes * (ring + 1) + read  # (B, H_kv, W_r)
+        last = decode_positions[:, None]  # (B, 1): each row's own position, just written
+        held = last - (last - read[None, :] + ring) % ring  # (B, W_r): the position each column holds (< 0: none yet)
+        self.ring_decode_bias = attention_bias(((held >= 0) & (held > last - window))[:, None, None, :])  # (B, 1, 1, W_r)
+        read = chunk_columns[:ring]  # (W_cr,)
+        self.ring_chunk_cells = chunk_planes * (ring + 1) + read  # (H_kv, 1, W_cr)
+        before = (chunk_positions - chunk_index - 1)[:, None]  # (T, 1): the position before the chunk's first
+        held = before - (before - read[None, :] + ring) % ring  # (T, W_cr)
+        seen = (held >= 0) & (held > chunk_positions[:, None] - window)  # (T, W_cr)
+        own = within_window(chunk_index[None, :], chunk_index[:, None], window)  # (T, T): the chunk's own tokens
+        self.ring_chunk_bias = attention_bias(torch.cat([seen, own], dim=1))  # (T, W_cr + T)
 
 
 def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False, scale: float | None = None,
@@ -192,6 +230,8 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False,
     if store is not None:
         scales = (None, None) if not store.quantized else (store.key_scale[0, :, 0], store.value_scale[0, :, 0])  # (H_kv, d_k)
         k, v = store_as(k, store.stored, scales[0]), store_as(v, store.stored, scales[1])  # (N, H_kv, d_k), stored
+    if local and step.ring is not None:
+        return ring_attention(q, k, v, step, past, scale, softcap, store)
     # One scatter writes every token's K/V at (its row, every head, its column): present is past, updated.
     past_k, past_v = past
     k = torch.ops.aten.index_put(past_k, step.write_index, k)  # (S, H_kv, C_cap, d_k)
@@ -209,3 +249,32 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False,
     y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias, scale, softcap)  # (T, H * d_k)
     y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
     return y, (k, v)
+
+
+def ring_attention(q, k, v, step: SlotStep, past: LayerKV, scale: float | None, softcap: float | None,
+                   store: LayerKvStore | None) -> tuple[torch.Tensor, LayerKV]:
+    """slots_attention for a ring layer (SlotStep._ring_indices): q (N, H, d_k), k and v (N, H_kv, d_k) as stored, past
+    each (S, H_kv, R + 1, d_k). Returns the attention output (N, H * d_k) and the rings, written."""
+    N, H, d_k = q.shape
+    B = step.n_decode
+    past_k, past_v = past
+    old_k, old_v = past_k.reshape(-1, d_k)[step.ring_chunk_cells], past_v.reshape(-1, d_k)[step.ring_chunk_cells]  # (H_kv, 1, W_cr, d_k)
+    # The step binds present to past's memory, so the chunk's read must come before the write: the write's index is
+    # made to depend on what was read (a zero from it), which orders the two in the graph (export checks the order).
+    after_read = (old_k.reshape(-1)[:1].float().sum() * 0 + old_v.reshape(-1)[:1].float().sum() * 0).to(torch.int64)  # (): 0
+    rows, heads, columns = step.ring_write_index
+    index = [rows + after_read, heads, columns]  # 3 x (N, H_kv)
+    ring_k = torch.ops.aten.index_put(past_k, index, k)  # (S, H_kv, R + 1, d_k)
+    ring_v = torch.ops.aten.index_put(past_v, index, v)
+    k_decode, v_decode = ring_k.reshape(-1, d_k)[step.ring_decode_cells], ring_v.reshape(-1, d_k)[step.ring_decode_cells]  # (B, H_kv, W_r, d_k)
+    own_k, own_v = k[B:].transpose(0, 1)[:, None], v[B:].transpose(0, 1)[:, None]  # (H_kv, 1, T, d_k): the chunk's new K/V
+    k_row, v_row = torch.cat([old_k, own_k], dim=2), torch.cat([old_v, own_v], dim=2)  # (H_kv, 1, W_cr + T, d_k)
+    if store is not None:  # read back in the compute dtype
+        k_decode = read_back(k_decode, store.key_scale, q.dtype)  # scales (1, H_kv, 1, d_k)
+        v_decode = read_back(v_decode, store.value_scale, q.dtype)
+        row_scales = (None, None) if not store.quantized else (store.key_scale.transpose(0, 1), store.value_scale.transpose(0, 1))  # (H_kv, 1, 1, d_k)
+        k_row, v_row = read_back(k_row, row_scales[0], q.dtype), read_back(v_row, row_scales[1], q.dtype)
+    q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
+    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.ring_decode_bias, scale, softcap)  # (B, H * d_k)
+    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.ring_chunk_bias, scale, softcap)  # (T, H * d_k)
+    return torch.cat([y_decode, y_chunk]), (ring_k, ring_v)  # (N, H * d_k)

@@ -208,11 +208,14 @@ class Llama(nn.Module):
                     torch.randn(param.shape, generator=generator, out=param.detach()).mul_(self.config.initializer_range)  # randn * std, in place
         return self
 
-    def empty_cache(self, batch_size: int, capacity: int = 0) -> list[LayerKV]:
-        """Zeroed K/V of the K/V heads for every layer (see GPT2.empty_cache)."""
+    def empty_cache(self, batch_size: int, capacity: int = 0, rings: bool = False) -> list[LayerKV]:
+        """Zeroed K/V of the K/V heads for every layer (see GPT2.empty_cache). rings: a standard slots pool, whose ring
+        layers hold their ring and its scratch column (DecoderConfig.kv_ring) instead of capacity columns."""
         param = self.model.embed_tokens.weight
-        shape = (batch_size, self.config.n_kv_head, capacity, self.config.head_dim)  # (B, H_kv, C, d_k)
-        return [(param.new_zeros(shape), param.new_zeros(shape)) for _ in range(self.config.n_layer)]
+        config, rings = self.config, set(self.config.ring_layers()) if rings else set()
+        shapes = [(batch_size, config.n_kv_head, config.kv_ring + 1 if layer in rings else capacity, config.head_dim)
+                  for layer in range(config.n_layer)]  # each (B, H_kv, C, d_k)
+        return [(param.new_zeros(shape), param.new_zeros(shape)) for shape in shapes]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; logits leave in float32 whatever the model's dtype, so sampling is precise."""
@@ -274,10 +277,14 @@ class Llama(nn.Module):
     def forward_slots(self, input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
                       logits_index, past_key_values: list[LayerKV], long_rope=None, chunk_long_rope=None) -> tuple[torch.Tensor, list[LayerKV]]:
         """One `slots` step, with GPT2.forward_slots's inputs and meaning: every row decodes one token and one row's
-        prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k).
+        prompt advances by a chunk, in one pass; logits only at logits_index. The pool rows are (S, H_kv, C_cap, d_k), a
+        sliding-window layer's (S, H_kv, R + 1, d_k) when the model's windowed rows are rings (DecoderConfig.kv_ring).
         A longrope model's rows and chunk say which factors they turn by (long_rope (B,), chunk_long_rope (1,))."""
-        step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot, past_key_values[0],
-                        self.config.sliding_window)
+        config = self.config
+        rings = set(config.ring_layers())
+        whole = next((layer for layer in range(config.n_layer) if layer not in rings), 0)  # a whole-context layer, if any
+        step = SlotStep(input_ids, position_ids, attention_mask, chunk_ids, chunk_position_ids, chunk_attention_mask, chunk_slot,
+                        past_key_values[whole], config.sliding_window, config.kv_ring, config.n_ctx)
         x = self.embed(step.token_ids)  # (N, C): a slots step needs no batch axis
         long = self.long_tokens(long_rope, chunk_long_rope, 1, chunk_ids.shape[1])  # (N,) or None
         angles = {local: (cos[:, None], sin[:, None]) for local, (cos, sin) in self.angles(step.positions, x.dtype, long).items()}  # (N, 1, d_k)

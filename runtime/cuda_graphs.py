@@ -174,8 +174,8 @@ class FixedDecodeSteps:
             binding.bind_ortvalue_input(name, value)
         binding.bind_ortvalue_output(io.LOGITS, logits_value)
         binding.bind_ortvalue_output(io.GREEDY_TOKENS, tokens_value)
-        shape = (rows,) + pool.shape[1:]  # (B, H_kv, C, d_k): rows 0..B-1
-        for past_name, present_name, value in zip(self._past_names, self._present_names, pool.values):
+        for index, (past_name, present_name, value) in enumerate(zip(self._past_names, self._present_names, pool.values)):
+            shape = pool.value_shape(index, rows)  # (B, H_kv, C, d_k): rows 0..B-1
             binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
             binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, value.data_ptr())
         graph_id, run_options = None, self._uncaptured

@@ -87,25 +87,51 @@ class KvTraffic:
 
 
 class SlotPool:
-    """The slots layout's cache: per layer K and V, each (rows, H, capacity, d_k), on the session's device.
+    """The slots layout's cache: per layer K and V, each (rows, H, capacity, d_k), on the session's device; a ring
+    layer's (rows, H, R + 1, d_k) (contract/io_contract.py: position p in column p mod R, the scratch column last).
     Rows are the batch's slots; a step binds rows [0, B) by address. On the CPU provider the memory is the host's,
     reserved and committed as written (the module's docstring); under CUDA it is device memory, never read back on
     the serving path: a row moves on the device (copy_columns)."""
 
     def __init__(self, rows: int, n_kv_head: int, d_head: int, capacity: int, n_layer: int, kv_dtype, device: str,
-                 traffic: KvTraffic):
-        """device: "cpu" or "cuda", where the session runs; traffic: the runtime's counters, which this pool adds to."""
+                 traffic: KvTraffic, rings: dict[int, int] | None = None, scratch_position: int | None = None):
+        """device: "cpu" or "cuda", where the session runs; traffic: the runtime's counters, which this pool adds to;
+        rings: {layer: columns} of the graph's ring layers (their ring and scratch column); scratch_position: where a
+        ring graph's scratch tokens run (io_contract.SCRATCH_POSITION; needed with rings)."""
+        rings = rings or {}
+        if rings and scratch_position is None:
+            raise ValueError("a pool with ring layers needs the graph's scratch position")
         self.rows, self.capacity, self.kv_dtype, self.traffic = rows, capacity, kv_dtype, traffic
-        self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k)
-        self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one layer's K of one row
+        self.ring = next(iter(rings.values())) - 1 if rings else None  # positions a ring row holds
+        # the position a row with nothing to decode runs a scratch token at (every layer writes it where no token is read)
+        self.scratch = scratch_position if rings else capacity - 1
+        self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k): a whole-context layer's
+        self.column_bytes = n_kv_head * d_head * np.dtype(kv_dtype).itemsize  # one column of one row, every head
+        # per value (each layer's K then V): its columns, and whether it is a ring
+        self.columns = [rings.get(layer, capacity) for layer in range(n_layer) for _ in (0, 1)]
+        self.rings = [layer in rings for layer in range(n_layer) for _ in (0, 1)]
+        self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one whole-context layer's K of one row
         self._spare = None  # under CUDA, one row of one layer that exchange_rows moves a row's K/V through
+        shapes = [(rows, n_kv_head, columns, d_head) for columns in self.columns]
         if device == "cpu":
-            self._mappings, self.arrays = zip(*(reserve(self.shape, kv_dtype) for _ in range(2 * n_layer)))
+            self._mappings, self.arrays = zip(*(reserve(shape, kv_dtype) for shape in shapes))
             self.values = [ort.OrtValue.ortvalue_from_numpy(a) for a in self.arrays]  # the same memory
         else:
             self.arrays = None
-            zeros = np.zeros(self.shape, kv_dtype)  # rows read padding columns: they must hold numbers
-            self.values = [ort.OrtValue.ortvalue_from_numpy(zeros, "cuda", 0) for _ in range(2 * n_layer)]
+            # rows read padding columns: they must hold numbers
+            self.values = [ort.OrtValue.ortvalue_from_numpy(np.zeros(shape, kv_dtype), "cuda", 0) for shape in shapes]
+
+    def value_shape(self, index: int, rows: int) -> tuple[int, int, int, int]:
+        """(rows, H_kv, columns, d_k): how value index (a layer's K or V) is bound for rows consecutive rows."""
+        return (rows, self.shape[1], self.columns[index], self.shape[3])
+
+    def value_row_bytes(self, index: int) -> int:
+        """Bytes of one row of value index."""
+        return self.columns[index] * self.column_bytes
+
+    def held_columns(self, index: int, tokens: int) -> int:
+        """Columns of value index that hold a row's first `tokens` positions: a ring's at most its ring."""
+        return min(tokens, self.ring) if self.rings[index] else tokens
 
     def discard(self, row: int) -> None:
         """Row's K/V is no longer wanted: its pages go back to the system and it reads as zeros (CPU provider; under CUDA
@@ -114,35 +140,45 @@ class SlotPool:
         if self.arrays is None:
             return
         page = mmap.PAGESIZE
-        start = -(-(row * self.row_bytes) // page) * page
-        end = ((row + 1) * self.row_bytes) // page * page
-        if end > start:
-            for memory in self._mappings:
+        for index, memory in enumerate(self._mappings):
+            row_bytes = self.value_row_bytes(index)
+            start = -(-(row * row_bytes) // page) * page
+            end = ((row + 1) * row_bytes) // page * page
+            if end > start:
                 memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def pitched_copies(self, source: int, destination: int, columns: int) -> list[tuple[int, int, int, int, int]]:
-        """The first `columns` columns of row source onto row destination as 2-D copies, one per layer's K and V:
-        (destination address, source address, pitch, width, height) in bytes, as cudaMemcpy2D takes them: a row is
-        H blocks of capacity x d_k values (one a head), of which each copy takes the first columns x d_k."""
-        _, heads, capacity, d_head = self.shape
-        itemsize = np.dtype(self.kv_dtype).itemsize
-        pitch, width = capacity * d_head * itemsize, columns * d_head * itemsize
-        return [(value.data_ptr() + destination * self.row_bytes, value.data_ptr() + source * self.row_bytes, pitch, width, heads)
-                for value in self.values]
+        """A row's first `columns` positions from row source onto row destination as 2-D copies, one per layer's K and
+        V: (destination address, source address, pitch, width, height) in bytes, as cudaMemcpy2D takes them: a row is H
+        blocks of its columns x d_k values (one a head), of which each copy takes the first held_columns x d_k."""
+        heads, value_bytes = self.shape[1], self.column_bytes // self.shape[1]
+        copies = []
+        for index, value in enumerate(self.values):
+            row_bytes = self.value_row_bytes(index)
+            pitch, width = self.columns[index] * value_bytes, self.held_columns(index, columns) * value_bytes
+            copies.append((value.data_ptr() + destination * row_bytes, value.data_ptr() + source * row_bytes, pitch, width, heads))
+        return copies
 
     @property
     def copies_rows(self) -> bool:
         """Whether copy_columns can run here (always on the CPU provider; under CUDA with the CUDA runtime found)."""
         return self.arrays is not None or device_copy_2d() is not None
 
+    def _moved_bytes(self, columns: int) -> int:
+        """Bytes a copy of a row's first `columns` positions moves, every value."""
+        return sum(self.held_columns(index, columns) for index in range(len(self.values))) * self.column_bytes
+
     def copy_columns(self, source: int, destination: int, columns: int) -> None:
-        """Row destination's first `columns` columns become row source's (a sequence changes row, or a new one takes a
-        prefix another row holds), on the device where the pool lives: never through the host (device_copies)."""
+        """Row destination's first `columns` positions become row source's (a sequence changes row, or a new one takes a
+        prefix another row holds), on the device where the pool lives: never through the host (device_copies). A ring
+        layer's first min(columns, R) columns move: a whole ring once the row has wrapped (kv_rows.py says when a
+        wrapped row's prefix may be taken)."""
         if columns <= 0 or source == destination:
             return
         if self.arrays is not None:
-            for array in self.arrays:
-                array[destination, :, :columns] = array[source, :, :columns]  # (H, columns, d_k)
+            for index, array in enumerate(self.arrays):
+                held = self.held_columns(index, columns)
+                array[destination, :, :held] = array[source, :, :held]  # (H, held, d_k)
         else:
             copy_2d = device_copy_2d()
             if copy_2d is None:
@@ -151,47 +187,59 @@ class SlotPool:
                 copy_2d(*copy)
         traffic = self.traffic
         traffic.device_copies += 1
-        traffic.device_copy_bytes += columns * self.row_bytes // self.capacity * len(self.values)
+        traffic.device_copy_bytes += self._moved_bytes(columns)
 
     def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
-        """Rows a and b trade contents: b takes a's first a_columns columns and a takes b's first b_columns (rows are
+        """Rows a and b trade contents: b takes a's first a_columns positions and a takes b's first b_columns (rows are
         moved to keep the computed ones dense), through a spare of the shorter side's columns: on the CPU provider
         made for the exchange and let go after it (kept, it would hold the pages of the longest row it ever moved);
-        under CUDA one row of one layer, kept on the device (cudaMemcpy2D, never through the host)."""
+        under CUDA one row of one whole-context layer, kept on the device (cudaMemcpy2D, never through the host)."""
         if a == b:
             return
         if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
         if self.arrays is not None:
-            spare = np.empty((self.shape[1], a_columns, self.shape[3]), self.kv_dtype)  # (H, a_columns, d_k): one layer's K or V of row a
-            for array in self.arrays:
-                spare[...] = array[a, :, :a_columns]
-                array[a, :, :b_columns] = array[b, :, :b_columns]
-                array[b, :, :a_columns] = spare
+            for index, array in enumerate(self.arrays):
+                held_a, held_b = self.held_columns(index, a_columns), self.held_columns(index, b_columns)
+                spare = array[a, :, :held_a].copy()  # (H, held_a, d_k): one layer's K or V of row a
+                array[a, :, :held_b] = array[b, :, :held_b]
+                array[b, :, :held_a] = spare
         else:
             copy_2d = device_copy_2d()
             if copy_2d is None:
                 raise RuntimeError("no CUDA runtime to exchange K/V rows (copies_rows is False)")
             if self._spare is None:
                 self._spare = ort.OrtValue.ortvalue_from_shape_and_type(self.shape[1:], self.kv_dtype, "cuda", 0)  # (H, C, d_k)
-            spare = self._spare.data_ptr()  # laid out as a row: the same pitch
-            a_width, b_width = (columns * self.row_bytes // self.capacity // self.shape[1] for columns in (a_columns, b_columns))
-            pitch, heads = self.row_bytes // self.shape[1], self.shape[1]
-            for value in self.values:
-                row_a, row_b = value.data_ptr() + a * self.row_bytes, value.data_ptr() + b * self.row_bytes
+            spare = self._spare.data_ptr()  # a row's width or more: any value's row fits at its own pitch
+            heads, value_bytes = self.shape[1], self.column_bytes // self.shape[1]
+            for index, value in enumerate(self.values):
+                row_bytes = self.value_row_bytes(index)
+                pitch = self.columns[index] * value_bytes
+                a_width, b_width = (self.held_columns(index, n) * value_bytes for n in (a_columns, b_columns))
+                row_a, row_b = value.data_ptr() + a * row_bytes, value.data_ptr() + b * row_bytes
                 copy_2d(spare, row_a, pitch, a_width, heads)
                 copy_2d(row_a, row_b, pitch, b_width, heads)
                 copy_2d(row_b, spare, pitch, a_width, heads)
         traffic = self.traffic
         traffic.device_copies += 1
-        traffic.device_copy_bytes += (2 * a_columns + b_columns) * self.row_bytes // self.capacity * len(self.values)
+        traffic.device_copy_bytes += 2 * self._moved_bytes(a_columns) + self._moved_bytes(b_columns)
 
     def row_to_host(self, row: int, columns: int) -> list[np.ndarray]:
-        """One row's first columns, per layer K then V, each (H, columns, d_k): for parity checks and tests."""
+        """One row's first `columns` positions, per layer K then V, each (H, columns, d_k) in position order: a ring
+        layer's last min(columns, R) of them (what it holds). For parity checks and tests."""
         if self.arrays is not None:
-            return [a[row, :, :columns].copy() for a in self.arrays]
-        self.traffic.host_bytes += sum(v.tensor_size_in_bytes() for v in self.values)  # the whole pool comes back
-        return [v.numpy()[row, :, :columns] for v in self.values]
+            arrays = [a[row] for a in self.arrays]
+        else:
+            self.traffic.host_bytes += sum(v.tensor_size_in_bytes() for v in self.values)  # the whole pool comes back
+            arrays = [v.numpy()[row] for v in self.values]
+        held = []
+        for index, array in enumerate(arrays):
+            if self.rings[index]:
+                positions = np.arange(max(0, columns - self.ring), columns)
+                held.append(array[:, positions % self.ring].copy())  # (H, min(columns, R), d_k)
+            else:
+                held.append(array[:, :columns].copy())  # (H, columns, d_k)
+        return held
 
     def read_row(self, row: int, columns: int, kv_scales: tuple[np.ndarray, np.ndarray] | None = None) -> list[np.ndarray]:
         """row_to_host's arrays as attention reads them, in float32: a float16 pool's widened, an int8 pool's times its

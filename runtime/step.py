@@ -52,6 +52,13 @@ class DecoderRuntime:
         self.n_layer = n_layer
         inputs = {i.name: i for i in self.session.get_inputs()}
         self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]  # what the pool holds: the graph says (KV_DTYPES)
+        # a ring layer's rows are fixed in width (io_contract): {layer: columns}, as the graph says
+        self.rings = {layer: inputs[io.past_names(layer)[0]].shape[2] for layer in range(n_layer)
+                      if isinstance(inputs[io.past_names(layer)[0]].shape[2], int)}
+        scratch = self.session.get_modelmeta().custom_metadata_map.get(io.SCRATCH_POSITION)
+        if self.rings and scratch is None:
+            raise ValueError(f"{model_path}: a graph with ring rows names no scratch position ({io.SCRATCH_POSITION}): re-export it")
+        self.scratch_position = None if scratch is None else int(scratch)  # a ring graph's scratch tokens run there
         self.attention = io.FUSED if io.chunk_past_names(0)[0] in inputs else io.STANDARD  # the graph says which it is
         self.long_rope = io.LONG_ROPE in inputs  # a longrope model's graph: each step says which rows turn long
         if self.attention == io.FUSED and self.device == "cuda" and dtype == "float32":
@@ -97,8 +104,10 @@ class DecoderRuntime:
         return {"inputs": describe(self.session.get_inputs()), "outputs": describe(self.session.get_outputs())}
 
     def new_pool(self, rows: int, n_kv_head: int, d_head: int, capacity: int) -> SlotPool:
-        """A pool on this session's device whose copies count in this runtime's traffic."""
-        return SlotPool(rows, n_kv_head, d_head, capacity, self.n_layer, self.kv_dtype, self.device, self.traffic)
+        """A pool on this session's device whose copies count in this runtime's traffic (a ring graph's rings as wide as the
+        graph says, its scratch tokens where it says)."""
+        return SlotPool(rows, n_kv_head, d_head, capacity, self.n_layer, self.kv_dtype, self.device, self.traffic, self.rings,
+                        self.scratch_position)
 
     def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray | None,
                    with_logits: bool = True, before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:
@@ -133,9 +142,9 @@ class DecoderRuntime:
         if chunk_row is not None:
             names.append((self._chunk_past_names, self._chunk_present_names, chunk_row, 1))
         for past_names, present_names, row, count in names:
-            shape = (count,) + pool.shape[1:]  # (B, H, C, d_k): consecutive rows from row on
-            for past_name, present_name, value in zip(past_names, present_names, pool.values):
-                address = value.data_ptr() + row * pool.row_bytes
+            for index, (past_name, present_name, value) in enumerate(zip(past_names, present_names, pool.values)):
+                shape = pool.value_shape(index, count)  # (B, H, C, d_k): consecutive rows from row on
+                address = value.data_ptr() + row * pool.value_row_bytes(index)
                 binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, address)
                 binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, address)
         bound = BoundStep(binding, self.device)

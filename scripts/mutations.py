@@ -212,7 +212,7 @@ MUTATIONS = (
     Mutation(
         "prompt cache: a prefix from a row in use taken beyond what it has written",
         "service/kv_rows.py",
-        (("usable = min(shared, reusable, holder.cached_tokens)", "usable = min(shared, reusable)"),),
+        (("return len(self.prefixes.tokens(row)) if holder is None else holder.cached_tokens", "return len(self.prefixes.tokens(row))"),),
         (f"{PC}::test_a_prefix_taken_from_a_row_still_prefilling_stops_at_what_that_row_has_written",),
     ),
     Mutation(
@@ -221,6 +221,26 @@ MUTATIONS = (
         (("pool.exchange_rows(source, row, reused, len(self.prefixes.tokens(row)) if row in self.cached else 0)",
           "pool.exchange_rows(source, row, 0, len(self.prefixes.tokens(row)) if row in self.cached else 0)"),),
         (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+    ),
+    Mutation(
+        "prompt cache: a wrapped ring row hands on a prefix whose window it overwrote",
+        "service/kv_rows.py",
+        (("or usable >= written - RING_SLACK else 0", "or True else 0"),),
+        ("tests/service/test_llama_serving.py::test_ring_rows_reuse_a_cached_prefix_inside_and_past_the_window_and_refuse_one_their_ring_lost",),
+    ),
+    Mutation(
+        "rings: scratch tokens run at the served context's end, not the graph's scratch position",
+        "runtime/pool.py",
+        (("self.scratch = scratch_position if rings else capacity - 1", "self.scratch = capacity - 1"),),
+        ("tests/service/test_llama_serving.py::test_ring_rows_under_a_cut_context_keep_their_scratch_tokens_out_of_the_rings",),
+    ),
+    Mutation(
+        "rings: a prompt chunk reads its row's ring after its own tokens overwrote it",
+        "model/attention.py",
+        (("k_row, v_row = torch.cat([old_k, own_k], dim=2), torch.cat([old_v, own_v], dim=2)",
+          "k_row, v_row = torch.cat([ring_k.reshape(-1, d_k)[step.ring_chunk_cells], own_k], dim=2), "
+          "torch.cat([ring_v.reshape(-1, d_k)[step.ring_chunk_cells], own_v], dim=2)"),),
+        ("tests/model/test_llama.py::test_ring_rows_hold_the_window_and_give_the_whole_rows_logits",),
     ),
     Mutation(
         "prompt cache: eviction takes the most recently used row",

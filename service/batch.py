@@ -159,7 +159,7 @@ class SlotBatch:
         scratch token, written at the scratch column no real token is read from."""
         if self.kv.slots:
             raise RuntimeError("decode shapes are prepared on an empty batch")
-        scratch = self.kv.pool.capacity - 1
+        scratch = self.kv.pool.scratch
         for rows, width in self.decode_shapes():
             positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
             self.runtime.run_decode(self.kv.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64) if width else None)
@@ -169,7 +169,7 @@ class SlotBatch:
         width = int(max(seq.cached_tokens for seq in decode)) + 1
         rows, columns = self.decode_shape(width)
         input_ids = np.zeros(rows, dtype=np.int64)  # (B,)
-        position_ids = np.full(rows, self.kv.pool.capacity - 1, dtype=np.int64)  # (B,): scratch unless a row decodes
+        position_ids = np.full(rows, self.kv.pool.scratch, dtype=np.int64)  # (B,): scratch unless a row decodes
         for seq in decode:
             input_ids[seq.slot] = seq.generated[-1]
             position_ids[seq.slot] = seq.cached_tokens
@@ -191,7 +191,7 @@ class SlotBatch:
             decode = [s for s in decode if s is not solo]
         pool = self.kv.pool
         rows = len(self.kv.slots)
-        scratch = pool.capacity - 1
+        scratch = pool.scratch
         input_ids = np.zeros(rows, dtype=np.int64)  # (B,): free rows and the chunk's row get a scratch token
         position_ids = np.full(rows, scratch, dtype=np.int64)  # (B,)
         for seq in decode:

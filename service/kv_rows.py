@@ -32,6 +32,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from kvserve.contract.config import RING_SLACK
 from kvserve.runtime import SlotPool
 
 from .prompt_cache import PrefixIndex
@@ -63,7 +64,9 @@ class KvRows:
         self.copies_from_busy = prompt_cache and pool.copies_rows
         self.commits_as_written = device == "cpu"  # the pool's memory follows what rows hold (runtime/pool.py)
         _, n_kv_head, _, d_head = pool.shape
-        self.token_bytes = 2 * n_layer * n_kv_head * d_head * np.dtype(pool.kv_dtype).itemsize  # K and V of one token
+        self.token_bytes = 2 * n_layer * n_kv_head * d_head * np.dtype(pool.kv_dtype).itemsize  # K and V of one token, every layer
+        # of which the ring layers' (runtime/pool.py): a row holds at most pool.ring of their tokens
+        self.ring_token_bytes = sum(pool.rings) * pool.column_bytes
         self.budget_bytes = budget_bytes
         self._reserved = 0  # the most the sequences in rows may hold (reservation(seq) each)
 
@@ -76,12 +79,17 @@ class KvRows:
 
     def row_bytes(self) -> int:
         """Bytes of K/V one sequence holds: its row of the pool, every column, K and V of every layer."""
-        return self.pool.capacity * self.token_bytes
+        return sum(columns for columns in self.pool.columns) * self.pool.column_bytes
+
+    def tokens_bytes(self, tokens: int) -> int:
+        """Bytes of K/V a row's first `tokens` positions take: every layer's, a ring layer's at most its ring's."""
+        ring = self.pool.ring
+        return tokens * (self.token_bytes - self.ring_token_bytes) + (tokens if ring is None else min(tokens, ring)) * self.ring_token_bytes
 
     def _holding(self, tokens: int) -> int:
         """Bytes of K/V a row holding tokens takes: theirs where the pool commits memory as written (to a page), else
         the whole row."""
-        return tokens * self.token_bytes if self.commits_as_written else self.row_bytes()
+        return self.tokens_bytes(tokens) if self.commits_as_written else self.row_bytes()
 
     def held_bytes(self, seq: Sequence) -> int:
         """Bytes of K/V seq holds."""
@@ -93,7 +101,7 @@ class KvRows:
 
     def reservation(self, seq: Sequence) -> int:
         """The most K/V seq can hold: its prompt and every token it may generate (the last is never written)."""
-        return (len(seq.prompt_ids) + seq.max_new_tokens) * self.token_bytes
+        return self.tokens_bytes(len(seq.prompt_ids) + seq.max_new_tokens)
 
     def reserved_bytes(self) -> int:
         return self._reserved
@@ -103,8 +111,14 @@ class KvRows:
         return self.budget_bytes is None or self._reserved + self.reservation(seq) <= self.budget_bytes
 
     def budget_tokens(self) -> int | None:
-        """Tokens of K/V the budget holds (None: no budget)."""
-        return None if self.budget_bytes is None else self.budget_bytes // self.token_bytes
+        """Tokens of K/V one row may hold under the budget (None: no budget); a model whose every layer is a ring holds
+        any length once its rings fit (a whole context: the pool's)."""
+        if self.budget_bytes is None:
+            return None
+        budget, ring, whole = self.budget_bytes, self.pool.ring, self.token_bytes - self.ring_token_bytes
+        if ring is None or budget < ring * self.token_bytes:
+            return budget // self.token_bytes
+        return self.pool.capacity - 1 if whole == 0 else ring + (budget - ring * self.token_bytes) // whole
 
     def settle(self) -> None:
         """Give back cached rows, least recently used first, while the cache takes more than the budget leaves."""
@@ -162,20 +176,31 @@ class KvRows:
         reusable = len(prompt) - 1
         free, busy = (None, 0), (None, 0)
         for row, shared in self.prefixes.matches(prompt, kind).items():
-            holder = self.slots[row] if row < len(self.slots) else None
-            if holder is None:
-                usable = min(shared, reusable, len(self.prefixes.tokens(row)))
-                if usable > free[1]:
-                    free = (row, usable)
-            elif self.copies_from_busy:
-                usable = min(shared, reusable, holder.cached_tokens)  # a row in use holds its K/V up to there
-                if usable > busy[1]:
-                    busy = (row, usable)
+            in_use = row < len(self.slots) and self.slots[row] is not None
+            if in_use and not self.copies_from_busy:
+                continue
+            usable = self._ring_allows(min(shared, reusable, self._written(row)), row)
+            if in_use and usable > busy[1]:
+                busy = (row, usable)
+            elif not in_use and usable > free[1]:
+                free = (row, usable)
         confirmed = []
         for row, length in (free, busy):
-            length = self.prefixes.confirm(row, prompt, length) if row is not None else 0
+            length = self._ring_allows(self.prefixes.confirm(row, prompt, length), row) if row is not None else 0  # shortened: the rings again
             confirmed.append((row, length) if length else (None, 0))
         return confirmed[0], confirmed[1]
+
+    def _written(self, row: int) -> int:
+        """Positions of K/V row holds: a row in use up to its sequence's cached tokens, a cached row all it wrote."""
+        holder = self.slots[row] if row < len(self.slots) else None
+        return len(self.prefixes.tokens(row)) if holder is None else holder.cached_tokens
+
+    def _ring_allows(self, usable: int, row: int) -> int:
+        """usable, or 0 where row no longer holds the window of its first `usable` positions: its ring layers' later
+        positions overwrote earlier ones (contract/config.py RING_SLACK: a prefix that stops at most that many positions
+        short of the row's end is still whole)."""
+        ring, written = self.pool.ring, self._written(row)
+        return usable if ring is None or written <= ring or usable >= written - RING_SLACK else 0
 
     def _prefix_source(self, prompt: list[int], kind: int) -> tuple[int | None, int, bool]:
         """(the row to take the start of prompt from, how many tokens, whether that row is in use): a row in use only

@@ -150,7 +150,34 @@ def test_inplace_write_check_refuses_a_graph_that_reads_the_past_elsewhere():
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("present.0.key", "present.0.value", "total")],
     )
     problems = inplace_write_problems(graph, 1)
-    assert problems == ["past_key_values.0.key is also read by ReduceSum", "present.0.value is not a ScatterND into past_key_values.0.value"]
+    assert problems == ["past_key_values.0.key is also read by ReduceSum, not before the write",
+                        "present.0.value is not a ScatterND into past_key_values.0.value"]
+
+
+def test_inplace_write_check_lets_a_read_that_the_write_depends_on_pass_and_follows_reshapes():
+    """A ring layer's chunk reads its row before the write (model/attention.py ring_attention): allowed when the write's
+    inputs are computed from what was read; a reshape of past read later is still past read later."""
+    from onnx import TensorProto, helper
+
+    kv = [1, 2, 8, 4]
+
+    def graph(ordered: bool):
+        zero = [helper.make_node("ReduceSum", ["flat"], ["total"], keepdims=0), helper.make_node("Cast", ["total"], ["zero"], to=TensorProto.INT64),
+                helper.make_node("Mul", ["zero", "none"], ["nil"]), helper.make_node("Add", ["idx", "nil"], ["after"])]
+        return helper.make_graph(
+            [helper.make_node("Reshape", ["past_key_values.0.key", "flat_shape"], ["flat"])] + (zero if ordered else [])
+            + [helper.make_node("ScatterND", ["past_key_values.0.key", "after" if ordered else "idx", "new"], ["present.0.key"]),
+               helper.make_node("ScatterND", ["past_key_values.0.value", "idx", "new"], ["present.0.value"])]
+            + ([] if ordered else [helper.make_node("ReduceMax", ["flat"], ["late"])]),
+            "ring",
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, kv) for n in ("past_key_values.0.key", "past_key_values.0.value")]
+            + [helper.make_tensor_value_info("idx", TensorProto.INT64, [1, 2, 1, 3]), helper.make_tensor_value_info("new", TensorProto.FLOAT, [1, 2, 1, 4]),
+               helper.make_tensor_value_info("flat_shape", TensorProto.INT64, [1]), helper.make_tensor_value_info("none", TensorProto.INT64, [])],
+            [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("present.0.key", "present.0.value")],
+        )
+
+    assert inplace_write_problems(graph(ordered=True), 1) == []
+    assert inplace_write_problems(graph(ordered=False), 1) == ["past_key_values.0.key is also read by ReduceMax, not before the write"]
 
 
 def test_export_cli_takes_the_kv_cache_layout_and_refuses_an_unknown_one(tmp_path):

@@ -41,9 +41,17 @@ NEW_FAMILIES = [name for name in LLAMA_CONFIGS if name.startswith(("qwen3", "gem
 
 @pytest.mark.parametrize("name", NEW_FAMILIES)
 def test_standard_attention_generates_what_transformers_generates(llama_artifact, name):
-    """The standard graph (ONNX operators, masks for the sliding layers) of each family the fused test above runs fused."""
+    """The standard graph (ONNX operators, masks for the sliding layers) of each family the fused test above runs fused.
+    A windowed layer's rows are rings of the window and 16 positions (the sequences here run past them); the whole
+    context's layers keep their columns."""
     hf, _, artifact_dir = llama_artifact(name, attention="standard")
-    assert open_artifact(artifact_dir).manifest["attention"] == "standard"
+    artifact = open_artifact(artifact_dir)
+    assert artifact.manifest["attention"] == "standard"
+    window, inputs = artifact.config.sliding_window, artifact.manifest["inputs"]
+    assert artifact.kv_ring == (None if window is None else window + 16)
+    for layer in range(artifact.config.n_layer):
+        ring = artifact.kv_ring is not None and layer in artifact.config.sliding_layers
+        assert inputs[f"past_key_values.{layer}.key"]["shape"][2] == (artifact.kv_ring + 1 if ring else "cache_capacity")
     np.testing.assert_array_equal(artifact_greedy(artifact_dir, PROMPTS, STEPS, PROVIDER), hf_greedy(hf, PROMPTS, STEPS))
 
 

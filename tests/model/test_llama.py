@@ -79,13 +79,14 @@ def test_every_cache_layout_gives_the_same_logits(pair):
 
     capacity = T + 3  # a pool row wider than the sequence
     # slots: row 0 decodes its 5th token while row 1's prompt (the same sequence) runs as one chunk
-    pool = ours.empty_cache(2, capacity)
+    pool = ours.empty_cache(2, capacity, rings=True)
+    scratch = ours.config.n_ctx if ours.config.kv_ring else capacity - 1  # io_contract: a ring graph's scratch position
     _, pool = ours.forward_slots(
-        torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), capacity - 1), torch.ones(2, 1, dtype=torch.int64),
+        torch.zeros(2, 1, dtype=torch.int64), torch.full((2, 1), scratch), torch.ones(2, 1, dtype=torch.int64),
         sequence[:, :4], torch.arange(4)[None], torch.ones(1, 4, dtype=torch.int64), torch.tensor([0]), torch.tensor([5]), pool,
     )
     logits, pool = ours.forward_slots(
-        sequence[:, 4:5].expand(2, 1), torch.tensor([[4], [capacity - 1]]), (torch.arange(5) <= 4).long()[None].expand(2, 5),
+        sequence[:, 4:5].expand(2, 1), torch.tensor([[4], [scratch]]), (torch.arange(5) <= 4).long()[None].expand(2, 5),
         sequence, torch.arange(T)[None], torch.ones(1, T, dtype=torch.int64), torch.tensor([1]), torch.tensor([0, 2 + T - 1]), pool,
     )
     assert (logits[0] - full[0, 4]).abs().max() <= close  # row 0's decode token
@@ -127,3 +128,70 @@ def test_dynamic_rope_up_to_the_last_position_of_the_context_matches_transformer
     prompt = [[(5 * j) % 250 + 3 for j in range(ours.config.n_ctx - 24)]]
     np.testing.assert_array_equal(generate(ours, prompt, 24).tokens.numpy(), hf_greedy(hf, prompt, 24))
     assert ours.rotary.inv_freq == hf.model.rotary_emb.original_inv_freq.tolist()
+
+
+WINDOWED = [name for name in LLAMA_CONFIGS if LLAMA_CONFIGS[name][1].get("sliding_window") and
+            LLAMA_CONFIGS[name][1].get("use_sliding_window", True)]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("name", WINDOWED)
+def test_ring_rows_hold_the_window_and_give_the_whole_rows_logits(make_hf_llama, name):
+    """A standard slots pool whose windowed layers are rings (DecoderConfig.kv_ring: the window and a block, then the
+    scratch column) gives the logits of a full forward, and of transformers, far past the ring: decode rows of two
+    lengths; prompt chunks longer than the ring, shorter, and one that wraps; a row that took another row's ring
+    with a prefix a few tokens short of that row's end (what the prompt cache hands on) goes on as a cold one would."""
+    model_type, config = LLAMA_CONFIGS[name]
+    hf, directory = make_hf_llama(model_type, seed=5, **config)
+    ours = load_checkpoint(directory)
+    ring, rings = ours.config.kv_ring, set(ours.config.ring_layers())
+    assert ring == ours.config.sliding_window + 16 and rings == set(ours.config.sliding_layers)
+    T = 2 * ring + 9
+    sequence = torch.tensor([[(13 * i + 7) % 250 + 3 for i in range(T)]])  # (1, T)
+    full, _ = ours(sequence, torch.ones_like(sequence), torch.arange(T)[None], ours.empty_cache(1))  # (1, T, V)
+    theirs = hf(sequence).logits  # (1, T, V)
+    assert (full - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+    capacity = ours.config.n_ctx + 1
+    pool = ours.empty_cache(3, capacity, rings=True)
+    assert all(pool[layer][0].shape[2] == (ring + 1 if layer in rings else capacity) for layer in range(ours.config.n_layer))
+    scratch = ours.config.n_ctx
+    none = torch.zeros(1, 0, dtype=torch.int64)
+
+    def chunk(row: int, start: int, end: int, decode_tokens=None, decode_positions=None):
+        """Row's tokens [start, end) as one chunk, beside decode tokens of rows 0..B-1 (scratch unless given)."""
+        tokens = torch.zeros(3, 1, dtype=torch.int64) if decode_tokens is None else decode_tokens
+        positions = torch.full((3, 1), scratch) if decode_positions is None else decode_positions
+        width = int(positions[positions < scratch].max()) + 1 if (positions < scratch).any() else 1
+        mask = (torch.arange(width)[None] <= positions).long()  # (3, W)
+        piece = sequence[:, start:end]
+        index = torch.cat([torch.arange(3), 3 + torch.arange(end - start)])
+        return ours.forward_slots(tokens, positions, mask, piece, torch.arange(start, end)[None], torch.ones(1, end, dtype=torch.int64),
+                                  torch.tensor([row]), index, pool)
+
+    # row 0: a chunk longer than the ring, then one of 5, then decode steps; row 1: chunks of 3; row 2 stays empty
+    logits, pool = chunk(0, 0, ring + 7)
+    assert (logits[3:] - full[0, : ring + 7]).abs().max() <= 1e-4 * full.abs().max()
+    logits, pool = chunk(0, ring + 7, ring + 12)
+    assert (logits[3:] - full[0, ring + 7 : ring + 12]).abs().max() <= 1e-4 * full.abs().max()
+    for start in range(0, 9, 3):
+        logits, pool = chunk(1, start, start + 3)
+    # a chunk of more than 16 tokens that wraps: its later tokens overwrite positions its earlier ones still see
+    logits, pool = chunk(1, 9, 29)
+    assert (logits[3:] - full[0, 9:29]).abs().max() <= 1e-4 * full.abs().max()
+    lengths = [ring + 12, 29]
+    while lengths[0] < T:
+        positions = torch.tensor([[lengths[0]], [lengths[1]], [scratch]])
+        tokens = torch.tensor([[sequence[0, lengths[0]]], [sequence[0, lengths[1]]], [0]])
+        logits, pool = chunk(2, 0, 0, tokens, positions)  # decode only: an empty chunk
+        for row in (0, 1):
+            assert (logits[row] - full[0, lengths[row]]).abs().max() <= 1e-4 * full.abs().max(), (row, lengths[row])
+        lengths = [n + 1 for n in lengths]
+    # row 2 takes row 0's rings and whole-context columns as the pool copies them (SlotPool.copy_columns: min(P, ring)
+    # ring columns) for a prefix of T - 16 tokens (row 0 wrote T), then prefills the rest and decodes
+    taken = T - 16
+    pool = [tuple(part.clone() for part in layer) for layer in pool]
+    for layer, (k, v) in enumerate(pool):
+        columns = min(taken, ring) if layer in rings else taken
+        k[2, :, :columns], v[2, :, :columns] = k[0, :, :columns], v[0, :, :columns]
+    logits, pool = chunk(2, taken, T - 1)
+    assert (logits[3:] - full[0, taken : T - 1]).abs().max() <= 1e-4 * full.abs().max()

@@ -7,6 +7,7 @@ import grpc
 import numpy as np
 import pytest
 
+from kvserve.contract.artifact import open_artifact
 from kvserve.export.parity import artifact_greedy
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
@@ -81,6 +82,80 @@ def test_a_prompt_cache_hit_longer_than_the_window_generates_what_transformers_g
     assert finish.cached_prompt_tokens >= len(first)
     if stub.GetModelInfo(pb.GetModelInfoRequest()).dtype == "float32":
         assert ids == hf_greedy(hf, [longer], 16)[0].tolist()
+
+
+# standard attention, whose windowed layers' rows are rings (DecoderConfig.kv_ring): every layer (Mistral's), or beside
+# whole-context ones (Gemma 3's)
+RINGS = ["mistral sliding window 7 head_dim 16", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"]
+
+
+@pytest.fixture(scope="module", params=RINGS)
+def llama_ring_server(llama_artifact, request):
+    yield from serve(llama_artifact, request.param, attention="standard")
+
+
+def test_ring_rows_serve_what_transformers_generates_past_the_window(llama_ring_server):
+    """8 streams in 4 rows, joining, leaving and prefilling in chunks of 8 beside decoding rows, each far past its ring;
+    a row holds at most the ring of its windowed layers' K/V."""
+    hf, artifact, stub = llama_ring_server
+    ring = open_artifact(artifact).kv_ring
+    assert ring is not None and 19 + STEPS > ring + 16
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], PROMPTS))
+    np.testing.assert_array_equal(np.array(together), hf_greedy(hf, PROMPTS, STEPS))
+    if PROVIDER == "cpu":  # the pool commits what rows write: the rings' at most ring columns
+        config = open_artifact(artifact).config
+        stream = stub.Generate(greedy([5, 6, 7], 120), timeout=60)
+        for count, _ in enumerate(stream, 1):
+            if count == 2 * ring - 2:
+                break
+        (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
+        column = 2 * config.n_kv_head * config.head_dim * 4  # K and V of one position of one layer
+        windowed = len(config.sliding_layers)
+        assert seq.kv_cache_bytes == column * ((config.n_layer - windowed) * seq.tokens + windowed * ring) - column * (config.n_layer - windowed)
+        stream.cancel()
+
+
+def test_ring_rows_reuse_a_cached_prefix_inside_and_past_the_window_and_refuse_one_their_ring_lost(llama_ring_server):
+    """A prompt cache hit inside the ring; one past it that stops within 16 positions of the row's end (a conversation's
+    next turn); a prefix of a row that wrote far past it is not taken (its ring no longer holds that prefix's window),
+    and the prompt is computed cold: every continuation is transformers'."""
+    hf, artifact, stub = llama_ring_server
+    ring = open_artifact(artifact).kv_ring
+    first = [(3 * j + 11) % 290 + 3 for j in range(ring - 6)]  # shorter than the ring
+    ids, _, _ = collect(stub, greedy(first, 4))
+    inside = first + [41, 42]
+    ids, _, finish = collect(stub, greedy(inside, 8))
+    assert finish.cached_prompt_tokens == len(first) and ids == hf_greedy(hf, [inside], 8)[0].tolist()
+    second = [(5 * j + 7) % 290 + 3 for j in range(19)]
+    ids, _, _ = collect(stub, greedy(second, 2 * ring))  # the row writes 19 + 2 R - 1 positions, wrapping its rings
+    turn = second + ids + [7, 8, 9]
+    more, _, finish = collect(stub, greedy(turn, 16))
+    assert finish.cached_prompt_tokens >= len(second) + len(ids) - 1 and more == hf_greedy(hf, [turn], 16)[0].tolist()
+    third = [(7 * j + 5) % 290 + 3 for j in range(20)]
+    ids, _, _ = collect(stub, greedy(third, 2 * ring))
+    apart = third + [9, 9, 9, 9]  # shares 20 positions (a whole block and more) with a row that wrote 19 + 2 R
+    more, _, finish = collect(stub, greedy(apart, 8))
+    assert finish.cached_prompt_tokens == 0 and more == hf_greedy(hf, [apart], 8)[0].tolist()
+
+
+def test_ring_rows_under_a_cut_context_keep_their_scratch_tokens_out_of_the_rings(llama_ring_server):
+    """--max-context narrows the pool; the graph's scratch position stays the exported context's (io_contract), so the
+    scratch tokens of idle rows and of a prefilling row never land in a ring: streams joining beside rows that hold
+    cached rings generate transformers' tokens."""
+    hf, artifact, _ = llama_ring_server
+    prompts = PROMPTS[3:7]
+    running = start_server(artifact, max_batch_size=3, step_token_budget=8, max_context=90)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], prompts))
+            again = collect(stub, greedy(prompts[0], STEPS))[0]  # from the prompt cache, beside cached rows
+    finally:
+        running.stop()
+    np.testing.assert_array_equal(np.array(together), hf_greedy(hf, prompts, STEPS))
+    assert again == together[0]
 
 
 def test_model_info_names_the_architecture_and_its_kv_heads(llama_server):
