@@ -322,8 +322,8 @@ MUTATIONS = (
     ),
     Mutation(
         "http: n held to a bound of its own, not the declared limit",
-        "service/openai_protocol.py",
-        (('n = _number(body, "n", 1, 1, limits.max_n, int)', 'n = _number(body, "n", 1, 1, 1, int)'),),
+        "service/openai_sampling.py",
+        (('n = number(body, "n", 1, 1, limits.max_n, int)', 'n = number(body, "n", 1, 1, 1, int)'),),
         ("tests/service/test_limits.py::test_grpc_and_http_take_the_same_request_at_each_limit",),
     ),
     Mutation(
@@ -480,8 +480,8 @@ MUTATIONS = (
     ),
     Mutation(
         "chat_template_kwargs dropped by the HTTP edge",
-        "service/openai_protocol.py",
-        (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs")), tools=', "chat_template_kwargs=None, tools="),),
+        "service/openai_chat.py",
+        (('chat_template_kwargs=_template_kwargs(body.get("chat_template_kwargs"), body.get("reasoning_effort")),', "chat_template_kwargs=None,"),),
         ("tests/service/test_chat.py::test_chat_template_kwargs_reach_the_template_over_grpc_and_http",),
     ),
     Mutation(

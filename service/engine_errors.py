@@ -1,5 +1,5 @@
 """The errors a request can meet in the engine. Each edge maps them once: gRPC to status codes
-(grpc_errors.ErrorInterceptor), HTTP to OpenAI error objects (openai_protocol.api_error)."""
+(grpc_errors.ErrorInterceptor), HTTP to OpenAI error objects (openai_errors.api_error)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,9 @@ from .http_connections import bounded_protocol
 from .http_disconnect import ClientGone, unless_disconnected
 from .metrics import Metrics
 from .openai_answers import STREAM_END, object_name, opening_choices, sse, token_choice, usage, whole_body
-from .openai_protocol import STATUS_CODES, ApiError, Parsed, api_error, parse_body, shown
+from .openai_errors import STATUS_CODES, ApiError, api_error, shown
+from .openai_protocol import parse_body
+from .openai_sampling import Parsed
 from .http_responses import ResponsesEndpoints
 from .openai_responses import ResponseStore
 from .options import ServerOptions

@@ -10,7 +10,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .engine_errors import EngineError
 from .http_disconnect import ClientGone, unless_disconnected
-from .openai_protocol import STATUS_CODES, ApiError, api_error
+from .openai_errors import STATUS_CODES, ApiError, api_error
 from .openai_responses import Answer, EventStream, as_responses_error, new_id, parse_responses
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from .openai_protocol import Parsed
+from .openai_sampling import Parsed
 from .sequence import FinishReason, StepEvent
 from .tool_call_text import CallDelta
 

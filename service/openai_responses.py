@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from .limits import EngineLimits
 from .openai_answers import sse
-from .openai_protocol import ApiError, Parsed, checked, load_body, parse, shown
+from .openai_errors import ApiError, shown
+from .openai_protocol import parse
+from .openai_sampling import Parsed, checked, load_body
 from .sequence import Finish, FinishReason, StepEvent
 
 # The Responses parameters kvserve reads; NOT_YET: those it accepts only at their no-op values (the rest is refused by name).

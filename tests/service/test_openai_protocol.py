@@ -7,7 +7,8 @@ import pytest
 from kvserve.service.engine_errors import InvalidArgument, QueueFull, Unavailable
 from kvserve.service.limits import EngineLimits
 from kvserve.service.openai_answers import usage, whole_body
-from kvserve.service.openai_protocol import ApiError, api_error, parse
+from kvserve.service.openai_errors import ApiError, api_error
+from kvserve.service.openai_protocol import parse
 from kvserve.service.sequence import Finish, FinishReason, StepEvent
 from kvserve.service.structured import FormatKind
 
