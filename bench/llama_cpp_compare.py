@@ -1,9 +1,11 @@
 """kvserve against llama.cpp on the same weights: batch-1 decode tokens/s per precision, the artifact's size against
 the GGUF's, and each server's resident memory and tokens/s with 16 streams.
 
-The weights are a preset's, seeded as the artifacts were exported (each artifact's manifest names its preset and seed):
-saved as a transformers checkpoint with GPT-2's byte-level BPE as its tokenizer (the presets have none; llama.cpp's
-converter needs one and pads it to the vocabulary), converted by llama.cpp's own convert_hf_to_gguf.py to an f32 GGUF,
+The weights are a preset's, seeded as the artifacts were exported (each artifact's manifest names its preset and seed),
+or the checkpoint they were exported from (bench/large_export.py's published shapes): saved (or linked) as a
+transformers checkpoint with GPT-2's byte-level BPE as its tokenizer (the presets have none; llama.cpp's converter
+needs one and pads it to the vocabulary), converted by llama.cpp's own convert_hf_to_gguf.py to an f32 GGUF (a
+checkpoint's to BF16, as published),
 and quantized by its llama-quantize, with its default recipe, to the type matching each artifact: float32 F32, int8
 Q8_0, int4 Q4_0 (whose default keeps a tied output table in Q6_K; `--pure` makes it Q4_0 too). Before anything is
 timed, llama-server on the f32 GGUF (f32 K/V) must give the eager model's greedy tokens for the same prompt ids.
@@ -59,19 +61,37 @@ def precision(artifact) -> str | None:
 
 
 def write_checkpoint(source: dict, directory: Path) -> list[int]:
-    """The preset's seeded weights as a transformers checkpoint with GPT-2's tokenizer; the eager model's greedy tokens
-    for the benchmark's prompt (the check llama.cpp must pass)."""
+    """The source's weights as a transformers checkpoint with GPT-2's tokenizer (a preset's seeded weights saved; a
+    checkpoint's files linked as they are); the eager model's greedy tokens for the benchmark's prompt (the check
+    llama.cpp must pass; a checkpoint's model streamed block by block, as verify runs it)."""
     from kvserve.export.pipeline import load_source
     from kvserve.model.checkpoint import save_checkpoint
     from kvserve.model.generate import generate
     from kvserve.model.vocabulary import gpt2_tokenizer
 
-    model, _ = load_source(source["name"], None, seed=source["seed"])
-    save_checkpoint(model, directory)
+    if source["kind"] == "preset":
+        model, _ = load_source(source["name"], None, seed=source["seed"])
+        save_checkpoint(model, directory)
+    else:
+        model, _ = load_source(None, source["path"])
+        for file in Path(source["path"]).iterdir():
+            if not file.name.startswith("tokenizer"):
+                (directory / file.name).symlink_to(file)
     gpt2_tokenizer().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     ids = bench_prompt(min(model.config.vocab_size, GPT2_VOCAB))
-    return generate(model, [ids], CHECKED_TOKENS).tokens[0].tolist()
+    return generate(model, [ids], checked_tokens(source)).tokens[0].tolist()
+
+
+def checked_tokens(source: dict) -> int:
+    """Greedy tokens the same-model check compares: fewer for a checkpoint, whose eager model streams its weights a step."""
+    return CHECKED_TOKENS if source["kind"] == "preset" else 4
+
+
+def base_type(source: dict) -> str:
+    """The GGUF the converter writes, the others quantized from it: a preset's float32 weights as F32, a checkpoint's as
+    BF16 (as published: its float32 would double it)."""
+    return "F32" if source["kind"] == "preset" else "BF16"
 
 
 def bench_prompt(vocab: int) -> list[int]:
@@ -80,27 +100,28 @@ def bench_prompt(vocab: int) -> list[int]:
 
 def ggufs(llama_cpp: Path, build: Path, convert_python: str, source: dict, types: list[str], directory: Path,
           pure: bool) -> tuple[dict[str, Path], list[int]]:
-    """The f32 GGUF of the preset's weights and one per type (made once, kept in directory), and the eager model's greedy
-    tokens."""
+    """The source's GGUF as converted (base_type) and one per type (made once, kept in directory), and the eager model's
+    greedy tokens."""
     directory.mkdir(parents=True, exist_ok=True)
-    stem = f"{source['name']}-seed{source['seed']}"
+    stem = f"{source['name']}-seed{source['seed']}" if source["kind"] == "preset" else Path(source["path"]).name
     expected_file = directory / f"{stem}.expected.json"
-    f32 = directory / f"{stem}-F32.gguf"
-    if not f32.exists() or not expected_file.exists():
+    base = base_type(source)
+    converted_path = directory / f"{stem}-{base}.gguf"
+    if not converted_path.exists() or not expected_file.exists():
         with tempfile.TemporaryDirectory() as tmp:
             expected = write_checkpoint(source, Path(tmp))
-            converted = subprocess.run([convert_python, str(llama_cpp / "convert_hf_to_gguf.py"), tmp, "--outtype", "f32", "--outfile", str(f32)],
-                                       capture_output=True, text=True)
+            converted = subprocess.run([convert_python, str(llama_cpp / "convert_hf_to_gguf.py"), tmp, "--outtype", base.lower(),
+                                        "--outfile", str(converted_path)], capture_output=True, text=True)
             if converted.returncode:
                 sys.exit(f"convert_hf_to_gguf.py failed:\n{converted.stderr[-3000:]}")
         expected_file.write_text(json.dumps(expected))
-    paths = {"F32": f32}
+    paths = {base: converted_path}
     for kind in types:
-        if kind == "F32":
+        if kind == base:
             continue
         path = directory / f"{stem}-{kind}{'-pure' if pure else ''}.gguf"
         if not path.exists():
-            subprocess.run([str(build / "bin" / "llama-quantize"), *(["--pure"] if pure else []), str(f32), str(path), kind],
+            subprocess.run([str(build / "bin" / "llama-quantize"), *(["--pure"] if pure else []), str(converted_path), str(path), kind],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         paths[kind] = path
     return paths, json.loads(expected_file.read_text())
@@ -138,16 +159,16 @@ class LlamaServer:
 
 
 def check_same_model(build: Path, f32: Path, threads: int, expected: list[int], vocab: int) -> int:
-    """How many greedy tokens llama.cpp's f32 GGUF (f32 K/V) shares with the eager model from the first; exits below 4
-    (a converter that reads the weights otherwise disagrees at once; random weights' near-ties may part them later)."""
-    server = LlamaServer(build, f32, threads, 1, PROMPT_LEN + CHECKED_TOKENS + 16, ("-ctk", "f32", "-ctv", "f32"))
+    """How many greedy tokens llama.cpp's converted GGUF (f32 K/V) shares with the eager model from the first; exits below
+    4 (a converter that reads the weights otherwise disagrees at once; random weights' near-ties may part them later)."""
+    server = LlamaServer(build, f32, threads, 1, PROMPT_LEN + len(expected) + 16, ("-ctk", "f32", "-ctv", "f32"))
     try:
-        theirs = server.complete(bench_prompt(vocab), CHECKED_TOKENS)
+        theirs = server.complete(bench_prompt(vocab), len(expected))
     finally:
         server.close()
     agreed = next((i for i, (a, b) in enumerate(zip(theirs, expected)) if a != b), min(len(theirs), len(expected)))
-    if agreed < 4:
-        sys.exit(f"llama.cpp's f32 GGUF does not compute the eager model: greedy {theirs} against {expected}; not timing")
+    if agreed < min(4, len(expected)):
+        sys.exit(f"llama.cpp's converted GGUF does not compute the eager model: greedy {theirs} against {expected}; not timing")
     return agreed
 
 
@@ -226,8 +247,8 @@ def main() -> None:
         parser.error(f"--context must hold the served prompt ({SERVED_PROMPT}) and --new-tokens")
     opened = [open_artifact(path) for path in args.artifacts]
     sources = {json.dumps(a.manifest["source"], sort_keys=True) for a in opened}
-    if len(sources) != 1 or opened[0].manifest["source"].get("kind") != "preset":
-        sys.exit("the artifacts must all be exports of one preset (and seed)")
+    if len(sources) != 1 or opened[0].manifest["source"].get("kind") not in ("preset", "checkpoint"):
+        sys.exit("the artifacts must all be exports of one preset (and seed) or one checkpoint")
     unknown = [path for path, a in zip(args.artifacts, opened, strict=True) if precision(a) not in GGUF_TYPES or a.dtype != "float32"]
     if unknown:
         sys.exit(f"no GGUF type matches {', '.join(unknown)} (float32 graphs with float32, int8 or int4 weights)")
@@ -235,7 +256,7 @@ def main() -> None:
     vocab = min(opened[0].config.vocab_size, GPT2_VOCAB)  # ids the converted vocabulary names (GPT-2's, padded above)
     types = [GGUF_TYPES[precision(a)] for a in opened]
     paths, expected = ggufs(args.llama_cpp, build, args.convert_python, source, types, args.gguf_dir, args.pure)
-    agreed = check_same_model(build, paths["F32"], args.threads, expected, vocab)
+    agreed = check_same_model(build, paths[base_type(source)], args.threads, expected, vocab)
     if "decode" in args.parts:
         batch_one(args, opened, types, paths, expected, agreed, source, vocab, build)
     if "servers" in args.parts:
@@ -269,9 +290,11 @@ def batch_one(args, opened, types, paths, expected, agreed, source, vocab, build
             ours[i].append(decode_rates(1, [run])[0][0])
             theirs[i].append(llama_bench_rate(build, paths[kind], args.threads))
 
-    print(f"## kvserve against llama.cpp, {source['name']} preset (seed {source['seed']}, the same weights), batch 1, greedy, "
+    named = (f"{source['name']} preset (seed {source['seed']}, the same weights)" if source["kind"] == "preset"
+             else f"checkpoint {Path(source['path']).name} (the same weights)")
+    print(f"## kvserve against llama.cpp, {named}, batch 1, greedy, "
           f"{NEW_TOKENS} tokens after a {PROMPT_LEN}-token prompt, {args.threads} threads, {args.rounds} rounds alternating, best round\n")
-    print(f"llama.cpp's f32 GGUF (f32 K/V) shares its first {agreed} of {CHECKED_TOKENS} greedy tokens with the eager model; "
+    print(f"llama.cpp's {base_type(source)} GGUF (f32 K/V) shares its first {agreed} of {len(expected)} greedy tokens with the eager model; "
           f"kvserve's graphs: {', '.join(str(n) for n in own_agreed)}\n")
     print("| kvserve artifact | MB | llama.cpp GGUF | MB | size ours / theirs | kvserve tokens/s | llama.cpp tokens/s | ours / theirs |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")

@@ -132,6 +132,21 @@ KV_DTYPES = ("float32", "float16", "int8")
 QUANTIZATIONS = ("int8", "int4")
 
 
+# Bits of an int4 export's attention projections (Q/K/V and W_O; the manifest's quantization.attention_bits): 8 by default,
+# which held parity where 4 did not on the small models (docs/parity.md, "Int4"); 4 reads 18% fewer bytes a step at the
+# Qwen3-4B shape, every matrix in 4 bits as llama.cpp's Q4_0 has them (docs/models.md).
+ATTENTION_BITS = (8, 4)
+
+
+def attention_bits_refusal(scheme: str | None, bits: int | None) -> str | None:
+    """Why `--attention-bits bits` cannot go with `--quantize scheme`, or None when it can (or none is given)."""
+    if bits is None:
+        return None
+    if scheme != "int4":
+        return f"--attention-bits {bits}: attention's bits are chosen in an int4 export (--quantize int4); int8 keeps 8"
+    return None if bits in ATTENTION_BITS else f"--attention-bits {bits}: choose one of {', '.join(map(str, ATTENTION_BITS))}"
+
+
 def quantize_block_refusal(scheme: str | None, block_size: int | None) -> str | None:
     """Why `--quantize-block block_size` cannot go with `--quantize scheme`, or None when it can (or none is given)."""
     if block_size is None:

@@ -88,11 +88,12 @@ def record_golden(model: Decoder) -> art.GoldenRecord:
 
 
 def quantize_graph(graph: onnx.ModelProto, scheme: str, n_layer: int, kv_cache: str, attention: str = io.STANDARD,
-                   block_size: int | None = None, plan: WeightPlan | None = None) -> tuple[onnx.ModelProto, dict]:
-    """The graph with scheme's 8- or 4-bit weights (in blocks of block_size, or the scheme's default), and the manifest's
-    facts about them; pending weights (plan) stay pending."""
+                   block_size: int | None = None, plan: WeightPlan | None = None, attention_bits: int | None = None) -> tuple[onnx.ModelProto, dict]:
+    """The graph with scheme's 8- or 4-bit weights (in blocks of block_size, or the scheme's default; an int4 graph's
+    attention projections in attention_bits, 8 by default), and the manifest's facts about them; pending weights (plan)
+    stay pending."""
     try:
-        quantized, facts = quantize_model(graph, scheme, block_size, plan)
+        quantized, facts = quantize_model(graph, scheme, block_size, plan, attention_bits)
     except QuantizeError as exc:
         raise ExportError(str(exc)) from None
     if kv_cache == io.SLOTS:
@@ -145,6 +146,7 @@ def export_artifact(
     attention: str = AUTO,
     quantize_block: int | None = None,
     kv_dtype: str | None = None,
+    attention_bits: int | None = None,
 ) -> dict:
     """Write a verified artifact to out; return the parity report. Raises ExportError, leaving out untouched. kv_dtype:
     what the slots graph's K/V pool holds (io_contract.KV_DTYPES; the model's dtype when None)."""
@@ -157,6 +159,8 @@ def export_artifact(
         raise ExportError(f"--quantize {quantize} quantizes a float32 graph's weights; drop --dtype {dtype}")
     if io.quantize_block_refusal(quantize, quantize_block):
         raise ExportError(io.quantize_block_refusal(quantize, quantize_block))
+    if io.attention_bits_refusal(quantize, attention_bits):
+        raise ExportError(io.attention_bits_refusal(quantize, attention_bits))
     if (refusal := io.kv_dtype_refusal(kv_dtype, dtype, kv_cache)) is not None:
         raise ExportError(refusal)
     kv_dtype = kv_dtype or dtype
@@ -178,14 +182,15 @@ def export_artifact(
                                "file": art.KV_SCALES_FILE}
         with kv_stored_as(model, None if kv_dtype == dtype else kv_dtype, *(kv_scales or ())):
             return _export_verified(model, source, out, staging, dtype, provider, tokenizer_dir, kv_cache, quantize, attention,
-                                    quantize_block, kv_dtype, kv_scales, kv_quantization)
+                                    quantize_block, kv_dtype, kv_scales, kv_quantization, attention_bits)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
 
 
 def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dtype: str, provider: str, tokenizer_dir, kv_cache: str,
-                     quantize: str | None, attention: str, quantize_block: int | None, kv_dtype: str, kv_scales, kv_quantization) -> dict:
+                     quantize: str | None, attention: str, quantize_block: int | None, kv_dtype: str, kv_scales, kv_quantization,
+                     attention_bits: int | None = None) -> dict:
     """export_artifact's work once its arguments hold, the model's cache storing K/V as kv_dtype: staging filled,
     verified and renamed to out."""
     weights = weight_source_of(model)
@@ -195,7 +200,8 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
         graph["fused_operators"] = fuse_operators(proto, float16=dtype == "float16", plan=plan)
     if quantize is not None:
         with stage(f"quantize the weights ({quantize})"):
-            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block, plan)
+            proto, graph["quantization"] = quantize_graph(proto, quantize, model.config.n_layer, kv_cache, attention, quantize_block, plan,
+                                                          attention_bits)
             graph["fused_operators"] = graph["quantization"].pop("fused_operators")
     with stage("write the weights, check and save the graph"):
         graph["external_data"] = save_graph(proto, staging, plan)

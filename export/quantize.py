@@ -374,11 +374,13 @@ def attention_matmuls(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and ATTENTION_WEIGHT in n.input[1]]
 
 
-def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None, plan: WeightPlan | None = None) -> tuple[onnx.ModelProto, dict]:
+def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None, plan: WeightPlan | None = None,
+                   attention_bits: int | None = None) -> tuple[onnx.ModelProto, dict]:
     """The quantized graph and what the manifest records about it; block_size overrides the scheme's (BLOCKS) for a
     MatMulNBits scheme (bench/quantize_blocks.py compares them). With a plan, the graph's pending weights stay pending:
     what they are quantized to is the plan's, produced as save_graph writes it (int8-dynamic, quantized by
-    onnxruntime's file-based quantizer, takes the weights into memory first)."""
+    onnxruntime's file-based quantizer, takes the weights into memory first). attention_bits: an int4 scheme's attention
+    projections' (io_contract.ATTENTION_BITS; 8 unless 4 is given)."""
     if plan is not None and scheme not in BLOCKS:
         materialize(model, plan)
         plan = None
@@ -394,7 +396,7 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
 
         bits, default_block = BLOCKS[scheme]
         block_size = block_size or default_block
-        attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS else []
+        attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS and attention_bits != 4 else []
         if "" in attention:
             raise QuantizeError("an attention projection's MatMul has no name to keep it in 8 bits by")
         def nbits(graph: onnx.ModelProto, bits: int, block_size: int, exclude: list[str]) -> onnx.ModelProto:
@@ -413,6 +415,8 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
             attention_bits, attention_block = BLOCKS["int8"]
             quantized = nbits(quantized, attention_bits, attention_block, [])  # the weight MatMuls the first pass left: attention's
             facts |= {"attention_bits": attention_bits, "attention_block_size": attention_block, "attention_matmuls": len(attention)}
+        elif scheme in ATTENTION_IN_8_BITS:  # asked for 4: attention's projections went with the rest
+            facts |= {"attention_bits": bits}
         facts |= {"shared_embedding": share_tied_table(quantized, plan) > 0,
                   "quantized_embedding": quantize_untied_tables(quantized, bits, block_size, plan) > 0}
     elif scheme == "int8-dynamic":

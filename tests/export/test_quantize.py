@@ -147,6 +147,9 @@ def test_a_quantized_artifact_streams_english_over_grpc(quantized):
         (["--quantize", "int4", "--dtype", "float16"], "--quantize int4 quantizes a float32 graph"),
         (["--attention", "fused", "--kv-cache", "concat"], "--attention fused: fused attention is a slots KV cache graph (got --kv-cache concat)"),
         (["--attention", "flash"], "argument --attention: invalid choice: 'flash'"),
+        (["--attention-bits", "4"], "--attention-bits 4: attention's bits are chosen in an int4 export (--quantize int4)"),
+        (["--quantize", "int8", "--attention-bits", "4"], "--attention-bits 4: attention's bits are chosen in an int4 export"),
+        (["--quantize", "int4", "--attention-bits", "2"], "argument --attention-bits: invalid choice: 2"),
     ],
 )
 def test_bad_quantize_values_exit_2_in_one_line_and_write_nothing(tmp_path, args, message):
@@ -174,6 +177,27 @@ def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf
     weights = {i.name for i in graph.graph.initializer}
     assert sum(n.op_type == "MatMulNBits" for n in graph.graph.node) == 4 * model.config.n_layer + 1
     assert not [n for n in graph.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]  # no float weight left
+
+
+def test_int4_with_attention_in_4_bits_quantizes_every_matrix_in_4_bits_and_passes_parity(make_hf_llama, tmp_path):
+    """--attention-bits 4: Q/K/V and W_O go with the rest (as llama.cpp's Q4_0 has them), the manifest says so, and the
+    artifact is held to the same int4 bounds."""
+    from kvserve.export.pipeline import export_artifact
+    from kvserve.model.checkpoint import load_checkpoint
+
+    from ..conftest import LLAMA_CONFIGS
+
+    model_type, config = LLAMA_CONFIGS["llama gqa 4:1 head_dim 24 untied"]
+    _, checkpoint = make_hf_llama(model_type, **(config | {"initializer_range": 0.02}))
+    model = load_checkpoint(checkpoint)
+    out = tmp_path / "int4-attention4"
+    report = export_artifact(model, {"kind": "checkpoint", "path": str(checkpoint)}, out, provider=PROVIDER, quantize="int4", attention_bits=4)
+    assert report.passed
+    quantization = open_artifact(out).manifest["quantization"]
+    assert quantization["attention_bits"] == 4 and "attention_matmuls" not in quantization
+    graph = onnx.load(str(out / "model.onnx"))
+    bits = [{a.name: a.i for a in n.attribute}["bits"] for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    assert len(bits) == 4 * model.config.n_layer + 1 and set(bits) == {4}
 
 
 def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf_llama, tmp_path):
