@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,7 @@ def precision(artifact) -> str | None:
 
 def write_checkpoint(source: dict, directory: Path) -> list[int]:
     """The source's weights as a transformers checkpoint with GPT-2's tokenizer (a preset's seeded weights saved; a
-    checkpoint's files linked as they are); the eager model's greedy tokens for the benchmark's prompt (the check
+    checkpoint's files hard-linked as they are); the eager model's greedy tokens for the benchmark's prompt (the check
     llama.cpp must pass; a checkpoint's model streamed block by block, as verify runs it)."""
     from kvserve.export.pipeline import load_source
     from kvserve.model.checkpoint import save_checkpoint
@@ -76,7 +77,10 @@ def write_checkpoint(source: dict, directory: Path) -> list[int]:
         model, _ = load_source(None, source["path"])
         for file in Path(source["path"]).iterdir():
             if not file.name.startswith("tokenizer"):
-                (directory / file.name).symlink_to(file)
+                try:
+                    os.link(file, directory / file.name)  # the same bytes under a second name: gigabytes not copied
+                except OSError:  # another file system
+                    shutil.copy2(file, directory / file.name)
     gpt2_tokenizer().save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     ids = bench_prompt(min(model.config.vocab_size, GPT2_VOCAB))
