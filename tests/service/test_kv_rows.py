@@ -183,3 +183,25 @@ def test_kv_memory_stays_within_the_budget_while_a_flood_runs_through_rows_that_
         done += len(rows.rows)
         rows.release(rows.rows)
     assert done == 16 and peak < 16_000 * 4096 + (16 << 20), peak  # the budget (64 MB) and some slack, never 512 MiB
+
+
+def test_ring_rows_count_at_most_their_ring_and_hand_on_only_prefixes_their_rings_still_hold():
+    """A pool whose layer 1 is a ring of 20 positions (layer 0 whole): a row's bytes grow by both layers' K/V a token up to
+    the ring and by layer 0's after; the budget's tokens are solved from that; a cached row that wrote past its ring hands
+    on a prefix only within 16 positions of its end (contract/config.py RING_SLACK)."""
+    pool = SlotPool(4, 1, 1, 64, 2, np.float32, "cpu", KvTraffic(), rings={1: 21}, scratch_position=63)
+    rows = KvRows(pool, "cpu", 2, budget_bytes=(30 + 20) * 8)  # 30 tokens of layer 0's K and V, 20 of the ring's
+    assert pool.ring == 20 and pool.scratch == 63 and rows.token_bytes == 2 * 2 * 4
+    assert [rows.tokens_bytes(n) for n in (10, 20, 30)] == [10 * 16, 20 * 16, 30 * 8 + 20 * 8]
+    assert rows.budget_tokens() == 30 and rows.row_bytes() == (64 + 21) * 4 * 2
+    rows = KvRows(pool, "cpu", 2)  # no budget: nothing cached is given back
+    long, short = prompt(1, 64)[:48], prompt(2, 64)[:18]
+    for ids in (long, short):
+        seq = _greedy_sequence(len(ids), ids, 4)
+        seq.max_new_tokens = 0
+        rows.join(seq)
+        seq.cached_tokens, seq.finished = len(ids), True
+        rows.release([seq])
+    assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:32] + [7, 7], 4)) == 32  # 48 - 32 = 16: within 16 of its end
+    assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:31] + [7, 7], 4)) == 0  # 17 short: not taken
+    assert rows.reusable_prompt_tokens(_greedy_sequence(9, short[:16] + [7, 7], 4)) == 16  # never wrapped: any prefix
