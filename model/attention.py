@@ -225,7 +225,7 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False,
     """A `slots` step's q (N, H, d_k) and new k, v (N, H_kv, d_k), decode rows first, against the row pool
     past (each (S, H_kv, C_cap, d_k), of the store's dtype: kv_storage.py); local: a sliding-window layer's. Returns the
     attention output (N, H * d_k) and the pool, written."""
-    N, H, d_k = q.shape
+    d_k = q.shape[2]
     B = step.n_decode
     if store is not None:
         scales = (None, None) if not store.quantized else (store.key_scale[0, :, 0], store.value_scale[0, :, 0])  # (H_kv, d_k)
@@ -239,23 +239,32 @@ def slots_attention(q, k, v, step: SlotStep, past: LayerKV, local: bool = False,
     k_cells, v_cells = k.reshape(-1, d_k), v.reshape(-1, d_k)  # (S * H_kv * C_cap, d_k): the same memory
     k_decode, v_decode = k_cells[step.decode_cells], v_cells[step.decode_cells]  # (B, H_kv, W, d_k)
     k_row, v_row = k_cells[step.chunk_cells], v_cells[step.chunk_cells]  # (H_kv, 1, W_c, d_k)
+    biases = (step.decode_bias_local, step.chunk_bias_local) if local else (step.decode_bias, step.chunk_bias)
+    return _decode_and_chunk(q, B, (k_decode, v_decode), (k_row, v_row), biases, scale, softcap, store), (k, v)
+
+
+def _decode_and_chunk(q, B: int, decode_kv, chunk_kv, biases, scale: float | None, softcap: float | None,
+                      store: LayerKvStore | None) -> torch.Tensor:
+    """The decode rows' and the chunk's attention over the K/V each reads (decode_kv: 2 x (B, H_kv, W, d_k); chunk_kv:
+    2 x (H_kv, 1, W_c, d_k); as the store holds them, read back here in the compute dtype), biases (decode's, chunk's).
+    Returns (N, H * d_k), the decode rows first."""
+    (k_decode, v_decode), (k_row, v_row) = decode_kv, chunk_kv
     if store is not None:  # read back in the compute dtype
         k_decode = read_back(k_decode, store.key_scale, q.dtype)  # scales (1, H_kv, 1, d_k)
         v_decode = read_back(v_decode, store.value_scale, q.dtype)
         row_scales = (None, None) if not store.quantized else (store.key_scale.transpose(0, 1), store.value_scale.transpose(0, 1))  # (H_kv, 1, 1, d_k)
         k_row, v_row = read_back(k_row, row_scales[0], q.dtype), read_back(v_row, row_scales[1], q.dtype)
-    q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
-    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.decode_bias_local if local else step.decode_bias, scale, softcap)  # (B, H * d_k)
-    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.chunk_bias_local if local else step.chunk_bias, scale, softcap)  # (T, H * d_k)
-    y = torch.cat([y_decode, y_chunk])  # (N, H * d_k)
-    return y, (k, v)
+    q_decode, q_chunk = q.split([B, q.shape[0] - B])  # (B, H, d_k), (T, H, d_k)
+    y_decode = one_token_attention(q_decode, k_decode, v_decode, biases[0], scale, softcap)  # (B, H * d_k)
+    y_chunk = chunk_attention(q_chunk, k_row, v_row, biases[1], scale, softcap)  # (T, H * d_k)
+    return torch.cat([y_decode, y_chunk])  # (N, H * d_k)
 
 
 def ring_attention(q, k, v, step: SlotStep, past: LayerKV, scale: float | None, softcap: float | None,
                    store: LayerKvStore | None) -> tuple[torch.Tensor, LayerKV]:
     """slots_attention for a ring layer (SlotStep._ring_indices): q (N, H, d_k), k and v (N, H_kv, d_k) as stored, past
     each (S, H_kv, R + 1, d_k). Returns the attention output (N, H * d_k) and the rings, written."""
-    N, H, d_k = q.shape
+    d_k = q.shape[2]
     B = step.n_decode
     past_k, past_v = past
     old_k, old_v = past_k.reshape(-1, d_k)[step.ring_chunk_cells], past_v.reshape(-1, d_k)[step.ring_chunk_cells]  # (H_kv, 1, W_cr, d_k)
@@ -269,12 +278,5 @@ def ring_attention(q, k, v, step: SlotStep, past: LayerKV, scale: float | None, 
     k_decode, v_decode = ring_k.reshape(-1, d_k)[step.ring_decode_cells], ring_v.reshape(-1, d_k)[step.ring_decode_cells]  # (B, H_kv, W_r, d_k)
     own_k, own_v = k[B:].transpose(0, 1)[:, None], v[B:].transpose(0, 1)[:, None]  # (H_kv, 1, T, d_k): the chunk's new K/V
     k_row, v_row = torch.cat([old_k, own_k], dim=2), torch.cat([old_v, own_v], dim=2)  # (H_kv, 1, W_cr + T, d_k)
-    if store is not None:  # read back in the compute dtype
-        k_decode = read_back(k_decode, store.key_scale, q.dtype)  # scales (1, H_kv, 1, d_k)
-        v_decode = read_back(v_decode, store.value_scale, q.dtype)
-        row_scales = (None, None) if not store.quantized else (store.key_scale.transpose(0, 1), store.value_scale.transpose(0, 1))  # (H_kv, 1, 1, d_k)
-        k_row, v_row = read_back(k_row, row_scales[0], q.dtype), read_back(v_row, row_scales[1], q.dtype)
-    q_decode, q_chunk = q.split([B, N - B])  # (B, H, d_k), (T, H, d_k)
-    y_decode = one_token_attention(q_decode, k_decode, v_decode, step.ring_decode_bias, scale, softcap)  # (B, H * d_k)
-    y_chunk = chunk_attention(q_chunk, k_row, v_row, step.ring_chunk_bias, scale, softcap)  # (T, H * d_k)
-    return torch.cat([y_decode, y_chunk]), (ring_k, ring_v)  # (N, H * d_k)
+    biases = (step.ring_decode_bias, step.ring_chunk_bias)
+    return _decode_and_chunk(q, B, (k_decode, v_decode), (k_row, v_row), biases, scale, softcap, store), (ring_k, ring_v)
