@@ -295,3 +295,22 @@ def test_longrope_rows_decode_at_fixed_shapes_with_their_factors(llama_artifact)
     seqs = [_greedy_sequence(i, p, 16) for i, p in enumerate(prompts)]
     Scheduler(SlotBatch(open_runtime(artifact_dir), config, 4, fixed_decode=True), step_token_budget=8).drive(seqs)
     np.testing.assert_array_equal(np.array([seq.generated for seq in seqs]), hf_greedy(hf, prompts, 16))
+
+
+@pytest.mark.parametrize("name", ["mistral sliding window 7 head_dim 16", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"])
+def test_ring_rows_decode_at_fixed_shapes_as_transformers_does(llama_artifact, name):
+    """A graph whose windowed layers are rings (every layer, or beside whole-context ones) at the fixed shapes: widths
+    past the ring and under it, scratch rows at the graph's scratch position, joins and chunks beside them."""
+    from tests.hf_reference import hf_greedy
+
+    hf, _, artifact_dir = llama_artifact(name, attention="standard")
+    artifact = open_artifact(artifact_dir)
+    assert artifact.kv_ring is not None
+    batch = SlotBatch(open_runtime(artifact_dir), artifact.config, 3, fixed_decode=True)
+    seqs = [_greedy_sequence(i, prompt(500 + i, 3 + 9 * i), 40) for i in range(5)]
+    scheduler = Scheduler(batch, step_token_budget=8)
+    scheduler.waiting.extend(seqs)
+    while scheduler.waiting or batch.kv.rows:
+        batch.run(scheduler.plan())
+    for seq in seqs:
+        assert seq.generated == hf_greedy(hf, [seq.prompt_ids], 40)[0].tolist(), seq.id
