@@ -1,6 +1,7 @@
 """The slots layout's KV cache (export's contract: contract/io_contract.py) and a count of what moves through the host.
 
-One allocation per layer's K and V, (rows, H_kv, capacity, d_k), on the session's device. On the CPU provider each is
+One allocation per layer's K and V, (rows, H_kv, capacity, d_k), on the session's device (a ring layer's (rows, H_kv,
+R + 1, d_k): its window and a block, contract/io_contract.py). On the CPU provider each is
 an anonymous mapping reserved for a whole context but committed page by page as tokens are written, so the memory a
 pool holds follows the tokens its rows hold (a row's K/V of one head is contiguous, left-aligned, so its pages fill
 from the front), and a row that is emptied gives its pages back (discard). Nothing is touched when the pool is made:

@@ -3,8 +3,10 @@ leaves behind, and the prompt cache over the free rows (vLLM's KV-cache manager 
 (batch.py) asks it for rows and runs steps in them; every row move is made here, through the pool.
 
 Each sequence holds one row of the pool, left-aligned: its token at position p lives in column p, so a row's length is
-its own and no row pads another. The pool (kvserve.runtime.SlotPool) is allocated once, for max_rows rows of a whole
-context (n_ctx columns and the scratch one), so no step ever allocates K/V. On the CPU provider its memory is
+its own and no row pads another (a sliding-window layer's rows are rings of its window instead: position p in column
+p mod R, so such a row hands on only the prefixes its rings still hold, _ring_allows). The pool
+(kvserve.runtime.SlotPool) is allocated once, for max_rows rows of a whole context (n_ctx columns and the scratch one),
+so no step ever allocates K/V. On the CPU provider its memory is
 committed as tokens are written and a row emptied gives its pages back (discard): a row that leaves with nothing kept
 for the prompt cache, a cached row overwritten by a sequence that reuses none of it, a row whose contents moved. So
 the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the pages of the longest
