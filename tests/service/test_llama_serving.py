@@ -103,17 +103,30 @@ def test_ring_rows_serve_what_transformers_generates_past_the_window(llama_ring_
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         together = list(pool.map(lambda p: collect(stub, greedy(p, STEPS), timeout=120)[0], PROMPTS))
     np.testing.assert_array_equal(np.array(together), hf_greedy(hf, PROMPTS, STEPS))
-    if PROVIDER == "cpu":  # the pool commits what rows write: the rings' at most ring columns
-        config = open_artifact(artifact).config
-        stream = stub.Generate(greedy([5, 6, 7], 120), timeout=60)
-        for count, _ in enumerate(stream, 1):
-            if count == 2 * ring - 2:
-                break
-        (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
-        column = 2 * config.n_kv_head * config.head_dim * 4  # K and V of one position of one layer
-        windowed = len(config.sliding_layers)
-        assert seq.kv_cache_bytes == column * ((config.n_layer - windowed) * seq.tokens + windowed * ring) - column * (config.n_layer - windowed)
-        stream.cancel()
+
+
+def test_a_ring_row_holds_at_most_its_ring_of_each_windowed_layer(llama_ring_server):
+    """A sequence far past its ring leaves a cached row whose bytes are its whole-context layers' K/V for every position it
+    wrote and its windowed layers' for a ring (the CPU pool commits memory as rows write it; under CUDA a row is its
+    whole width: the context and a scratch column, a ring and its scratch column)."""
+    _, artifact, _ = llama_ring_server
+    opened = open_artifact(artifact)
+    config, ring = opened.config, opened.kv_ring
+    running = start_server(artifact, max_batch_size=1)
+    try:
+        with grpc.insecure_channel(running.target) as channel:
+            stub = pb_grpc.GenerationServiceStub(channel)
+            collect(stub, greedy([5, 6, 7], 120))
+            live = stub.GetModelInfo(pb.GetModelInfoRequest()).live
+    finally:
+        running.stop()
+    column = 2 * config.n_kv_head * config.head_dim * 4  # K and V of one position of one layer, float32
+    windowed, written = len(config.sliding_layers), 3 + 120 - 1  # the last token is never fed back
+    assert live.cached_rows == 1 and written > ring
+    if PROVIDER == "cpu":
+        assert live.cached_kv_cache_bytes == column * ((config.n_layer - windowed) * written + windowed * ring)
+    else:
+        assert live.cached_kv_cache_bytes == column * ((config.n_layer - windowed) * (config.n_ctx + 1) + windowed * (ring + 1))
 
 
 def test_ring_rows_reuse_a_cached_prefix_inside_and_past_the_window_and_refuse_one_their_ring_lost(llama_ring_server):
