@@ -194,6 +194,10 @@ class DecoderConfig:
         """The layers whose standard slots cache rows are rings (kv_ring); () when none are."""
         return self.sliding_layers if self.kv_ring is not None else ()
 
+    def ring_columns(self) -> dict[int, int]:
+        """{layer: columns} of a standard slots cache's ring rows: the ring and its scratch column; {} when none are."""
+        return {layer: self.kv_ring + 1 for layer in self.ring_layers()}
+
     @property
     def long_rope_after(self) -> int | None:
         """longrope: the length past which a sequence turns by the long factors (original_max_position_embeddings);

@@ -121,8 +121,8 @@ def _slots_example_inputs(model: Decoder, dtype: torch.dtype):
         torch.tensor([1], dtype=torch.int64),
         torch.arange(n_logits, dtype=torch.int64),
     )
-    rings = set(config.ring_layers())
-    shapes = [kv_shape[:2] + (config.kv_ring + 1,) + kv_shape[3:] if layer in rings else kv_shape for layer in range(config.n_layer)]  # ring rows: fixed
+    rings = config.ring_columns()
+    shapes = [kv_shape[:2] + (rings[layer],) + kv_shape[3:] if layer in rings else kv_shape for layer in range(config.n_layer)]  # ring rows: fixed
     kv = tuple((torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for shape in shapes)
     return step + (kv,)
 
@@ -336,7 +336,7 @@ def _trace(model: Decoder, dtype: str, kv_cache: str, attention: str, kv_dtype: 
     if attention == io.FUSED:
         expand_rows_and_chunk_attention(model_proto, dtype, kv_dtype)
     ring = config.kv_ring if kv_cache == io.SLOTS and attention == io.STANDARD else None
-    rings = {} if ring is None else {layer: ring + 1 for layer in config.ring_layers()}
+    rings = {} if ring is None else config.ring_columns()
     spec = io.io_spec(n_layer, config.n_kv_head, config.d_head, config.vocab_size, dtype, kv_cache, attention, kv_dtype, long_rope, rings)
     _name_axes(model_proto, spec)
     if ring is not None:

@@ -96,8 +96,7 @@ class SlotsDriver:
             self.chunk = self.CHUNK
 
     def _run(self, tokens, positions, chunk=(), start=0, slot=0, logits_index=()):
-        real = positions[positions != self.pool.scratch]  # a scratch token reads nothing it needs
-        width = min(int(real.max(initial=0)) + 1, self.capacity) if self.decoding else 1
+        width = self._decode_width(positions) if self.decoding else 1
         mask = (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)  # (B, W)
         sampled = self.runtime.run_slots(self.pool, tokens, positions, mask, np.asarray(chunk, np.int64), start, slot,
                                          np.asarray(logits_index, np.int64), long_rope=self.long.astype(np.int64),
@@ -106,9 +105,14 @@ class SlotsDriver:
         self.argmax_mismatches += int((sampled.greedy_tokens != sampled.logits.argmax(-1)).sum())
         return sampled.logits
 
+    def _decode_width(self, positions: np.ndarray) -> int:
+        """Columns a decode step's rows read: up to the longest real row's (a scratch token reads nothing it needs; a ring
+        graph's runs past the pool's width)."""
+        return min(int(positions[positions != self.pool.scratch].max(initial=0)) + 1, self.capacity)
+
     def _run_fixed(self, tokens, positions):
         """A decode step through run_decode, every row's logits: what `serve --cuda-graph` runs (and captures)."""
-        width = min(int(positions[positions != self.pool.scratch].max(initial=0)) + 1, self.capacity)
+        width = self._decode_width(positions)
         mask = None if self.runtime.attention == io.FUSED else (np.arange(width)[None, :] <= positions[:, None]).astype(np.int64)
         sampled = self.runtime.run_decode(self.pool, tokens, positions, mask, long_rope=self.long.astype(np.int64))
         logits = sampled.logits.copy()  # the fixed step's own buffer on the CPU provider: the next step overwrites it

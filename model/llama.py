@@ -212,9 +212,8 @@ class Llama(nn.Module):
         """Zeroed K/V of the K/V heads for every layer (see GPT2.empty_cache). rings: a standard slots pool, whose ring
         layers hold their ring and its scratch column (DecoderConfig.kv_ring) instead of capacity columns."""
         param = self.model.embed_tokens.weight
-        config, rings = self.config, set(self.config.ring_layers()) if rings else set()
-        shapes = [(batch_size, config.n_kv_head, config.kv_ring + 1 if layer in rings else capacity, config.head_dim)
-                  for layer in range(config.n_layer)]  # each (B, H_kv, C, d_k)
+        config, rings = self.config, self.config.ring_columns() if rings else {}
+        shapes = [(batch_size, config.n_kv_head, rings.get(layer, capacity), config.head_dim) for layer in range(config.n_layer)]  # each (B, H_kv, C, d_k)
         return [(param.new_zeros(shape), param.new_zeros(shape)) for shape in shapes]
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
