@@ -62,13 +62,6 @@ def first_line(exc: BaseException) -> str:
 CUDA_DISABLED_FUSIONS = ["BiasSoftmaxFusion"]
 
 
-# MatMulNBits' blocks repacked for the CPU kernels on every thread as a session opens: a Qwen3-4B-shaped int4 server's
-# session in 1.6 s instead of 4.5 on 2 cores (AMD EPYC Zen 5; docs/models.md), at the cost of more repacked weights in
-# memory at once (an 839 M-parameter int8 verify: 2.58 GB peak against 2.45), so the server asks for it and export's
-# memory-bounded verify does not.
-PARALLEL_PREPACK = "session.prepack.enable_parallel"
-
-
 def cuda_available() -> bool:
     """Whether the CUDA provider can start here (what provider "auto" then picks)."""
     return _cuda_missing_reason() is None
@@ -87,10 +80,11 @@ class OpenedSession:
         return "cuda" if self.provider == CUDA else "cpu"
 
 
-def open_session(model_path: str | Path, dtype: str, provider: str = "auto", threads: int = 0, cuda_graph: bool = False,
-                 parallel_prepack: bool = False) -> OpenedSession:
-    """A session over the graph at model_path on the best provider provider allows; cuda_graph: with capture enabled;
-    parallel_prepack: the weights repacked for the CPU kernels on every thread (PARALLEL_PREPACK)."""
+def open_session(model_path: str | Path, dtype: str, provider: str = "auto", threads: int = 0, cuda_graph: bool = False) -> OpenedSession:
+    """A session over the graph at model_path on the best provider provider allows; cuda_graph: with capture enabled.
+    Weights are repacked for the CPU kernels one at a time, ONNX Runtime's default: on every thread
+    (session.prepack.enable_parallel) a Qwen3-4B-shaped int4 server reached SERVING 0.8 s sooner but peaked at 5.44 GB
+    during its start instead of 3.16 (2-core AMD EPYC Zen 5, bench/kv_memory.py; docs/models.md)."""
     if provider not in PROVIDER_CHOICES:
         raise ProviderUnavailable(f"unknown provider {provider!r}; choose one of {', '.join(PROVIDER_CHOICES)}")
     fallback_reason = None
@@ -107,8 +101,6 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
-    if parallel_prepack:
-        options.add_session_config_entry(PARALLEL_PREPACK, "1")
     session, captures_decode, cuda_graph_note = None, False, None
     if cuda_graph and providers[0] == CPU:
         cuda_graph_note = "CUDA graphs need the CUDA provider; decode steps run uncaptured"

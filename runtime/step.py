@@ -38,16 +38,15 @@ class DecoderRuntime:
     """One ONNX Runtime session over an exported decoder graph, and the slots step over it."""
 
     def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0,
-                 cuda_graph: bool = False, decode_graph: bool | None = None, parallel_prepack: bool = False):
-        """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode);
-        parallel_prepack: weights repacked on every thread as the sessions open (providers.PARALLEL_PREPACK: the server's).
+                 cuda_graph: bool = False, decode_graph: bool | None = None):
+        """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode).
         decode_graph: a fused graph's fixed-shape decode steps run its artifact's decode graph (DECODE_GRAPH_FILE beside
         model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider)."""
         model_path = Path(model_path)
         decode_path = model_path.parent / DECODE_GRAPH_FILE
         fused_decode = decode_path.exists() and (decode_graph or (decode_graph is None and cuda_graph and planned_device(provider) == "cuda"))
         # A fused step graph holds an If, which no CUDA graph captures: its decode steps are the decode graph's to capture.
-        opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode, parallel_prepack)
+        opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode)
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
         self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
@@ -78,7 +77,7 @@ class DecoderRuntime:
         captures, note, decode_session = opened.captures_decode, opened.cuda_graph_note, None
         if self.attention == io.FUSED:
             if fused_decode:
-                decoder = open_session(decode_path, dtype, opened.device, threads, cuda_graph, parallel_prepack)
+                decoder = open_session(decode_path, dtype, opened.device, threads, cuda_graph)
                 decode_session, captures, note = decoder.session, decoder.captures_decode, decoder.cuda_graph_note
             elif cuda_graph:
                 captures, note = False, "CUDA graphs off: this fused artifact has no decode graph (re-export it); decode steps run uncaptured"

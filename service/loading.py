@@ -71,7 +71,7 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     on_session(runtime) is told the session as soon as it is open (the server reports its provider)."""
     config = served_config(artifact.config, options.max_context)
     runtime = await asyncio.to_thread(DecoderRuntime, artifact.model_path, config.n_layer, artifact.dtype, options.provider,
-                                      cuda_graph=options.cuda_graph, parallel_prepack=True)  # a start's seconds before its peak
+                                      cuda_graph=options.cuda_graph)
     if runtime.fallback_reason:
         log.warning("serving on the CPU provider: %s", runtime.fallback_reason)
     if runtime.cuda_graph_note:

@@ -47,13 +47,3 @@ def test_a_cuda_session_leaves_add_and_softmax_unfused(tiny_standard_artifact, m
     providers._open(model, options, [(providers.CUDA, {}), providers.CPU])
     providers._open(model, options, [providers.CPU])
     assert opened == [((providers.CUDA, {}), ["BiasSoftmaxFusion"]), (providers.CPU, [])]
-
-
-def test_weights_are_repacked_on_every_thread_when_asked(tiny_artifact):
-    """The server's session repacks MatMulNBits' blocks in parallel (a Qwen3-4B-shaped int4 session: 1.6 s against 4.5
-    on 2 cores, docs/models.md); export's memory-bounded verify keeps one weight at a time."""
-    options = open_session(tiny_artifact / "model.onnx", "float32", "cpu", parallel_prepack=True).session.get_session_options()
-    assert options.get_session_config_entry("session.prepack.enable_parallel") == "1"
-    options = open_session(tiny_artifact / "model.onnx", "float32", "cpu").session.get_session_options()
-    with pytest.raises(RuntimeError, match="does not have configuration"):  # not set: ONNX Runtime's default, one at a time
-        options.get_session_config_entry("session.prepack.enable_parallel")
