@@ -5,7 +5,9 @@
 # PARTS picks and orders them, most telling first (a lent machine's time runs out): parity, then tests, then bench;
 # capture is the short loan's run: CUDA graphs on gpt2 and qwen2.5-0.5b float16 against their floors, parity included;
 # fused the same with fused attention's decode graphs, torch's captured decode beside them, and the kernels a step;
-# serve the server's side of them (each kind of step's time under load, gRPC at 1 to 256 streams, their CUDA tests).
+# serve the server's side of them (each kind of step's time under load, gRPC at 1 to 256 streams, their CUDA tests);
+# stalls where a loaded engine's slow steps come from: its first load (every shape new) against its second, the nodes
+# ONNX Runtime's profiler finds slow in them, and the same without memory patterns, fused and standard.
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
@@ -91,8 +93,20 @@ for part in $PARTS; do
       step tests-cuda-fixed-decode env KVSERVE_TEST_PROVIDER=cuda timeout 200 $PY -m pytest -q -p no:cacheprovider \
         tests/service/test_fixed_decode.py tests/export/test_decode_graph.py tests/runtime/test_pool.py
       ;;
+    stalls)
+      export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
+      step stalls-gpt2-fp16-fused $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" --cuda-graph \
+        --streams 16 --ort-profile /tmp/kvserve-profile-fused
+      step stalls-gpt2-fp16-fused-no-mem-pattern $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+        --cuda-graph --streams 16 --no-mem-pattern
+      export_cuda gpt2-float16-standard --preset gpt2 --dtype float16 --attention standard --out "$ART/gpt2-float16-standard"
+      step stalls-gpt2-fp16-standard $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
+        --streams 16 --ort-profile /tmp/kvserve-profile-standard
+      ;;
     tests)
-      step tests-cuda env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider tests/service/test_generation.py \
+      # PYTEST_ARGS: e.g. "-n 8 -v" (pytest-xdist on the GPU image) so a short loan reaches every test; TESTS_TIMEOUT bounds it.
+      step tests-cuda env KVSERVE_TEST_PROVIDER=cuda timeout "${TESTS_TIMEOUT:-3600}" $PY -m pytest -q -p no:cacheprovider \
+        ${PYTEST_ARGS:-} tests/service/test_generation.py \
         tests/service/test_batch.py tests/service/test_scheduler.py tests/service/test_kv_rows.py tests/service/test_engine.py \
         tests/service/test_prompt_cache.py tests/runtime tests/service/test_structured.py tests/service/test_fixed_decode.py \
         tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py
@@ -115,7 +129,7 @@ for part in $PARTS; do
       step bench-serving-cuda $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32"
       ;;
     *)
-      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, tests, bench)"
+      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, tests, bench)"
       exit 2
       ;;
   esac
