@@ -7,7 +7,9 @@
 # fused the same with fused attention's decode graphs, torch's captured decode beside them, and the kernels a step;
 # serve the server's side of them (each kind of step's time under load, gRPC at 1 to 256 streams, their CUDA tests);
 # stalls where a loaded engine's slow steps come from: its first load (every shape new) against its second, the nodes
-# ONNX Runtime's profiler finds slow in them, and the same without memory patterns, fused and standard.
+# ONNX Runtime's profiler finds slow in them, and the same without memory patterns, fused and standard; bounds every
+# float16 slots export of the suite's configs on CUDA across three seeds and float32 on CUDA (the ring rows' export
+# among them), each check's error printed with the bound opened (bench/parity_errors.py), then Phi-3's crossing.
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
@@ -103,6 +105,12 @@ for part in $PARTS; do
       step stalls-gpt2-fp16-standard $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
         --streams 16 --ort-profile /tmp/kvserve-profile-standard
       ;;
+    bounds)
+      step bounds-float16-cuda $PY bench/parity_errors.py --provider cuda --dtype float16 --seeds 3
+      step bounds-float32-cuda $PY bench/parity_errors.py --provider cuda --only mistral gemma3 phi3
+      step tests-cuda-crossing env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
+        tests/service/test_llama_serving.py -k "crossed or longrope_streams"
+      ;;
     tests)
       # PYTEST_ARGS: e.g. "-n 8 -v" (pytest-xdist on the GPU image) so a short loan reaches every test; TESTS_TIMEOUT bounds it.
       step tests-cuda env KVSERVE_TEST_PROVIDER=cuda timeout "${TESTS_TIMEOUT:-3600}" $PY -m pytest -q -p no:cacheprovider \
@@ -129,7 +137,7 @@ for part in $PARTS; do
       step bench-serving-cuda $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32"
       ;;
     *)
-      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, tests, bench)"
+      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, bounds, tests, bench)"
       exit 2
       ;;
   esac
