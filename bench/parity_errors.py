@@ -1,4 +1,4 @@
-"""How far float32 artifacts are from the eager reference on this CPU: the numbers the float32 bounds are set from.
+"""How far artifacts are from the eager reference: on this CPU in float32, the numbers the float32 bounds are set from.
 
 Exports every float32 model the test suite exports (the tiny presets, the trained default model, and the
 Llama-family test configs in each attention the suite uses) with the float32 bounds opened wide, so every check
@@ -102,6 +102,8 @@ def main() -> None:
                         help="the graphs' dtype (float16: the slots cases, its bound opened instead)")
     parser.add_argument("--seeds", type=int, default=1, help="each Llama-family config with this many random weights (default 1)")
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error(f"--seeds counts the random weights each config is built with: at least 1, not {args.seeds}")
     if args.kv_dtype and args.dtype != "float32":
         parser.error("--kv-dtype measures K/V dtypes beside float32 graphs; leave --dtype out")
     if args.kv_scales:
@@ -128,8 +130,8 @@ def main() -> None:
             continue
         try:
             report = export_artifact(model, source, work / f"artifact-{index}", provider=args.provider, **extra)
-        except Exception as exc:  # a case the dtype or provider refuses (a fused graph's head size, say): named, not fatal
-            print(f"| {label} | {extra} | refused: {str(exc).splitlines()[0][:120]} | | | | |")
+        except Exception as exc:  # a case the dtype or provider refuses (a fused graph's head size, say), or a fault: named, not fatal
+            print(f"| {label} | {extra} | export failed: {str(exc).splitlines()[0][:120]} | | | | |")
             continue
         layout = f"{report.kv_cache}, {report.attention}"
         for check in report.checks:

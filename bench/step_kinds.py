@@ -142,7 +142,7 @@ def slow_run_nodes(profile: str, top: int = 10) -> None:
         return
     durations = np.array([end - start for start, end in runs])
     threshold = 3 * np.median(durations)
-    slow = [(start, end) for start, end in runs if end - start > threshold]
+    slow = {(start, end) for start, end in runs if end - start > threshold}
     starts = np.array([start for start, _ in runs])
     in_slow, elsewhere = collections.defaultdict(list), collections.defaultdict(list)
     names = {}
