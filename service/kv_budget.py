@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from decimal import Decimal
-from pathlib import Path
+
+from ..runtime.machine_memory import memory_limit
 
 # The default budget: this share of the memory the server may use (the container's limit where one is set, else the
 # machine's); the rest is the weights, ONNX Runtime's buffers and the process itself.
@@ -19,7 +20,6 @@ DEFAULT_SHARE = 0.5
 # The smallest budget a server starts with, in tokens of its model's K/V: its warm-up's sequences must fit, and a
 # budget below a short prompt's would refuse every request.
 MIN_BUDGET_TOKENS = 64
-CGROUP_LIMITS = (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"))  # v2, v1
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 MAX_SIZE = 2**63 - 1  # bytes: past this no machine addresses memory
 _UNITS = {"": 1, "b": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4, "ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
@@ -35,20 +35,6 @@ def parse_size(text: str) -> int:
     if value > MAX_SIZE:  # compared before int(): no digit limit or overflow can be reached
         raise ValueError(f"{text[:40]!r} is past the largest size, {MAX_SIZE} bytes (what a 64-bit machine addresses)")
     return int(value)
-
-
-def memory_limit() -> int:
-    """The memory this process may use: the machine's, or its cgroup's limit where that is lower."""
-    with open("/proc/meminfo") as meminfo:
-        total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
-    for path in CGROUP_LIMITS:
-        try:
-            text = path.read_text().strip()
-        except OSError:
-            continue
-        if text.isdigit():
-            total = min(total, int(text))  # v1 writes a huge number for "no limit": min keeps the machine's
-    return total
 
 
 def default_budget() -> int:
