@@ -7,6 +7,7 @@ the graph passed onnx.checker and the parity checks, so a failure never leaves a
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -27,9 +28,11 @@ from kvserve.model.generate import generate
 from kvserve.model.kv_storage import kv_stored_as
 from kvserve.model.presets import preset
 from kvserve.model.vocabulary import write_preset_tokenizer
-from kvserve.model.weights import reference_model, weight_source_of, weights_checksum
+from kvserve.model.weights import float32_bytes, reference_model, weight_source_of, weights_checksum
 from kvserve.progress import stage
 from kvserve.runtime import cuda_available
+from kvserve.runtime.machine_memory import memory_limit
+from kvserve.runtime.providers import planned_device
 
 from .decode_graph import save_decode_graph, writes_decode_graph
 from .graph_fusions import fuse_operators
@@ -133,6 +136,43 @@ def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, r
     return io.STANDARD if refusal or (dtype == "float32" and on_cuda) or float16_cache else io.FUSED
 
 
+# ONNX Runtime's CPU provider runs a float16 graph in float32: each session over it holds float32 copies of the weights
+# beside the float16 file's mapped pages, about 3x the file. Measured: qwen3-0.6b's fused float16 export (1.2 GB of
+# weights, two sessions: the step graph and its decode graph) peaked at 8.4 GB, its eager float32 model (2.4 GB) included;
+# the Qwen3-4B shape's (8.0 GB) was killed past 21 GB in verify (2-core AMD EPYC Zen 5, docs/models.md).
+CPU_FLOAT16_SESSION_FACTOR = 3
+
+
+def cpu_float16_refusal(model: Decoder, dtype: str, kv_cache: str, attention: str, provider: str) -> str | None:
+    """Why a float16 export cannot be verified on this machine's CPU (its memory), or None where it can or CUDA verifies it."""
+    if dtype != "float16" or planned_device(provider) != "cpu":
+        return None
+    file_bytes = float32_bytes(weight_source_of(model)) // 2
+    sessions = 2 if writes_decode_graph(dtype, kv_cache, attention) else 1
+    need, limit = sessions * CPU_FLOAT16_SESSION_FACTOR * file_bytes, memory_limit()
+    if need <= limit:
+        return None
+    return (f"--dtype float16: verifying {file_bytes / 1e9:.1f} GB of float16 weights on the CPU takes about {need / 1e9:.0f} GB "
+            f"(ONNX Runtime computes float16 in float32 there, {sessions} session{'s' if sessions > 1 else ''}) and this process may use "
+            f"{limit / 1e9:.1f} GB: export float16 on a machine whose GPU verifies it (--provider cuda), or --quantize int8 or int4 "
+            f"for the CPU")
+
+
+def remove_abandoned_staging(out: Path) -> None:
+    """Delete the staging directories of earlier exports to out whose process is gone: an export killed outright (by the
+    kernel's OOM killer, SIGKILL) cannot remove its own, and a large model's holds its whole weights file."""
+    for staging in out.parent.glob(f".{out.name}.partial-*"):
+        owner = staging.name.removeprefix(f".{out.name}.partial-").split("-", 1)[0]
+        if not owner.isdigit():
+            continue  # an older kvserve's staging names no process: left alone
+        try:
+            os.kill(int(owner), 0)
+        except ProcessLookupError:
+            shutil.rmtree(staging, ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live process
+
+
 def export_artifact(
     model: Decoder,
     source: dict,
@@ -165,10 +205,13 @@ def export_artifact(
         raise ExportError(refusal)
     kv_dtype = kv_dtype or dtype
     attention = choose_attention(model, kv_cache, dtype, provider, attention, kv_dtype)
+    if (refusal := cpu_float16_refusal(model, dtype, kv_cache, attention, provider)) is not None:
+        raise ExportError(refusal)
     if out.exists() and not overwrite:
         raise ExportError(f"{out} already exists; pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    remove_abandoned_staging(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
     try:
         model = model.float().eval()
         kv_scales, kv_quantization = None, None

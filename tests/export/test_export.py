@@ -228,3 +228,42 @@ def test_a_slots_graph_outputs_each_sampled_rows_argmax_and_verify_holds_it_to_t
     assert argmax["rows"] > 100 and argmax["mismatches"] == 0  # every row of every verify step, prefill chunks included
     again = verify(tiny_artifact, reference_for(tiny_artifact), provider=PROVIDER)  # verify is deterministic: the same rows
     assert f"greedy_tokens output vs its logits' argmax: {argmax['rows']} of {argmax['rows']} rows equal" in format_report(again)
+
+
+def test_a_float16_export_the_cpu_cannot_verify_in_its_memory_is_refused_before_it_starts(tmp_path, tiny_model, monkeypatch):
+    from kvserve.export import pipeline
+    from kvserve.model.weights import ModelWeights, float32_bytes
+
+    float16_bytes = float32_bytes(ModelWeights(tiny_model)) // 2
+    # fused float16: the step graph's session and the decode graph's, each float32 copies beside the mapped file
+    monkeypatch.setattr(pipeline, "memory_limit", lambda: 2 * pipeline.CPU_FLOAT16_SESSION_FACTOR * float16_bytes - 1)
+    with pytest.raises(pipeline.ExportError, match=r"--dtype float16: verifying .* on the CPU takes about .*--quantize int8 or int4"):
+        pipeline.export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "fp16", dtype="float16", provider="cpu")
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(pipeline, "memory_limit", lambda: 2 * pipeline.CPU_FLOAT16_SESSION_FACTOR * float16_bytes)
+    assert pipeline.cpu_float16_refusal(tiny_model, "float16", "slots", "fused", "cpu") is None
+    assert pipeline.cpu_float16_refusal(tiny_model, "float16", "slots", "standard", "cpu") is None  # one session: half
+    assert pipeline.cpu_float16_refusal(tiny_model, "float32", "slots", "fused", "cpu") is None
+
+
+def test_an_export_removes_the_staging_a_killed_export_left_and_keeps_a_live_ones(tmp_path, tiny_model):
+    import subprocess
+    import sys
+
+    from kvserve.export import pipeline
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        abandoned = tmp_path / f".artifact.partial-{int(gone.stdout)}-x1y2"
+        running = tmp_path / f".artifact.partial-{live.pid}-a1b2"
+        unnamed = tmp_path / ".artifact.partial-q9w8e7"  # an older kvserve's: no process named
+        other = tmp_path / f".other.partial-{int(gone.stdout)}-z9"
+        for directory in (abandoned, running, unnamed, other):
+            directory.mkdir()
+            (directory / "model.onnx.data").write_bytes(b"\0" * 16)
+        pipeline.export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, tmp_path / "artifact", provider="cpu")
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["artifact", running.name, unnamed.name, other.name])
+    finally:
+        live.kill()
+        live.wait()
