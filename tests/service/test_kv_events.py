@@ -171,3 +171,83 @@ def test_busy_steps_share_a_message_and_an_idle_batch_flushes_at_once(tmp_path):
     assert publisher._next_sequence == 2 and not publisher._pending
     assert msgpack.unpackb(publisher._history[-1][1])[1] == [["BlockRemoved", [2], "CPU"], ["BlockRemoved", [3], "CPU"]]
     publisher.close()
+
+
+def test_llmds_index_fed_by_two_replicas_events_scores_the_holder_of_the_longest_prefix_highest(tiny_artifact, tmp_path):
+    """bench/llmd_index.py (llm-d-router's documented key chain, event handling and LongestPrefix score, written from its
+    sources, not from our publisher) reads two serving replicas' events: the replica that served a prompt's start
+    scores its blocks, the other what it shares of it, and one that let a prefix go stops scoring it."""
+    import sys
+
+    from ..conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from llmd_index import BLOCK, LlmdPrefixIndex
+
+    assert BLOCK == BLOCK_TOKENS
+    index = LlmdPrefixIndex("tiny")
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    poller = zmq.Poller()
+    poller.register(subscriber, zmq.POLLIN)
+
+    def drain(wait_ms: int) -> int:
+        """Every message that comes within wait_ms of the last into index, by the replica its topic names."""
+        count = 0
+        while poller.poll(wait_ms):
+            topic, _, events = read_batch(subscriber.recv_multipart())
+            index.apply(topic.split("@")[1], events)
+            count += 1
+        return count
+
+    def ask(stub, prompt: bytes, new_tokens: int = 1):
+        collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=list(prompt)), max_new_tokens=new_tokens, ignore_eos=True))
+
+    replicas = [(f"replica-{i}", f"ipc://{tmp_path}/events-{i}") for i in range(2)]
+    with serving(tiny_artifact, max_batch_size=2, kv_events=replicas[0][1], kv_events_topic=f"kv@{replicas[0][0]}@tiny") as first, \
+            serving(tiny_artifact, max_batch_size=2, kv_events=replicas[1][1], kv_events_topic=f"kv@{replicas[1][0]}@tiny") as second, \
+            stub_of(first) as stub0, stub_of(second) as stub1:
+        for (_, endpoint), stub in zip(replicas, (stub0, stub1)):
+            subscriber.connect(endpoint)
+            for attempt in range(100):  # ZeroMQ's late joiner: a message seen means the subscription is in place
+                ask(stub, f"Warm-up {attempt} of the subscription.".encode())
+                if drain(300):
+                    break
+        document = b"In the beginning God created the heaven and the earth. And the earth was without form."  # 5 blocks
+        ask(stub1, document + b" Who?")
+        drain(500)
+        question = document + b" What was created?"
+        assert index.scores(list(question)) == {"replica-1": len(document) // BLOCK}
+        ask(stub0, document[: 2 * BLOCK] + b" a different ending, long enough for its own block")
+        drain(500)
+        scores = index.scores(list(question))
+        assert scores == {"replica-1": len(document) // BLOCK, "replica-0": 2}
+        assert max(scores, key=scores.get) == "replica-1"
+        for n in range(4):  # replica 1's two rows taken by prompts of their own: the document's blocks let go
+            ask(stub1, bytes(range(40 + 50 * n, 90 + 50 * n)), new_tokens=2)
+        drain(500)
+        assert index.scores(list(question)) == {"replica-0": 2}
+    subscriber.close(0)
+    context.term()
+
+
+def test_the_llmd_index_hashes_as_its_sources_specify():
+    """bench/llmd_index.py's pieces against published vectors: canonical CBOR (RFC 8949, Appendix A) and FNV-1a 64."""
+    import sys
+
+    from ..conftest import REPO
+
+    sys.path.insert(0, str(REPO / "bench"))
+    from llmd_index import LlmdPrefixIndex, cbor, fnv64a
+
+    for value, encoded in ((0, "00"), (23, "17"), (24, "1818"), (1000, "1903e8"), (1000000, "1a000f4240"),
+                           (1000000000000, "1b000000e8d4a51000"), (18446744073709551615, "1bffffffffffffffff"), ("", "60"),
+                           ("a", "6161"), ("IETF", "6449455446"), ([], "80"), ([1, 2, 3], "83010203"), (None, "f6"),
+                           ([1, [2, 3], [4, 5]], "8301820203820405")):
+        assert cbor(value).hex() == encoded, value
+    assert [fnv64a(s) for s in (b"", b"a", b"foobar")] == [0xCBF29CE484222325, 0xAF63DC4C8601EC8C, 0x85944171F73967E8]
+    index = LlmdPrefixIndex("m")
+    keys = index.keys(list(range(40)))  # two whole blocks; the rest is no block
+    assert len(keys) == 2 and keys[1] == fnv64a(cbor([keys[0], list(range(16, 32)), None]))
+    assert keys[0] == fnv64a(cbor([fnv64a(cbor([fnv64a(b""), None, "m"])), list(range(16)), None]))
