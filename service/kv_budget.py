@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from decimal import Decimal
 
-from ..runtime.machine_memory import memory_limit
+from ..runtime import memory_limit
 
 # The default budget: this share of the memory the server may use (the container's limit where one is set, else the
 # machine's); the rest is the weights, ONNX Runtime's buffers and the process itself.
