@@ -219,6 +219,45 @@ def test_what_vllms_bench_serve_sends_is_served(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
 
 
+# The bodies genai-perf and its successor aiperf build with their OpenAI backends' defaults, as their converters write them
+# (genai-perf: inputs/converters/openai_{chat_completions,completions}_converter.py, `--streaming`, `--output-tokens-mean`
+# and `--extra-inputs`; aiperf: src/aiperf/endpoints/openai_{chat,completions}.py, which sends "stream" either way,
+# max_completion_tokens for chat, text parts, and stream_options.include_usage with a stream).
+BENCHMARK_TOOL_BODIES = {
+    "genai-perf chat": {"model": MODEL, "messages": [{"role": "user", "content": "In the beginning"}], "stream": True,
+                        "max_tokens": 5, "ignore_eos": True, "min_tokens": 5},
+    "genai-perf completions": {"model": MODEL, "prompt": ["In the beginning"], "stream": True, "max_tokens": 5, "ignore_eos": True},
+    "aiperf chat": {"messages": [{"role": "user", "content": [{"type": "text", "text": "In the beginning"}]}], "model": MODEL,
+                    "stream": False, "max_completion_tokens": 5, "ignore_eos": True},
+    "aiperf chat streamed": {"messages": [{"role": "system", "content": "Answer."}, {"role": "user", "content": "In the beginning"}],
+                             "model": MODEL, "stream": True, "max_completion_tokens": 5, "stream_options": {"include_usage": True},
+                             "ignore_eos": True},
+    "aiperf completions": {"prompt": ["In the beginning"], "model": MODEL, "stream": True, "max_tokens": 5,
+                           "stream_options": {"include_usage": True}, "ignore_eos": True},
+}
+
+
+@pytest.mark.parametrize("tool", sorted(BENCHMARK_TOOL_BODIES))
+def test_what_genai_perf_and_aiperf_send_is_served(running, tool):
+    import json as json_module
+
+    body = BENCHMARK_TOOL_BODIES[tool]
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    reply = httpx.post(f"http://127.0.0.1:{running.app.http_port}{path}", json=body, timeout=60)
+    assert reply.status_code == 200, reply.text
+    if not body["stream"]:
+        assert reply.json()["usage"]["completion_tokens"] == 5
+        return
+    chunks = [json_module.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+    assert reply.text.rstrip().endswith("data: [DONE]")
+    pieces = [c["choices"][0].get("delta", {}).get("content") or c["choices"][0].get("text") or "" for c in chunks if c["choices"]]
+    assert len([p for p in pieces if p]) >= 1
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert finishes == ["length"]  # ignore_eos: every request runs to its max tokens
+    if "stream_options" in body:
+        assert chunks[-1]["usage"]["completion_tokens"] == 5
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(running):
     import json as json_module
 
