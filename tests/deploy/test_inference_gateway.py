@@ -23,13 +23,18 @@ PICKER_METRIC_FLAGS = {"--total-queued-requests-metric": "vllm:num_requests_wait
                        "--kv-cache-usage-percentage-metric": "vllm:kv_cache_usage_perc"}
 
 
-@pytest.fixture(scope="module")
-def rendered(tmp_path_factory):
-    result = run(tool("kubectl"), "kustomize", str(OVERLAY))
+def render(overlay, tmp_path_factory) -> tuple[list[dict], object]:
+    """The overlay as kubectl's kustomize builds it: (its objects, the file they were written to)."""
+    result = run(tool("kubectl"), "kustomize", str(overlay))
     assert result.returncode == 0, result.stderr
-    path = tmp_path_factory.mktemp("gateway") / "inference-gateway.yaml"
+    path = tmp_path_factory.mktemp(overlay.name) / f"{overlay.name}.yaml"
     path.write_text(result.stdout)
     return [o for o in yaml.safe_load_all(result.stdout) if o], path
+
+
+@pytest.fixture(scope="module")
+def rendered(tmp_path_factory):
+    return render(OVERLAY, tmp_path_factory)
 
 
 def named(objects, kind: str, name: str) -> dict:

@@ -14,7 +14,7 @@ from kvserve.service.metrics import Metrics
 from kvserve.service.prompt_cache import BLOCK_TOKENS
 
 from ..conftest import REPO
-from .test_inference_gateway import named, pod_labels
+from .test_inference_gateway import named, pod_labels, render
 from .test_kubernetes import checkov, run, tool
 
 OVERLAY = REPO / "deploy/k8s/overlays/precise-prefix-routing"
@@ -22,11 +22,7 @@ OVERLAY = REPO / "deploy/k8s/overlays/precise-prefix-routing"
 
 @pytest.fixture(scope="module")
 def rendered(tmp_path_factory):
-    result = run(tool("kubectl"), "kustomize", str(OVERLAY))
-    assert result.returncode == 0, result.stderr
-    path = tmp_path_factory.mktemp("precise") / "precise-prefix-routing.yaml"
-    path.write_text(result.stdout)
-    return [o for o in yaml.safe_load_all(result.stdout) if o], path
+    return render(OVERLAY, tmp_path_factory)
 
 
 def picker_config(objects) -> dict:
