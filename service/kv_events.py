@@ -37,11 +37,12 @@ log = logging.getLogger(__name__)
 
 KV_EVENTS_QUEUE = 10_000  # messages a subscriber's queue holds; past it a change is dropped for it (and counted)
 KV_EVENTS_HISTORY = 10_000  # messages a replay can reach back to
-HASH_MASK = 2**64 - 1
+HASH_MASK = 2**64 - 1  # block hashes go out as unsigned 64-bit integers, as the router reads them
 # The least time between messages while steps keep coming: Python work right after a model step runs on caches the
-# weights evicted (~70 µs a message then, against 5 µs warm), so busy steps share a message; well inside the router's
-# wait (the issue's 50 ms at p99).
-FLUSH_EVERY = 0.01  # block hashes go out as unsigned 64-bit integers, as the router reads them
+# weights evicted (~125-170 µs a message then, against 5 µs warm), so busy steps share a message. At 25 ms the step
+# thread spent 0.59% of its time publishing under kjv-gpt2's 16 streams, against 1.08% at 10 ms, and a change reached
+# the subscriber 28 ms after it was made at p99, inside the router's wait (the issue's 50 ms; bench/kv_events.py).
+FLUSH_EVERY = 0.025
 
 
 class KvEventPublisher:
