@@ -30,8 +30,7 @@ from kvserve.model.presets import preset
 from kvserve.model.vocabulary import write_preset_tokenizer
 from kvserve.model.weights import float32_bytes, reference_model, weight_source_of, weights_checksum
 from kvserve.progress import stage
-from kvserve.runtime import cuda_available
-from kvserve.runtime.machine_memory import memory_limit
+from kvserve.runtime import cuda_available, memory_limit
 from kvserve.runtime.providers import planned_device
 
 from .decode_graph import save_decode_graph, writes_decode_graph

@@ -2,7 +2,9 @@
 
 The process's own group is read from /proc/self/cgroup (a container sees its own as "/", a process put in a nested
 group, as tests/export/test_bounded_export.py does, that group's path), on cgroup v2 (memory.max) or v1
-(memory.limit_in_bytes under the memory controller); the groups above it are not climbed.
+(memory.limit_in_bytes under the memory controller), beside the mount's root group: a container without a cgroup
+namespace names a path it cannot see, and its root there is its own group. The lowest limit read wins (a group's limit
+holds its children); the groups between are not climbed.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def memory_limit() -> int:
         own = _own_groups(Path("/proc/self/cgroup").read_text())
     except OSError:
         own = []
-    for path in own or [CGROUP_ROOT / "memory.max", CGROUP_ROOT / "memory" / "memory.limit_in_bytes"]:
+    for path in [*own, CGROUP_ROOT / "memory.max", CGROUP_ROOT / "memory" / "memory.limit_in_bytes"]:
         try:
             text = path.read_text().strip()
         except OSError:

@@ -28,6 +28,10 @@ def test_a_lower_group_limit_wins_and_no_limit_keeps_the_machines(tmp_path, monk
     assert memory_limit() == min(machine, 1073741824)
     monkeypatch.setattr(machine_memory, "_own_groups", lambda _: [unlimited / "memory.max"])
     assert memory_limit() == machine
+    (tmp_path / "memory.max").write_text("2147483648\n")  # a container whose own path is not mounted: its root is its group
+    monkeypatch.setattr(machine_memory, "CGROUP_ROOT", tmp_path)
+    monkeypatch.setattr(machine_memory, "_own_groups", lambda _: [tmp_path / "docker" / "abc" / "memory.max"])
+    assert memory_limit() == min(machine, 2147483648)
 
 
 def test_a_process_in_a_v1_group_reads_that_groups_limit():
