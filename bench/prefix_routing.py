@@ -202,7 +202,7 @@ def main() -> None:
     parser.add_argument("--documents", type=int, default=12)
     parser.add_argument("--prefix", type=int, default=1000)
     parser.add_argument("--questions", type=int, default=6)
-    parser.add_argument("--conversations", type=int, default=12)
+    parser.add_argument("--conversations", type=int, default=12, help="0: the documents alone")
     parser.add_argument("--turns", type=int, default=5)
     parser.add_argument("--concurrency", type=int, default=1,
                         help="requests at a time (default 1: the replicas share this machine's cores, so concurrent requests would "
@@ -210,8 +210,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    if min(args.replicas, args.rows, args.documents, args.questions, args.conversations, args.turns, args.concurrency, args.rounds) < 1:
-        sys.exit("prefix_routing: every count must be at least 1")
+    if min(args.replicas, args.rows, args.documents, args.questions, args.turns, args.concurrency, args.rounds) < 1 or args.conversations < 0:
+        sys.exit("prefix_routing: every count must be at least 1 (--conversations at least 0: 0 runs the documents alone)")
     from kvserve.contract.artifact import open_artifact
 
     config = open_artifact(args.artifact).config
