@@ -89,6 +89,14 @@ class Engine:
 
     # requests
 
+    def _admit(self, sequences: int) -> None:
+        """QueueFull unless the batch has room for sequences more now: max_queue counts the requests that must wait for
+        a row to free up, not those a free row will take."""
+        if len(self.scheduler.waiting) + sequences > self.limits.max_queue + self.batch.kv.free_rows():
+            raise QueueFull(
+                f"the queue is full ({self.limits.max_queue} requests waiting for one of {self.limits.max_batch_size} rows); retry later"
+            )
+
     async def generate(self, request: GenerationRequest):
         """Stream StepEvents for one request; the last carries the finish. Closing the stream early (client
         cancelled, disconnected, deadline) frees the sequence's cache within one step."""
@@ -96,10 +104,7 @@ class Engine:
             raise Unavailable("the server is shutting down")
         seq = await asyncio.to_thread(self.validator.make_sequence, request)  # tokenizing: off the event loop
         # max_queue counts the requests that must wait for a row to free up: those a free row will take do not
-        if len(self.scheduler.waiting) >= self.limits.max_queue + self.batch.kv.free_rows():
-            raise QueueFull(
-                f"the queue is full ({self.limits.max_queue} requests waiting for one of {self.limits.max_batch_size} rows); retry later"
-            )
+        self._admit(1)
         seq.events = asyncio.Queue()
         self.scheduler.submit(seq)
         finish, failure = None, None
@@ -142,6 +147,9 @@ class Engine:
         later ends the stream with its error. Closing the stream cancels every sequence still running."""
         if not 1 <= n <= self.limits.max_n:
             raise InvalidArgument("n", f"must be in [1, {self.limits.max_n}], got {n}")
+        # All n asked for at once: one at a time, a completion that finished while another was being tokenized would
+        # make room for the last (the refusal then hung on thread timing: tests/service/test_engine.py met it under load).
+        self._admit(n)
         request_span = None
         if self.tracer is not None and n > 1:  # one trace: the n sequences' spans under one of the request's
             request_span, (parent, state) = self.tracer.start_request(

@@ -2,6 +2,7 @@
 out and merged, and what it reports of its load; no gRPC or HTTP in front of it."""
 
 import asyncio
+import time
 
 import pytest
 
@@ -106,6 +107,29 @@ def test_one_bad_completion_refuses_the_whole_request_before_anything_is_sent(ti
 
     after = with_engine(tiny_runtime, scenario, max_batch_size=2, max_queue=0)
     assert (after.active, after.queued) == (0, 0)  # the admitted ones were cancelled with it
+
+
+def test_completions_that_do_not_fit_are_refused_together_however_their_tokenizing_is_timed(tiny_runtime):
+    """n completions are admitted as one: the last one's tokenizing held back until the first two have finished (which
+    would free their rows) does not let a request for more completions than the rows hold through."""
+    async def scenario(engine):
+        make_sequence, calls = engine.validator.make_sequence, []
+
+        def slow_third(request):
+            calls.append(request)
+            if len(calls) == 3:  # the thread pool's timing, made the worst it can be
+                while engine.live().active or engine.scheduler.waiting:
+                    time.sleep(0.01)
+            return make_sequence(request)
+
+        engine.validator.make_sequence = slow_third
+        stream = engine.generate_n(GenerationRequest(prompt_ids=(1,), max_new_tokens=2), 3)
+        with pytest.raises(QueueFull):
+            await anext(stream)
+        await stream.aclose()
+        return calls
+
+    assert with_engine(tiny_runtime, scenario, max_batch_size=2, max_queue=0) == []  # refused before any was tokenized
 
 
 def test_limits_outside_their_declared_bounds_are_refused_when_the_engine_is_made(tiny_runtime):
