@@ -83,19 +83,17 @@ class LlmdPrefixIndex:
                         self.holders.setdefault(key, set()).add(replica)
                 elif event[0] == "BlockRemoved":
                     for engine_hash in event[1]:
-                        key = self.engine_keys.pop((replica, engine_hash), None)
-                        if key is not None and key in self.holders:
-                            self.holders[key].discard(replica)
+                        self.holders.get(self.engine_keys.pop((replica, engine_hash), None), set()).discard(replica)
                 elif event[0] == "AllBlocksCleared":
                     for (holder, engine_hash) in [k for k in self.engine_keys if k[0] == replica]:
                         self.holders.get(self.engine_keys.pop((holder, engine_hash)), set()).discard(replica)
 
     def scores(self, tokens: list[int]) -> dict[str, int]:
         """LongestPrefix: per replica, its blocks of the prompt counted from the first until one is missing."""
+        keys = self.keys(tokens)  # hashed outside the lock: the subscriber's thread applies events meanwhile
+        if not keys:
+            return {}
         with self.lock:
-            keys = self.keys(tokens)
-            if not keys:
-                return {}
             scores = {replica: 1 for replica in self.holders.get(keys[0], ())}
             active = set(scores)
             for key in keys[1:]:

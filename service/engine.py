@@ -91,7 +91,9 @@ class Engine:
 
     def _admit(self, sequences: int) -> None:
         """QueueFull unless the batch has room for sequences more now: max_queue counts the requests that must wait for
-        a row to free up, not those a free row will take."""
+        a row to free up, not those a free row will take. Unavailable first while shutting down."""
+        if not self._accepting:
+            raise Unavailable("the server is shutting down")
         if len(self.scheduler.waiting) + sequences > self.limits.max_queue + self.batch.kv.free_rows():
             raise QueueFull(
                 f"the queue is full ({self.limits.max_queue} requests waiting for one of {self.limits.max_batch_size} rows); retry later"
@@ -103,7 +105,6 @@ class Engine:
         if not self._accepting:
             raise Unavailable("the server is shutting down")
         seq = await asyncio.to_thread(self.validator.make_sequence, request)  # tokenizing: off the event loop
-        # max_queue counts the requests that must wait for a row to free up: those a free row will take do not
         self._admit(1)
         seq.events = asyncio.Queue()
         self.scheduler.submit(seq)
