@@ -204,7 +204,7 @@ def _target(text: str) -> str:
     return text
 
 
-ON_OFF = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False}
+ON_OFF = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False, "": False, "auto": True}
 
 
 def _on_off(value: str) -> bool:

@@ -7,7 +7,10 @@ A step runs, in one model call, one token for every row that decodes and one chu
 belongs to, or a free row below the last used one) is fed a scratch token written at the pool's last column, which no
 real token ever occupies. Decode rows read only the columns up to the longest of them; a chunk reads its own row. So
 when no prompt chunk runs and one row is much longer than the rest (a long prompt now decoding), that row's token
-goes through the chunk instead, and the others read their own short widths, not the long one's.
+goes through the chunk instead, and the others read their own short widths, not the long one's. A row that checks
+drafts (step_plan.StepPlan.draft_row) goes through the chunk the same way, its last token and its drafts, with logits
+at each: it takes tokens until one differs from its draft (_check_drafts), and its length counts only the columns it
+kept.
 
 A batch with fixed_decode (the runtime captures CUDA graphs) runs each decode-only step at a bucketed shape instead
 (decode_shape: rows and width rounded up to powers of two; a fused artifact's decode graph reads each row's own
@@ -25,6 +28,7 @@ the model runs, samples the unconstrained rows first, then each constrained row 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -33,6 +37,7 @@ from kvserve.contract.config import DecoderConfig
 from kvserve.contract.io_contract import STANDARD
 from kvserve.runtime import DecoderRuntime, decode_shape, decode_shapes, pool_capacity
 
+from .drafts import StepCosts
 from .kv_rows import KvRows
 from .sequence import Sequence
 from .step_plan import StepPlan, StepResults
@@ -97,6 +102,7 @@ class SlotBatch:
             raise ValueError("fixed-shape decode steps need a standard slots graph or a fused one's decode graph (a fused step "
                              "graph's If cannot be captured; its artifact has no decode.onnx: re-export it)")
         self._masks: TokenMasks | None = None  # made for the first constrained sequence
+        self.step_costs = StepCosts()  # what decode steps of each size took (the scheduler sizes drafts by it)
 
     # --- one step --------------------------------------------------------------------------------------
 
@@ -109,7 +115,9 @@ class SlotBatch:
                 kv.join(seq)
         decode = [s for s in plan.decode if s.slot is not None and not s.cancelled]
         chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
-        results = self._step(decode, chunk, plan.chunk_tokens, before_model) if decode or chunk else []
+        draft_row = plan.draft_row if plan.draft_row in decode and chunk is None else None
+        results = self._step(decode, chunk, plan.chunk_tokens, before_model, draft_row, plan.drafts if draft_row else (),
+                             plan.grammar_drafts) if decode or chunk else []
         kv.release([s for s in kv.rows if s.finished])
         kv.publish_events()
         return results
@@ -141,17 +149,18 @@ class SlotBatch:
         if self._masks is not None:
             self._masks.close()
 
-    def _start_masks(self, sampling: list[Sequence]):
+    def _start_masks(self, sampling: list[Sequence], drafts: dict[Sequence, list[int]] | None = None):
         """Start computing the allowed tokens of the constrained sequences among sampling, beside the model step that
         follows (and the unconstrained rows' sampling after it); returns a function that waits for them
         ({sequence: the ids it may take, ascending}), or None when none is constrained. A step waits only for what
-        is left of them then, each bounded by llguidance's fuel."""
+        is left of them then, each bounded by llguidance's fuel. drafts: a row's drafts, whose mask at each position
+        (the drafts before it taken) comes back as a list, one a position."""
         constrained = [seq for seq in sampling if seq.constraint is not None]
         if not constrained:
             return None
         if self._masks is None:
             self._masks = TokenMasks(self.config.vocab_size)
-        return self._masks.start(constrained).result
+        return self._masks.start(constrained, drafts).result
 
     def prepare_decode_shapes(self) -> None:
         """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits
@@ -175,18 +184,23 @@ class SlotBatch:
             position_ids[seq.slot] = seq.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64) if columns else None  # (B, W)
         masks = self._start_masks(decode)
+        started = time.perf_counter()
         sampled = self.runtime.run_decode(self.kv.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
                                           self._long_rope(rows))  # B rows
+        self.step_costs.record(len(decode), 0, time.perf_counter() - started)
         for seq in decode:
             seq.cached_tokens += 1
         return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
 
     def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int,
-              before_model: Callable[[], None] | None) -> StepResults:
-        if self.fixed_decode and chunk is None:
+              before_model: Callable[[], None] | None, draft_row: Sequence | None = None, drafts=(),
+              grammar_drafts: bool = False) -> StepResults:
+        if self.fixed_decode and chunk is None and draft_row is None:
             return self._decode_fixed(decode, before_model)
-        # A fused graph reads each row's own columns only, so no row needs to step aside.
-        solo = self._solo(decode) if chunk is None and self.runtime.attention == STANDARD else None
+        # A fused graph reads each row's own columns only, so no row needs to step aside but one checking drafts.
+        solo = draft_row
+        if solo is None and chunk is None and self.runtime.attention == STANDARD:
+            solo = self._solo(decode)
         if solo is not None:
             decode = [s for s in decode if s is not solo]
         pool = self.kv.pool
@@ -203,9 +217,9 @@ class SlotBatch:
             attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
         logits_index = [seq.slot for seq in decode]
         start, piece, completes = 0, np.zeros(0, dtype=np.int64), False
-        if solo is not None:  # a decode token, fed as a one-token chunk of its own row
-            start, piece = solo.cached_tokens, np.array([solo.generated[-1]], dtype=np.int64)
-            logits_index.append(rows)
+        if solo is not None:  # a decode token and its drafts, fed as a chunk of its own row, logits at each
+            start, piece = solo.cached_tokens, np.array([solo.generated[-1], *drafts], dtype=np.int64)  # (1 + k,)
+            logits_index.extend(range(rows, rows + len(piece)))
         elif chunk is not None:
             start = chunk.cached_tokens
             piece = np.asarray(chunk.prefill_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
@@ -215,19 +229,73 @@ class SlotBatch:
         chunk_row = solo if solo is not None else chunk
         decoded = decode + ([solo] if solo is not None else [])  # a token each
         sampling = decoded + ([chunk] if completes else [])  # logits_index's order
-        masks = self._start_masks(sampling)
+        masks = self._start_masks(sampling, {solo: list(drafts)} if drafts else None)
+        started = time.perf_counter()
         sampled = self.runtime.run_slots(
             pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
             np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model, self._long_rope(rows),
             chunk_row is not None and chunk_row.long_rope,
         )
-        for seq in decoded:
+        if chunk is None:  # a decode step, plain or with drafts: what the scheduler sizes drafts by
+            self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
+        for seq in decode:
             seq.cached_tokens += 1
+        if drafts:
+            results = advance_each(decode, sampled.logits, sampled.greedy_tokens, masks=masks)
+            return results + self._check_drafts(solo, list(drafts), grammar_drafts, sampled, len(decode), masks)
+        if solo is not None:
+            solo.cached_tokens += 1
         if chunk is not None:
             chunk.cached_tokens = start + len(piece)
             if completes:
                 chunk.refill_ids = None  # a row prefilled again decodes on
         return advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
+
+    @staticmethod
+    def _check_drafts(seq: Sequence, drafts: list[int], grammar: bool, sampled, first: int, masks) -> StepResults:
+        """seq ran [its last token, *drafts] with logits at each (sampled's rows first, first + 1, ...): it takes a token
+        at each position in turn (Sequence.advance, with that position's draft), until one differs from the draft, it
+        finishes, or its sampling changes regime mid-way (a tool call or an answer's structure begins: the masks and
+        logits this step computed no longer apply); the rest are rolled back: its length counts the columns kept."""
+        start = seq.cached_tokens
+        constraint = seq.constraint
+        logits, greedy = sampled.logits, sampled.greedy_tokens
+        allowed = None
+        seq.drafts.drafted += len(drafts)
+        results: StepResults = []
+        kept = 0
+        for i in range(len(drafts) + 1):
+            if i and (seq.constraint is not constraint or (logits is None and seq.needs_logits)):
+                break
+            draft = drafts[i] if i < len(drafts) else None
+            try:
+                if constraint is not None and allowed is None:
+                    allowed = masks()[seq]  # one mask a position (TokenMasks, with the drafts taken in turn)
+                mask = allowed[i] if constraint is not None and i < len(allowed) else None
+                if constraint is not None and mask is None:
+                    break  # past the drafts its grammar allowed
+                event = seq.advance(None if logits is None else logits[first + i], greedy[first + i], mask, draft)
+            except FormatError as exc:
+                log.info("sequence %d: %s", seq.id, exc)
+                seq.finished = True
+                results.append((seq, exc))
+                break
+            except Exception as exc:  # a bug in one request's sampling or text must not stop the others
+                log.exception("sequence %d failed", seq.id)
+                seq.finished = True
+                results.append((seq, exc))
+                break
+            results.append((seq, event))
+            if event.token_id != draft:
+                break
+            kept += 1
+            if seq.finished:
+                break
+        taken = len(results)  # positions whose K/V the row keeps: its last token and the drafts taken before the last event
+        seq.cached_tokens = start + taken
+        seq.written_columns = max(seq.written_columns, start + len(drafts) + 1)
+        seq.drafts.record(len(drafts), kept, grammar)
+        return results
 
     def _long_rope(self, rows: int) -> np.ndarray | None:
         """(rows,) 1 where a longrope model's row turns by the long factors (None: the graph has no such input)."""

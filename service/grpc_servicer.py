@@ -133,6 +133,7 @@ def _to_domain(request: pb.GenerateRequest, metadata=()) -> GenerationRequest:
         skip_special_tokens=not request.keep_special_tokens,
         include_stop_sequence=request.include_stop_sequence,
         thinking_token_budget=request.thinking_token_budget if request.HasField("thinking_token_budget") else None,
+        speculation=not request.HasField("speculation") or request.speculation,
         response_format=_response_format(request.response_format) if request.HasField("response_format") else None,
     )
 
@@ -185,6 +186,7 @@ def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
                 reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
                 time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
                 cached_prompt_tokens=finish.cached_prompt_tokens, reasoning_tokens=finish.reasoning_tokens,
+                accepted_draft_tokens=finish.accepted_draft_tokens, rejected_draft_tokens=finish.rejected_draft_tokens,
                 tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in finish.tool_calls],
             )
         )

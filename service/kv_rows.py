@@ -202,6 +202,9 @@ class KvRows:
         positions overwrote earlier ones (contract/config.py RING_SLACK: a prefix that stops at most that many positions
         short of the row's end is still whole)."""
         ring, written = self.pool.ring, self._written(row)
+        holder = self.slots[row] if row < len(self.slots) else None
+        if holder is not None:  # drafts it did not keep overwrote its ring's earliest columns as far as they reached
+            written = max(written, holder.written_columns)
         return usable if ring is None or written <= ring or usable >= written - RING_SLACK else 0
 
     def _prefix_source(self, prompt: list[int], kind: int) -> tuple[int | None, int, bool]:
@@ -294,7 +297,8 @@ class KvRows:
             seq.slot = None
             self._reserved -= self.reservation(seq)
             if self.prefixes is not None:
-                if seq.cached_tokens:
+                # a ring row holding refused drafts keeps nothing: they overwrote positions a prefix's window reads
+                if seq.cached_tokens and not (self.pool.ring is not None and seq.overshoot):
                     written = (seq.prompt_ids + seq.generated)[: seq.cached_tokens]  # exactly what it wrote
                     if seq.long_rope_from:  # turned short up to there, long after: the short part is a prefix of its kind
                         self.prefixes.put(row, written[: seq.long_rope_from], False)

@@ -78,6 +78,10 @@ class EngineLimits:
     # Finished sequences' rows keep their K/V, and a prompt that begins like one of them prefills only the rest
     # (service/kv_rows.py); off: every prompt is prefilled from its first token.
     prompt_cache: bool = declared(True, "keep finished sequences' K/V: a prompt that begins like an earlier one prefills only the rest")
+    # A decoding row may guess its next tokens and have one step check them (service/drafts.py): its grammar's forced
+    # tokens, or what followed its last tokens earlier in its prompt and output.
+    speculation: bool = declared(True, "check guessed next tokens (a grammar's forced tokens, prompt lookup) in one step "
+                                 "where the measured step costs say it pays (auto); off: one token a row a step")
 
 
 @dataclass(frozen=True)

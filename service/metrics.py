@@ -39,6 +39,12 @@ class Metrics:
             "kvserve_inter_token_latency_seconds", "Time between consecutive tokens of a sequence", buckets=LATENCY_BUCKETS, registry=self.registry
         )
         self.batch_size = Histogram("kvserve_batch_size", "Sequences in each model step", buckets=BATCH_BUCKETS, registry=self.registry)
+        self.step_tokens = Histogram("kvserve_step_tokens", "Tokens each model step generated, all its sequences' (more than its "
+                                     "sequences when one took drafts)", buckets=BATCH_BUCKETS, registry=self.registry)
+        self.draft_tokens = Counter("kvserve_draft_tokens", "Draft tokens steps checked (speculation: serve --speculation)",
+                                    registry=self.registry)
+        self.accepted_draft_tokens = Counter("kvserve_accepted_draft_tokens", "Of the draft tokens checked, those the model agreed "
+                                             "with (taken without a step of their own)", registry=self.registry)
         self.queue_depth = Gauge("kvserve_queue_depth", "Requests waiting for a batch slot", registry=self.registry)
         self.kv_slots_in_use = Gauge("kvserve_kv_slots_in_use", "Batch rows holding a sequence's KV cache", registry=self.registry)
         self.kv_cache_bytes = Gauge("kvserve_kv_cache_bytes", "Bytes of KV cache held by the running sequences", registry=self.registry)
@@ -131,11 +137,17 @@ class Metrics:
         self.prompt_tokens.labels(source="reused").inc(reused)
         self.prompt_tokens.labels(source="computed").inc(computed)
 
-    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int, cached_rows: int = 0, cached_bytes: int = 0) -> None:
-        """stepped: sequences that got a token this step; running: rows left in the batch after it; cached_rows: free rows
-        holding K/V for the prompt cache, cached_bytes their K/V."""
+    def on_step(self, stepped: int, running: int, queued: int, kv_bytes: int, cached_rows: int = 0, cached_bytes: int = 0,
+                tokens: int = 0, drafted: int = 0, accepted: int = 0) -> None:
+        """stepped: sequences that got a token this step, tokens: the tokens they got; running: rows left in the batch after
+        it; cached_rows: free rows holding K/V for the prompt cache, cached_bytes their K/V; drafted: draft tokens the step
+        checked, accepted: those taken."""
         if stepped:
             self.batch_size.observe(stepped)
+            self.step_tokens.observe(tokens or stepped)
+        if drafted:
+            self.draft_tokens.inc(drafted)
+            self.accepted_draft_tokens.inc(accepted)
         self.queue_depth.set(queued)
         self.kv_slots_in_use.set(running)
         usage = min(1.0, running / self._rows)

@@ -34,7 +34,10 @@ def usage(finishes: list) -> dict:
     completion = sum(f.generated_tokens for f in finishes)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": min(f.cached_prompt_tokens for f in finishes)},
-            "completion_tokens_details": {"reasoning_tokens": sum(f.reasoning_tokens for f in finishes)}}
+            "completion_tokens_details": {"reasoning_tokens": sum(f.reasoning_tokens for f in finishes),
+                                          # OpenAI's names for predicted outputs' tokens: here, the drafts a step checked
+                                          "accepted_prediction_tokens": sum(f.accepted_draft_tokens for f in finishes),
+                                          "rejected_prediction_tokens": sum(f.rejected_draft_tokens for f in finishes)}}
 
 
 def object_name(kind: str, streamed: bool) -> str:

@@ -19,8 +19,10 @@ from .validation import check_sizes
 OPENAI_MAX_TEMPERATURE = 2.0  # OpenAI's own bound (gRPC takes up to limits.MAX_SCALE)
 # vLLM's sampling extensions, as vLLM names them (benchmark tools send them): docs/serving.md, "vLLM's extensions".
 VLLM = {"ignore_eos", "min_tokens", "top_k", "repetition_penalty", "stop_token_ids", "skip_special_tokens", "include_stop_str_in_output"}
+# kvserve's own: speculation (false: this request's steps check no drafts; docs/serving.md, "Speculation").
+KVSERVE = {"speculation"}
 COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs", "user",
-          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"} | VLLM
+          "presence_penalty", "frequency_penalty", "logit_bias", "min_p", "response_format"} | VLLM | KVSERVE
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,8 @@ def shared_parameters(body: dict, kind: str, limits: EngineLimits) -> Shared:
     fields = dict(max_new_tokens=max_tokens, sampling=sampling, stop_sequences=tuple(stop), return_logprobs=logprobs, top_logprobs=top,
                   response_format=response_format(body.get("response_format")), ignore_eos=flag(body, "ignore_eos"),
                   min_new_tokens=number(body, "min_tokens", 0, 0, 2**31 - 1, int), stop_token_ids=tuple(stop_token_ids),
-                  skip_special_tokens=skip_special, include_stop_sequence=flag(body, "include_stop_str_in_output"))
+                  skip_special_tokens=skip_special, include_stop_sequence=flag(body, "include_stop_str_in_output"),
+                  speculation=body.get("speculation") is None or flag(body, "speculation"))
     return Shared(fields, stream, include_usage, continuous_usage, logprobs, n)
 
 

@@ -2,7 +2,9 @@
 delivers every sequence's event to its caller on the event loop.
 
 One step (step_plan.StepPlan) is one model call over the batch:
-  - every row whose prompt is in the cache decodes one token (decode never waits for a prefill);
+  - every row whose prompt is in the cache decodes one token (decode never waits for a prefill); in a step with no
+    chunk, one of them may also check drafts of its next tokens (drafts.py: its grammar's forced tokens or prompt
+    lookup, as many as the step times measured say pay), through the chunk part of the graph;
   - one row's prompt advances by a chunk: with rows decoding, the chunk gets what is left of the per-step
     token budget after them, so a long prompt never stalls the streams already running; with nobody
     decoding (or budget 0, no limit) the whole rest of the prompt goes in one step; a chunk that would
@@ -36,6 +38,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, expected_tokens
 from .sequence import Sequence, StepEvent
 from .step_plan import StepPlan, StepResults
 
@@ -60,6 +63,8 @@ class StepDone:
     cached_rows: int
     queued: int
     cached_bytes: int
+    drafted: int = 0  # draft tokens the step checked
+    accepted: int = 0  # of them, those taken
 
 
 class StepFailed(Exception):
@@ -131,9 +136,11 @@ class Handoff:
 class Scheduler:
     """Owns the waiting queue and the loop; the batch (batch.SlotBatch) runs the steps, its KvRows own the rows."""
 
-    def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None):
+    def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None,
+                 speculation: bool = False):
         self.batch = batch
         self.step_token_budget = step_token_budget  # 0: no limit
+        self.speculation = speculation  # decoding rows may check drafts (drafts.py) where the step costs say it pays
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()
         self._owns_executor = executor is None  # a thread handed in is its giver's to close
@@ -181,6 +188,8 @@ class Scheduler:
             joining[0].long_rope = long_after is not None and len(joining[0].prompt_ids) > long_after
             prefilling = joining
         if not prefilling:
+            if self.speculation and decode:
+                return self._with_drafts(decode)
             return StepPlan(decode=decode)
         chunk = prefilling[0]
         done = kv.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens  # a joiner starts past its cached prefix
@@ -191,6 +200,52 @@ class Scheduler:
             if remaining > allowance + self.step_token_budget // 4:
                 tokens = allowance
         return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens)
+
+    def _with_drafts(self, decode: list[Sequence]) -> StepPlan:
+        """A decode step in which the row with the most worth drafting (drafts.py) checks its drafts: from its grammar
+        when that forces tokens, else from its own tokens, as many as the step costs say pay for its acceptance so far;
+        no row drafts where none has drafts or none would pay."""
+        costs = self.batch.step_costs
+        if not costs.may_pay(len(decode)):  # not even drafts all taken would pay in a step of this many rows
+            return StepPlan(decode=decode)
+        long_after = self.batch.config.long_rope_after
+        best, best_drafts, best_grammar, best_gain = None, [], False, 0.0
+        for seq in decode:
+            if not seq.speculate or seq.forced or seq.answer_constraint is not None:
+                continue  # opted out, or its next tokens are not the model's alone
+            state = seq.drafts
+            if state is None:
+                state = seq.drafts = DraftState(PromptLookup(seq.prompt_ids + seq.generated))
+            matcher = seq.constraint.matcher if seq.constraint is not None else None
+            if matcher is None and state.resting:  # its lookup rests (a grammar's forced tokens never do)
+                state.resting -= 1
+                continue
+            most = min(MAX_DRAFT_TOKENS, seq.max_new_tokens - len(seq.generated) - 1)
+            if long_after is not None and not seq.long_rope:  # never past the turn to the long factors
+                most = min(most, long_after - seq.cached_tokens - 1)
+            if most <= 0:
+                continue
+            drafts = matcher.compute_ff_tokens()[:most] if matcher is not None else []
+            grammar = bool(drafts)
+            if not drafts:  # its grammar forces nothing here: its own tokens may still guess (a string it repeats)
+                if state.resting:
+                    state.resting -= 1
+                    continue
+                drafts = state.lookup.propose(most)
+                if not drafts:
+                    state.missed()
+                    continue
+                state.found()
+            if matcher is not None and drafts:  # only what its grammar allows: the masks take them in turn
+                drafts = drafts[: matcher.validate_tokens(drafts)]
+            if not drafts:
+                continue
+            acceptance = state.grammar_acceptance if grammar else state.acceptance
+            k = costs.best_count(acceptance, len(decode), len(drafts))
+            gain = expected_tokens(acceptance, k)
+            if k and gain > best_gain:
+                best, best_drafts, best_grammar, best_gain = seq, drafts[:k], grammar, gain
+        return StepPlan(decode=decode, draft_row=best, drafts=best_drafts, grammar_drafts=best_grammar)
 
     def drive(self, sequences: list[Sequence]) -> StepResults:
         """Run sequences to their end on this thread, step by step as the loop would: the load-time gate and
@@ -255,7 +310,13 @@ class Scheduler:
         prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
                    for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
         kv = self.batch.kv
-        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting), kv.cached_bytes())
+        drafted = accepted = 0
+        if plan.draft_row is not None:
+            taken = [event.token_id for seq, event in results if seq is plan.draft_row and isinstance(event, StepEvent)]
+            if taken:  # it ran (it was not cancelled first): its drafts up to the first it did not take were accepted
+                drafted = len(plan.drafts)
+                accepted = next((i for i, (token, draft) in enumerate(zip(taken, plan.drafts)) if token != draft), min(len(taken), drafted))
+        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting), kv.cached_bytes(), drafted, accepted)
 
     def _deliver(self, steps: list[StepDone]) -> None:
         """On the event loop: each sequence's event to its caller, and each step's metrics, step by step."""
@@ -272,7 +333,9 @@ class Scheduler:
                         metrics.on_token(seq.arrival_ns, seq.last_sent_ns, now)
                         seq.last_sent_ns = now
             if metrics is not None:
-                metrics.on_step(len(done.results), done.running, done.queued, done.kv_bytes, done.cached_rows, done.cached_bytes)
+                stepped = len({id(seq) for seq, _ in done.results})  # a row that took drafts has an event a token
+                metrics.on_step(stepped, done.running, done.queued, done.kv_bytes, done.cached_rows, done.cached_bytes,
+                                len(done.results), done.drafted, done.accepted)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> StepResults:
         results = self.batch.fail_all(exc)

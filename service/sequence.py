@@ -13,6 +13,7 @@ import numpy as np
 
 from kvserve.contract.chat import ChatMessage, ToolCall
 
+from .drafts import DraftState
 from .sampling import SamplingParams, choose, log_probability, top_log_probabilities
 from .structured import Constraint, FormatError, ResponseFormat
 from .text import IncrementalDecoder, StopSequences
@@ -40,6 +41,7 @@ class GenerationRequest:
     include_stop_sequence: bool = False  # a matched stop sequence ends the text
     response_format: ResponseFormat | None = None  # the output's structure (structured.py); None: free text
     thinking_token_budget: int | None = None  # a reasoning model's thinking bound in tokens; None: the server's default
+    speculation: bool = True  # False: this request's steps check no drafts (where the server's --speculation is on)
     traceparent: str | None = None  # the caller's W3C trace context (HTTP headers, gRPC metadata), read when tracing is on
     tracestate: str | None = None
 
@@ -62,6 +64,8 @@ class Finish:
     cached_prompt_tokens: int = 0  # prompt tokens whose K/V were reused from the prompt cache, not computed
     tool_calls: tuple[ToolCall, ...] = ()  # the reply's calls, parsed whole (with FinishReason.TOOL_CALLS)
     reasoning_tokens: int = 0  # of the generated tokens, those spent thinking (a reasoning model's, reasoning.py)
+    accepted_draft_tokens: int = 0  # of the generated tokens, drafts the model's step agreed with (drafts.py)
+    rejected_draft_tokens: int = 0  # drafts offered for it that the model's step did not keep
 
 
 @dataclass(frozen=True)
@@ -117,6 +121,9 @@ class Sequence:
     answer_constraint: Constraint | None = None  # a structure the answer is held to, from the end of the thinking
     forced: list[int] = field(default_factory=list)  # ids it takes next whatever the model says (the closing marker)
     reasoning_tokens: int = 0  # generated tokens spent thinking
+    speculate: bool = True  # whether its steps may check drafts (the server's --speculation and the request's say)
+    drafts: DraftState | None = None  # speculation's state for this row (drafts.py), made when it first may draft
+    written_columns: int = 0  # columns of its row written so far, drafts it did not keep included (those are never read)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -124,6 +131,11 @@ class Sequence:
     @property
     def total_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
+
+    @property
+    def overshoot(self) -> int:
+        """Columns past cached_tokens holding drafts it did not keep (until its later tokens overwrite them)."""
+        return max(self.written_columns - self.cached_tokens, 0)
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -148,11 +160,15 @@ class Sequence:
         """Whether a step must read this sequence's logits back: it samples from them, or records them (the gate)."""
         return not self.takes_greedy_token or self.captured_logits is not None
 
-    def advance(self, logits: np.ndarray | None, greedy_token: int | None = None, allowed: np.ndarray | None = None) -> StepEvent:
+    def advance(self, logits: np.ndarray | None, greedy_token: int | None = None, allowed: np.ndarray | None = None,
+                draft: int | None = None) -> StepEvent:
         """Take the next token: greedy_token (the argmax of this sequence's logits, computed where the step ran) when
         the sequence takes it, else chosen from its logits (V,), among the allowed ones when it is
-        constrained (allowed: the ids its mask allows, ascending); apply stop rules; return the event.
-        Log-probabilities are the model's, before any mask."""
+        constrained (allowed: the ids its mask allows, ascending); apply stop rules; return the event. Log-probabilities
+        are the model's, before any mask. draft: the token guessed for this position (drafts.py), taken when it is the
+        token chosen: a sampled row draws as it would without it (its seed's draws in the same order), so the draft is
+        taken with probability p(draft), and otherwise the token is p's with the draft left out (speculative sampling's
+        rule for a single guessed token), and the row's tokens are the ones it makes with drafts off."""
         now = time.monotonic_ns()
         if self.needs_logits and logits is None:
             raise ValueError(f"sequence {self.id} reads its logits, but the step returned only greedy tokens")
@@ -180,6 +196,10 @@ class Sequence:
             logprob = log_probability(logits, token) if self.return_logprobs else None
         top = top_log_probabilities(logits, self.top_logprobs) if self.top_logprobs else None
         self.generated.append(token)
+        if self.drafts is not None:
+            self.drafts.lookup.push(token)
+            if draft is not None and token == draft:
+                self.drafts.accepted += 1
         if self.constraint is not None and token not in self.stop_ids:  # an end-of-sequence token ends it instead
             self.constraint.accept(token)
         if len(self.generated) == 1:
@@ -220,6 +240,8 @@ class Sequence:
                 cached_prompt_tokens=self.reused_prompt_tokens,
                 tool_calls=calls,
                 reasoning_tokens=self.reasoning_tokens,
+                accepted_draft_tokens=0 if self.drafts is None else self.drafts.accepted,
+                rejected_draft_tokens=0 if self.drafts is None else self.drafts.drafted - self.drafts.accepted,
             )
         return StepEvent(token_id=token, text=text, logprob=logprob, finish=finish, top_logprobs=top, call_text=call_text,
                          call_deltas=tuple(deltas), reasoning=reasoning, prompt_tokens=len(self.prompt_ids) if len(self.generated) == 1 else 0)

@@ -18,3 +18,6 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)  # rows that decode one token
     chunk: Sequence | None = None  # the row whose prompt advances this step
     chunk_tokens: int = 0  # by this many tokens
+    draft_row: Sequence | None = None  # a row of decode that also checks drafts this step (drafts.py), with no chunk
+    drafts: list[int] = field(default_factory=list)  # its guesses at its next tokens
+    grammar_drafts: bool = False  # whether they came from its grammar (else from prompt lookup)

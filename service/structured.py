@@ -214,16 +214,36 @@ class TokenMasks:
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-masks")
         self._executor = llguidance.LLExecutor(num_threads=max(1, min(4, (os.cpu_count() or 1) // 2)))
 
-    def start(self, constrained) -> Future:
+    def start(self, constrained, drafts: dict | None = None) -> Future:
         """Masks for constrained (sequences with a .constraint): a future of {sequence: the ids it may take next,
-        ascending}."""
-        return self._thread.submit(self._compute, constrained)
+        ascending}; for a sequence with drafts ({sequence: token ids}, each valid in turn: drafts.py), a list of them,
+        one for its next position and one after each of its drafts."""
+        return self._thread.submit(self._compute, constrained, drafts or {})
 
-    def _compute(self, constrained) -> dict:
+    def _compute(self, constrained, drafts: dict) -> dict:
         bits = np.zeros((len(constrained), self._words), dtype=np.int32)  # (K, ceil(V / 32)), bit i of word j: id 32j + i
         fill_next_token_bitmask_par(self._executor, [(s.constraint.matcher, i) for i, s in enumerate(constrained)], bits)
-        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]  # (K, V)
-        return {seq: np.flatnonzero(allowed[i]) for i, seq in enumerate(constrained)}
+        masks = {seq: np.flatnonzero(row) for seq, row in zip(constrained, self._unpack(bits))}
+        for seq, tokens in drafts.items():
+            if seq in masks:
+                masks[seq] = [masks[seq]] + self._after_each(seq.constraint.matcher, tokens)
+        return masks
+
+    def _after_each(self, matcher: llguidance.LLMatcher, tokens: list[int]) -> list[np.ndarray]:
+        """The allowed ids after each of tokens is taken in turn; the matcher is left as it was (rolled back)."""
+        after = []
+        for token in tokens:
+            if not matcher.consume_token(token):  # validated when drafted (scheduler.py), so never; else no more masks
+                break
+            after.append(np.flatnonzero(self._unpack(np.frombuffer(matcher.compute_bitmask(), np.int32)[None])[0]))
+            if matcher.is_stopped():  # the structure is complete: a row taking this draft ends with it
+                break
+        matcher.rollback(len(after))
+        return after
+
+    def _unpack(self, bits: np.ndarray) -> np.ndarray:
+        """(K, ceil(V / 32)) int32 bit rows -> (K, V) 0/1."""
+        return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, : self.vocab_size]
 
     def close(self) -> None:
         self._thread.shutdown(wait=True)

@@ -213,6 +213,7 @@ class RequestValidator:
             thinking_budget=budget if thinking is not None else 0,
             thinking_close_ids=self.thinking_close_ids,
             answer_constraint=answer_constraint,
+            speculate=request.speculation,
         )
 
     def _tools(self, request: GenerationRequest):

@@ -83,7 +83,7 @@ def test_engine_errors_become_openai_errors_naming_the_parameter_sent():
 def test_a_whole_answer_reports_each_completion_and_the_usage_of_one_prompt():
     def events(text: str, generated: int, cached: int) -> list[StepEvent]:
         finish = Finish(FinishReason.LENGTH, prompt_tokens=4, generated_tokens=generated, time_to_first_token_ns=1, total_ns=2,
-                        cached_prompt_tokens=cached)
+                        cached_prompt_tokens=cached, accepted_draft_tokens=cached // 2, rejected_draft_tokens=cached % 2)
         return [StepEvent(1, text[:1], None, None), StepEvent(2, text[1:], None, finish)]
 
     parsed = parse({**CHAT, "n": 2}, "chat", "m", LIMITS)
@@ -92,4 +92,4 @@ def test_a_whole_answer_reports_each_completion_and_the_usage_of_one_prompt():
     assert [c["finish_reason"] for c in body["choices"]] == ["length", "length"]
     assert body["usage"] == usage([e[-1].finish for e in (events("ab", 2, 3), events("cd", 2, 0))]) == {
         "prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8, "prompt_tokens_details": {"cached_tokens": 0},
-        "completion_tokens_details": {"reasoning_tokens": 0}}
+        "completion_tokens_details": {"reasoning_tokens": 0, "accepted_prediction_tokens": 1, "rejected_prediction_tokens": 1}}

@@ -50,6 +50,7 @@ class PlannedBatch:
 def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig()) -> Scheduler:
     scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the batch's rows: no loop, no thread
     scheduler.batch, scheduler.step_token_budget = PlannedBatch(PlannedRows(rows or [], max_rows, cached_prefix), config), budget
+    scheduler.speculation = False  # drafts are planned by test_drafts.py
     from collections import deque
 
     scheduler.waiting = deque()

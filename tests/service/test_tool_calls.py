@@ -423,7 +423,7 @@ def test_auto_opens_a_call_mid_stream_through_the_server(tool_server, monkeypatc
     reply = script.encode()  # its bytes, then the end of sequence
     real_choose = sequence_module.choose
 
-    def scripted(logits, params, rng, seen, generated, allowed):
+    def scripted(logits, params, rng, seen, generated, allowed=None):
         if params.seed != 4242:  # other requests sample as they would
             return real_choose(logits, params, rng, seen, generated, allowed)
         token = reply[len(generated)] if len(generated) < len(reply) else 256

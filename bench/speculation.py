@@ -1,0 +1,204 @@
+"""Speculation (serve --speculation, service/drafts.py) on against off, through the engine in this process (no gRPC),
+runs alternating (which goes first alternates too), one batch and one step thread for both.
+
+Workloads (the artifact's own tokenizer):
+  structured  each schema of structured_schemas.json, greedy, one request at a time: the grammar's forced tokens as
+              drafts; every output parsed and validated (jsonschema), and the same with drafts as without
+  tool-calls  three small functions, each named by tool_choice, through the chat template: the call's name, keys and
+              punctuation forced; every call's arguments validated
+  repeating   the default model's continuation of verses, greedy, one request at a time: it repeats its own phrases,
+              which prompt lookup drafts (the default model copies nothing from its prompt: no copy workload here)
+  open-1      the verses sampled (temperature 0.8, seeds fixed), one request at a time: drafts should stay off where
+              they do not pay
+  open-16     16 streams at once, sampled (temperature 0.8, seeds fixed): little repeats, so drafts should stay off
+              where they do not pay
+
+Per workload and mode: generated tokens/s (median of the rounds), drafts checked and accepted, and whether greedy
+outputs were identical. Also a step-cost table: a step of 1 + k tokens against 1 at batch 1 (the chunk part, as a
+drafting row runs), which the scheduler's cost model learns while serving. Prints markdown tables and the machine.
+
+    python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
+                                [--parts structured tool-calls repeating open-1 open-16 costs]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from machine import describe  # noqa: E402
+
+SCHEMAS = json.loads((Path(__file__).resolve().parent / "structured_schemas.json").read_text())
+# Small functions' parameters: the default model's context (256 tokens) holds the template's tool preamble and one.
+FUNCTIONS = {"weather": {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}},
+                         "required": ["unit"], "additionalProperties": False},
+             "count": {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                       "required": ["n"], "additionalProperties": False},
+             "flag": {"type": "object", "properties": {"on": {"type": "boolean"}, "mode": {"enum": ["fast", "slow"]}},
+                      "required": ["on", "mode"], "additionalProperties": False}}
+VERSES = ["In the beginning God created the heaven and the earth. And the earth was without form, and void;",
+          "And the LORD spake unto Moses, saying, Speak unto the children of Israel, and say unto them,",
+          "Blessed is the man that walketh not in the counsel of the ungodly,",
+          "And it came to pass in those days, that there went out a decree from Caesar Augustus,",
+          "The LORD is my shepherd; I shall not want. He maketh me to lie down in green pastures:",
+          "And he opened his mouth, and taught them, saying,"]
+
+
+class Bench:
+    def __init__(self, artifact_dir: str):
+        from kvserve.contract.artifact import open_artifact
+        from kvserve.contract.chat import load_chat_template
+        from kvserve.contract.tokenizer import load_tokenizer
+        from kvserve.runtime import DecoderRuntime
+        from kvserve.service.batch import SlotBatch
+        from kvserve.service.scheduler import step_thread
+
+        artifact = open_artifact(artifact_dir)
+        self.config = artifact.config
+        self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, "cpu")
+        self.tokenizer = load_tokenizer(artifact.tokenizer_path)
+        self.chat_template = load_chat_template(artifact.directory)
+        self.batch = SlotBatch(self.runtime, self.config, 16, prompt_cache=False)  # no run reuses another's prompt
+        self.steps = step_thread()
+
+    def engine(self, speculation: bool):
+        from kvserve.service.engine import Engine
+        from kvserve.service.limits import EngineLimits
+
+        engine = Engine(self.runtime, self.config, self.tokenizer, EngineLimits(max_batch_size=16, speculation=speculation,
+                                                                               prompt_cache=False),
+                        batch=self.batch, step_thread=self.steps, chat_template=self.chat_template)
+        engine.start()
+        return engine
+
+    async def run(self, speculation: bool, requests: list, concurrent: bool):
+        """(seconds, [(token ids, finish)], drafted, accepted) of requests through a fresh engine."""
+        engine = self.engine(speculation)
+
+        async def one(request):
+            tokens, finish = [], None
+            async for event in engine.generate(request):
+                tokens.append(event.token_id)
+                finish = event.finish or finish
+            return tokens, finish
+
+        try:
+            start = time.perf_counter()
+            if concurrent:
+                outputs = await asyncio.gather(*(one(r) for r in requests))
+            else:
+                outputs = [await one(r) for r in requests]
+            seconds = time.perf_counter() - start
+        finally:
+            await engine.close()
+        drafted = sum(f.accepted_draft_tokens + f.rejected_draft_tokens for _, f in outputs)
+        accepted = sum(f.accepted_draft_tokens for _, f in outputs)
+        return seconds, outputs, drafted, accepted
+
+
+def workloads(parts: list[str]) -> dict:
+    from kvserve.contract.chat import ChatMessage
+    from kvserve.service.sampling import SamplingParams
+    from kvserve.service.sequence import GenerationRequest
+    from kvserve.service.structured import FormatKind, ResponseFormat
+    from kvserve.service.tool_calls import ToolChoice, ToolRequest
+
+    chosen = {}
+    if "structured" in parts:
+        chosen["structured"] = ([GenerationRequest(prompt_text=f"{name}: ", max_new_tokens=120,
+                                                   response_format=ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema)))
+                                 for name, schema in SCHEMAS.items()], False)
+    if "repeating" in parts:
+        chosen["repeating"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES], False)
+    if "tool-calls" in parts:
+        chosen["tool-calls"] = ([GenerationRequest(
+            prompt_messages=(ChatMessage(role="user", content="Go."),), max_new_tokens=0,  # what the context leaves
+            tools=ToolRequest(json.dumps([{"type": "function", "function": {"name": name, "parameters": schema}}]),
+                              ToolChoice.FUNCTION, name, parallel=False))
+            for name, schema in FUNCTIONS.items()], False)
+    if "open-1" in parts:
+        chosen["open-1"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True,
+                                               sampling=SamplingParams(temperature=0.8, seed=i + 1)) for i, verse in enumerate(VERSES)], False)
+    if "open-16" in parts:
+        chosen["open-16"] = ([GenerationRequest(prompt_text=VERSES[i % len(VERSES)], max_new_tokens=200, ignore_eos=True,
+                                                sampling=SamplingParams(temperature=0.8, seed=i + 1)) for i in range(16)], True)
+    return chosen
+
+
+def step_costs(bench: Bench, reps: int = 30) -> list[tuple[int, float]]:
+    """(tokens, ms) of a batch-1 step that runs 1 + k tokens through the chunk part, at position 64."""
+    from kvserve.runtime import pool_capacity
+
+    config, runtime = bench.config, bench.runtime
+    pool = runtime.new_pool(1, config.n_kv_head, config.d_head, pool_capacity(config))
+    none = np.zeros(0, np.int64)
+    runtime.run_slots(pool, none, none, None, np.arange(64, dtype=np.int64) % 50 + 5, 0, 0, np.array([63]), False)
+    times: dict[int, list[float]] = {}
+    for _ in range(3):
+        for tokens in (1, 2, 3, 5, 7, 9):
+            piece = np.full(tokens, 7, np.int64)
+            start = time.perf_counter()
+            for _ in range(reps):
+                runtime.run_slots(pool, none, none, None, piece, 64, 0, np.arange(tokens), False)
+            times.setdefault(tokens, []).append((time.perf_counter() - start) / reps * 1e3)
+    return [(tokens, min(values)) for tokens, values in times.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", default="artifacts/kjv-gpt2")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=["structured", "tool-calls", "repeating", "open-1", "open-16", "costs"])
+    args = parser.parse_args()
+    bench = Bench(args.artifact)
+    print(f"# Speculation on against off: {args.artifact}, {args.rounds} rounds alternating\n")
+    print("| workload | speculation | tokens/s (median) | rounds | drafts checked | accepted | greedy outputs |")
+    print("|---|---|---:|---|---:|---:|---|")
+    for name, (requests, concurrent) in workloads(args.parts).items():
+        asyncio.run(bench.run(False, requests[:1], concurrent))  # warm: every shape seen once
+        rates = {False: [], True: []}
+        last = {}
+        for round_ in range(args.rounds):
+            for speculation in ((False, True) if round_ % 2 == 0 else (True, False)):
+                seconds, outputs, drafted, accepted = asyncio.run(bench.run(speculation, requests, concurrent))
+                rates[speculation].append(sum(len(t) for t, _ in outputs) / seconds)
+                last[speculation] = (outputs, drafted, accepted)
+        identical = "-" if concurrent or name.startswith("open") else ("identical" if [t for t, _ in last[True][0]] == [t for t, _ in last[False][0]] else "DIFFER")
+        if name == "structured":
+            for (tokens, _), schema in zip(last[True][0], SCHEMAS.values()):
+                text = bench.tokenizer.decode([t for t in tokens if t not in bench.config.eos_token_ids])
+                jsonschema.validate(json.loads(text), schema)  # raises: an invalid output fails the bench
+            identical += ", all valid"
+        if name == "tool-calls":
+            calls = [f.tool_calls for _, f in last[True][0]]
+            for call, schema in zip(calls, FUNCTIONS.values()):
+                jsonschema.validate(json.loads(call[0].arguments), schema)  # raises: a call that breaks its schema fails the bench
+            identical += ", every call valid"
+        for speculation in (False, True):
+            _, drafted, accepted = last[speculation]
+            median = statistics.median(rates[speculation])
+            ratio = f" ({median / statistics.median(rates[False]):.2f}x)" if speculation else ""
+            print(f"| {name} | {'on' if speculation else 'off'} | {median:,.1f}{ratio} | "
+                  f"{', '.join(f'{r:,.0f}' for r in rates[speculation])} | {drafted:,} | {accepted:,} | {identical} |")
+    if "costs" in args.parts:
+        costs = step_costs(bench)
+        base = costs[0][1]
+        print("\n| tokens a step (batch 1, chunk part) | ms (best of 3) | against 1 |")
+        print("|---:|---:|---:|")
+        for tokens, ms in costs:
+            print(f"| {tokens} | {ms:.3f} | {ms / base:.2f}x |")
+    print(f"\nMachine: {describe('cpu')}")
+    bench.steps.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""Draft tokens: guesses at a row's next tokens that one model step checks all at once (speculation), and when a
+row should make them.
+
+A row with drafts d1..dk runs [its last token, d1..dk] through the step's chunk part (batch.py), with logits at every
+position; the sampler keeps the drafts the model agrees with and one token more (sequence.Sequence.advance, the
+rejection rule for sampled rows), so the row gains 1..k+1 tokens for one step's read of the weights. Its columns past
+what it kept hold K/V that is never read: a row reads only the positions up to its own, and later tokens overwrite
+them in order (kv_rows.py keeps a ring row with such columns out of the prompt cache).
+
+Where drafts come from, per row:
+  - the grammar of a constrained row (structured output, tool calls): llguidance's fast-forward tokens, the only
+    continuation its bytes allow; each is still checked against the model under its mask, so greedy output is the
+    output without drafts (a forced text may be tokenized in more than one way, and the model picks among them);
+  - prompt lookup: the tokens that followed the latest earlier occurrence of the row's last NGRAM tokens in its own
+    prompt and output (copying, quoting, code edits, repeated structure).
+
+How many (k): each row keeps a running estimate of how often its drafts are accepted, and the step costs
+(StepCosts, measured from the steps the batch runs) say what a step of n + k tokens costs against one of n; k is
+the count that maximises expected tokens per unit of step time, 0 when none beats no drafts. A row whose drafts keep
+failing stops drafting for a while (BACKOFF_STEPS), then tries again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# At most this many drafts a step: a ring row's rejected columns must fall outside its window (contract RING_SLACK).
+MAX_DRAFT_TOKENS = 8
+NGRAM = 3  # prompt lookup matches the last 3 tokens, then the last 2 (PromptLookup indexes both)
+LOOKUP_PRIOR, GRAMMAR_PRIOR = 0.5, 0.8  # acceptance assumed before a row has drafted
+ACCEPTANCE_WEIGHT = 0.3  # weight of the latest step in a row's running acceptance
+STOP_BELOW, BACKOFF_STEPS = 0.15, 16  # a row accepting fewer than this rests so many steps before drafting again
+# A row whose lookup finds nothing this many steps running rests as many, then twice as many each time again, at most
+# MAX_REST: text that does not repeat costs its row a lookup now and then, not every step.
+MISSES_BEFORE_REST, MAX_REST = 4, 64
+DRAFT_COUNTS = (1, 2, 3, 4, 6, 8)  # the k a row may pick
+GATE_STEPS = 16  # steps StepCosts.may_pay's answer stands for
+OUTLIER = 2.0  # a step timed at more than this many times its running mean counts as this many (a stall, not its cost)
+
+
+class PromptLookup:
+    """n-gram index of one row's tokens: for each n-gram (n = 2..NGRAM), where it last ended. A token is appended as it
+    comes (push, once a token of every row); its n-grams are indexed only when the row is asked for drafts (propose),
+    so a row that is not drafting costs a list append a token."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens: list[int] = list(tokens)
+        self._ends: dict[tuple[int, ...], int] = {}  # n-gram -> the position after its latest occurrence
+        self._indexed = NGRAM - 1  # n-grams ending before this position are indexed (with the token that followed them)
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the row's last n tokens, longest n first."""
+        tokens, end, ends = self.tokens, len(self.tokens), self._ends
+        for stop in range(max(self._indexed, 2), end):  # n-grams that now have a continuation
+            ends[(tokens[stop - 2], tokens[stop - 1])] = stop
+            if stop >= 3:
+                ends[(tokens[stop - 3], tokens[stop - 2], tokens[stop - 1])] = stop
+        self._indexed = max(self._indexed, end)
+        for n in range(NGRAM, 1, -1):
+            if end < n:
+                continue
+            start = ends.get(tuple(tokens[end - n:]))
+            if start is not None:
+                return tokens[start:start + k]
+        return []
+
+
+@dataclass
+class DraftState:
+    """One row's drafting: its lookup index, its running acceptance, and its rest after failures."""
+
+    lookup: PromptLookup
+    acceptance: float = LOOKUP_PRIOR
+    grammar_acceptance: float = GRAMMAR_PRIOR
+    resting: int = 0  # steps left before this row drafts again
+    misses: int = 0  # steps running its lookup found nothing
+    rest: int = MISSES_BEFORE_REST  # steps it rests after its next misses
+    drafted: int = 0  # tokens offered to the model
+    accepted: int = 0  # of them, kept
+
+    def record(self, offered: int, kept: int, grammar: bool) -> None:
+        """A step checked `offered` drafts of this row and kept `kept` (the counts are kept as they happen: the batch
+        counts what it offers, Sequence.advance what it keeps, so a Finish made mid-step has them)."""
+        if not offered:
+            return
+        rate = kept / offered
+        if grammar:
+            self.grammar_acceptance += ACCEPTANCE_WEIGHT * (rate - self.grammar_acceptance)
+        else:
+            self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
+            if self.acceptance < STOP_BELOW:
+                self.resting, self.acceptance = BACKOFF_STEPS, LOOKUP_PRIOR / 2  # tried again later, warily
+
+
+    def missed(self) -> None:
+        """Its lookup found nothing this step (text that does not repeat): after a few such steps it rests, longer each
+        time it comes back to nothing."""
+        self.misses += 1
+        if self.misses >= MISSES_BEFORE_REST:
+            self.misses, self.resting, self.rest = 0, self.rest, min(2 * self.rest, MAX_REST)
+
+    def found(self) -> None:
+        self.misses, self.rest = 0, MISSES_BEFORE_REST
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a row gains from a step with k drafts, each accepted with probability `acceptance` given the last was:
+    1 + a + a^2 + ... + a^k."""
+    return sum(acceptance ** i for i in range(k + 1))
+
+
+@dataclass
+class StepCosts:
+    """What a decode step costs, learnt from the steps run: a running mean of the model call's time for each count of
+    decoding rows and of drafts one of them checks (0: a plain decode step). A step with drafts runs its row through the
+    chunk part of the graph, another path than a plain step's, so its cost is learnt apart: before a (rows, drafts)
+    pair has run, it is taken as the plain step's grown by PRIOR_SLOPE a draft (batch 1 on the CPU measures 10-15% a
+    token for the first few, bench/speculation.py), and the pair is tried only where that guess says it pays."""
+
+    PRIOR_SLOPE = 0.1
+    WEIGHT = 0.2
+    seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, drafts) -> running mean seconds
+    _first: set = field(default_factory=set)  # pairs seen once (their first run is not counted)
+    _gate: dict = field(default_factory=dict)  # rows -> [may_pay's answer, asks left before it is asked again]
+
+    def record(self, rows: int, drafts: int, seconds: float) -> None:
+        key = (rows, drafts)
+        seen = self.seconds.get(key)
+        if seen is None:
+            if key not in self._first:  # a shape's first run plans its memory (ONNX Runtime): often several times a step
+                self._first.add(key)
+                return
+            self.seconds[key] = seconds
+            return
+        self.seconds[key] = seen + self.WEIGHT * (min(seconds, OUTLIER * seen) - seen)  # a stall counts as OUTLIER steps at most
+
+    def cost(self, rows: int, drafts: int) -> float | None:
+        """Seconds for a decode step of `rows` rows, one checking `drafts` drafts (None until a plain step of as many rows
+        has run)."""
+        known = self.seconds.get((rows, drafts))
+        if known is not None:
+            return known
+        plain = self.seconds.get((rows, 0))
+        return None if plain is None else plain * (1 + self.PRIOR_SLOPE * drafts)
+
+    def may_pay(self, rows: int) -> bool:
+        """Whether drafts that are all taken would pay in a step of `rows` rows: asked every step, so answered from what
+        it said at most GATE_STEPS asks ago."""
+        said = self._gate.get(rows)
+        if said is None or said[1] <= 0:
+            said = [self.best_count(1.0, rows, MAX_DRAFT_TOKENS) > 0, GATE_STEPS]
+            self._gate[rows] = said
+        said[1] -= 1
+        return said[0]
+
+    def best_count(self, acceptance: float, rows: int, most: int) -> int:
+        """The k (of DRAFT_COUNTS, at most `most`) that makes a step of `rows` decoding rows, one of them drafting k,
+        give the most tokens per second; 0 when no k beats drafting none (or no plain step of as many rows has run)."""
+        base = self.cost(rows, 0)
+        if base is None:
+            return 0
+        best, best_rate = 0, rows / base
+        for k in DRAFT_COUNTS:
+            if k > most:
+                break
+            rate = (rows - 1 + expected_tokens(acceptance, k)) / self.cost(rows, k)
+            if rate > best_rate * 1.02:  # a margin: a 2% gain is within a step's noise
+                best, best_rate = k, rate
+        return best
