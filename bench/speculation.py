@@ -8,6 +8,8 @@ Workloads (the artifact's own tokenizer):
               punctuation forced; every call's arguments validated
   repeating   the default model's continuation of verses, greedy, one request at a time: it repeats its own phrases,
               which prompt lookup drafts (the default model copies nothing from its prompt: no copy workload here)
+  asked-again the verses greedy, then all of them again (an agent's loop, a retry): the second answers drafted from
+              the first (the output cache, --draft-cache-tokens; each run is a fresh engine, so a fresh cache)
   open-1      the verses sampled (temperature 0.8, seeds fixed), one request at a time: drafts should stay off where
               they do not pay
   open-16     16 streams at once, sampled (temperature 0.8, seeds fixed): little repeats, so drafts should stay off
@@ -18,7 +20,7 @@ outputs were identical. Also a step-cost table: a step of 1 + k tokens against 1
 drafting row runs), which the scheduler's cost model learns while serving. Prints markdown tables and the machine.
 
     python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
-                                [--parts structured tool-calls repeating open-1 open-16 costs]
+                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs]
 """
 
 from __future__ import annotations
@@ -119,6 +121,8 @@ def workloads(parts: list[str]) -> dict:
                                  for name, schema in SCHEMAS.items()], False)
     if "repeating" in parts:
         chosen["repeating"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES], False)
+    if "asked-again" in parts:
+        chosen["asked-again"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES] * 2, False)
     if "tool-calls" in parts:
         chosen["tool-calls"] = ([GenerationRequest(
             prompt_messages=(ChatMessage(role="user", content="Go."),), max_new_tokens=0,  # what the context leaves
@@ -157,7 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default="artifacts/kjv-gpt2")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--parts", nargs="+", default=["structured", "tool-calls", "repeating", "open-1", "open-16", "costs"])
+    parser.add_argument("--parts", nargs="+", default=["structured", "tool-calls", "repeating", "asked-again", "open-1", "open-16", "costs"])
     args = parser.parse_args()
     bench = Bench(args.artifact)
     print(f"# Speculation on against off: {args.artifact}, {args.rounds} rounds alternating\n")

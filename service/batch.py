@@ -238,6 +238,8 @@ class SlotBatch:
         )
         if chunk is None:  # a decode step, plain or with drafts: what the scheduler sizes drafts by
             self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
+        elif decode:  # and what a prompt chunk adds beside decoding rows: what it sizes chunks by
+            self.step_costs.record_chunk(len(decode), len(piece), time.perf_counter() - started)
         for seq in decode:
             seq.cached_tokens += 1
         if drafts:

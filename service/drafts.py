@@ -68,6 +68,57 @@ class PromptLookup:
         return []
 
 
+class SuffixCache:
+    """Recent finished outputs, across requests, for drafting: each kept with the prompt tokens just before it, and an
+    index of their 3-grams (where each last ended), so a row whose last three tokens began an earlier answer drafts
+    what followed there (an agent's loop asking again, a retry, a template filled alike). At most `tokens` tokens kept,
+    the oldest outputs dropped first; 0 keeps none. The step thread alone uses it."""
+
+    def __init__(self, tokens: int):
+        self.capacity = tokens
+        self._docs: dict[int, list[int]] = {}  # id -> tokens, oldest first (dicts keep insertion order)
+        self._held = 0
+        self._next = 0
+        self._ends: dict[tuple[int, int, int], tuple[int, int]] = {}  # 3-gram -> (doc id, the position after it)
+
+    def add(self, context: list[int], output: list[int]) -> None:
+        """A finished output and the prompt tokens before it (its last NGRAM are kept, so its start can be found)."""
+        tokens = context[-NGRAM:] + output
+        if not self.capacity or len(tokens) <= NGRAM or len(tokens) > self.capacity:
+            return
+        while self._held + len(tokens) > self.capacity:
+            self._drop(next(iter(self._docs)))
+        doc = self._next
+        self._next += 1
+        self._docs[doc] = tokens
+        self._held += len(tokens)
+        for end in range(NGRAM, len(tokens)):  # each 3-gram that a token follows
+            self._ends[(tokens[end - 3], tokens[end - 2], tokens[end - 1])] = (doc, end)
+
+    def _drop(self, doc: int) -> None:
+        tokens = self._docs.pop(doc)
+        self._held -= len(tokens)
+        for end in range(NGRAM, len(tokens)):
+            key = (tokens[end - 3], tokens[end - 2], tokens[end - 1])
+            if self._ends.get(key, (None,))[0] == doc:
+                del self._ends[key]
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the row's last three tokens in the latest output holding them."""
+        if len(tokens) < NGRAM or not self._ends:
+            return []
+        found = self._ends.get((tokens[-3], tokens[-2], tokens[-1]))
+        if found is None:
+            return []
+        doc, end = found
+        return self._docs[doc][end:end + k]
+
+    @property
+    def held(self) -> int:
+        """Tokens kept."""
+        return self._held
+
+
 @dataclass
 class DraftState:
     """One row's drafting: its lookup index, its running acceptance, and its rest after failures."""
@@ -125,6 +176,8 @@ class StepCosts:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, drafts) -> running mean seconds
     _first: set = field(default_factory=set)  # pairs seen once (their first run is not counted)
     _gate: dict = field(default_factory=dict)  # rows -> [may_pay's answer, asks left before it is asked again]
+    chunk_seconds: dict[int, float] = field(default_factory=dict)  # rows -> running mean seconds a prompt chunk token adds
+    bound: float = 0.0  # the most a step with drafts may cost, as a multiple of a plain one, when other rows wait on it (0: none)
 
     def record(self, rows: int, drafts: int, seconds: float) -> None:
         key = (rows, drafts)
@@ -136,6 +189,24 @@ class StepCosts:
             self.seconds[key] = seconds
             return
         self.seconds[key] = seen + self.WEIGHT * (min(seconds, OUTLIER * seen) - seen)  # a stall counts as OUTLIER steps at most
+
+    def record_chunk(self, rows: int, tokens: int, seconds: float) -> None:
+        """A step of `rows` decoding rows and a prompt chunk of `tokens` took `seconds`: what each chunk token added to a
+        plain step of as many rows."""
+        plain = self.seconds.get((rows, 0))
+        if plain is None or tokens <= 0:
+            return
+        added = max(seconds - plain, 0.0) / tokens
+        seen = self.chunk_seconds.get(rows)
+        self.chunk_seconds[rows] = added if seen is None else seen + self.WEIGHT * (min(added, OUTLIER * seen) - seen)
+
+    def chunk_tokens_within(self, rows: int, bound: float) -> int | None:
+        """The most prompt-chunk tokens a step of `rows` decoding rows may carry to take at most `bound` times a plain
+        step's time (None: not measured yet, or chunks measured as free)."""
+        plain, added = self.seconds.get((rows, 0)), self.chunk_seconds.get(rows)
+        if plain is None or not added:
+            return None
+        return int((bound - 1.0) * plain / added + 1e-9)  # floor, not one short of a whole count by rounding
 
     def cost(self, rows: int, drafts: int) -> float | None:
         """Seconds for a decode step of `rows` rows, one checking `drafts` drafts (None until a plain step of as many rows
@@ -166,7 +237,10 @@ class StepCosts:
         for k in DRAFT_COUNTS:
             if k > most:
                 break
-            rate = (rows - 1 + expected_tokens(acceptance, k)) / self.cost(rows, k)
+            cost = self.cost(rows, k)
+            if self.bound and rows > 1 and cost > self.bound * base:  # the other rows' next token waits on this step
+                break
+            rate = (rows - 1 + expected_tokens(acceptance, k)) / cost
             if rate > best_rate * 1.02:  # a margin: a 2% gain is within a step's noise
                 best, best_rate = k, rate
         return best

@@ -45,7 +45,8 @@ class Engine:
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
         self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
         self.validator = RequestValidator(config, tokenizer, limits, chat_template, encoder, kv_budget_tokens=self.batch.kv.budget_tokens())
-        self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread, speculation=limits.speculation)
+        self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread, speculation=limits.speculation,
+                                   draft_cache_tokens=limits.draft_cache_tokens, step_time_bound=limits.step_time_bound)
         self._accepting = True
         self._task: asyncio.Task | None = None
         self.metrics = metrics  # service.metrics.Metrics or None

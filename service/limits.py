@@ -42,6 +42,11 @@ class EngineLimits:
     # (docs/benchmarks.md, "Chunked prefill").
     step_token_budget: int = declared(32, "tokens one step runs while streams decode: theirs, then a chunk of a new prompt; "
                                       "0: no limit (a prompt is prefilled whole)", 0, INT_MAX)
+    # A prompt chunk beside decoding rows costs them a longer step: the chunk is cut to what keeps its step within this
+    # share of a decode-only step, by the step times the server measures (service/drafts.py StepCosts).
+    step_time_bound: int = declared(130, "percent of a decode-only step's time a step with a prompt chunk or drafts may take "
+                                    "while streams decode (measured while serving; within --step-token-budget); 0: the "
+                                    "budget alone", 0, 10_000)
     max_stop_sequences: int = declared(16, "stop sequences of one request", 1, INT_MAX)
     max_stop_length: int = declared(256, "characters of one stop sequence", 1, INT_MAX)
     max_text_bytes: int = declared(256 * 1024, "UTF-8 bytes of a prompt's text, a conversation's contents together (its tool "
@@ -82,6 +87,10 @@ class EngineLimits:
     # tokens, or what followed its last tokens earlier in its prompt and output.
     speculation: bool = declared(True, "check guessed next tokens (a grammar's forced tokens, prompt lookup) in one step "
                                  "where the measured step costs say it pays (auto); off: one token a row a step")
+    # Finished outputs drafted from by later requests (service/drafts.py SuffixCache): memory, and a timing channel
+    # between requests (docs/serving.md, "Speculation").
+    draft_cache_tokens: int = declared(32768, "tokens of recent outputs (across requests) speculation drafts from; 0: only a "
+                                       "request's own text", 0, 1 << 24)
 
 
 @dataclass(frozen=True)

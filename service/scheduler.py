@@ -6,7 +6,8 @@ One step (step_plan.StepPlan) is one model call over the batch:
     chunk, one of them may also check drafts of its next tokens (drafts.py: its grammar's forced tokens or prompt
     lookup, as many as the step times measured say pay), through the chunk part of the graph;
   - one row's prompt advances by a chunk: with rows decoding, the chunk gets what is left of the per-step
-    token budget after them, so a long prompt never stalls the streams already running; with nobody
+    token budget after them, cut further to what keeps the step within --step-time-bound of a decode-only step by
+    the step times measured (drafts.StepCosts), so a long prompt never stalls the streams already running; with nobody
     decoding (or budget 0, no limit) the whole rest of the prompt goes in one step; a chunk that would
     leave a tail of at most a quarter of the budget takes the tail too (a step of its own would cost the
     running streams a whole step's gap for a few tokens);
@@ -38,11 +39,14 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, expected_tokens
+from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, SuffixCache, expected_tokens
 from .sequence import Sequence, StepEvent
 from .step_plan import StepPlan, StepResults
 
 log = logging.getLogger(__name__)
+
+# A chunk cut to keep its step within --step-time-bound still takes this many tokens: a prompt always advances.
+MIN_CHUNK_TOKENS = 4
 
 
 def step_thread() -> ThreadPoolExecutor:
@@ -137,10 +141,13 @@ class Scheduler:
     """Owns the waiting queue and the loop; the batch (batch.SlotBatch) runs the steps, its KvRows own the rows."""
 
     def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None,
-                 speculation: bool = False):
+                 speculation: bool = False, draft_cache_tokens: int = 0, step_time_bound: int = 0):
         self.batch = batch
         self.step_token_budget = step_token_budget  # 0: no limit
+        self.step_time_bound = step_time_bound / 100  # a step with a chunk or drafts, in plain steps' time (0: no bound)
+        batch.step_costs.bound = self.step_time_bound
         self.speculation = speculation  # decoding rows may check drafts (drafts.py) where the step costs say it pays
+        self.outputs = SuffixCache(draft_cache_tokens if speculation else 0)  # finished outputs later rows draft from
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()
         self._owns_executor = executor is None  # a thread handed in is its giver's to close
@@ -196,8 +203,12 @@ class Scheduler:
         remaining = len(chunk.prefill_ids) - done
         tokens = remaining
         if decode and self.step_token_budget:
-            allowance = max(self.step_token_budget - len(decode), 1)
-            if remaining > allowance + self.step_token_budget // 4:
+            allowance, tail = max(self.step_token_budget - len(decode), 1), self.step_token_budget // 4
+            fits = self.batch.step_costs.chunk_tokens_within(len(decode), self.step_time_bound) if self.step_time_bound else None
+            if fits is not None and fits < allowance:  # the steps measured say a budget's chunk would stall the streams
+                allowance = max(fits, MIN_CHUNK_TOKENS)
+                tail = allowance // 4
+            if remaining > allowance + tail:
                 tokens = allowance
         return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens)
 
@@ -231,7 +242,7 @@ class Scheduler:
                 if state.resting:
                     state.resting -= 1
                     continue
-                drafts = state.lookup.propose(most)
+                drafts = state.lookup.propose(most) or self.outputs.propose(state.lookup.tokens, most)
                 if not drafts:
                     state.missed()
                     continue
@@ -310,6 +321,10 @@ class Scheduler:
         prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
                    for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
         kv = self.batch.kv
+        if self.outputs.capacity:
+            for seq, event in results:  # finished outputs, for later rows' drafts (a request that opted out gives none)
+                if seq.speculate and isinstance(event, StepEvent) and event.finish is not None:
+                    self.outputs.add(seq.prompt_ids, seq.generated)
         drafted = accepted = 0
         if plan.draft_row is not None:
             taken = [event.token_id for seq, event in results if seq is plan.draft_row and isinstance(event, StepEvent)]

@@ -10,7 +10,7 @@ import torch
 
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.service.batch import SlotBatch
-from kvserve.service.drafts import MAX_DRAFT_TOKENS, PromptLookup, StepCosts
+from kvserve.service.drafts import MAX_DRAFT_TOKENS, PromptLookup, StepCosts, SuffixCache
 from kvserve.service.sampling import SamplingParams, choose
 from kvserve.service.scheduler import Scheduler
 from kvserve.service.structured import FormatCompiler, FormatKind, ResponseFormat
@@ -31,6 +31,21 @@ def test_prompt_lookup_proposes_what_followed_the_latest_earlier_occurrence_of_t
     lookup.push(4)  # "2 3 4" (three tokens) occurred once, followed by 5 9
     assert lookup.propose(3) == [5, 9, 2]
     assert PromptLookup([6]).propose(4) == [] and PromptLookup([]).propose(4) == []
+
+
+def test_the_output_cache_drafts_what_followed_in_an_earlier_answer_and_keeps_at_most_its_tokens():
+    cache = SuffixCache(20)
+    cache.add([9, 9, 1, 2, 3], [4, 5, 6, 7, 8])  # kept with the prompt's last 3 tokens: [1, 2, 3, 4, ..., 8]
+    assert cache.propose([7, 1, 2, 3], 3) == [4, 5, 6]  # a new answer starting where that one started
+    assert cache.propose([5, 6, 7], 4) == [8] and cache.propose([2, 3], 4) == [] and cache.held == 8
+    cache.add([0], [30, 31, 32, 33, 34, 35, 36])  # 8 tokens more: 16 held
+    cache.add([0], [40, 41, 42, 43, 44, 45, 46])  # 8 more than 20: the oldest answer goes, and its 3-grams
+    assert cache.held == 16 and cache.propose([1, 2, 3], 3) == [] and cache.propose([30, 31, 32], 2) == [33, 34]
+    cache.add([1, 2, 3], list(range(100, 130)))  # longer than the whole cache: not kept
+    assert cache.held == 16
+    off = SuffixCache(0)
+    off.add([1, 2, 3], [4, 5, 6])
+    assert off.held == 0 and off.propose([1, 2, 3], 2) == []
 
 
 def test_the_step_costs_draft_only_as_many_as_pay_for_their_acceptance():
@@ -306,3 +321,24 @@ def test_the_server_reports_drafts_in_finish_details_usage_and_metrics_and_a_req
         steps, tokens = metrics[("kvserve_step_tokens_count", frozenset())], metrics[("kvserve_step_tokens_sum", frozenset())]
         assert tokens == metrics[("kvserve_generated_tokens_total", frozenset())]
         assert (tokens > steps) is (accepted > 0)  # a step that took drafts made more tokens than it had rows
+
+
+@pytest.mark.parametrize("cache_tokens", [32768, 0])
+def test_a_request_asked_again_drafts_the_earlier_answer_from_the_output_cache(tiny_artifact, cache_tokens):
+    """The same greedy request twice: the second drafts the first's answer from the output cache (--draft-cache-tokens)
+    and takes it nearly whole, the same tokens; with the cache at 0 it drafts from its own text only."""
+    from kvserve.v1 import generation_pb2 as pb
+
+    from .conftest import collect, serving, stub_of
+
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=random_prompt(90, 12)), max_new_tokens=40, ignore_eos=True)
+    with serving(tiny_artifact, max_batch_size=1, prompt_cache=False, draft_cache_tokens=cache_tokens) as running, \
+            stub_of(running) as stub:
+        first_ids, _, first = collect(stub, request)
+        again_ids, _, again = collect(stub, request)
+        opted_ids, _, opted = collect(stub, pb.GenerateRequest(**{f.name: v for f, v in request.ListFields()}, speculation=False))
+    assert again_ids == first_ids == opted_ids
+    assert opted.accepted_draft_tokens == opted.rejected_draft_tokens == 0
+    # 40 tokens: the first from the prompt's step, then a plain step or two while the step costs are measured, then
+    # drafts of up to 8; a random model's own text repeats little, the earlier answer all of it
+    assert (again.accepted_draft_tokens >= 20) is bool(cache_tokens), (first.accepted_draft_tokens, again.accepted_draft_tokens)

@@ -12,6 +12,7 @@ from kvserve.contract.config import DecoderConfig, RopeScaling
 from kvserve.model.generate import generate
 from kvserve.runtime import DecoderRuntime
 from kvserve.service.batch import SlotBatch
+from kvserve.service.drafts import StepCosts
 from kvserve.service.gate import _greedy_sequence
 from kvserve.service.scheduler import Scheduler
 
@@ -45,12 +46,14 @@ class PlannedRows:
 class PlannedBatch:
     kv: PlannedRows
     config: DecoderConfig = DecoderConfig()
+    step_costs: StepCosts = field(default_factory=StepCosts)
 
 
 def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig()) -> Scheduler:
     scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the batch's rows: no loop, no thread
     scheduler.batch, scheduler.step_token_budget = PlannedBatch(PlannedRows(rows or [], max_rows, cached_prefix), config), budget
     scheduler.speculation = False  # drafts are planned by test_drafts.py
+    scheduler.step_time_bound = 0  # chunks cut to the measured step times: test_a_chunk_is_cut_to_keep_its_step_within_the_bound
     from collections import deque
 
     scheduler.waiting = deque()
@@ -77,6 +80,25 @@ def test_a_chunk_takes_what_the_decoding_rows_leave_of_the_budget(decoders, prom
     scheduler.waiting.append(joining)
     plan = scheduler.plan()
     assert plan.joining == [joining] and plan.chunk is joining and plan.chunk_tokens == chunk and len(plan.decode) == decoders
+
+
+@pytest.mark.parametrize("added, chunk", [
+    (None, 30),  # no chunk measured yet: the budget's
+    (0.01, 30),  # a chunk token adds 1% of a plain step: 30 of them fit in 1.3 steps, the budget's chunk too
+    (0.02, 15),  # 2%: the chunk is cut to the 15 that keep the step within 1.3 plain ones
+    (1.0, 4),  # a chunk token costs a whole step: the chunk still advances by MIN_CHUNK_TOKENS
+])
+def test_a_chunk_is_cut_to_keep_its_step_within_the_bound(added, chunk):
+    """--step-time-bound 130: a step with a prompt chunk beside decoding rows takes at most 1.3 times a decode-only step
+    of as many rows, by the step times measured (StepCosts)."""
+    scheduler = planner(32, [decoding(i) for i in range(2)], max_rows=16)
+    scheduler.step_time_bound = 1.3
+    costs = scheduler.batch.step_costs
+    costs.seconds[2, 0] = 1.0
+    if added is not None:
+        costs.record_chunk(2, 10, 1.0 + 10 * added)
+    scheduler.waiting.append(_greedy_sequence(99, list(range(200)), 4))
+    assert scheduler.plan().chunk_tokens == chunk
 
 
 def test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free():
