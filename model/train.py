@@ -2,6 +2,12 @@
 
     python -m kvserve.model.train --out checkpoints/kjv-gpt2
 
+or, from it, a model that quotes its context (speculation's copy-heavy workload, bench/speculation.py): training goes on
+from --init's weights and tokenizer, a share of the windows drawn from passages recited after a cue (quote_documents):
+
+    python -m kvserve.model.train --init checkpoints/kjv-gpt2 --quote-share 0.5 --steps 400 --learning-rate 1e-3 \
+        --warmup-steps 20 --out artifacts/kjv-quote-gpt2
+
 Reproducible from its arguments: the seed fixes the weights' initialisation and the order of the training
 windows; the tokenizer is trained deterministically on the training chapters. What it writes is a
 checkpoint directory as save_pretrained writes it (config.json, model.safetensors, tokenizer.json) plus
@@ -54,6 +60,12 @@ class TrainConfig:
     weight_decay: float = 0.1
     log_every: int = 50
     threads: int = 0  # 0: torch's default
+    quote_share: float = 0.0  # of the windows, those drawn from quoting documents (a passage, QUOTE_CUE, the passage again)
+    init: str = ""  # a checkpoint whose weights and tokenizer training goes on from ("": new ones, seeded)
+
+
+QUOTE_CUE = "\nAgain:\n"  # what separates a passage from its recital in a quoting document
+QUOTE_TOKENS = 96  # a quoted passage's most tokens: consecutive verses while they fit (a whole recital fits in 256)
 
 
 def train_tokenizer(chapters: tuple[str, ...], vocab_size: int):
@@ -82,6 +94,44 @@ def token_stream(tokenizer, chapters: tuple[str, ...]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int64)
 
 
+def quote_documents(tokenizer, chapters: tuple[str, ...]) -> list[list[int]]:
+    """Each chapter cut into passages of consecutive verses of at most QUOTE_TOKENS tokens, each written as
+    passage + QUOTE_CUE + the passage again + EOS: the second half can be read off the first."""
+    eos, cue = tokenizer.token_to_id(EOS), tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids
+    documents = []
+    for chapter in chapters:
+        passage: list[int] = []
+        for verse in chapter.split("\n"):
+            ids = tokenizer.encode(verse + "\n", add_special_tokens=False).ids
+            if passage and len(passage) + len(ids) > QUOTE_TOKENS:
+                documents.append(passage + cue + passage + [eos])
+                passage = []
+            if len(ids) <= QUOTE_TOKENS:
+                passage += ids
+        if passage:
+            documents.append(passage + cue + passage + [eos])
+    return documents
+
+
+@torch.no_grad()
+def recital_accuracy(model: GPT2, documents: list[list[int]], cue_length: int) -> float:
+    """Of the recited tokens of quoting documents (after QUOTE_CUE), the share the model's greedy choice gets right given
+    the text before each (teacher-forced): how well it copies its context."""
+    model.eval()
+    right = total = 0
+    for document in documents:
+        if len(document) - 1 > model.config.n_ctx:  # longer than the model's context: not scored
+            continue
+        ids = torch.tensor([document[:-1]])  # (1, T)
+        positions = torch.arange(ids.shape[1])[None]  # (1, T)
+        logits, _ = model(ids, torch.ones_like(ids), positions, model.empty_cache(1))  # (1, T, V)
+        start = (len(document) - 1 + cue_length) // 2  # the recital's first token: passage and cue before it
+        predicted, target = logits[0, start - 1 :].argmax(-1), torch.tensor(document[start:])  # each token after the one before
+        right += int((predicted == target).sum())
+        total += len(target)
+    return right / max(total, 1)
+
+
 def causal_lm_loss(model: GPT2, windows: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over (B, T+1) windows, through the same forward the export traces."""
     inputs, targets = windows[:, :-1], windows[:, 1:]  # (B, T) each
@@ -89,6 +139,19 @@ def causal_lm_loss(model: GPT2, windows: torch.Tensor) -> torch.Tensor:
     positions = torch.arange(T).expand(B, T)  # (B, T)
     logits, _ = model(inputs, torch.ones(B, T, dtype=torch.int64), positions, model.empty_cache(B))  # (B, T, V)
     return F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+
+
+def token_stream_of(documents: list[list[int]]) -> torch.Tensor:
+    """Documents (each ending in EOS already) as one (N,) int64 stream."""
+    return torch.tensor([token for document in documents for token in document], dtype=torch.int64)
+
+
+def sample_windows(stream: torch.Tensor | None, count: int, n_ctx: int, generator: torch.Generator) -> torch.Tensor:
+    """count random windows of n_ctx + 1 tokens of stream: (count, n_ctx + 1)."""
+    if not count:
+        return torch.zeros((0, n_ctx + 1), dtype=torch.int64)
+    starts = torch.randint(0, len(stream) - n_ctx - 1, (count,), generator=generator)
+    return torch.stack([stream[s : s + n_ctx + 1] for s in starts.tolist()])
 
 
 @torch.no_grad()
@@ -118,19 +181,33 @@ def train(config: TrainConfig, out: Path) -> dict:
         torch.set_num_threads(config.threads)
     torch.manual_seed(config.seed)
     corpus = load_corpus()
-    tokenizer = train_tokenizer(corpus.train, config.vocab_size)
+    if config.init:  # go on from a trained checkpoint: its weights, its tokenizer, its shape
+        from tokenizers import Tokenizer
+
+        from .checkpoint import load_checkpoint
+
+        tokenizer = Tokenizer.from_file(str(Path(config.init) / "tokenizer.json"))
+        model = load_checkpoint(config.init)
+        if not isinstance(model, GPT2):
+            raise UserError(f"--init {config.init} is not a GPT-2 checkpoint (training goes on from GPT-2's alone)")
+    else:
+        tokenizer = train_tokenizer(corpus.train, config.vocab_size)
     train_ids = token_stream(tokenizer, corpus.train)
     held_ids = token_stream(tokenizer, corpus.held_out)
-    decoder = DecoderConfig(
-        vocab_size=tokenizer.get_vocab_size(),
-        n_ctx=config.n_ctx,
-        d_model=config.d_model,
-        n_head=config.n_head,
-        n_layer=config.n_layer,
-        d_mlp=config.d_mlp,
-        eos_token_ids=(tokenizer.token_to_id(EOS),),
-    )
-    model = GPT2(decoder).init_weights(config.seed)
+    if not config.init:
+        decoder = DecoderConfig(
+            vocab_size=tokenizer.get_vocab_size(),
+            n_ctx=config.n_ctx,
+            d_model=config.d_model,
+            n_head=config.n_head,
+            n_layer=config.n_layer,
+            d_mlp=config.d_mlp,
+            eos_token_ids=(tokenizer.token_to_id(EOS),),
+        )
+        model = GPT2(decoder).init_weights(config.seed)
+    n_ctx = model.config.n_ctx
+    quotes = token_stream_of(quote_documents(tokenizer, corpus.train)) if config.quote_share else None
+    held_quotes = quote_documents(tokenizer, corpus.held_out)[:64]
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW(
@@ -146,8 +223,9 @@ def train(config: TrainConfig, out: Path) -> dict:
     for step in progress(range(config.steps), config.steps, "training steps"):
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, config)
-        starts = torch.randint(0, len(train_ids) - config.n_ctx - 1, (config.batch_size,), generator=generator)
-        windows = torch.stack([train_ids[s : s + config.n_ctx + 1] for s in starts.tolist()])  # (B, n_ctx + 1)
+        quoting = int(round(config.batch_size * config.quote_share))
+        windows = torch.cat([sample_windows(train_ids, config.batch_size - quoting, n_ctx, generator),
+                             sample_windows(quotes, quoting, n_ctx, generator)])  # (B, n_ctx + 1)
         loss = causal_lm_loss(model, windows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -161,13 +239,16 @@ def train(config: TrainConfig, out: Path) -> dict:
             print(json.dumps(point), flush=True)
             running = 0.0
     model.eval()
-    held_out_ppl = perplexity(model, held_ids, config.n_ctx)
+    held_out_ppl = perplexity(model, held_ids, n_ctx)
     record = {
-        "data": DATA | {"train_tokens": len(train_ids), "held_out_tokens": len(held_ids)},
+        "data": DATA | {"train_tokens": len(train_ids), "held_out_tokens": len(held_ids)}
+        | ({"quoting": f"{config.quote_share:.0%} of the windows from passages of at most {QUOTE_TOKENS} tokens, each followed by "
+                       f"{QUOTE_CUE!r} and the passage again ({len(quotes)} tokens)"} if quotes is not None else {}),
         "config": asdict(config),
         "torch": torch.__version__,
         "train_seconds": round(time.perf_counter() - started, 1),
         "held_out_perplexity": round(held_out_ppl, 3),
+        "held_out_recital_accuracy": round(recital_accuracy(model, held_quotes, len(tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids)), 4),
         "loss_curve": curve,
     }
     out.mkdir(parents=True, exist_ok=True)
@@ -206,10 +287,15 @@ def main(argv: list[str] | None = None) -> None:
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     args = vars(parser.parse_args(argv))
     out = args.pop("out")
-    bad = [name for name, value in args.items() if value < 0 or (value == 0 and name not in ("seed", "threads", "weight_decay"))]
+    optional = ("seed", "threads", "weight_decay", "quote_share")
+    bad = [name for name, value in args.items()
+           if not isinstance(value, str) and (value < 0 or (value == 0 and name not in optional) or (name == "quote_share" and value > 1))]
     try:
         if bad:
-            raise UserError(f"--{bad[0].replace('_', '-')} must be positive, got {args[bad[0]]}")
+            raise UserError(f"--{bad[0].replace('_', '-')} must be {'in [0, 1]' if bad[0] == 'quote_share' else 'positive'}, "
+                            f"got {args[bad[0]]}")
+        if args["init"] and not (Path(args["init"]) / "tokenizer.json").is_file():
+            raise UserError(f"--init {args['init']}: no checkpoint with a tokenizer.json there")
         record = train(TrainConfig(**args), out)
     except (UserError, ValueError) as exc:  # a bad value, no King James text installed, a config DecoderConfig refuses
         print(f"kvserve.model.train: error: {exc}", file=sys.stderr)

@@ -12,7 +12,7 @@ from kvserve.contract.tokenizer import HFTokenizer
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.corpus import load_corpus
 from kvserve.model.decoders import build
-from kvserve.model.train import TrainConfig, perplexity, token_stream, train
+from kvserve.model.train import QUOTE_CUE, QUOTE_TOKENS, TrainConfig, perplexity, quote_documents, token_stream, train
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER
 
@@ -77,11 +77,36 @@ def test_training_is_reproducible_from_its_seed(tmp_path):
     assert (tmp_path / "a" / "chat_template.jinja").read_text() == (DEFAULT_CHECKPOINT / "chat_template.jinja").read_text()
 
 
+def test_a_quoting_model_goes_on_from_a_checkpoint_on_passages_recited_after_a_cue(tmp_path):
+    """--init continues from a checkpoint's weights and tokenizer; --quote-share draws that share of the windows from
+    quoting documents: a passage of whole verses, the cue, the same passage again, EOS."""
+    from tokenizers import Tokenizer
+
+    tiny = dict(vocab_size=300, n_ctx=32, d_model=32, n_head=2, n_layer=1, d_mlp=64, steps=2, batch_size=2, log_every=1)
+    train(TrainConfig(**tiny), tmp_path / "base")
+    record = train(TrainConfig(**{**tiny, "quote_share": 0.5, "init": str(tmp_path / "base")}), tmp_path / "quoting")
+    assert "again" in record["data"]["quoting"].lower() and record["config"]["init"] == str(tmp_path / "base")
+    assert (tmp_path / "quoting" / "tokenizer.json").read_text() == (tmp_path / "base" / "tokenizer.json").read_text()
+    base, quoting = load_checkpoint(tmp_path / "base"), load_checkpoint(tmp_path / "quoting")
+    assert not all(torch.equal(x, y) for x, y in zip(base.state_dict().values(), quoting.state_dict().values()))  # it trained on
+    tokenizer = Tokenizer.from_file(str(DEFAULT_CHECKPOINT / "tokenizer.json"))
+    cue = tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids
+    documents = quote_documents(tokenizer, load_corpus().held_out[:2])
+    assert len(documents) >= 4
+    for document in documents:
+        passage = (len(document) - 1 - len(cue)) // 2
+        assert 0 < passage <= QUOTE_TOKENS and document[-1] == tokenizer.token_to_id("<|endoftext|>")
+        assert document[passage:passage + len(cue)] == cue and document[:passage] == document[passage + len(cue):-1]
+        assert tokenizer.decode(document[:passage]).endswith("\n")  # whole verses
+
+
 def test_bad_training_arguments_get_one_line_and_write_nothing(tmp_path):
     import subprocess
     import sys
 
-    for args, message in ((["--steps", "0"], "--steps must be positive"), (["--n-head", "3", "--steps", "1"], "not divisible by n_head")):
+    for args, message in ((["--steps", "0"], "--steps must be positive"), (["--n-head", "3", "--steps", "1"], "not divisible by n_head"),
+                          (["--quote-share", "1.5"], "--quote-share must be in [0, 1]"),
+                          (["--init", str(tmp_path / "nowhere")], "no checkpoint with a tokenizer.json there")):
         result = subprocess.run([sys.executable, "-m", "kvserve.model.train", "--out", str(tmp_path / "out"), *args],
                                 capture_output=True, text=True, timeout=300)
         assert result.returncode == 2 and result.stderr.count("\n") == 1 and message in result.stderr, result.stderr
