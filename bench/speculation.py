@@ -10,6 +10,8 @@ Workloads (the artifact's own tokenizer):
               which prompt lookup drafts (the default model copies nothing from its prompt: no copy workload here)
   asked-again the verses greedy, then all of them again (an agent's loop, a retry): the second answers drafted from
               the first (the output cache, --draft-cache-tokens; each run is a fresh engine, so a fresh cache)
+  copy        with --copy-artifact: the quoting model (model/train.py --quote-share) reciting 12 held-out passages after
+              its cue, greedy, as many tokens as each passage: what it copies, prompt lookup drafts
   open-1      the verses sampled (temperature 0.8, seeds fixed), one request at a time: drafts should stay off where
               they do not pay
   open-16     16 streams at once, sampled (temperature 0.8, seeds fixed): little repeats, so drafts should stay off
@@ -107,7 +109,15 @@ class Bench:
         return seconds, outputs, drafted, accepted
 
 
-def workloads(parts: list[str]) -> dict:
+def copy_prompts(checkpoint: Path, count: int = 12) -> list[tuple[list[int], int]]:
+    """(a held-out passage and the quoting cue, the passage's length) for the quoting model (bench/speculation_peers.py
+    builds the same)."""
+    from speculation_peers import prompts
+
+    return prompts(checkpoint, count)
+
+
+def workloads(parts: list[str], copy: list | None = None) -> dict:
     from kvserve.contract.chat import ChatMessage
     from kvserve.service.sampling import SamplingParams
     from kvserve.service.sequence import GenerationRequest
@@ -121,6 +131,8 @@ def workloads(parts: list[str]) -> dict:
                                  for name, schema in SCHEMAS.items()], False)
     if "repeating" in parts:
         chosen["repeating"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES], False)
+    if "copy" in parts and copy is not None:
+        chosen["copy"] = ([GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True) for ids, n in copy], False)
     if "asked-again" in parts:
         chosen["asked-again"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES] * 2, False)
     if "tool-calls" in parts:
@@ -162,12 +174,17 @@ def main() -> None:
     parser.add_argument("--artifact", default="artifacts/kjv-gpt2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["structured", "tool-calls", "repeating", "asked-again", "open-1", "open-16", "costs"])
+    parser.add_argument("--copy-artifact", help="the quoting model's artifact (model/train.py --quote-share): the copy workload")
+    parser.add_argument("--copy-checkpoint", help="its checkpoint (the held-out passages are tokenized by its tokenizer)")
     args = parser.parse_args()
-    bench = Bench(args.artifact)
+    bench = main_bench = Bench(args.artifact)
+    copying = Bench(args.copy_artifact) if args.copy_artifact else None
+    copy = copy_prompts(Path(args.copy_checkpoint)) if args.copy_artifact else None
     print(f"# Speculation on against off: {args.artifact}, {args.rounds} rounds alternating\n")
     print("| workload | speculation | tokens/s (median) | rounds | drafts checked | accepted | greedy outputs |")
     print("|---|---|---:|---|---:|---:|---|")
-    for name, (requests, concurrent) in workloads(args.parts).items():
+    for name, (requests, concurrent) in workloads(args.parts, copy).items():
+        bench = copying if name == "copy" else main_bench
         asyncio.run(bench.run(False, requests[:1], concurrent))  # warm: every shape seen once
         rates = {False: [], True: []}
         last = {}
@@ -193,6 +210,7 @@ def main() -> None:
             ratio = f" ({median / statistics.median(rates[False]):.2f}x)" if speculation else ""
             print(f"| {name} | {'on' if speculation else 'off'} | {median:,.1f}{ratio} | "
                   f"{', '.join(f'{r:,.0f}' for r in rates[speculation])} | {drafted:,} | {accepted:,} | {identical} |")
+    bench = main_bench
     if "costs" in args.parts:
         costs = step_costs(bench)
         base = costs[0][1]
@@ -201,7 +219,9 @@ def main() -> None:
         for tokens, ms in costs:
             print(f"| {tokens} | {ms:.3f} | {ms / base:.2f}x |")
     print(f"\nMachine: {describe('cpu')}")
-    bench.steps.shutdown()
+    for each in (main_bench, copying):
+        if each is not None:
+            each.steps.shutdown()
 
 
 if __name__ == "__main__":

@@ -2,22 +2,24 @@
 row should make them.
 
 A row with drafts d1..dk runs [its last token, d1..dk] through the step's chunk part (batch.py), with logits at every
-position; the sampler keeps the drafts the model agrees with and one token more (sequence.Sequence.advance, the
-rejection rule for sampled rows), so the row gains 1..k+1 tokens for one step's read of the weights. Its columns past
-what it kept hold K/V that is never read: a row reads only the positions up to its own, and later tokens overwrite
-them in order (kv_rows.py keeps a ring row with such columns out of the prompt cache).
+position; it takes the token it would take at each position without drafts (sequence.Sequence.advance: the argmax, or a
+sampled row's draw from its seed, in the same order) until one differs from its draft, so the row gains 1..k+1 tokens
+for one step's read of the weights and its tokens are the ones it makes with drafts off. Its columns past what it kept
+hold K/V that is never read: a row reads only the positions up to its own, and later tokens overwrite them in order
+(kv_rows.py keeps a ring row with such columns out of the prompt cache).
 
 Where drafts come from, per row:
   - the grammar of a constrained row (structured output, tool calls): llguidance's fast-forward tokens, the only
-    continuation its bytes allow; each is still checked against the model under its mask, so greedy output is the
-    output without drafts (a forced text may be tokenized in more than one way, and the model picks among them);
-  - prompt lookup: the tokens that followed the latest earlier occurrence of the row's last NGRAM tokens in its own
-    prompt and output (copying, quoting, code edits, repeated structure).
+    continuation its bytes allow; each is still checked against the model under its mask (a forced text may be
+    tokenized in more than one way, and the model picks among them);
+  - prompt lookup: the tokens that followed the latest earlier occurrence of the row's last 3 (or 2) tokens in its own
+    prompt and output (copying, quoting, code edits, repeated structure);
+  - the output cache (SuffixCache): what followed its last 3 tokens in a recent finished output of any request.
 
-How many (k): each row keeps a running estimate of how often its drafts are accepted, and the step costs
-(StepCosts, measured from the steps the batch runs) say what a step of n + k tokens costs against one of n; k is
-the count that maximises expected tokens per unit of step time, 0 when none beats no drafts. A row whose drafts keep
-failing stops drafting for a while (BACKOFF_STEPS), then tries again.
+How many (k): each row keeps a running estimate of how often its drafts are accepted, and the step costs (StepCosts,
+measured from the steps the batch runs, by decoding rows and drafts) say what a step with k drafts costs against a
+plain one; k is the count that gives the step the most tokens per second, within the step-time bound when other rows
+wait on it, 0 when none beats no drafts. A row whose drafts keep failing stops drafting for a while (BACKOFF_STEPS).
 """
 
 from __future__ import annotations
@@ -145,7 +147,6 @@ class DraftState:
             if self.acceptance < STOP_BELOW:
                 self.resting, self.acceptance = BACKOFF_STEPS, LOOKUP_PRIOR / 2  # tried again later, warily
 
-
     def missed(self) -> None:
         """Its lookup found nothing this step (text that does not repeat): after a few such steps it rests, longer each
         time it comes back to nothing."""
@@ -169,7 +170,9 @@ class StepCosts:
     decoding rows and of drafts one of them checks (0: a plain decode step). A step with drafts runs its row through the
     chunk part of the graph, another path than a plain step's, so its cost is learnt apart: before a (rows, drafts)
     pair has run, it is taken as the plain step's grown by PRIOR_SLOPE a draft (batch 1 on the CPU measures 10-15% a
-    token for the first few, bench/speculation.py), and the pair is tried only where that guess says it pays."""
+    token for the first few, bench/speculation.py), and the pair is tried only where that guess says it pays. And what a
+    prompt chunk's token adds to a plain step of as many rows (record_chunk), by which the scheduler cuts a chunk to keep
+    its step within --step-time-bound (chunk_tokens_within)."""
 
     PRIOR_SLOPE = 0.1
     WEIGHT = 0.2
