@@ -2,8 +2,6 @@
 greedy rows reading tokens alone, cancellation, prompts chunked into a hole. Each test runs on every slots graph
 (conftest.slots_graph)."""
 
-import numpy as np
-import torch
 
 from kvserve.service.batch import SlotBatch
 from kvserve.service.gate import _greedy_sequence
@@ -13,7 +11,6 @@ from .conftest import hole_between_rows, sequence
 from .conftest import random_prompt as prompt
 
 
-@torch.no_grad()
 def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(slots_graph, slots_runtime, slots_model):
     batch = SlotBatch(slots_runtime, slots_model.config, 3)
     scheduler = Scheduler(batch, step_token_budget=6)
@@ -23,14 +20,7 @@ def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(slots_graph, sl
     for _ in range(16):  # every prompt in (chunks for the two longer ones), then some decode steps
         batch.run(scheduler.plan())
     for seq in seqs:
-        fed = seq.prompt_ids + seq.generated[:-1]  # the tokens whose K/V the row holds
-        assert seq.cached_tokens == len(fed)
-        ids = torch.tensor([fed])
-        _, present = slots_model(ids, torch.ones_like(ids), torch.arange(len(fed))[None], slots_model.empty_cache(1))
-        row = slots_graph.read_row(batch.kv.pool, seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
-        for layer, (k, v) in enumerate(present):
-            for got, want in ((row[2 * layer], k[0].numpy()), (row[2 * layer + 1], v[0].numpy())):
-                assert np.abs(got - want).max() <= slots_graph.kv_relative_error * max(1.0, np.abs(want).max())
+        slots_graph.assert_row_holds_eager_kv(batch.kv.pool, seq)
 
 
 def test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits(slots_graph, slots_runtime, slots_model):
