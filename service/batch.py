@@ -264,8 +264,8 @@ class SlotBatch:
         logits, greedy = sampled.logits, sampled.greedy_tokens
         allowed = None
         seq.drafts.drafted += len(drafts)
+        accepted_before = seq.drafts.accepted  # Sequence.advance counts each draft taken
         results: StepResults = []
-        kept = 0
         for i in range(len(drafts) + 1):
             if i and (seq.constraint is not constraint or (logits is None and seq.needs_logits)):
                 break
@@ -288,15 +288,12 @@ class SlotBatch:
                 results.append((seq, exc))
                 break
             results.append((seq, event))
-            if event.token_id != draft:
-                break
-            kept += 1
-            if seq.finished:
+            if event.token_id != draft or seq.finished:
                 break
         taken = len(results)  # positions whose K/V the row keeps: its last token and the drafts taken before the last event
         seq.cached_tokens = start + taken
         seq.written_columns = max(seq.written_columns, start + len(drafts) + 1)
-        seq.drafts.record(len(drafts), kept, grammar)
+        seq.drafts.record(len(drafts), seq.drafts.accepted - accepted_before, grammar)
         return results
 
     def _long_rope(self, rows: int) -> np.ndarray | None:

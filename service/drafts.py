@@ -225,6 +225,8 @@ class StepCosts:
         it said at most GATE_STEPS asks ago."""
         said = self._gate.get(rows)
         if said is None or said[1] <= 0:
+            if (rows, 0) not in self.seconds:  # nothing measured to weigh drafts against yet: asked again next step
+                return False
             said = [self.best_count(1.0, rows, MAX_DRAFT_TOKENS) > 0, GATE_STEPS]
             self._gate[rows] = said
         said[1] -= 1
