@@ -52,11 +52,11 @@ def decode_run(batch: SlotBatch, rows: int, prompt_len: int, new_tokens: int, vo
     for seq in seqs:
         scheduler.waiting.append(seq)
     seconds, tokens = 0.0, 0
-    while scheduler.waiting or batch.kv.rows:
+    while scheduler.waiting or scheduler.kv.rows:
         plan = scheduler.plan()
         timed = plan.chunk is None and not plan.joining and len(plan.decode) == rows
         start = time.perf_counter()
-        batch.run(plan)
+        scheduler.run_step(plan)
         if timed:
             seconds += time.perf_counter() - start
             tokens += rows
@@ -108,7 +108,7 @@ def host_ms_per_step(runtime: DecoderRuntime, batch: SlotBatch, rows: int, steps
     seqs = [_greedy_sequence(i, [1 + i] + prompt[1:], 3 * steps + 2) for i in range(rows)]
     for seq in seqs:
         scheduler.waiting.append(seq)
-    batch.run(scheduler.plan())  # the prefill, for real
+    scheduler.run_step(scheduler.plan())  # the prefill, for real
     sessions = {id(s): s for s in (runtime.session, runtime.fixed_steps.session)}.values()  # a fused artifact's decode graph has its own
     for session in sessions:
         session.run_with_iobinding = lambda *args, **kwargs: None  # an instance attribute shadows the method
@@ -117,14 +117,14 @@ def host_ms_per_step(runtime: DecoderRuntime, batch: SlotBatch, rows: int, steps
         for _ in range(3):
             start = time.perf_counter()
             for _ in range(steps):
-                batch.run(scheduler.plan())
+                scheduler.run_step(scheduler.plan())
             best = min(best, (time.perf_counter() - start) / steps * 1e3)
     finally:
         for session in sessions:
             del session.run_with_iobinding
     for seq in seqs:
         seq.cancelled = True
-    batch.run(scheduler.plan())  # frees the rows
+    scheduler.run_step(scheduler.plan())  # frees the rows
     return best
 
 

@@ -105,18 +105,20 @@ class InProcess:
         self.max_batch = max_batch
         self.batch = SlotBatch(self.runtime, self.config, max_batch)  # one batch for every run: its decode shapes captured once
         self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
-        if self.batch.fixed_decode:
+        if self.batch.fixed_decode:  # on a pool no row uses yet
             self.steps.submit(self.batch.prepare_decode_shapes).result()
 
-    def engine(self, batch=None):
+    def engine(self, batch=None, prompt_cache: bool = True, kv_events=None):
         """A started Engine (max_batch rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
-        one); on a running event loop, and the caller closes it."""
+        one), its prompt cache on or off, its KV events published to kv_events (None: not published); on a running event
+        loop, and the caller closes it."""
         from kvserve.service.engine import Engine
         from kvserve.service.limits import EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
-        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=self.max_batch, max_queue=64),
-                        batch=self.batch if batch is None else batch, step_thread=self.steps)
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=self.max_batch, max_queue=64,
+                                                                                     prompt_cache=prompt_cache),
+                        batch=self.batch if batch is None else batch, step_thread=self.steps, kv_events=kv_events)
         engine.start()
         return engine
 

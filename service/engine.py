@@ -35,18 +35,21 @@ class Engine:
     def __init__(
         self, runtime: DecoderRuntime, config: DecoderConfig, tokenizer: Tokenizer, limits: EngineLimits, metrics=None, batch=None,
         step_thread=None, chat_template: ChatTemplate | None = None, encoder: Encoder | None = None, tracer=None, model_name: str = "",
+        kv_budget: int | None = None, kv_events=None,
     ):
         """encoder: where long prompts are tokenized (validation.Encoder; the server's tokenizing process); tracer: a
-        tracing.RequestTracer, or None (traces off: nothing is done for them)."""
+        tracing.RequestTracer, or None (traces off: nothing is done for them); kv_budget: bytes the K/V rows and the
+        prompt cache may take (None: no bound); kv_events: where the prompt cache's changes go (None: nowhere)."""
         problem = out_of_bounds(limits)
         if problem is not None:
             raise ValueError(problem)
         self.runtime, self.config, self.tokenizer, self.limits = runtime, config, tokenizer, limits
         self.chat_template = chat_template  # None: the model has none, and conversations are refused
-        self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size, prompt_cache=limits.prompt_cache)
-        self.validator = RequestValidator(config, tokenizer, limits, chat_template, encoder, kv_budget_tokens=self.batch.kv.budget_tokens())
+        self.batch = batch if batch is not None else SlotBatch(runtime, config, limits.max_batch_size)
         self.scheduler = Scheduler(self.batch, limits.step_token_budget, metrics, executor=step_thread, speculation=limits.speculation,
-                                   draft_cache_tokens=limits.draft_cache_tokens, step_time_bound=limits.step_time_bound)
+                                   draft_cache_tokens=limits.draft_cache_tokens, step_time_bound=limits.step_time_bound,
+                                   prompt_cache=limits.prompt_cache, kv_budget=kv_budget, kv_events=kv_events)
+        self.validator = RequestValidator(config, tokenizer, limits, chat_template, encoder, kv_budget_tokens=self.scheduler.budget_tokens())
         self._accepting = True
         self._task: asyncio.Task | None = None
         self.metrics = metrics  # service.metrics.Metrics or None
@@ -73,7 +76,7 @@ class Engine:
         caller is cut off without a status. The step in flight finishes first."""
         await self.close()
         error = Unavailable(reason)
-        for seq in list(self.batch.kv.rows) + list(self.scheduler.waiting):
+        for seq in self.scheduler.sequences():
             if not seq.finished and seq.events is not None:
                 seq.finished = True
                 seq.events.put_nowait(error)
@@ -95,7 +98,7 @@ class Engine:
         a row to free up, not those a free row will take. Unavailable first while shutting down."""
         if not self._accepting:
             raise Unavailable("the server is shutting down")
-        if len(self.scheduler.waiting) + sequences > self.limits.max_queue + self.batch.kv.free_rows():
+        if len(self.scheduler.waiting) + sequences > self.limits.max_queue + self.scheduler.free_rows():
             raise QueueFull(
                 f"the queue is full ({self.limits.max_queue} requests waiting for one of {self.limits.max_batch_size} rows); retry later"
             )
@@ -195,9 +198,7 @@ class Engine:
                 request_span.end()
 
     def live(self) -> LiveCounts:
-        kv = self.batch.kv
-        rows = list(kv.rows)
-        held = [kv.held_bytes(s) for s in rows]
-        return LiveCounts(active=len(rows), queued=len(self.scheduler.waiting), cached_rows=kv.cached_rows(), kv_bytes=sum(held),
-                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in zip(rows, held)], cached_kv_bytes=kv.cached_bytes(),
-                          kv_budget_bytes=kv.budget_bytes or 0)
+        rows, cached_rows, cached_bytes, budget = self.scheduler.live_rows()
+        return LiveCounts(active=len(rows), queued=len(self.scheduler.waiting), cached_rows=cached_rows, kv_bytes=sum(b for _, b in rows),
+                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in rows], cached_kv_bytes=cached_bytes,
+                          kv_budget_bytes=budget or 0)

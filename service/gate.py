@@ -11,9 +11,11 @@ import numpy as np
 from kvserve.contract.artifact import Artifact, contract_problems
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.contract.tolerances import kl_divergence, logits_bound
+from kvserve.errors import UserError
 from kvserve.runtime import DecoderRuntime
 
 from .batch import SlotBatch
+from .kv_budget import MIN_BUDGET_TOKENS
 from .limits import EngineLimits
 from .sampling import SamplingParams
 from .scheduler import Scheduler
@@ -99,7 +101,7 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
 WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a decode step of every row
 
 
-def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> None:
+def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None) -> None:
     """Fill the serving batch to its largest size through the serving path (its rows' prompts in chunks, then one
     decode step of every row), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
     fixed-shape decode steps then binds (and captures) every shape it may run. The prompt cache forgets the warm-up's
@@ -109,14 +111,18 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     batch_size = batch.max_rows
     prompt_len = max(1, min(8, config.n_ctx // 2))
     new_tokens = max(1, min(WARM_UP_NEW_TOKENS, config.n_ctx - prompt_len))
-    held = batch.kv.budget_tokens()
+    scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)  # the warm-up's rows: the server's are made after it
+    held = scheduler.budget_tokens()
+    if held is not None and held < MIN_BUDGET_TOKENS:
+        raise UserError(f"--kv-cache-memory {kv_budget} holds {held} tokens of this model's K/V ({scheduler.token_bytes} bytes each); "
+                        f"give it at least {MIN_BUDGET_TOKENS * scheduler.token_bytes} ({MIN_BUDGET_TOKENS} tokens)")
     if held is not None:  # each row within the K/V budget (at least kv_budget.MIN_BUDGET_TOKENS)
         new_tokens = max(1, min(new_tokens, held - prompt_len))
     rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, new_tokens) for i in range(batch_size)]
-    results = Scheduler(batch, step_token_budget).drive(rows)  # a failure anywhere counts
+    results = scheduler.drive(rows)  # a failure anywhere counts
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
-    batch.kv.forget_cached()
+    scheduler.forget_cached()
     if batch.fixed_decode:
-        batch.prepare_decode_shapes()
+        scheduler.prepare_decode_shapes()

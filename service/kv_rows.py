@@ -1,6 +1,7 @@
-"""The batch's rows of the KV pool: which sequence holds which row, where a joining sequence goes, what a leaving one
-leaves behind, and the prompt cache over the free rows (vLLM's KV-cache manager plays this part there). The batch
-(batch.py) asks it for rows and runs steps in them; every row move is made here, through the pool.
+"""The rows of the KV pool: which sequence holds which row, where a joining sequence goes, what a leaving one leaves
+behind, and the prompt cache over the free rows (vLLM's KV-cache manager plays this part there). The scheduler
+(scheduler.py) owns it and asks it for rows; the batch (batch.py) runs steps in the rows a plan hands it; every row
+move is made here, through the pool.
 
 Each sequence holds one row of the pool, left-aligned: its token at position p lives in column p, so a row's length is
 its own and no row pads another (a sliding-window layer's rows are rings of its window instead: position p in column
@@ -216,8 +217,7 @@ class KvRows:
         return free, free_len, False
 
     def reusable_prompt_tokens(self, seq: Sequence) -> int:
-        """How many of seq's prompt tokens it would find in the cache if it joined now (the scheduler sizes its first
-        chunk by what is left)."""
+        """How many of seq's prompt tokens it would find in the cache if it joined now (join takes them)."""
         return self._prefix_source(seq.prompt_ids, seq.long_rope)[1]
 
     def _victim(self) -> int:

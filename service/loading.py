@@ -22,7 +22,7 @@ from kvserve.runtime import DecoderRuntime
 
 from .batch import SlotBatch
 from .gate import GateResult, run_gate, warm_up
-from .kv_budget import MIN_BUDGET_TOKENS, default_budget
+from .kv_budget import default_budget
 from .options import ServerOptions
 from .scheduler import step_thread
 
@@ -61,6 +61,7 @@ class LoadedModel:
     runtime: DecoderRuntime
     gate: GateResult
     batch: SlotBatch  # warmed up, empty
+    kv_budget: int  # bytes the K/V rows and the prompt cache may take (serve --kv-cache-memory or the default share)
     tokenizer: Tokenizer
     steps: ThreadPoolExecutor  # the one thread every step runs on
     chat_template: ChatTemplate | None  # the artifact's, if it has one
@@ -91,16 +92,12 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
         else:
             log.info("parity gate passed: %s", gate.summary)
         kv_budget = options.kv_cache_memory if options.kv_cache_memory is not None else default_budget()
-        batch = await loop.run_in_executor(steps, lambda: SlotBatch(runtime, config, options.limits.max_batch_size, kv_budget=kv_budget,
-                                                                      prompt_cache=options.limits.prompt_cache))  # its K/V's address space
-        held = batch.kv.budget_tokens()
-        if held is not None and held < MIN_BUDGET_TOKENS:
-            raise UserError(f"--kv-cache-memory {kv_budget} holds {held} tokens of this model's K/V ({batch.kv.token_bytes} bytes each); "
-                            f"give it at least {MIN_BUDGET_TOKENS * batch.kv.token_bytes} ({MIN_BUDGET_TOKENS} tokens)")
-        await loop.run_in_executor(steps, warm_up, batch, artifact, budget)
+        batch = await loop.run_in_executor(steps, SlotBatch, runtime, config, options.limits.max_batch_size)  # its K/V's address space
+        await loop.run_in_executor(steps, warm_up, batch, artifact, budget, kv_budget)
     except BaseException:
         steps.shutdown(wait=False)  # a failed load leaves no thread behind
         raise
     if runtime.captures_decode:
-        log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.kv.pool)))
-    return LoadedModel(config, runtime, gate, batch, load_tokenizer(artifact.tokenizer_path), steps, load_chat_template(artifact.directory))
+        log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.pool)))
+    return LoadedModel(config, runtime, gate, batch, kv_budget, load_tokenizer(artifact.tokenizer_path), steps,
+                       load_chat_template(artifact.directory))

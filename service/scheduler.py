@@ -16,10 +16,12 @@ One step (step_plan.StepPlan) is one model call over the batch:
     waits its turn as a prompt does, then decodes on; a prompt already past the original context turns long from the
     start;
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
-    the batch idle while it waits for its turn; its prompt starts past what the prompt cache holds of it
-    (kv_rows.KvRows.reusable_prompt_tokens), so requests sharing a prefix with one still being prefilled wait
-    for it and then take it instead of each computing it again.
-Cancelled sequences leave at the start of the next step, finished ones at the end of theirs.
+    the batch idle while it waits for its turn; it takes its row as the step is planned (kv_rows.KvRows.join), its
+    prompt starting past what the prompt cache held of it, so requests sharing a prefix with one still being
+    prefilled wait for it and then take it instead of each computing it again.
+The scheduler owns the rows (kv_rows.KvRows): every join, release, refill and long-rope turn is made here, and the
+plan hands the batch the rows as they stand; the batch assembles one model call's arrays and hands results back.
+Cancelled sequences leave as the next step is planned, finished ones at the end of theirs.
 
 While rows are running, the step thread plans and runs step after step itself (Scheduler._run_steps), handing
 each step's events to the event loop without waiting for it: the loop's round trip (waking it, planning there,
@@ -40,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, SuffixCache, expected_tokens
+from .kv_rows import KvRows
 from .sequence import Sequence, StepEvent
 from .step_plan import StepPlan, StepResults
 
@@ -138,11 +141,21 @@ class Handoff:
 
 
 class Scheduler:
-    """Owns the waiting queue and the loop; the batch (batch.SlotBatch) runs the steps, its KvRows own the rows."""
+    """Owns the waiting queue, the rows (kv_rows.KvRows over the batch's pool) and the loop; the batch
+    (batch.SlotBatch) runs each step's model call."""
 
     def __init__(self, batch, step_token_budget: int, metrics=None, executor: ThreadPoolExecutor | None = None,
-                 speculation: bool = False, draft_cache_tokens: int = 0, step_time_bound: int = 0):
+                 speculation: bool = False, draft_cache_tokens: int = 0, step_time_bound: int = 0,
+                 prompt_cache: bool = True, kv_budget: int | None = None, kv_events=None):
+        """prompt_cache: finished rows keep their K/V for later prompts that begin alike; kv_budget: bytes the K/V of the
+        rows and the prompt cache may take (kv_rows.py; on the CPU provider only, where the pool's memory follows what
+        it holds; None: no bound); kv_events: where the prompt cache's changes are published (kv_events.KvEvents)."""
         self.batch = batch
+        runtime = batch.runtime
+        self.kv = KvRows(batch.pool, runtime.device, batch.config.n_layer, prompt_cache,
+                         kv_budget if runtime.device == "cpu" else None)
+        if kv_events is not None and self.kv.prefixes is not None:
+            self.kv.prefixes.events = kv_events
         self.step_token_budget = step_token_budget  # 0: no limit
         self.step_time_bound = step_time_bound / 100  # a step with a chunk or drafts, in plain steps' time (0: no bound)
         batch.step_costs.bound = self.step_time_bound
@@ -174,9 +187,41 @@ class Scheduler:
 
     # --- planning ---------------------------------------------------------------------------------------
 
+    # --- what the rows hold (read by the engine, on the event loop) ----------------------------------------------
+
+    def sequences(self) -> list[Sequence]:
+        """Every sequence holding a row or waiting for one."""
+        return list(self.kv.rows) + list(self.waiting)
+
+    def free_rows(self) -> int:
+        return self.kv.free_rows()
+
+    def budget_tokens(self) -> int | None:
+        """Tokens of K/V one row may hold under the K/V budget (None: no budget)."""
+        return self.kv.budget_tokens()
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of K/V one token takes: K and V, every layer."""
+        return self.kv.token_bytes
+
+    def live_rows(self) -> tuple[list[tuple[Sequence, int]], int, int, int | None]:
+        """The sequences in rows with the K/V bytes each holds, the prompt cache's rows and bytes, and the budget."""
+        kv = self.kv
+        return [(s, kv.held_bytes(s)) for s in kv.rows], kv.cached_rows(), kv.cached_bytes(), kv.budget_bytes
+
+    def forget_cached(self) -> None:
+        """The prompt cache lets go of every row it keeps (the warm-up's made-up prompts)."""
+        self.kv.forget_cached()
+
+    # --- planning ---------------------------------------------------------------------------------------
+
     def plan(self) -> StepPlan:
-        kv = self.batch.kv
-        rows = [s for s in kv.rows if not s.cancelled]
+        """The next step: rows cancelled since the last one leave, a waiting sequence may join (taking its row now),
+        and the plan carries the rows as they then stand."""
+        kv = self.kv
+        kv.release([s for s in kv.rows if s.cancelled])
+        rows = list(kv.rows)
         config = self.batch.config
         long_after = config.long_rope_after
         if long_after is not None:  # a row whose next token takes it past the original context turns long
@@ -193,14 +238,14 @@ class Scheduler:
             joining = [self.waiting.popleft()]
             joining[0].admitted_ns = time.monotonic_ns()
             joining[0].long_rope = long_after is not None and len(joining[0].prompt_ids) > long_after
+            kv.join(joining[0])  # past what the prompt cache held of its prompt
             prefilling = joining
         if not prefilling:
             if self.speculation and decode:
                 return self._with_drafts(decode)
-            return StepPlan(decode=decode)
+            return StepPlan(decode=decode, slots=list(kv.slots))
         chunk = prefilling[0]
-        done = kv.reusable_prompt_tokens(chunk) if joining else chunk.cached_tokens  # a joiner starts past its cached prefix
-        remaining = len(chunk.prefill_ids) - done
+        remaining = len(chunk.prefill_ids) - chunk.cached_tokens
         tokens = remaining
         if decode and self.step_token_budget:
             allowance, tail = max(self.step_token_budget - len(decode), 1), self.step_token_budget // 4
@@ -210,15 +255,16 @@ class Scheduler:
                 tail = allowance // 4
             if remaining > allowance + tail:
                 tokens = allowance
-        return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens)
+        return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens, slots=list(self.kv.slots))
 
     def _with_drafts(self, decode: list[Sequence]) -> StepPlan:
         """A decode step in which the row with the most worth drafting (drafts.py) checks its drafts: from its grammar
         when that forces tokens, else from its own tokens, as many as the step costs say pay for its acceptance so far;
         no row drafts where none has drafts or none would pay."""
         costs = self.batch.step_costs
+        slots = list(self.kv.slots)
         if not costs.may_pay(len(decode)):  # not even drafts all taken would pay in a step of this many rows
-            return StepPlan(decode=decode)
+            return StepPlan(decode=decode, slots=slots)
         long_after = self.batch.config.long_rope_after
         best, best_drafts, best_grammar, best_gain = None, [], False, 0.0
         for seq in decode:
@@ -256,7 +302,14 @@ class Scheduler:
             gain = expected_tokens(acceptance, k)
             if k and gain > best_gain:
                 best, best_drafts, best_grammar, best_gain = seq, drafts[:k], grammar, gain
-        return StepPlan(decode=decode, draft_row=best, drafts=best_drafts, grammar_drafts=best_grammar)
+        return StepPlan(decode=decode, draft_row=best, drafts=best_drafts, grammar_drafts=best_grammar, slots=slots)
+
+    def run_step(self, plan: StepPlan, before_model=None) -> StepResults:
+        """Carry out plan on the batch (one model call), then the rows that finished in it leave."""
+        results = self.batch.run(plan, before_model)
+        self.kv.release([s for s in self.kv.rows if s.finished])
+        self.kv.publish_events()
+        return results
 
     def drive(self, sequences: list[Sequence]) -> StepResults:
         """Run sequences to their end on this thread, step by step as the loop would: the load-time gate and
@@ -264,18 +317,24 @@ class Scheduler:
         for seq in sequences:
             self.waiting.append(seq)
         results: StepResults = []
-        while self.waiting or self.batch.kv.rows:
+        while self.waiting or self.kv.rows:
             plan = self.plan()
             if not (plan.decode or plan.chunk):
-                raise RuntimeError(f"the K/V budget ({self.batch.kv.budget_bytes} bytes) holds none of the waiting sequences")
-            results += self.batch.run(plan)
+                raise RuntimeError(f"the K/V budget ({self.kv.budget_bytes} bytes) holds none of the waiting sequences")
+            results += self.run_step(plan)
         return results
+
+    def prepare_decode_shapes(self) -> None:
+        """Bind (and capture) every fixed decode shape of the batch, whose rows must all be free (batch.py)."""
+        if self.kv.slots:
+            raise RuntimeError("decode shapes are prepared on an empty batch")
+        self.batch.prepare_decode_shapes()
 
     # --- the loop -----------------------------------------------------------------------------------------
 
     async def run_forever(self) -> None:
         while True:
-            if not self.batch.kv.rows and not self.waiting:
+            if not self.kv.rows and not self.waiting:
                 self.idle.set()
                 self._wakeup.clear()
                 await self._wakeup.wait()
@@ -308,11 +367,11 @@ class Scheduler:
 
         while True:
             try:
-                pending.append(self._step_done(plan, self.batch.run(plan, hand_over)))
+                pending.append(self._step_done(plan, self.run_step(plan, hand_over)))
             except Exception as exc:
                 self._handoff.flush()  # what was handed over reaches the loop before the failure
                 raise StepFailed(plan, pending) from exc
-            if not self.batch.kv.rows or self._closing:
+            if not self.kv.rows or self._closing:
                 self._handoff.flush()  # in order: what was handed over, then what this returns
                 return pending
             plan = self.plan()
@@ -320,7 +379,7 @@ class Scheduler:
     def _step_done(self, plan: StepPlan, results: StepResults) -> StepDone:
         prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
                    for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
-        kv = self.batch.kv
+        kv = self.kv
         if self.outputs.capacity:
             for seq, event in results:  # finished outputs, for later rows' drafts (a request that opted out gives none)
                 if seq.speculate and isinstance(event, StepEvent) and event.finish is not None:
@@ -353,7 +412,9 @@ class Scheduler:
                                 len(done.results), done.drafted, done.accepted)
 
     def _fail_step(self, plan: StepPlan, exc: Exception) -> StepResults:
-        results = self.batch.fail_all(exc)
+        # Every sequence holding a row fails; the pool's contents being unknown after a failed step, the prompt cache
+        # forgets its rows too.
+        results = [(seq, exc) for seq in self.kv.clear()]
         failed = {id(seq) for seq, _ in results}
         results += [(seq, exc) for seq in plan.joining if id(seq) not in failed]  # never got a row
         log.exception("model step failed; failing the %d sequences in it", len(results), exc_info=exc)

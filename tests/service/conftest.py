@@ -178,15 +178,15 @@ def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
     compact, then seqs[leaving] is cancelled and leaves at the next step. Returns the scheduler."""
     from kvserve.service.scheduler import Scheduler
 
-    batch.kv.compact = False
     scheduler = Scheduler(batch, step_token_budget=budget)
+    scheduler.kv.compact = False
     for seq in seqs:
         scheduler.waiting.append(seq)
     for _ in range(steps):
-        batch.run(scheduler.plan())
+        scheduler.run_step(scheduler.plan())
     seqs[leaving].cancelled = True
-    batch.run(scheduler.plan())
-    assert batch.kv.slots[leaving] is None
+    scheduler.run_step(scheduler.plan())
+    assert scheduler.kv.slots[leaving] is None
     return scheduler
 
 

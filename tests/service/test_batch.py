@@ -18,9 +18,9 @@ def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(slots_graph, sl
     for seq in seqs:
         scheduler.waiting.append(seq)
     for _ in range(16):  # every prompt in (chunks for the two longer ones), then some decode steps
-        batch.run(scheduler.plan())
+        scheduler.run_step(scheduler.plan())
     for seq in seqs:
-        slots_graph.assert_row_holds_eager_kv(batch.kv.pool, seq)
+        slots_graph.assert_row_holds_eager_kv(batch.pool, seq)
 
 
 def test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits(slots_graph, slots_runtime, slots_model):
@@ -56,13 +56,13 @@ def test_a_cancelled_sequence_frees_its_row_within_one_step(slots_runtime, slots
     for seq in seqs:
         scheduler.waiting.append(seq)
     for _ in range(4):
-        batch.run(scheduler.plan())
-    assert len(batch.kv.rows) == 3
+        scheduler.run_step(scheduler.plan())
+    assert len(scheduler.kv.rows) == 3
     seqs[0].cancelled = True
-    batch.run(scheduler.plan())
-    assert seqs[0] not in batch.kv.rows and seqs[0].slot is None and len(batch.kv.rows) == 2
+    scheduler.run_step(scheduler.plan())
+    assert seqs[0] not in scheduler.kv.rows and seqs[0].slot is None and len(scheduler.kv.rows) == 2
     # on the CPU the last row moved into the freed one (rows stay dense); under CUDA the freed row stays a hole
-    assert sorted(s.slot for s in batch.kv.rows) == ([0, 1] if batch.kv.compact else [1, 2])
+    assert sorted(s.slot for s in scheduler.kv.rows) == ([0, 1] if scheduler.kv.compact else [1, 2])
 
 
 def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(slots_graph, slots_runtime, slots_model):
@@ -78,11 +78,11 @@ def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_wo
     while not joining.generated:
         plan = scheduler.plan()
         chunked += plan.chunk is joining and len(plan.decode) == 2
-        batch.run(plan)
+        scheduler.run_step(plan)
     assert joining.slot == 1 and chunked >= 3  # its prompt went in chunks beside both decoding rows
     for seq in (seqs[0], seqs[2], joining):
         while not seq.finished:
-            batch.run(scheduler.plan())
+            scheduler.run_step(scheduler.plan())
         assert seq.generated == slots_graph.alone(seq)
 
 

@@ -184,14 +184,14 @@ def test_a_row_that_rolled_drafts_back_holds_the_kv_of_a_row_that_never_drafted(
     for seq in seqs:
         scheduler.waiting.append(seq)
     while not any(seq.overshoot for seq in seqs):  # until a row holds columns it refused
-        batch.run(scheduler.plan())
+        scheduler.run_step(scheduler.plan())
         assert not any(seq.finished for seq in seqs), "no step refused a draft: the test checks nothing"
     refused = [seq for seq in seqs if seq.overshoot]
-    batch.run(scheduler.plan())  # and a step more, writing over some of them
+    scheduler.run_step(scheduler.plan())  # and a step more, writing over some of them
     held = [seq for seq in seqs if seq.slot is not None]
     assert any(seq in held for seq in refused)
     for seq in held:
-        slots_graph.assert_row_holds_eager_kv(batch.kv.pool, seq)
+        slots_graph.assert_row_holds_eager_kv(batch.pool, seq)
 
 
 def test_a_stop_sequence_inside_an_accepted_draft_ends_the_row_there(tiny_artifact, oracle):

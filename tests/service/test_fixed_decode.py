@@ -40,11 +40,9 @@ def eager_tokens(model, seq) -> list[int]:
 def test_decode_shapes_are_powers_of_two_within_the_pool_and_the_context(standard_runtime, tiny_model):
     batch = SlotBatch(standard_runtime, tiny_model.config, 12, fixed_decode=True)  # n_ctx 256
     assert batch.decode_shapes() == [(r, w) for r in (1, 2, 4, 8, 12) for w in (64, 128, 256)]
-    batch.kv.slots = [None] * 3
-    assert batch.decode_shape(1) == (4, MIN_DECODE_WIDTH)
-    assert batch.decode_shape(65) == (4, 128)
-    batch.kv.slots = [None] * 9
-    assert batch.decode_shape(256) == (12, 256)
+    assert batch.decode_shape(3, 1) == (4, MIN_DECODE_WIDTH)
+    assert batch.decode_shape(3, 65) == (4, 128)
+    assert batch.decode_shape(9, 256) == (12, 256)
 
 
 def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_joins_leaves_and_chunks(standard_runtime, tiny_model):
@@ -55,11 +53,11 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
     for seq in seqs:
         scheduler.waiting.append(seq)
     steps = 0
-    while scheduler.waiting or batch.kv.rows:
+    while scheduler.waiting or scheduler.kv.rows:
         plan = scheduler.plan()
         if steps == 40 and plan.decode:
             plan.decode[0].cancelled = True  # leaves mid-stream: its row frees at the next step
-        batch.run(plan)
+        scheduler.run_step(plan)
         steps += 1
     cancelled = [s for s in seqs if s.cancelled]
     assert len(cancelled) == 1 and all(s.finished or s.cancelled for s in seqs)
@@ -68,8 +66,8 @@ def test_fixed_shape_decode_generates_what_each_sequence_would_alone_across_join
             assert seq.generated == eager_tokens(tiny_model, seq), seq.id
     assert standard_runtime.traffic.host_bytes == 0  # the inputs are written into bound buffers; no K/V goes through the host
     assert standard_runtime.traffic.logits_bytes == 0  # greedy rows: only the graph's greedy tokens come back
-    assert set(standard_runtime.fixed_shapes(batch.kv.pool)) <= set(batch.decode_shapes())
-    assert len(standard_runtime.fixed_shapes(batch.kv.pool)) >= 4  # the run crossed row and width buckets
+    assert set(standard_runtime.fixed_shapes(batch.pool)) <= set(batch.decode_shapes())
+    assert len(standard_runtime.fixed_shapes(batch.pool)) >= 4  # the run crossed row and width buckets
 
 
 def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_shapes(tiny_float16_artifact, tiny_model):
@@ -83,7 +81,7 @@ def test_float16_at_fixed_shapes_generates_what_the_artifact_serves_at_its_own_s
         seqs = [_greedy_sequence(i, prompt(600 + i, 1 + (13 * i) % 50), 1 + (17 * i) % 80) for i in range(10)]
         Scheduler(batch, step_token_budget=10).drive(seqs)
         generated[fixed] = [s.generated for s in seqs]
-        assert bool(runtime.fixed_shapes(batch.kv.pool)) == fixed
+        assert bool(runtime.fixed_shapes(batch.pool)) == fixed
         batch.close()
     assert generated[True] == generated[False]
     assert len({tuple(g) for g in generated[True]}) == 10  # ten different continuations, not one repeated
@@ -112,10 +110,10 @@ def test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows(standard
     batch = SlotBatch(standard_runtime, tiny_model.config, 4, fixed_decode=True)
     seqs = [_greedy_sequence(i, prompt(400 + i, 9), 30) for i in range(3)]
     scheduler = hole_between_rows(batch, seqs, leaving=0, steps=8, budget=0)
-    assert batch.decode_shape(16)[0] == 4  # 3 slots (one a hole) run as 4 rows
+    assert len(scheduler.kv.slots) == 3 and batch.decode_shape(3, 16)[0] == 4  # 3 slots (one a hole) run as 4 rows
     for seq in seqs[1:]:
         while not seq.finished:
-            batch.run(scheduler.plan())
+            scheduler.run_step(scheduler.plan())
         assert seq.generated == eager_tokens(tiny_model, seq)
 
 
@@ -124,15 +122,15 @@ def test_warm_up_prepares_every_decode_shape_so_serving_binds_none(tiny_standard
     artifact = open_artifact(tiny_standard_artifact)
     batch = SlotBatch(runtime, tiny_model.config, 4, fixed_decode=True)
     warm_up(batch, artifact)
-    prepared = runtime.fixed_shapes(batch.kv.pool)
-    assert sorted(prepared) == batch.decode_shapes() and not batch.kv.rows
+    prepared = runtime.fixed_shapes(batch.pool)
+    assert sorted(prepared) == batch.decode_shapes()
     seqs = [_greedy_sequence(i, prompt(500 + i, 3 + 20 * i), 100) for i in range(4)]
     Scheduler(batch, step_token_budget=16).drive(seqs)
-    assert runtime.fixed_shapes(batch.kv.pool) == prepared  # no shape first met while serving (no capture mid-stream)
+    assert runtime.fixed_shapes(batch.pool) == prepared  # no shape first met while serving (no capture mid-stream)
     for seq in seqs:
         assert seq.generated == eager_tokens(tiny_model, seq)
-    runtime.release_pool(batch.kv.pool)
-    assert runtime.fixed_shapes(batch.kv.pool) == []
+    runtime.release_pool(batch.pool)
+    assert runtime.fixed_shapes(batch.pool) == []
 
 
 def test_a_fused_step_graph_without_a_decode_graph_takes_no_fixed_shape_decode(tiny_llama_fused_artifacts, tiny_llama_model):
@@ -168,7 +166,7 @@ def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(famil
         Scheduler(batch, step_token_budget=8).drive(seqs)
         generated[name] = [s.generated for s in seqs]
         if name == "fixed":
-            shapes = runtime.fixed_shapes(batch.kv.pool)
+            shapes = runtime.fixed_shapes(batch.pool)
             assert set(shapes) <= set(batch.decode_shapes()) == {(rows, 0) for rows in (1, 2, 4, 5)} and len(shapes) >= 2
         batch.close()
     assert generated["fixed"] == generated["exact"]
@@ -199,7 +197,7 @@ def test_serve_with_cuda_graph_generates_the_same_tokens_and_reports_why_it_does
             info = stub.GetModelInfo(pb.GetModelInfoRequest())
             if PROVIDER == "cuda":
                 assert runtime.captures_decode and info.provider_note == ""
-                assert sorted(runtime.fixed_shapes(running.app.engine.batch.kv.pool)) == running.app.engine.batch.decode_shapes()
+                assert sorted(runtime.fixed_shapes(running.app.engine.batch.pool)) == running.app.engine.batch.decode_shapes()
             else:
                 assert not runtime.captures_decode and "CUDA graphs need the CUDA provider" in info.provider_note
             ids, _, finish = collect(stub, pb.GenerateRequest(token_ids=pb.TokenIds(ids=[5, 6, 7]), max_new_tokens=20, ignore_eos=True))
@@ -272,14 +270,14 @@ def test_each_shape_is_a_graph_of_its_own_and_a_released_pool_releases_its_graph
     first, second = (SlotBatch(runtime, tiny_model.config, 2, fixed_decode=True) for _ in range(2))
     first.prepare_decode_shapes()
     second.prepare_decode_shapes()
-    ids = {pool: [runtime.fixed_steps._steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.kv.pool, second.kv.pool)}
-    assert len(ids[first.kv.pool]) == len(first.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 64, 128, 256
-    assert len(set(ids[first.kv.pool] + ids[second.kv.pool])) == 12  # no id shared between shapes or pools
-    runtime.release_pool(first.kv.pool)
-    assert sorted(released) == sorted(ids[first.kv.pool]) and runtime.fixed_shapes(second.kv.pool)
+    ids = {pool: [runtime.fixed_steps._steps[(pool, *shape)].graph_id for shape in runtime.fixed_shapes(pool)] for pool in (first.pool, second.pool)}
+    assert len(ids[first.pool]) == len(first.decode_shapes()) == 2 * 3  # rows 1, 2 x widths 64, 128, 256
+    assert len(set(ids[first.pool] + ids[second.pool])) == 12  # no id shared between shapes or pools
+    runtime.release_pool(first.pool)
+    assert sorted(released) == sorted(ids[first.pool]) and runtime.fixed_shapes(second.pool)
     seq = _greedy_sequence(1, prompt(700, 6), 10)
     Scheduler(second, step_token_budget=0).drive([seq])  # the other pool's steps still run
-    assert seq.generated == eager_tokens(tiny_model, seq) and len(runtime.fixed_shapes(second.kv.pool)) == 6
+    assert seq.generated == eager_tokens(tiny_model, seq) and len(runtime.fixed_shapes(second.pool)) == 6
 
 
 def test_longrope_rows_decode_at_fixed_shapes_with_their_factors(llama_artifact):
@@ -310,7 +308,7 @@ def test_ring_rows_decode_at_fixed_shapes_as_transformers_does(llama_artifact, n
     seqs = [_greedy_sequence(i, prompt(500 + i, 3 + 9 * i), 40) for i in range(5)]
     scheduler = Scheduler(batch, step_token_budget=8)
     scheduler.waiting.extend(seqs)
-    while scheduler.waiting or batch.kv.rows:
-        batch.run(scheduler.plan())
+    while scheduler.waiting or scheduler.kv.rows:
+        scheduler.run_step(scheduler.plan())
     for seq in seqs:
         assert seq.generated == hf_greedy(hf, [seq.prompt_ids], 40)[0].tolist(), seq.id

@@ -226,7 +226,7 @@ def test_kv_bytes_of_several_live_streams_are_the_sum_per_sequence(stub, server,
     live = stub.GetModelInfo(pb.GetModelInfoRequest()).live
     token = 2 * config.n_layer * config.n_head * config.d_head * 4  # K and V of one token, every layer, float32
     assert live.active_sequences == len(live.sequences) == 3
-    capacity = server.app.engine.batch.kv.pool.capacity
+    capacity = server.app.engine.batch.pool.capacity
     for s in live.sequences:  # the CPU pool commits memory as written: a sequence holds its written tokens' K/V;
         held = s.kv_cache_bytes // token  # under CUDA the pool is allocated whole: its row, every column
         assert s.kv_cache_bytes % token == 0 and (s.tokens - 1 <= held <= s.tokens if PROVIDER == "cpu" else held == capacity), (s.tokens, held)
@@ -350,7 +350,7 @@ def test_max_context_cuts_every_sequence_and_its_kv_row(tiny_artifact, tiny_mode
         next(stream)
         (seq,) = stub.GetModelInfo(pb.GetModelInfoRequest()).live.sequences
         config = tiny_model.config
-        assert running.app.engine.batch.kv.pool.capacity == 41  # 40 columns a row and the scratch one
+        assert running.app.engine.batch.pool.capacity == 41  # 40 columns a row and the scratch one
         token = 2 * config.n_layer * config.n_kv_head * config.head_dim * 4
         assert 0 < seq.kv_cache_bytes <= 40 * token if PROVIDER == "cpu" else seq.kv_cache_bytes == 41 * token  # CUDA: the whole row
         stream.cancel()

@@ -71,10 +71,10 @@ def test_with_the_prompt_cache_off_a_leaver_keeps_nothing():
 @pytest.mark.parametrize("prompt_cache", [False, True], ids=["cache off", "cache on"])
 def test_fifty_joins_and_leaves_move_no_kv_through_the_host(slots_graph, slots_runtime, slots_model, prompt_cache):
     slots_runtime.traffic.host_bytes = slots_runtime.traffic.device_copies = 0
-    batch = SlotBatch(slots_runtime, slots_model.config, 4, prompt_cache=prompt_cache)
+    scheduler = Scheduler(SlotBatch(slots_runtime, slots_model.config, 4), step_token_budget=10, prompt_cache=prompt_cache)
     seqs = [_greedy_sequence(i, prompt(100 + i, 1 + (7 * i) % 40), 1 + (5 * i) % 17) for i in range(50)]
-    results = Scheduler(batch, step_token_budget=10).drive(seqs)
-    assert all(s.finished for s in seqs) and not batch.kv.rows
+    results = scheduler.drive(seqs)
+    assert all(s.finished for s in seqs) and not scheduler.kv.rows
     assert not [e for _, e in results if isinstance(e, BaseException)]
     assert slots_runtime.traffic.host_bytes == 0
     # a leave moves at most one row (on CPU; none under CUDA), a join at most one (a cached row moving into place)

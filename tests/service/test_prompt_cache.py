@@ -72,23 +72,23 @@ def run_workload(runtime, config, prompt_cache: bool, compact: bool, plant: bool
     two second turns, each sending a first turn's prompt and answer again. Returns ({sequence id: (tokens, log-
     probabilities)}, {sequence id: prompt tokens reused}). plant: before the second turns, every free row's columns
     past what it holds are filled with large numbers (a request reading past its shared prefix would change)."""
-    batch = SlotBatch(runtime, config, 3, prompt_cache=prompt_cache)
-    batch.kv.compact = compact and batch.kv.pool.copies_rows
-    scheduler = Scheduler(batch, step_token_budget=12)
+    batch = SlotBatch(runtime, config, 3)
+    scheduler = Scheduler(batch, step_token_budget=12, prompt_cache=prompt_cache)
+    scheduler.kv.compact = compact and batch.pool.copies_rows
     first, cancelled, unrelated = chat_workload()
     results = []
     for seq in first + [cancelled]:
         scheduler.waiting.append(seq)
     while cancelled.cached_tokens <= cancelled.reused_prompt_tokens:  # until it has prefilled a chunk of its own
-        results += batch.run(scheduler.plan())
+        results += scheduler.run_step(scheduler.plan())
     assert cancelled.cached_tokens < len(cancelled.prompt_ids)  # mid-prefill
     cancelled.cancelled = True
     results += scheduler.drive([unrelated])
-    if plant and batch.kv.pool.arrays is not None:
+    if plant and batch.pool.arrays is not None:
         rng = np.random.default_rng(0)
-        for row in batch.kv.cached:
-            held = len(batch.kv.prefixes.tokens(row))
-            for array in batch.kv.pool.arrays:
+        for row in scheduler.kv.cached:
+            held = len(scheduler.kv.prefixes.tokens(row))
+            for array in batch.pool.arrays:
                 array[row, :, held:-1] = rng.normal(0, 100, array[row, :, held:-1].shape)
     second = [sequence(200 + i, seq.prompt_ids + seq.generated + random_prompt(20 + i, 7), 10, return_logprobs=True)
               for i, seq in enumerate(first[:2])]
@@ -129,34 +129,36 @@ def test_a_request_cancelled_mid_prefill_leaves_exactly_the_tokens_it_wrote(runt
     scheduler = Scheduler(batch, step_token_budget=12)
     runner = sequence(1, random_prompt(60, 5), 30)  # decoding, so the long prompt is prefilled in chunks beside it
     scheduler.waiting.append(runner)
-    batch.run(scheduler.plan())
+    scheduler.run_step(scheduler.plan())
     long = sequence(2, random_prompt(61, 90), 2)
     scheduler.waiting.append(long)
     for _ in range(2):
-        batch.run(scheduler.plan())
+        scheduler.run_step(scheduler.plan())
     written = long.cached_tokens
     assert written == 2 * 11  # two chunks of the budget less the runner's token
     long.cancelled = True
-    batch.run(scheduler.plan())
-    (row,) = batch.kv.cached
-    assert batch.kv.prefixes.tokens(row) == long.prompt_ids[:written]
+    scheduler.run_step(scheduler.plan())
+    (row,) = scheduler.kv.cached
+    assert scheduler.kv.prefixes.tokens(row) == long.prompt_ids[:written]
     retry = sequence(3, list(long.prompt_ids), 2)
     scheduler.drive([retry])
     assert retry.reused_prompt_tokens == written
 
 
 def test_a_prefix_taken_from_a_row_still_prefilling_stops_at_what_that_row_has_written(runtime_and_config):
-    """The scheduler admits a request only when no prompt is mid-prefill; the batch holds this on its own too."""
+    """The scheduler admits a request only when no prompt is mid-prefill; the rows hold this on their own too."""
     runtime, config = runtime_and_config
-    batch = SlotBatch(runtime, config, 2)
+    scheduler = Scheduler(SlotBatch(runtime, config, 2), step_token_budget=0)
     prompt = random_prompt(70, 60)
     first, second = sequence(1, prompt, 4), sequence(2, prompt + [5], 4)
-    batch.run(StepPlan(joining=[first], chunk=first, chunk_tokens=20))
-    batch.run(StepPlan(joining=[second], chunk=first, chunk_tokens=20))  # joins while the first has written 20
+    scheduler.kv.join(first)
+    scheduler.run_step(StepPlan(joining=[first], chunk=first, chunk_tokens=20, slots=list(scheduler.kv.slots)))
+    scheduler.kv.join(second)  # while the first has written 20
+    scheduler.run_step(StepPlan(joining=[second], chunk=first, chunk_tokens=20, slots=list(scheduler.kv.slots)))
     assert second.reused_prompt_tokens == 20 and first.cached_tokens == 40
-    Scheduler(batch, step_token_budget=0).drive([])
+    scheduler.drive([])
     alone = [sequence(3 + i, seq.prompt_ids, 4) for i, seq in enumerate((first, second))]
-    Scheduler(SlotBatch(runtime, config, 1, prompt_cache=False), step_token_budget=0).drive(alone)
+    Scheduler(SlotBatch(runtime, config, 1), step_token_budget=0, prompt_cache=False).drive(alone)
     assert [first.generated, second.generated] == [seq.generated for seq in alone]
 
 
@@ -167,14 +169,14 @@ def test_the_longest_match_is_chosen_and_the_least_recently_used_row_is_evicted(
     prompts = [random_prompt(300 + i, 48) for i in range(3)]
     for i, prompt in enumerate(prompts):  # one after the other: finished in this order, the first least recently used
         scheduler.drive([sequence(i, prompt, 2)])
-    assert batch.kv.cached_rows() == 3
+    assert scheduler.kv.cached_rows() == 3
     longer = sequence(10, prompts[1][:40] + prompts[2][:8], 2)  # shares 40 with the second, 0 with the rest
     scheduler.drive([longer])
     assert longer.reused_prompt_tokens == 40
     stranger = sequence(11, random_prompt(999, 20), 2)  # nothing shared: overwrites the least recently used row
     scheduler.drive([stranger])
     assert stranger.reused_prompt_tokens == 0
-    held = [batch.kv.prefixes.tokens(row)[:48] for row in batch.kv.cached]
+    held = [scheduler.kv.prefixes.tokens(row)[:48] for row in scheduler.kv.cached]
     assert prompts[0] not in held and prompts[2] in held  # the first was the oldest; the third stays
     again = sequence(12, prompts[2] + [1], 2)
     scheduler.drive([again])
@@ -183,13 +185,12 @@ def test_the_longest_match_is_chosen_and_the_least_recently_used_row_is_evicted(
 
 def test_with_the_cache_off_nothing_is_kept_or_reused(runtime_and_config):
     runtime, config = runtime_and_config
-    batch = SlotBatch(runtime, config, 2, prompt_cache=False)
-    scheduler = Scheduler(batch, step_token_budget=0)
+    scheduler = Scheduler(SlotBatch(runtime, config, 2), step_token_budget=0, prompt_cache=False)
     prompt = random_prompt(5, 40)
     seqs = [sequence(i, prompt, 3) for i in range(3)]
     for seq in seqs:
         scheduler.drive([seq])
-    assert batch.kv.cached_rows() == 0 and all(seq.reused_prompt_tokens == 0 for seq in seqs)
+    assert scheduler.kv.cached_rows() == 0 and all(seq.reused_prompt_tokens == 0 for seq in seqs)
 
 
 # --- through the server --------------------------------------------------------------------------------------

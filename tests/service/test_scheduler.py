@@ -22,7 +22,8 @@ from .conftest import random_prompt as prompt
 
 @dataclass
 class PlannedRows:
-    """What plan() asks of a batch's rows, with no pool or model: the sequences in rows, free rows, cached prefix length."""
+    """What plan() asks of the rows, with no pool or model: the sequences in rows, free rows, cached prefix length; a
+    join takes a row past the cached prefix, a release lets it go."""
 
     rows: list = field(default_factory=list)
     max_rows: int = 4
@@ -35,8 +36,17 @@ class PlannedRows:
     def fits(self, seq) -> bool:
         return "all" in self.fitting or seq.id in self.fitting
 
-    def reusable_prompt_tokens(self, seq) -> int:
-        return self.cached_prefix
+    @property
+    def slots(self) -> list:
+        return list(self.rows)
+
+    def join(self, seq) -> None:
+        seq.slot = len(self.rows)
+        seq.cached_tokens = seq.reused_prompt_tokens = self.cached_prefix
+        self.rows.append(seq)
+
+    def release(self, leaving) -> None:
+        self.rows = [s for s in self.rows if s not in leaving]
 
     def refill(self, seq) -> None:  # as KvRows.refill, without the prompt cache
         seq.long_rope, seq.refill_ids, seq.cached_tokens = True, seq.prompt_ids + seq.generated, 0
@@ -44,14 +54,14 @@ class PlannedRows:
 
 @dataclass
 class PlannedBatch:
-    kv: PlannedRows
     config: DecoderConfig = DecoderConfig()
     step_costs: StepCosts = field(default_factory=StepCosts)
 
 
 def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig()) -> Scheduler:
-    scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the batch's rows: no loop, no thread
-    scheduler.batch, scheduler.step_token_budget = PlannedBatch(PlannedRows(rows or [], max_rows, cached_prefix), config), budget
+    scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the rows: no loop, no thread
+    scheduler.kv = PlannedRows(rows or [], max_rows, cached_prefix)
+    scheduler.batch, scheduler.step_token_budget = PlannedBatch(config), budget
     scheduler.speculation = False  # drafts are planned by test_drafts.py
     scheduler.step_time_bound = 0  # chunks cut to the measured step times: test_a_chunk_is_cut_to_keep_its_step_within_the_bound
     from collections import deque
@@ -156,7 +166,7 @@ def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks
     for seq in running:
         scheduler.waiting.append(seq)
     while any(not s.generated for s in running):
-        scheduler.batch.run(scheduler.plan())
+        scheduler.run_step(scheduler.plan())
     long = _greedy_sequence(9, prompt(9, 70), 5)
     scheduler.waiting.append(long)
     chunks = []
@@ -164,12 +174,12 @@ def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks
         before = [len(s.generated) for s in running]
         plan = scheduler.plan()
         chunks.append(plan.chunk_tokens)
-        scheduler.batch.run(plan)
+        scheduler.run_step(plan)
         assert [len(s.generated) for s in running] == [n + 1 for n in before]  # nobody waits for the prefill
     assert sum(chunks) == 70 and max(chunks) == 8 - len(running)  # the budget: 2 decode tokens + a 6-token chunk
     for seq in running + [long]:
         while not seq.finished:
-            scheduler.batch.run(scheduler.plan())
+            scheduler.run_step(scheduler.plan())
     for seq in running + [long]:
         assert seq.generated == slots_graph.alone(seq)
 
@@ -181,7 +191,7 @@ def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(slots_runti
     assert plan.chunk_tokens == 50 and not plan.decode
     unlimited = Scheduler(SlotBatch(slots_runtime, slots_model.config, 2), step_token_budget=0)
     unlimited.drive([_greedy_sequence(2, prompt(2, 4), 30)])
-    assert not unlimited.batch.kv.rows
+    assert not unlimited.kv.rows
 
 
 def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, tiny_model, monkeypatch):
@@ -198,7 +208,7 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
         rows_before_failure = []
 
         def fail_after(*args):  # the step in which the third sequence joined (one joins a step), after it ran
-            rows_before_failure.append(len(batch.kv.rows))
+            rows_before_failure.append(len(scheduler.kv.rows))
             results = real(*args)
             if seqs[2].slot is None:
                 return results
@@ -217,11 +227,11 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
                 if isinstance(event, BaseException):
                     failures[seq.id] = failures.get(seq.id, 0) + 1
         scheduler.close()
-        return failures, seqs
+        return failures, seqs, scheduler
 
-    failures, seqs = asyncio.run(scenario())
+    failures, seqs, scheduler = asyncio.run(scenario())
     assert failures == {0: 1, 1: 1, 2: 1}
-    assert all(s.finished for s in seqs) and not batch.kv.rows
+    assert all(s.finished for s in seqs) and not scheduler.kv.rows
     monkeypatch.setattr(batch, inner, real)
     after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
     Scheduler(batch, step_token_budget=32).drive([after])
@@ -272,7 +282,7 @@ def test_the_first_in_line_waits_for_kv_memory_and_none_overtakes_it():
     scheduler = planner(8)
     first, second = _greedy_sequence(1, [1, 2, 3], 10), _greedy_sequence(2, [1, 2], 1)
     scheduler.waiting.extend([first, second])
-    scheduler.batch.kv.fitting = {2}  # a free row, but memory only for the second
+    scheduler.kv.fitting = {2}  # a free row, but memory only for the second
     assert scheduler.plan().joining == [] and list(scheduler.waiting) == [first, second]
-    scheduler.batch.kv.fitting = {1, 2}  # memory freed
+    scheduler.kv.fitting = {1, 2}  # memory freed
     assert scheduler.plan().joining == [first]
