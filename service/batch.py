@@ -38,6 +38,7 @@ from kvserve.contract.io_contract import STANDARD
 from kvserve.runtime import DecoderRuntime, decode_shape, decode_shapes, pool_capacity
 
 from .drafts import StepCosts
+from .kv_rows import HeldRow
 from .sequence import Sequence
 from .step_plan import StepPlan, StepResults
 from .structured import FormatError, TokenMasks
@@ -104,21 +105,22 @@ class SlotBatch:
     def run(self, plan: StepPlan, before_model: Callable[[], None] | None = None) -> StepResults:
         """Carry out plan over plan.slots: one model call (none when nothing is left to run; a row cancelled since the
         plan was made sits it out), before_model called just before it."""
-        decode = [s for s in plan.decode if s.slot is not None and not s.cancelled]
-        chunk = plan.chunk if plan.chunk is not None and plan.chunk.slot is not None and not plan.chunk.cancelled else None
+        held = plan.held
+        decode = [s for s in plan.decode if s in held and not s.cancelled]
+        chunk = plan.chunk if plan.chunk is not None and plan.chunk in held and not plan.chunk.cancelled else None
         draft_row = plan.draft_row if plan.draft_row in decode and chunk is None else None
         if not (decode or chunk):
             return []
-        return self._step(plan.slots, decode, chunk, plan.chunk_tokens, before_model, draft_row,
+        return self._step(plan.slots, held, decode, chunk, plan.chunk_tokens, before_model, draft_row,
                           plan.drafts if draft_row else (), plan.grammar_drafts)
 
     @staticmethod
-    def _solo(decode: list[Sequence]) -> Sequence | None:
+    def _solo(decode: list[Sequence], held: dict[Sequence, HeldRow]) -> Sequence | None:
         """The decoding row to run through the chunk this step, if one is far longer than the others."""
         if len(decode) < 2:
             return None
-        longest, second = sorted(decode, key=lambda s: s.cached_tokens)[-1:-3:-1]
-        far = longest.cached_tokens >= SOLO_MIN_RATIO * second.cached_tokens + SOLO_MIN_EXTRA
+        longest, second = sorted(decode, key=lambda s: held[s].cached_tokens)[-1:-3:-1]
+        far = held[longest].cached_tokens >= SOLO_MIN_RATIO * held[second].cached_tokens + SOLO_MIN_EXTRA
         return longest if far else None
 
     def decode_shape(self, used_rows: int, width: int) -> tuple[int, int]:
@@ -161,56 +163,58 @@ class SlotBatch:
             positions = np.full(rows, scratch, dtype=np.int64)  # (B,)
             self.runtime.run_decode(self.pool, np.zeros(rows, np.int64), positions, np.ones((rows, width), np.int64) if width else None)
 
-    def _decode_fixed(self, slots: list[Sequence | None], decode: list[Sequence],
+    def _decode_fixed(self, slots: list[Sequence | None], held: dict[Sequence, HeldRow], decode: list[Sequence],
                       before_model: Callable[[], None] | None) -> StepResults:
         """A decode-only step at its fixed shape (decode_shape): rows past the batch's, and holes, run a scratch token."""
-        width = int(max(seq.cached_tokens for seq in decode)) + 1
+        decode_rows = [held[seq] for seq in decode]
+        width = int(max(row.cached_tokens for row in decode_rows)) + 1
         rows, columns = self.decode_shape(len(slots), width)
         input_ids = np.zeros(rows, dtype=np.int64)  # (B,)
         position_ids = np.full(rows, self.pool.scratch, dtype=np.int64)  # (B,): scratch unless a row decodes
-        for seq in decode:
-            input_ids[seq.slot] = seq.generated[-1]
-            position_ids[seq.slot] = seq.cached_tokens
+        for seq, row in zip(decode, decode_rows):
+            input_ids[row.index] = seq.generated[-1]
+            position_ids[row.index] = row.cached_tokens
         attention_mask = (np.arange(columns)[None, :] <= position_ids[:, None]).astype(np.int64) if columns else None  # (B, W)
         masks = self._start_masks(decode)
         started = time.perf_counter()
         sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
                                           self._long_rope(slots, rows))  # B rows
         self.step_costs.record(len(decode), 0, time.perf_counter() - started)
-        for seq in decode:
-            seq.cached_tokens += 1
-        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)
+        for row in decode_rows:
+            row.cached_tokens += 1
+        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [row.index for row in decode_rows], masks)
 
-    def _step(self, slots: list[Sequence | None], decode: list[Sequence], chunk: Sequence | None, chunk_tokens: int,
-              before_model: Callable[[], None] | None, draft_row: Sequence | None = None, drafts=(),
-              grammar_drafts: bool = False) -> StepResults:
+    def _step(self, slots: list[Sequence | None], held: dict[Sequence, HeldRow], decode: list[Sequence],
+              chunk: Sequence | None, chunk_tokens: int, before_model: Callable[[], None] | None,
+              draft_row: Sequence | None = None, drafts=(), grammar_drafts: bool = False) -> StepResults:
         if self.fixed_decode and chunk is None and draft_row is None:
-            return self._decode_fixed(slots, decode, before_model)
+            return self._decode_fixed(slots, held, decode, before_model)
         # A fused graph reads each row's own columns only, so no row needs to step aside but one checking drafts.
         solo = draft_row
         if solo is None and chunk is None and self.runtime.attention == STANDARD:
-            solo = self._solo(decode)
+            solo = self._solo(decode, held)
         if solo is not None:
             decode = [s for s in decode if s is not solo]
+        decode_rows = [held[seq] for seq in decode]
         pool = self.pool
         rows = len(slots)
         scratch = pool.scratch
         input_ids = np.zeros(rows, dtype=np.int64)  # (B,): free rows and the chunk's row get a scratch token
         position_ids = np.full(rows, scratch, dtype=np.int64)  # (B,)
-        for seq in decode:
-            input_ids[seq.slot] = seq.generated[-1]
-            position_ids[seq.slot] = seq.cached_tokens  # its position, and the column it is written at
+        for seq, row in zip(decode, decode_rows):
+            input_ids[row.index] = seq.generated[-1]
+            position_ids[row.index] = row.cached_tokens  # its position, and the column it is written at
         attention_mask = None  # a fused graph reads each row's own length from its position
         if self.runtime.attention == STANDARD:
-            width = int(max((seq.cached_tokens for seq in decode), default=0)) + 1
+            width = int(max((row.cached_tokens for row in decode_rows), default=0)) + 1
             attention_mask = (np.arange(width)[None, :] <= position_ids[:, None]).astype(np.int64)  # (B, W)
-        logits_index = [seq.slot for seq in decode]
+        logits_index = [row.index for row in decode_rows]
         start, piece, completes = 0, np.zeros(0, dtype=np.int64), False
         if solo is not None:  # a decode token and its drafts, fed as a chunk of its own row, logits at each
-            start, piece = solo.cached_tokens, np.array([solo.generated[-1], *drafts], dtype=np.int64)  # (1 + k,)
+            start, piece = held[solo].cached_tokens, np.array([solo.generated[-1], *drafts], dtype=np.int64)  # (1 + k,)
             logits_index.extend(range(rows, rows + len(piece)))
         elif chunk is not None:
-            start = chunk.cached_tokens
+            start = held[chunk].cached_tokens
             piece = np.asarray(chunk.prefill_ids[start : start + chunk_tokens], dtype=np.int64)  # (T,)
             completes = start + len(piece) == len(chunk.prefill_ids)
             if completes:
@@ -221,7 +225,7 @@ class SlotBatch:
         masks = self._start_masks(sampling, {solo: list(drafts)} if drafts else None)
         started = time.perf_counter()
         sampled = self.runtime.run_slots(
-            pool, input_ids, position_ids, attention_mask, piece, start, chunk_row.slot if chunk_row is not None else 0,
+            pool, input_ids, position_ids, attention_mask, piece, start, held[chunk_row].index if chunk_row is not None else 0,
             np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model, self._long_rope(slots, rows),
             chunk_row is not None and chunk_row.long_rope,
         )
@@ -229,26 +233,26 @@ class SlotBatch:
             self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
         elif decode:  # and what a prompt chunk adds beside decoding rows: what it sizes chunks by
             self.step_costs.record_chunk(len(decode), len(piece), time.perf_counter() - started)
-        for seq in decode:
-            seq.cached_tokens += 1
+        for row in decode_rows:
+            row.cached_tokens += 1
         if drafts:
             results = advance_each(decode, sampled.logits, sampled.greedy_tokens, masks=masks)
-            return results + self._check_drafts(solo, list(drafts), grammar_drafts, sampled, len(decode), masks)
+            return results + self._check_drafts(solo, held[solo], list(drafts), grammar_drafts, sampled, len(decode), masks)
         if solo is not None:
-            solo.cached_tokens += 1
+            held[solo].cached_tokens += 1
         if chunk is not None:
-            chunk.cached_tokens = start + len(piece)
+            held[chunk].cached_tokens = start + len(piece)
             if completes:
                 chunk.refill_ids = None  # a row prefilled again decodes on
         return advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
 
     @staticmethod
-    def _check_drafts(seq: Sequence, drafts: list[int], grammar: bool, sampled, first: int, masks) -> StepResults:
+    def _check_drafts(seq: Sequence, row: HeldRow, drafts: list[int], grammar: bool, sampled, first: int, masks) -> StepResults:
         """seq ran [its last token, *drafts] with logits at each (sampled's rows first, first + 1, ...): it takes a token
         at each position in turn (Sequence.advance, with that position's draft), until one differs from the draft, it
         finishes, or its sampling changes regime mid-way (a tool call or an answer's structure begins: the masks and
         logits this step computed no longer apply); the rest are rolled back: its length counts the columns kept."""
-        start = seq.cached_tokens
+        start = row.cached_tokens
         constraint = seq.constraint
         logits, greedy = sampled.logits, sampled.greedy_tokens
         allowed = None
@@ -280,8 +284,8 @@ class SlotBatch:
             if event.token_id != draft or seq.finished:
                 break
         taken = len(results)  # positions whose K/V the row keeps: its last token and the drafts taken before the last event
-        seq.cached_tokens = start + taken
-        seq.written_columns = max(seq.written_columns, start + len(drafts) + 1)
+        row.cached_tokens = start + taken
+        row.written_columns = max(row.written_columns, start + len(drafts) + 1)
         seq.drafts.record(len(drafts), seq.drafts.accepted - accepted_before, grammar)
         return results
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -50,6 +51,21 @@ log = logging.getLogger(__name__)
 PREFIX_COPY_MIN_TOKENS = {"cpu": 16, "cuda": 16}
 
 
+@dataclass(eq=False)
+class HeldRow:
+    """A sequence's hold on one row of the pool: made when it joins, dropped when it leaves (KvRows), moved with the row;
+    the batch counts the columns each step writes into it."""
+
+    index: int  # the pool row
+    cached_tokens: int = 0  # columns holding the K/V of its tokens, in order: the next token's position
+    written_columns: int = 0  # columns written so far, drafts it did not keep included (those are never read)
+
+    @property
+    def overshoot(self) -> int:
+        """Columns past cached_tokens holding drafts it did not keep (until its later tokens overwrite them)."""
+        return max(self.written_columns - self.cached_tokens, 0)
+
+
 class KvRows:
     """The rows of one SlotPool and the sequences in them. Not thread-safe: the step thread calls it."""
 
@@ -59,6 +75,7 @@ class KvRows:
         together (None: no bound but the pool's, as under CUDA, where the pool is allocated whole)."""
         self.pool, self.device, self.max_rows = pool, device, pool.rows
         self.slots: list[Sequence | None] = []  # index = pool row; None = a free row below the last used one
+        self.held: dict[Sequence, HeldRow] = {}  # every sequence in a row, and what it holds there
         # Fill a hole by moving the last row (see the module docstring): on the CPU, and under CUDA where rows can be
         # copied on the device. Then a step computes no idle row: a fused graph's idle row reads its whole width.
         self.compact = device == "cpu" or pool.copies_rows
@@ -96,7 +113,7 @@ class KvRows:
 
     def held_bytes(self, seq: Sequence) -> int:
         """Bytes of K/V seq holds."""
-        return self._holding(seq.cached_tokens)
+        return self._holding(self.held[seq].cached_tokens)
 
     def kv_bytes(self) -> int:
         """Bytes of K/V the sequences in rows hold."""
@@ -140,8 +157,7 @@ class KvRows:
         """Every sequence leaves its row, the pool's contents being unknown (a step failed): the prompt cache forgets
         every row too. Returns the sequences that held rows."""
         held = self.rows
-        for seq in held:
-            seq.slot = None
+        self.held.clear()
         self.slots = []
         self._reserved = 0
         self.cached.clear()
@@ -196,7 +212,7 @@ class KvRows:
     def _written(self, row: int) -> int:
         """Positions of K/V row holds: a row in use up to its sequence's cached tokens, a cached row all it wrote."""
         holder = self.slots[row] if row < len(self.slots) else None
-        return len(self.prefixes.tokens(row)) if holder is None else holder.cached_tokens
+        return len(self.prefixes.tokens(row)) if holder is None else self.held[holder].cached_tokens
 
     def _ring_allows(self, usable: int, row: int) -> int:
         """usable, or 0 where row no longer holds the window of its first `usable` positions: its ring layers' later
@@ -205,7 +221,7 @@ class KvRows:
         ring, written = self.pool.ring, self._written(row)
         holder = self.slots[row] if row < len(self.slots) else None
         if holder is not None:  # drafts it did not keep overwrote its ring's earliest columns as far as they reached
-            written = max(written, holder.written_columns)
+            written = max(written, self.held[holder].written_columns)
         return usable if ring is None or written <= ring or usable >= written - RING_SLACK else 0
 
     def _prefix_source(self, prompt: list[int], kind: int) -> tuple[int | None, int, bool]:
@@ -256,21 +272,22 @@ class KvRows:
             pool.copy_columns(busy, row, reused)
         self._drop_cached(row)
         if self.prefixes is not None:
-            self.prefixes.put(row, seq.prompt_ids, seq.long_rope)  # its K/V up to seq.cached_tokens, as the prefill writes them
+            self.prefixes.put(row, seq.prompt_ids, seq.long_rope)  # its K/V up to its cached tokens, as the prefill writes them
         while len(self.slots) <= row:
             self.slots.append(None)
         self.slots[row] = seq
-        seq.slot = row
-        seq.cached_tokens = seq.reused_prompt_tokens = reused
+        self.held[seq] = HeldRow(row, reused)
+        seq.reused_prompt_tokens = reused
         self._reserved += self.reservation(seq)
         self.settle()
 
     def refill(self, seq: Sequence) -> None:
         """seq's row is computed again from its first column, every token so far turned by longrope's long factors: it
         is about to grow past the original context (scheduler.py). It keeps its row and its reservation."""
-        seq.long_rope, seq.refill_ids, seq.cached_tokens = True, seq.prompt_ids + seq.generated, 0
+        hold = self.held[seq]
+        seq.long_rope, seq.refill_ids, hold.cached_tokens = True, seq.prompt_ids + seq.generated, 0
         if self.prefixes is not None:
-            self.prefixes.put(seq.slot, seq.refill_ids, seq.long_rope)
+            self.prefixes.put(hold.index, seq.refill_ids, seq.long_rope)
 
     def _drop_cached(self, row: int) -> None:
         """Row no longer holds a cached sequence (it is taken, or overwritten)."""
@@ -290,16 +307,16 @@ class KvRows:
         if not leaving:
             return
         for seq in leaving:
-            if seq.slot is None:
+            hold = self.held.pop(seq, None)
+            if hold is None:
                 continue
-            row = seq.slot
+            row = hold.index
             self.slots[row] = None
-            seq.slot = None
             self._reserved -= self.reservation(seq)
             if self.prefixes is not None:
                 # a ring row holding refused drafts keeps nothing: they overwrote positions a prefix's window reads
-                if seq.cached_tokens and not (self.pool.ring is not None and seq.overshoot):
-                    written = (seq.prompt_ids + seq.generated)[: seq.cached_tokens]  # exactly what it wrote
+                if hold.cached_tokens and not (self.pool.ring is not None and hold.overshoot):
+                    written = (seq.prompt_ids + seq.generated)[: hold.cached_tokens]  # exactly what it wrote
                     if seq.long_rope_from:  # turned short up to there, long after: the short part is a prefix of its kind
                         self.prefixes.put(row, written[: seq.long_rope_from], False)
                     else:
@@ -315,8 +332,8 @@ class KvRows:
             hole = next((row for row, s in enumerate(self.slots) if s is None), None)
             if hole is None or not self.compact:
                 break
-            last = self.slots.pop()  # the last row moves into the hole, and the hole's cached K/V (if any) to its place
-            source = len(self.slots)
+            moved = self.slots.pop()  # the last row moves into the hole, and the hole's cached K/V (if any) to its place
+            source, last = len(self.slots), self.held[moved]
             held = len(self.prefixes.tokens(hole)) if self.prefixes is not None and hole in self.cached else 0
             if held:
                 self.pool.exchange_rows(source, hole, last.cached_tokens, held)
@@ -325,5 +342,5 @@ class KvRows:
                 self._drop_cached(hole)
                 self.pool.discard(source)  # moved out, nothing left behind
             self._swap_cached(source, hole)
-            self.slots[hole], last.slot = last, hole
+            self.slots[hole], last.index = moved, hole
         self.settle()

@@ -226,11 +226,12 @@ class Scheduler:
         long_after = config.long_rope_after
         if long_after is not None:  # a row whose next token takes it past the original context turns long
             for seq in rows:
-                if not seq.prefilling and not seq.long_rope and seq.cached_tokens >= long_after:
+                cached = kv.held[seq].cached_tokens
+                if not seq.prefilling and not seq.long_rope and cached >= long_after:
                     if config.long_rope_recompute_at is not None:
                         kv.refill(seq)  # prefilled again, whole
                     else:  # what it cached stays as it was turned
-                        seq.long_rope, seq.long_rope_from = True, seq.cached_tokens
+                        seq.long_rope, seq.long_rope_from = True, cached
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]
         joining = []
@@ -243,9 +244,9 @@ class Scheduler:
         if not prefilling:
             if self.speculation and decode:
                 return self._with_drafts(decode)
-            return StepPlan(decode=decode, slots=list(kv.slots))
+            return StepPlan(decode=decode, slots=list(kv.slots), held=kv.held)
         chunk = prefilling[0]
-        remaining = len(chunk.prefill_ids) - chunk.cached_tokens
+        remaining = len(chunk.prefill_ids) - kv.held[chunk].cached_tokens
         tokens = remaining
         if decode and self.step_token_budget:
             allowance, tail = max(self.step_token_budget - len(decode), 1), self.step_token_budget // 4
@@ -255,16 +256,16 @@ class Scheduler:
                 tail = allowance // 4
             if remaining > allowance + tail:
                 tokens = allowance
-        return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens, slots=list(self.kv.slots))
+        return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens, slots=list(kv.slots), held=kv.held)
 
     def _with_drafts(self, decode: list[Sequence]) -> StepPlan:
         """A decode step in which the row with the most worth drafting (drafts.py) checks its drafts: from its grammar
         when that forces tokens, else from its own tokens, as many as the step costs say pay for its acceptance so far;
         no row drafts where none has drafts or none would pay."""
-        costs = self.batch.step_costs
+        costs, held = self.batch.step_costs, self.kv.held
         slots = list(self.kv.slots)
         if not costs.may_pay(len(decode)):  # not even drafts all taken would pay in a step of this many rows
-            return StepPlan(decode=decode, slots=slots)
+            return StepPlan(decode=decode, slots=slots, held=held)
         long_after = self.batch.config.long_rope_after
         best, best_drafts, best_grammar, best_gain = None, [], False, 0.0
         for seq in decode:
@@ -279,7 +280,7 @@ class Scheduler:
                 continue
             most = min(MAX_DRAFT_TOKENS, seq.max_new_tokens - len(seq.generated) - 1)
             if long_after is not None and not seq.long_rope:  # never past the turn to the long factors
-                most = min(most, long_after - seq.cached_tokens - 1)
+                most = min(most, long_after - held[seq].cached_tokens - 1)
             if most <= 0:
                 continue
             drafts = matcher.compute_ff_tokens()[:most] if matcher is not None else []
@@ -302,7 +303,7 @@ class Scheduler:
             gain = expected_tokens(acceptance, k)
             if k and gain > best_gain:
                 best, best_drafts, best_grammar, best_gain = seq, drafts[:k], grammar, gain
-        return StepPlan(decode=decode, draft_row=best, drafts=best_drafts, grammar_drafts=best_grammar, slots=slots)
+        return StepPlan(decode=decode, draft_row=best, drafts=best_drafts, grammar_drafts=best_grammar, slots=slots, held=held)
 
     def run_step(self, plan: StepPlan, before_model=None) -> StepResults:
         """Carry out plan on the batch (one model call), then the rows that finished in it leave."""
@@ -377,9 +378,9 @@ class Scheduler:
             plan = self.plan()
 
     def _step_done(self, plan: StepPlan, results: StepResults) -> StepDone:
-        prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
-                   for seq in plan.joining if seq.cached_tokens]  # those that got a row (and ran a chunk in it)
         kv = self.kv
+        prompts = [(seq.reused_prompt_tokens, len(seq.prompt_ids) - seq.reused_prompt_tokens)
+                   for seq in plan.joining if self._ran_chunk(seq, results)]
         if self.outputs.capacity:
             for seq, event in results:  # finished outputs, for later rows' drafts (a request that opted out gives none)
                 if seq.speculate and isinstance(event, StepEvent) and event.finish is not None:
@@ -391,6 +392,12 @@ class Scheduler:
                 drafted = len(plan.drafts)
                 accepted = next((i for i, (token, draft) in enumerate(zip(taken, plan.drafts)) if token != draft), min(len(taken), drafted))
         return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting), kv.cached_bytes(), drafted, accepted)
+
+    def _ran_chunk(self, seq: Sequence, results: StepResults) -> bool:
+        """Whether a sequence that joined this step ran its first chunk (it was not cancelled first): its row holds more
+        than it reused, or, finished within the step and gone from its row, it has a result."""
+        hold = self.kv.held.get(seq)
+        return hold.cached_tokens > seq.reused_prompt_tokens if hold is not None else any(s is seq for s, _ in results)
 
     def _deliver(self, steps: list[StepDone]) -> None:
         """On the event loop: each sequence's event to its caller, and each step's metrics, step by step."""

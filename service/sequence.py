@@ -85,7 +85,8 @@ class StepEvent:
 
 @dataclass(eq=False)
 class Sequence:
-    """One request's generation state."""
+    """One request's generation state (the row it holds, and how far it has written it, are the scheduler's:
+    kv_rows.HeldRow)."""
 
     id: int
     prompt_ids: list[int]
@@ -98,9 +99,7 @@ class Sequence:
     top_logprobs: int = 0  # the likeliest alternatives reported with each token's log-probability
     arrival_ns: int = field(default_factory=time.monotonic_ns)
     generated: list[int] = field(default_factory=list)
-    cached_tokens: int = 0  # tokens whose K/V are in the batch cache
-    reused_prompt_tokens: int = 0  # of those, the prompt tokens found in the cache when it joined (prompt_cache.py)
-    slot: int | None = None  # slots layout: the cache row this sequence holds
+    reused_prompt_tokens: int = 0  # the prompt tokens whose K/V it found in the cache when it joined (prompt_cache.py)
     admitted_ns: int = 0  # when it got a batch row (its wait in the queue ended)
     first_token_ns: int = 0
     cancelled: bool = False  # set from the event loop when the client goes away
@@ -123,7 +122,6 @@ class Sequence:
     reasoning_tokens: int = 0  # generated tokens spent thinking
     speculate: bool = True  # whether its steps may check drafts (the server's --speculation and the request's say)
     drafts: DraftState | None = None  # speculation's state for this row (drafts.py), made when it first may draft
-    written_columns: int = 0  # columns of its row written so far, drafts it did not keep included (those are never read)
 
     def __post_init__(self):
         self.rng = np.random.default_rng(self.params.seed)
@@ -131,11 +129,6 @@ class Sequence:
     @property
     def total_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.generated)
-
-    @property
-    def overshoot(self) -> int:
-        """Columns past cached_tokens holding drafts it did not keep (until its later tokens overwrite them)."""
-        return max(self.written_columns - self.cached_tokens, 0)
 
     @property
     def prefill_ids(self) -> list[int]:

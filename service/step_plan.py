@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .kv_rows import HeldRow
 from .sequence import Sequence, StepEvent
 
 StepResults = list[tuple[Sequence, StepEvent | BaseException]]
@@ -23,3 +24,4 @@ class StepPlan:
     grammar_drafts: bool = False  # whether they came from its grammar (else from prompt lookup)
     # The pool's rows as this step runs them, joins made (index = row; None: a free row below the last used one).
     slots: list[Sequence | None] = field(default_factory=list)
+    held: dict[Sequence, HeldRow] = field(default_factory=dict)  # each of them, its row and the columns it holds there

@@ -216,18 +216,19 @@ class SlotsGraph:
         """A pool row's first columns per layer K then V, each (H_kv, columns, d_k), as attention reads them: float32."""
         return pool.read_row(row, columns, self.kv_scales)
 
-    def assert_row_holds_eager_kv(self, pool, seq) -> None:
-        """seq's row holds, at each position it kept, the eager model's K/V over the tokens it fed (its prompt and every
-        generated token but the last), within kv_relative_error of the eager values' largest."""
+    def assert_row_holds_eager_kv(self, scheduler, seq) -> None:
+        """seq's row (in scheduler's pool) holds, at each position it kept, the eager model's K/V over the tokens it fed
+        (its prompt and every generated token but the last), within kv_relative_error of the eager values' largest."""
         import numpy as np
         import torch
 
         fed = seq.prompt_ids + seq.generated[:-1]
-        assert seq.cached_tokens == len(fed)
+        hold = scheduler.kv.held[seq]
+        assert hold.cached_tokens == len(fed)
         ids = torch.tensor([fed])
         with torch.no_grad():
             _, present = self.model(ids, torch.ones_like(ids), torch.arange(len(fed))[None], self.model.empty_cache(1))
-        row = self.read_row(pool, seq.slot, seq.cached_tokens)  # per layer K then V, (H, L, d_k)
+        row = self.read_row(scheduler.batch.pool, hold.index, hold.cached_tokens)  # per layer K then V, (H, L, d_k)
         for layer, (k, v) in enumerate(present):
             for got, want in ((row[2 * layer], k[0].numpy()), (row[2 * layer + 1], v[0].numpy())):
                 assert np.abs(got - want).max() <= self.kv_relative_error * max(1.0, np.abs(want).max())

@@ -20,7 +20,7 @@ def test_a_rows_kv_equals_the_eager_models_at_its_real_positions(slots_graph, sl
     for _ in range(16):  # every prompt in (chunks for the two longer ones), then some decode steps
         scheduler.run_step(scheduler.plan())
     for seq in seqs:
-        slots_graph.assert_row_holds_eager_kv(batch.pool, seq)
+        slots_graph.assert_row_holds_eager_kv(scheduler, seq)
 
 
 def test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits(slots_graph, slots_runtime, slots_model):
@@ -60,9 +60,9 @@ def test_a_cancelled_sequence_frees_its_row_within_one_step(slots_runtime, slots
     assert len(scheduler.kv.rows) == 3
     seqs[0].cancelled = True
     scheduler.run_step(scheduler.plan())
-    assert seqs[0] not in scheduler.kv.rows and seqs[0].slot is None and len(scheduler.kv.rows) == 2
+    assert seqs[0] not in scheduler.kv.rows and seqs[0] not in scheduler.kv.held and len(scheduler.kv.rows) == 2
     # on the CPU the last row moved into the freed one (rows stay dense); under CUDA the freed row stays a hole
-    assert sorted(s.slot for s in scheduler.kv.rows) == ([0, 1] if scheduler.kv.compact else [1, 2])
+    assert sorted(scheduler.kv.held[s].index for s in scheduler.kv.rows) == ([0, 1] if scheduler.kv.compact else [1, 2])
 
 
 def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_would_alone(slots_graph, slots_runtime, slots_model):
@@ -71,7 +71,7 @@ def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_wo
     batch = SlotBatch(slots_runtime, slots_model.config, 3)
     seqs = [_greedy_sequence(i, prompt(200 + i, 5), 40) for i in range(3)]
     scheduler = hole_between_rows(batch, seqs, leaving=1, steps=6, budget=7)
-    assert seqs[2].slot == 2  # a hole between two decoding rows
+    assert scheduler.kv.held[seqs[2]].index == 2  # a hole between two decoding rows
     joining = _greedy_sequence(9, prompt(209, 30), 12)
     scheduler.waiting.append(joining)
     chunked = 0
@@ -79,7 +79,7 @@ def test_a_prompt_chunked_into_a_hole_between_decoding_rows_generates_what_it_wo
         plan = scheduler.plan()
         chunked += plan.chunk is joining and len(plan.decode) == 2
         scheduler.run_step(plan)
-    assert joining.slot == 1 and chunked >= 3  # its prompt went in chunks beside both decoding rows
+    assert scheduler.kv.held[joining].index == 1 and chunked >= 3  # its prompt went in chunks beside both decoding rows
     for seq in (seqs[0], seqs[2], joining):
         while not seq.finished:
             scheduler.run_step(scheduler.plan())

@@ -183,15 +183,16 @@ def test_a_row_that_rolled_drafts_back_holds_the_kv_of_a_row_that_never_drafted(
     seqs = [sequence(i, random_prompt(60 + i, 20 + 9 * i), 60) for i in range(2)]
     for seq in seqs:
         scheduler.waiting.append(seq)
-    while not any(seq.overshoot for seq in seqs):  # until a row holds columns it refused
+    kv = scheduler.kv
+    while not any(kv.held[seq].overshoot for seq in seqs if seq in kv.held):  # until a row holds columns it refused
         scheduler.run_step(scheduler.plan())
         assert not any(seq.finished for seq in seqs), "no step refused a draft: the test checks nothing"
-    refused = [seq for seq in seqs if seq.overshoot]
+    refused = [seq for seq in seqs if kv.held[seq].overshoot]
     scheduler.run_step(scheduler.plan())  # and a step more, writing over some of them
-    held = [seq for seq in seqs if seq.slot is not None]
+    held = [seq for seq in seqs if seq in kv.held]
     assert any(seq in held for seq in refused)
     for seq in held:
-        slots_graph.assert_row_holds_eager_kv(batch.pool, seq)
+        slots_graph.assert_row_holds_eager_kv(scheduler, seq)
 
 
 def test_a_stop_sequence_inside_an_accepted_draft_ends_the_row_there(tiny_artifact, oracle):

@@ -24,8 +24,8 @@ def join_writing(rows: KvRows, seq_id: int, prompt: list[int]):
     seq = _greedy_sequence(seq_id, prompt, 4)
     rows.join(seq)
     for array in rows.pool.arrays:
-        array[seq.slot, 0, : len(prompt), 0] = 1000 * seq_id + np.arange(len(prompt))  # (H=1, C, d_k=1)
-    seq.cached_tokens = len(prompt)
+        array[rows.held[seq].index, 0, : len(prompt), 0] = 1000 * seq_id + np.arange(len(prompt))  # (H=1, C, d_k=1)
+    rows.held[seq].cached_tokens = len(prompt)
     return seq
 
 
@@ -36,10 +36,10 @@ def held(rows: KvRows, row: int, columns: int) -> list[float]:
 def test_a_leave_moves_the_last_row_into_the_hole_and_keeps_what_the_leaver_wrote():
     rows = marked_rows()
     a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
-    assert [s.slot for s in (a, b, c)] == [0, 1, 2]
+    assert [rows.held[s].index for s in (a, b, c)] == [0, 1, 2]
     a.finished = True
     rows.release([a])
-    assert c.slot == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]  # the last row's columns moved into the hole
+    assert rows.held[c].index == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]  # the last row's columns moved into the hole
     assert rows.cached_rows() == 1 and held(rows, 2, 5) == [1000 + p for p in range(5)]  # the leaver's K/V kept, at the end
     assert rows.pool.traffic.device_copies == 1 and rows.pool.traffic.host_bytes == 0
 
@@ -55,10 +55,10 @@ def test_a_prompt_takes_the_free_row_that_begins_like_it_and_the_least_recently_
     again = _greedy_sequence(3, shared + [102], 4)
     assert rows.reusable_prompt_tokens(again) == 32
     rows.join(again)
-    assert again.cached_tokens == again.reused_prompt_tokens == 32 and held(rows, again.slot, 32) == [1000 + p for p in range(32)]
+    assert rows.held[again].cached_tokens == again.reused_prompt_tokens == 32 and held(rows, rows.held[again].index, 32) == [1000 + p for p in range(32)]
     newcomer = _greedy_sequence(4, [300, 301, 302], 4)  # matches nothing: takes the one cached row left
     rows.join(newcomer)
-    assert newcomer.cached_tokens == 0 and rows.cached_rows() == 0
+    assert rows.held[newcomer].cached_tokens == 0 and rows.cached_rows() == 0
 
 
 def test_with_the_prompt_cache_off_a_leaver_keeps_nothing():
@@ -99,14 +99,14 @@ def test_rows_that_hold_nothing_wanted_give_their_memory_back():
     a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
     assert told == [0, 1, 2]  # each joined with nothing to reuse: the row is written from its first column
     told.clear()
-    c.cached_tokens = 0  # left before writing anything: nothing for the prompt cache
+    rows.held[c].cached_tokens = 0  # left before writing anything: nothing for the prompt cache
     c.finished = True
     rows.release([c])
     assert told == [2]
     told.clear()
     a.finished = True
     rows.release([a])  # a is cached: b moves into its hole, a's K/V to b's old row, and nothing is discarded
-    assert told == [] and rows.cached_rows() == 1 and b.slot == 0
+    assert told == [] and rows.cached_rows() == 1 and rows.held[b].index == 0
     rows.forget_cached()
     assert told == [1]
 
@@ -117,7 +117,7 @@ def test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_no
     told = discarding(rows)
     a.finished = True
     rows.release([a])  # c moves into a's row 0; row 2 is left empty
-    assert told == [0, 2] and c.slot == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
+    assert told == [0, 2] and rows.held[c].index == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
     assert rows.kv_bytes() == 2 * 5 * 2 * 4 and rows.cached_bytes() == 0  # two rows of 5 tokens' K and V, 4 bytes each
 
 
@@ -175,8 +175,8 @@ def test_kv_memory_stays_within_the_budget_while_a_flood_runs_through_rows_that_
         assert len(rows.rows) <= 2
         for seq in rows.rows:  # each writes its whole length at once, as a prefill and its decode would
             for array in pool.arrays:
-                array[seq.slot, :, :8000] = seq.id + 1.0
-            seq.cached_tokens = 8000
+                array[rows.held[seq].index, :, :8000] = seq.id + 1.0
+            rows.held[seq].cached_tokens = 8000
         peak = max(peak, resident_bytes() - before)
         for seq in rows.rows:
             seq.finished = True
@@ -200,7 +200,7 @@ def test_ring_rows_count_at_most_their_ring_and_hand_on_only_prefixes_their_ring
         seq = _greedy_sequence(len(ids), ids, 4)
         seq.max_new_tokens = 0
         rows.join(seq)
-        seq.cached_tokens, seq.finished = len(ids), True
+        rows.held[seq].cached_tokens, seq.finished = len(ids), True
         rows.release([seq])
     assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:32] + [7, 7], 4)) == 32  # 48 - 32 = 16: within 16 of its end
     assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:31] + [7, 7], 4)) == 0  # 17 short: not taken

@@ -79,9 +79,10 @@ def run_workload(runtime, config, prompt_cache: bool, compact: bool, plant: bool
     results = []
     for seq in first + [cancelled]:
         scheduler.waiting.append(seq)
-    while cancelled.cached_tokens <= cancelled.reused_prompt_tokens:  # until it has prefilled a chunk of its own
+    held = scheduler.kv.held
+    while cancelled not in held or held[cancelled].cached_tokens <= cancelled.reused_prompt_tokens:  # until it has prefilled a chunk of its own
         results += scheduler.run_step(scheduler.plan())
-    assert cancelled.cached_tokens < len(cancelled.prompt_ids)  # mid-prefill
+    assert held[cancelled].cached_tokens < len(cancelled.prompt_ids)  # mid-prefill
     cancelled.cancelled = True
     results += scheduler.drive([unrelated])
     if plant and batch.pool.arrays is not None:
@@ -134,7 +135,7 @@ def test_a_request_cancelled_mid_prefill_leaves_exactly_the_tokens_it_wrote(runt
     scheduler.waiting.append(long)
     for _ in range(2):
         scheduler.run_step(scheduler.plan())
-    written = long.cached_tokens
+    written = scheduler.kv.held[long].cached_tokens
     assert written == 2 * 11  # two chunks of the budget less the runner's token
     long.cancelled = True
     scheduler.run_step(scheduler.plan())
@@ -152,10 +153,11 @@ def test_a_prefix_taken_from_a_row_still_prefilling_stops_at_what_that_row_has_w
     prompt = random_prompt(70, 60)
     first, second = sequence(1, prompt, 4), sequence(2, prompt + [5], 4)
     scheduler.kv.join(first)
-    scheduler.run_step(StepPlan(joining=[first], chunk=first, chunk_tokens=20, slots=list(scheduler.kv.slots)))
-    scheduler.kv.join(second)  # while the first has written 20
-    scheduler.run_step(StepPlan(joining=[second], chunk=first, chunk_tokens=20, slots=list(scheduler.kv.slots)))
-    assert second.reused_prompt_tokens == 20 and first.cached_tokens == 40
+    kv = scheduler.kv
+    scheduler.run_step(StepPlan(joining=[first], chunk=first, chunk_tokens=20, slots=list(kv.slots), held=kv.held))
+    kv.join(second)  # while the first has written 20
+    scheduler.run_step(StepPlan(joining=[second], chunk=first, chunk_tokens=20, slots=list(kv.slots), held=kv.held))
+    assert second.reused_prompt_tokens == 20 and kv.held[first].cached_tokens == 40
     scheduler.drive([])
     alone = [sequence(3 + i, seq.prompt_ids, 4) for i, seq in enumerate((first, second))]
     Scheduler(SlotBatch(runtime, config, 1), step_token_budget=0, prompt_cache=False).drive(alone)

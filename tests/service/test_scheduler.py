@@ -14,6 +14,7 @@ from kvserve.runtime import DecoderRuntime
 from kvserve.service.batch import SlotBatch
 from kvserve.service.drafts import StepCosts
 from kvserve.service.gate import _greedy_sequence
+from kvserve.service.kv_rows import HeldRow
 from kvserve.service.scheduler import Scheduler
 
 from ..conftest import PROVIDER
@@ -29,6 +30,7 @@ class PlannedRows:
     max_rows: int = 4
     cached_prefix: int = 0
     fitting: set = field(default_factory=lambda: {"all"})  # ids of the sequences the K/V budget has room for now
+    held: dict = field(default_factory=dict)  # each sequence in rows: its HeldRow
 
     def free_rows(self) -> int:
         return self.max_rows - len(self.rows)
@@ -41,15 +43,16 @@ class PlannedRows:
         return list(self.rows)
 
     def join(self, seq) -> None:
-        seq.slot = len(self.rows)
-        seq.cached_tokens = seq.reused_prompt_tokens = self.cached_prefix
+        self.held[seq] = HeldRow(len(self.rows), self.cached_prefix)
+        seq.reused_prompt_tokens = self.cached_prefix
         self.rows.append(seq)
 
     def release(self, leaving) -> None:
         self.rows = [s for s in self.rows if s not in leaving]
+        self.held = {s: hold for s, hold in self.held.items() if s not in leaving}
 
     def refill(self, seq) -> None:  # as KvRows.refill, without the prompt cache
-        seq.long_rope, seq.refill_ids, seq.cached_tokens = True, seq.prompt_ids + seq.generated, 0
+        seq.long_rope, seq.refill_ids, self.held[seq].cached_tokens = True, seq.prompt_ids + seq.generated, 0
 
 
 @dataclass
@@ -58,9 +61,15 @@ class PlannedBatch:
     step_costs: StepCosts = field(default_factory=StepCosts)
 
 
-def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig()) -> Scheduler:
+def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig(),
+            cached: dict | None = None) -> Scheduler:
+    """rows: sequences in rows, each holding the K/V of every token it has but the last (a decoding row's), or what
+    cached says ({sequence: tokens})."""
     scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the rows: no loop, no thread
-    scheduler.kv = PlannedRows(rows or [], max_rows, cached_prefix)
+    rows = rows or []
+    written = {seq: (cached or {}).get(seq, seq.total_tokens - 1 if seq.generated else 0) for seq in rows}
+    held = {seq: HeldRow(index, written[seq]) for index, seq in enumerate(rows)}
+    scheduler.kv = PlannedRows(rows, max_rows, cached_prefix, held=held)
     scheduler.batch, scheduler.step_token_budget = PlannedBatch(config), budget
     scheduler.speculation = False  # drafts are planned by test_drafts.py
     scheduler.step_time_bound = 0  # chunks cut to the measured step times: test_a_chunk_is_cut_to_keep_its_step_within_the_bound
@@ -72,7 +81,7 @@ def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_pre
 
 def decoding(seq_id: int):
     seq = _greedy_sequence(seq_id, [1, 2, 3], 10)
-    seq.cached_tokens, seq.generated = 3, [4]
+    seq.generated = [4]  # its prompt's 3 tokens in its row
     return seq
 
 
@@ -125,10 +134,9 @@ def test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_ro
 
 def test_a_prefilling_row_keeps_the_chunk_and_a_cancelled_row_is_planned_nowhere():
     prefilling = _greedy_sequence(5, list(range(30)), 4)
-    prefilling.cached_tokens = 10  # 20 prompt tokens left, no token generated yet
     cancelled = decoding(6)
     cancelled.cancelled = True
-    scheduler = planner(8, [decoding(1), prefilling, cancelled])
+    scheduler = planner(8, [decoding(1), prefilling, cancelled], cached={prefilling: 10})  # 20 prompt tokens left, none generated
     waiting = _greedy_sequence(7, [1, 2], 4)
     scheduler.waiting.append(waiting)
     plan = scheduler.plan()
@@ -144,7 +152,7 @@ def test_a_longrope_row_about_to_pass_the_original_context_is_prefilled_again_wh
                                                                                    long_factor=(2.0,) * 4), d_model=32, n_head=4)
     crossing, within = _greedy_sequence(1, list(range(16)), 10), _greedy_sequence(2, list(range(15)), 10)
     for seq in (crossing, within):
-        seq.generated, seq.cached_tokens = [99], len(seq.prompt_ids)
+        seq.generated = [99]  # its prompt in its row
     plan = planner(8, [crossing, within], config=config).plan()
     assert plan.chunk is crossing and crossing.long_rope and crossing.prefill_ids == list(range(16)) + [99]
     assert plan.chunk_tokens == 8 - 1 and [s.id for s in plan.decode] == [2] and not within.long_rope
@@ -154,7 +162,7 @@ def test_a_longrope_row_about_to_pass_the_original_context_is_prefilled_again_wh
         assert scheduler.plan().joining[0].long_rope == long
     # a Llama with longrope keeps what it cached (transformers recomputes only Phi-3's): the row decodes on, long
     crossing = _greedy_sequence(4, list(range(16)), 10)
-    crossing.generated, crossing.cached_tokens = [99], 16
+    crossing.generated = [99]  # 16 tokens in its row
     plan = planner(8, [crossing], config=replace(config, model_type="llama")).plan()
     assert plan.decode == [crossing] and plan.chunk is None and crossing.long_rope and crossing.long_rope_from == 16
 
@@ -210,7 +218,7 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
         def fail_after(*args):  # the step in which the third sequence joined (one joins a step), after it ran
             rows_before_failure.append(len(scheduler.kv.rows))
             results = real(*args)
-            if seqs[2].slot is None:
+            if seqs[2] not in scheduler.kv.held:
                 return results
             raise RuntimeError("injected step failure")
 
