@@ -49,7 +49,7 @@ MUTATIONS = (
     Mutation(
         "a constrained row samples from its unmasked logits",
         "service/sequence.py",
-        (("self._allowed_ids(allowed) if self.constraint is not None else None)", "None)"),),
+        (("allowed_ids = self._allowed_ids(allowed) if self.constraint is not None else None\n", "allowed_ids = None\n"),),
         (f"{SO}::test_sampling_under_a_mask_follows_the_masked_distribution", f"{SO}::test_every_output_validates_against_its_schema_greedy_and_sampled[tiny-enums]"),
     ),
     Mutation(
@@ -74,7 +74,7 @@ MUTATIONS = (
     Mutation(
         "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
         "service/batch.py",
-        (("return advance_each(decode, sampled.logits, sampled.greedy_tokens, [seq.slot for seq in decode], masks)",
+        (("return advance_each(decode, sampled.logits, sampled.greedy_tokens, [row.index for row in decode_rows], masks)",
           "return advance_each(decode, sampled.logits, sampled.greedy_tokens, None, masks)"),),
         ("tests/service/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",
          "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
@@ -82,7 +82,7 @@ MUTATIONS = (
     Mutation(
         "a sequence that samples takes the graph's greedy token",
         "service/sequence.py",
-        (("return self.params.greedy and not self.params.changes_logits", "return not self.params.changes_logits"),),
+        (("return (self.params.greedy and not self.params.changes_logits", "return (not self.params.changes_logits"),),
         ("tests/service/test_batch.py::test_greedy_rows_read_back_tokens_alone_and_a_row_that_samples_reads_the_logits",
          "tests/service/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
     ),
@@ -133,7 +133,7 @@ MUTATIONS = (
     Mutation(
         "text before a stop sequence, in the same push, dropped",
         "service/text.py",
-        (("                return text[: end - len(stop)], stop", "                return \"\", stop"),),
+        (("                return text[: end if self._include else end - len(stop)], stop", "                return \"\", stop"),),
         (f"{GEN}::test_stop_sequences_end_the_stream_without_sending_the_stop_text",
          "tests/service/test_text_and_sampling.py::test_stop_sequences_are_held_back_and_cut"),
     ),
@@ -181,7 +181,7 @@ MUTATIONS = (
     Mutation(
         "slots: a far longer row's decode token written one column early",
         "service/batch.py",
-        (("start, piece = solo.cached_tokens, np.array", "start, piece = solo.cached_tokens - 1, np.array"),),
+        (("start, piece = held[solo].cached_tokens, np.array", "start, piece = held[solo].cached_tokens - 1, np.array"),),
         # a standard graph's (a fused one reads each row's own columns: no row steps aside); the long prompt decodes solo
         ("tests/service/test_scheduler.py::test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks[gpt2 standard]",),
     ),
@@ -200,7 +200,7 @@ MUTATIONS = (
     Mutation(
         "prompt cache: a finished row claims its last generated token's K/V, never written",
         "service/kv_rows.py",
-        (("self.prefixes.put(row, (seq.prompt_ids + seq.generated)[: seq.cached_tokens])", "self.prefixes.put(row, seq.prompt_ids + seq.generated)"),),
+        (("written = (seq.prompt_ids + seq.generated)[: hold.cached_tokens]", "written = seq.prompt_ids + seq.generated"),),
         (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
     ),
     Mutation(
@@ -212,7 +212,7 @@ MUTATIONS = (
     Mutation(
         "prompt cache: a prefix from a row in use taken beyond what it has written",
         "service/kv_rows.py",
-        (("return len(self.prefixes.tokens(row)) if holder is None else holder.cached_tokens", "return len(self.prefixes.tokens(row))"),),
+        (("return len(self.prefixes.tokens(row)) if holder is None else self.held[holder].cached_tokens", "return len(self.prefixes.tokens(row))"),),
         (f"{PC}::test_a_prefix_taken_from_a_row_still_prefilling_stops_at_what_that_row_has_written",),
     ),
     Mutation(
@@ -280,7 +280,7 @@ MUTATIONS = (
     ),
     Mutation(
         "http: a client that goes away before its whole answer keeps its row",
-        "service/http_api.py",
+        "service/http_disconnect.py",
         (("        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)", "        await asyncio.wait({work})"),),
         ("tests/service/test_http_api.py::test_a_full_queue_is_429_and_a_client_that_leaves_frees_its_row",),
     ),
@@ -341,7 +341,7 @@ MUTATIONS = (
     Mutation(
         "scheduler: a joiner's first chunk ignores its cached prefix",
         "service/scheduler.py",
-        (("remaining = len(chunk.prefill_ids) - chunk.cached_tokens", "remaining = len(chunk.prefill_ids) - (0 if joining else chunk.cached_tokens)"),),
+        (("remaining = len(chunk.prefill_ids) - kv.held[chunk].cached_tokens", "remaining = len(chunk.prefill_ids) - (0 if joining else kv.held[chunk].cached_tokens)"),),
         ("tests/service/test_scheduler.py::test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free",),
     ),
     Mutation(
@@ -414,7 +414,7 @@ MUTATIONS = (
     Mutation(
         "longrope: the server never prefills a crossing row again",
         "service/scheduler.py",
-        (("if not seq.prefilling and not seq.long_rope and seq.cached_tokens >= long_after:", "if False:"),),
+        (("if not seq.prefilling and not seq.long_rope and cached >= long_after:", "if False:"),),
         ("tests/service/test_llama_serving.py::test_longrope_streams_past_the_original_context_generate_what_transformers_generates[phi3-fused]",),
     ),
     Mutation(
@@ -475,7 +475,7 @@ MUTATIONS = (
     Mutation(
         "export: --quantize-block ignored",
         "export/pipeline.py",
-        (("quantized, facts = quantize_model(graph, scheme, block_size)", "quantized, facts = quantize_model(graph, scheme)"),),
+        (("quantized, facts = quantize_model(graph, scheme, block_size, plan, attention_bits)", "quantized, facts = quantize_model(graph, scheme, None, plan, attention_bits)"),),
         (f"tests/export/test_quantize.py::test_each_new_family_quantizes_and_passes_parity[{SMOLLM3}-int4-32]",),
     ),
     Mutation(
@@ -487,7 +487,7 @@ MUTATIONS = (
     Mutation(
         "tool calls: a function's parameter schema left out of the calls grammar",
         "service/tool_calls.py",
-        (('{"name": {"const": f.name}, self.rules.arguments_key: f.parameters}', '{"name": {"const": f.name}, self.rules.arguments_key: {"type": "object"}}'),),
+        (('self.rules.arguments_key: {"$ref": f"#/$defs/{f.key}"}}}', 'self.rules.arguments_key: {"type": "object"}}}'),),
         (f"{TOOLS}::test_held_calls_parse_and_validate_streamed_and_not[hermes-required]",),
     ),
     Mutation(
@@ -524,7 +524,7 @@ MUTATIONS = (
     ),
     Mutation(
         "the gauges' process serves connections beyond its limit",
-        "service/gateway_gauges.py",
+        "service/bounded_http.py",
         (("        if not self._slots.acquire(blocking=False):\n", "        if not self._slots.acquire(blocking=False) and False:\n"),),
         ("tests/service/test_gateway_gauges.py::test_a_connection_beyond_the_limit_is_closed_unanswered",),
     ),
@@ -576,8 +576,8 @@ MUTATIONS = (
     Mutation(
         "int8 K/V: verify reads the held-out text against the reference storing K/V in int8, not float",
         "export/parity.py",
-        (("        with kv_stored_as(self.reference, None):  # against float K/V: what K/V stored in fewer bits cost is held here",
-          "        with contextlib.nullcontext():"),),
+        (("        with kv_stored_as(self.reference, None), chunks:  # against float K/V: what K/V stored in fewer bits cost is held here",
+          "        with chunks:"),),
         ("tests/export/test_kv_dtype.py::test_scales_that_clip_fail_the_text_check_against_float_kv",),
     ),
     Mutation(
@@ -620,7 +620,7 @@ MUTATIONS = (
     Mutation(
         "an untied model's token table stays float in a quantized export",
         "export/quantize.py",
-        (("                 \"quantized_embedding\": quantize_untied_tables(quantized, bits, block_size) > 0}",
+        (("                 \"quantized_embedding\": quantize_untied_tables(quantized, bits, block_size, plan) > 0}",
           "                 \"quantized_embedding\": False}"),),
         (f"tests/export/test_quantize.py::test_each_new_family_quantizes_and_passes_parity[{PHI3}-int8-None]",),
     ),
