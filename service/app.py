@@ -22,14 +22,13 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
 from .engine import Engine
 from .engine_errors import Unavailable
-from .gate import GateResult
 from .grpc_errors import ErrorInterceptor
 from .grpc_servicer import GenerationServicer
 from .limits import TRANSPORT_METADATA_BYTES
 from .loading import load_model, open_servable, served_config
 from .prompt_cache import BLOCK_TOKENS
 from .metrics import Metrics
-from .model_info import ModelInfo
+from .model_info import GateResult, ModelInfo
 from .options import ServerOptions
 from .security import MetadataLimitInterceptor, TokenAuthInterceptor, TokenFile, server_credentials
 from .tokenizing import TokenizeProcess

@@ -17,17 +17,11 @@ from kvserve.runtime import DecoderRuntime
 from .batch import SlotBatch
 from .kv_budget import MIN_BUDGET_TOKENS
 from .limits import EngineLimits
+from .model_info import GateResult
 from .sampling import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .text import IncrementalDecoder, StopSequences
-
-
-@dataclass(frozen=True)
-class GateResult:
-    passed: bool
-    summary: str
-    overridden: bool = False
 
 
 def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, capture_logits: bool = False) -> Sequence:

@@ -21,7 +21,8 @@ from kvserve.errors import JobFailed, UserError
 from kvserve.runtime import DecoderRuntime
 
 from .batch import SlotBatch
-from .gate import GateResult, run_gate, warm_up
+from .gate import run_gate, warm_up
+from .model_info import GateResult
 from .kv_budget import default_budget
 from .options import ServerOptions
 from .scheduler import step_thread

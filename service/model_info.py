@@ -7,8 +7,16 @@ from dataclasses import dataclass
 
 from kvserve.contract.config import DecoderConfig
 
-from .gate import GateResult
 from .limits import EngineLimits
+
+
+@dataclass(frozen=True)
+class GateResult:
+    """The load gate's verdict on the artifact (process/gate.py): whether it replayed its golden tokens."""
+
+    passed: bool
+    summary: str
+    overridden: bool = False  # failed, and served anyway (--allow-parity-failure)
 
 
 @dataclass(frozen=True)
