@@ -35,10 +35,10 @@ from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import DECODE_GRAPH_FILE, open_artifact  # noqa: E402
 from kvserve.export.pipeline import export_artifact, load_source  # noqa: E402
-from kvserve.service.gate import _greedy_sequence  # noqa: E402
-from kvserve.service.batch import SlotBatch  # noqa: E402
+from kvserve.service.process.gate import _greedy_sequence  # noqa: E402
+from kvserve.service.core.batch import SlotBatch  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
-from kvserve.service.scheduler import Scheduler  # noqa: E402
+from kvserve.service.core.scheduler import Scheduler  # noqa: E402
 
 SOLO = (1, 128, 128)  # rows, prompt, new tokens
 CROWD = (16, 32, 64)

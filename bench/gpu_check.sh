@@ -93,7 +93,7 @@ for part in $PARTS; do
       step grpc-cuda-graph-fp16-standard $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
         --levels 16,64 --max-batch-size 256
       step tests-cuda-fixed-decode env KVSERVE_TEST_PROVIDER=cuda timeout 200 $PY -m pytest -q -p no:cacheprovider \
-        tests/service/test_fixed_decode.py tests/export/test_decode_graph.py tests/runtime/test_pool.py
+        tests/service/core/test_fixed_decode.py tests/export/test_decode_graph.py tests/runtime/test_pool.py
       ;;
     stalls)
       export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
@@ -109,15 +109,15 @@ for part in $PARTS; do
       step bounds-float16-cuda $PY bench/parity_errors.py --provider cuda --dtype float16 --seeds 3
       step bounds-float32-cuda $PY bench/parity_errors.py --provider cuda --only mistral gemma3 phi3
       step tests-cuda-crossing env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
-        tests/service/test_llama_serving.py -k "crossed or longrope_streams"
+        tests/service/core/test_llama_serving.py -k "crossed or longrope_streams"
       ;;
     tests)
       # PYTEST_ARGS: e.g. "-n 8 -v" (pytest-xdist on the GPU image) so a short loan reaches every test; TESTS_TIMEOUT bounds it.
       step tests-cuda env KVSERVE_TEST_PROVIDER=cuda timeout "${TESTS_TIMEOUT:-3600}" $PY -m pytest -q -p no:cacheprovider \
-        ${PYTEST_ARGS:-} tests/service/test_generation.py \
-        tests/service/test_batch.py tests/service/test_scheduler.py tests/service/test_kv_rows.py tests/service/test_engine.py \
-        tests/service/test_prompt_cache.py tests/runtime tests/service/test_structured.py tests/service/test_fixed_decode.py \
-        tests/service/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py
+        ${PYTEST_ARGS:-} tests/service/core/test_generation.py \
+        tests/service/core/test_batch.py tests/service/core/test_scheduler.py tests/service/core/test_kv_rows.py tests/service/core/test_engine.py \
+        tests/service/core/test_prompt_cache.py tests/runtime tests/service/core/test_structured.py tests/service/core/test_fixed_decode.py \
+        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py
       ;;
     bench)
       step bench-decode-cuda-fp32 $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32"

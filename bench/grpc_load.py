@@ -94,9 +94,9 @@ class InProcess:
 
     def __init__(self, artifact_dir, provider, cuda_graph: bool = False, max_batch: int = 16):
         from kvserve.contract.artifact import open_artifact
-        from kvserve.service.batch import SlotBatch
+        from kvserve.service.core.batch import SlotBatch
         from kvserve.runtime.step import DecoderRuntime
-        from kvserve.service.scheduler import step_thread
+        from kvserve.service.core.scheduler import step_thread
 
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
@@ -112,8 +112,8 @@ class InProcess:
         """A started Engine (max_batch rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
         one), its prompt cache on or off, its KV events published to kv_events (None: not published); on a running event
         loop, and the caller closes it."""
-        from kvserve.service.engine import Engine
-        from kvserve.service.limits import EngineLimits
+        from kvserve.service.core.engine import Engine
+        from kvserve.service.core.limits import EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
         engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=self.max_batch, max_queue=64,
@@ -132,7 +132,7 @@ class InProcess:
     @staticmethod
     async def stamps(engine, ids, new_tokens) -> list[float]:
         """[arrival, every token's time] (perf_counter seconds) of one greedy request through engine."""
-        from kvserve.service.sequence import GenerationRequest
+        from kvserve.service.core.sequence import GenerationRequest
 
         stamps = [time.perf_counter()]
         async for _ in engine.generate(GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=new_tokens, ignore_eos=True)):

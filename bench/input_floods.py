@@ -4,7 +4,7 @@ largest inputs the limits admit, per kind of flood, in one run:
   grpc-prompts   256 KiB prompts over gRPC (--max-text-bytes): tokenized, then refused for the context
   http-prompts   256 KiB chat contents over HTTP
   http-bodies    4 MiB HTTP bodies (--max-message-bytes), one long prompt each: parsed, then refused for its size
-  tokenize       32 concurrent Tokenize calls of 256 KiB (the flood tests/service/test_security.py holds)
+  tokenize       32 concurrent Tokenize calls of 256 KiB (the flood tests/service/edges/test_security.py holds)
 
 The flooding clients run in another process at the lowest priority (on 2 cores they would otherwise take a core from
 the server, which a client on another machine does not). Each round measures the stream alone (median of 3), then
@@ -17,7 +17,7 @@ seconds hide below a median: the mean, and how many streams ran, show them).
 is installed (as bench/serving_latency.py does), so old and new code meet the same floods in one run.
 
 The same script is the flooding client (`--client KIND TARGET HTTP_PORT SIZE SECONDS`), which
-tests/service/test_floods.py runs against its own server.
+tests/service/edges/test_floods.py runs against its own server.
 """
 
 from __future__ import annotations

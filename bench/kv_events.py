@@ -1,4 +1,4 @@
-"""What KV events cost and how soon they arrive (`serve --kv-events`, service/kv_events.py): the engine in this
+"""What KV events cost and how soon they arrive (`serve --kv-events`, service/edges/kv_events.py): the engine in this
 process under N concurrent streams (each request a fresh 48-token prompt, so every join stores blocks and every
 eviction removes some; 32 new tokens, greedy), with the publisher attached and without, alternating round by round;
 a subscriber in a process of its own (as the router is) receives every message and records how long after its change it arrived (the payload's
@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpc_load import InProcess, prompt_ids  # noqa: E402
 from machine import describe  # noqa: E402
 
-from kvserve.service.kv_events import KvEventPublisher  # noqa: E402
-from kvserve.service.prompt_cache import BLOCK_TOKENS  # noqa: E402
+from kvserve.service.edges.kv_events import KvEventPublisher  # noqa: E402
+from kvserve.service.core.prompt_cache import BLOCK_TOKENS  # noqa: E402
 
 PROMPT, NEW = 48, 32
 

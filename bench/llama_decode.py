@@ -114,7 +114,7 @@ def batch_steps(graphs: dict, config, repeats: int, rows: int = 8, chunk: int = 
     for attention, (runtime, _) in graphs.items():
         pool = runtime.new_pool(rows + 1, config.n_kv_head, config.head_dim, pool_capacity(config))
         positions = np.full(rows + 1, PROMPT_LEN)
-        positions[rows] = pool.scratch  # the chunk's row: a scratch token, as the batch (service/batch.py) feeds it
+        positions[rows] = pool.scratch  # the chunk's row: a scratch token, as the batch (service/core/batch.py) feeds it
         mask = (np.arange(PROMPT_LEN + 1)[None] <= positions[:, None]).astype(np.int64)  # (B, W)
         empty = np.zeros(0, np.int64)
         steps[attention] = (

@@ -1,5 +1,5 @@
 """llm-d's prefix index, written from llm-d-router's documented algorithm and fed by nothing but KV events: an
-independent reader of kvserve's events (bench/prefix_routing.py routes with it; tests/service/test_kv_events.py holds
+independent reader of kvserve's events (bench/prefix_routing.py routes with it; tests/service/edges/test_kv_events.py holds
 two replicas' events to it). Never built from kvserve's own publisher.
 
 - Block keys (pkg/kvcache/kvblock token_processor.go, its default "cbor-fnv" chain): every 16 token ids, a key that is

@@ -43,7 +43,7 @@ GAUGES = (b"vllm:num_requests_waiting", b"vllm:num_requests_running", b"vllm:kv_
 
 def render_costs() -> dict[str, float]:
     """Median ms to render the gateway's gauges and the whole registry, each filled as after a busy minute."""
-    from kvserve.service.metrics import Metrics
+    from kvserve.service.edges.metrics import Metrics
 
     metrics = Metrics()
     metrics.set_rows(STREAMS)

@@ -47,7 +47,7 @@ from machine import describe  # noqa: E402
 from grpc_load import percentile  # noqa: E402
 from serving_latency import free_port, wait_until_serving  # noqa: E402
 
-from kvserve.service.kv_events import FLUSH_EVERY  # noqa: E402
+from kvserve.service.edges.kv_events import FLUSH_EVERY  # noqa: E402
 
 QUESTION, NEW_TOKENS, OPENING, TURN, ANSWER = 16, 8, 256, 32, 128
 

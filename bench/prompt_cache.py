@@ -113,7 +113,7 @@ def no_match_in_process(artifact: str, provider: str, rounds: int) -> tuple[dict
     off alternating: ({setting: [(tokens/s, K/V bytes the round moved between rows)]}, the provider)."""
     from grpc_load import InProcess
 
-    from kvserve.service.batch import SlotBatch
+    from kvserve.service.core.batch import SlotBatch
 
     local = InProcess(artifact, provider)
     batches = {"on": local.batch, "off": SlotBatch(local.runtime, local.config, 16)}
@@ -143,7 +143,7 @@ def copy_against_prefill(artifact: str, provider: str, lengths=(16, 64, 256, 512
     """([(tokens, ms to copy their K/V between two rows, ms to prefill them in one step)], the provider that ran them)."""
     from kvserve.contract.artifact import open_artifact
     from kvserve.runtime.step import DecoderRuntime
-    from kvserve.service.batch import SlotBatch
+    from kvserve.service.core.batch import SlotBatch
 
     opened = open_artifact(artifact)
     runtime = DecoderRuntime(opened.model_path, opened.config.n_layer, opened.dtype, provider)

@@ -1,4 +1,4 @@
-"""Speculation (serve --speculation, service/drafts.py) on against off, through the engine in this process (no gRPC),
+"""Speculation (serve --speculation, service/core/drafts.py) on against off, through the engine in this process (no gRPC),
 runs alternating (which goes first alternates too), one batch and one step thread for both.
 
 Workloads (the artifact's own tokenizer):
@@ -63,8 +63,8 @@ class Bench:
         from kvserve.contract.chat import load_chat_template
         from kvserve.contract.tokenizer import load_tokenizer
         from kvserve.runtime import DecoderRuntime
-        from kvserve.service.batch import SlotBatch
-        from kvserve.service.scheduler import step_thread
+        from kvserve.service.core.batch import SlotBatch
+        from kvserve.service.core.scheduler import step_thread
 
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
@@ -75,8 +75,8 @@ class Bench:
         self.steps = step_thread()
 
     def engine(self, speculation: bool):
-        from kvserve.service.engine import Engine
-        from kvserve.service.limits import EngineLimits
+        from kvserve.service.core.engine import Engine
+        from kvserve.service.core.limits import EngineLimits
 
         engine = Engine(self.runtime, self.config, self.tokenizer, EngineLimits(max_batch_size=16, speculation=speculation,
                                                                                prompt_cache=False),
@@ -119,10 +119,10 @@ def copy_prompts(checkpoint: Path, count: int = 12) -> list[tuple[list[int], int
 
 def workloads(parts: list[str], copy: list | None = None) -> dict:
     from kvserve.contract.chat import ChatMessage
-    from kvserve.service.sampling import SamplingParams
-    from kvserve.service.sequence import GenerationRequest
-    from kvserve.service.structured import FormatKind, ResponseFormat
-    from kvserve.service.tool_calls import ToolChoice, ToolRequest
+    from kvserve.service.core.sampling import SamplingParams
+    from kvserve.service.core.sequence import GenerationRequest
+    from kvserve.service.core.structured import FormatKind, ResponseFormat
+    from kvserve.service.core.tool_calls import ToolChoice, ToolRequest
 
     chosen = {}
     if "structured" in parts:

@@ -64,7 +64,7 @@ def libraries(artifact: str) -> None:
     from llguidance.numpy import fill_next_token_bitmask
     from outlines_core.json_schema import build_regex_from_schema
 
-    from kvserve.service.structured import JSON_OPTIONS
+    from kvserve.service.core.structured import JSON_OPTIONS
 
     servable = open_artifact(artifact)
     config, path = servable.config, servable.tokenizer_path
@@ -136,7 +136,7 @@ def libraries(artifact: str) -> None:
           f"| {np.median(totals['oc']) * 1e6:.0f} / {np.percentile(totals['oc'], 99) * 1e6:.0f} |")
     # kvserve's own work for one constrained token: the mask's bits to the ids allowed (on the mask thread), then the
     # choice among those ids (sampling.choose), against the choice over the whole vocabulary an unconstrained row makes.
-    from kvserve.service.sampling import SamplingParams, choose
+    from kvserve.service.core.sampling import SamplingParams, choose
 
     bits = np.zeros((1, words), dtype=np.int32)
     bits[0, :: max(1, words // 64)] = -1  # about 2,000 tokens allowed

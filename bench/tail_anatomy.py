@@ -30,8 +30,8 @@ from kvserve.contract.artifact import open_artifact  # noqa: E402
 from kvserve.contract.tokenizer import ByteTokenizer  # noqa: E402
 from kvserve.runtime.pool import pool_capacity  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
-from kvserve.service.engine import Engine  # noqa: E402
-from kvserve.service.limits import EngineLimits  # noqa: E402
+from kvserve.service.core.engine import Engine  # noqa: E402
+from kvserve.service.core.limits import EngineLimits  # noqa: E402
 
 ROWS = 16
 FULL = 15  # a step of at least this many rows counts as a full batch's (a joiner holds the 16th row)

@@ -4,7 +4,7 @@ keep every layer's whole context (the layout before rings), at published shapes,
 Each layout is the serving pool itself (runtime.SlotPool, as SlotBatch makes it on the CPU provider: reserved, committed
 as written) with its rows' columns written where a step writes each position (a ring layer's position p in column
 p mod R, a whole-context layer's in column p); the bytes are the process's resident memory before and after, beside
-what the K/V budget counts for those rows (service/kv_rows.py KvRows.tokens_bytes). The layers' K/V geometry (layers,
+what the K/V budget counts for those rows (service/core/kv_rows.py KvRows.tokens_bytes). The layers' K/V geometry (layers,
 K/V heads, head_dim, window, which layers slide) is the published model's; nothing else of the model matters here.
 
     python bench/window_rings.py [--rows 8] [--tokens 8192]
@@ -25,7 +25,7 @@ from machine import describe  # noqa: E402
 
 from kvserve.contract.config import DecoderConfig  # noqa: E402
 from kvserve.runtime.pool import KvTraffic, SlotPool  # noqa: E402
-from kvserve.service.kv_rows import KvRows  # noqa: E402
+from kvserve.service.core.kv_rows import KvRows  # noqa: E402
 
 # K/V geometry of published checkpoints (their config.json): layers, K/V heads, head_dim, window, sliding layers
 SHAPES = {

@@ -15,7 +15,7 @@ SLIDING_MODEL_TYPES = ("mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "ph
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 # A windowed layer's slots cache row is a ring of its window and this many positions more (DecoderConfig.kv_ring): a
 # row whose later positions overwrote its earliest still serves a prompt that shares all but its last RING_SLACK
-# tokens (service/kv_rows.py), which a prompt cache matching by blocks of 16 tokens needs.
+# tokens (service/core/kv_rows.py), which a prompt cache matching by blocks of 16 tokens needs.
 RING_SLACK = 16
 
 
@@ -40,7 +40,7 @@ class RopeScaling:
     longrope  LongRoPE (Phi-3, Phi-4-mini): each frequency divided by its short_factor while a sequence fits the
             original context, by its long_factor past it; cos/sin scaled by attention_factor (from factor when the
             config gives none). The set is chosen per sequence: the long one once a sequence is longer than the original
-            context, its whole cache turned again then (model/rope.py, service/scheduler.py).
+            context, its whole cache turned again then (model/rope.py, service/core/scheduler.py).
     """
 
     rope_type: str = "llama3"

@@ -95,9 +95,9 @@ def _serve(args) -> int:
     from kvserve.contract.artifact import prefetch_checksums
 
     prefetch_checksums(args.model or ".")  # hashed while the serving code imports; checked before anything listens
-    from kvserve.service.app import serve
-    from kvserve.service.limits import EngineLimits, declarations, out_of_bounds
-    from kvserve.service.options import TRACE_PROTOCOLS, ServerOptions, TraceExport
+    from kvserve.service.process.app import serve
+    from kvserve.service.core.limits import EngineLimits, declarations, out_of_bounds
+    from kvserve.service.process.options import TRACE_PROTOCOLS, ServerOptions, TraceExport
 
     def _trace_export(endpoint: str | None, protocol: str):
         if not endpoint:
@@ -147,13 +147,13 @@ def _serve(args) -> int:
 
 
 def _client_security(args):
-    from kvserve.service.client import ClientSecurity
+    from kvserve.service.edges.client import ClientSecurity
 
     return ClientSecurity(tls_ca=args.tls_ca, tls_cert=args.tls_cert, tls_key=args.tls_key, token_file=getattr(args, "token_file", None))
 
 
 def _generate(args) -> int:
-    from kvserve.service.client import stream_generation
+    from kvserve.service.edges.client import stream_generation
 
     if args.system is not None and not args.chat:
         raise UserError("--system is the conversation's system message: it goes with --chat")
@@ -165,7 +165,7 @@ def _generate(args) -> int:
 
 
 def _health(args) -> int:
-    from kvserve.service.client import check_health
+    from kvserve.service.edges.client import check_health
 
     status = check_health(args.target, args.wait, security=_client_security(args))
     print(status)
@@ -216,7 +216,7 @@ def _on_off(value: str) -> bool:
 
 def size(text: str) -> int:
     """A byte count for --kv-cache-memory (kv_budget.parse_size)."""
-    from kvserve.service.kv_budget import parse_size
+    from kvserve.service.process.kv_budget import parse_size
 
     return parse_size(text)
 
@@ -284,8 +284,8 @@ PRESET_NAMES = ("tiny", "gpt2", "tiny-llama", "llama-135m", "qwen3-0.6b", "qwen2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvserve.service.limits import declarations  # plain Python: no runtime loaded
-    from kvserve.service.options import TRACE_PROTOCOLS
+    from kvserve.service.core.limits import declarations  # plain Python: no runtime loaded
+    from kvserve.service.process.options import TRACE_PROTOCOLS
 
     parser = _Parser(prog="kvserve", description=DESCRIPTION, epilog="kvserve COMMAND --help says more of each command.")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at debug level")
@@ -364,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--gateway-metrics-port", type=int, default=FromEnv("GATEWAY_METRICS_PORT", None, int),
                        help="serve the inference gateway's three gauges alone on HOST:PORT/metrics, plaintext, from a process of "
                        "their own: the port for its endpoint picker's --model-server-metrics-port [KVSERVE_GATEWAY_METRICS_PORT] (default off)")
-    for limit in declarations():  # every limit, declared once in service/limits.py
+    for limit in declarations():  # every limit, declared once in service/core/limits.py
         bounds = f"[{limit.low}, {limit.high}]"
         kind = _on_off if limit.is_switch else _bounded(int, limit.low, limit.high, bounds)
         default = FromEnv(limit.name.upper(), limit.default, bool if limit.is_switch else int)

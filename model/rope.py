@@ -11,7 +11,7 @@ original_max_position_embeddings, and once it grows past that turns by the long 
 cache at the crossing (its generate drops the cache there), its other models turn only what follows
 (DecoderConfig.long_rope_recompute_at). The choice is per sequence, so RotaryEmbedding takes, beside the positions, which
 rows turn long; who decides is the caller: the eager forward by each row's last position, as transformers does, the
-server and its graphs by the sequence's length (contract/io_contract.py; service/scheduler.py recomputes a row's
+server and its graphs by the sequence's length (contract/io_contract.py; service/core/scheduler.py recomputes a row's
 cache where it crosses).
 """
 

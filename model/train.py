@@ -262,7 +262,7 @@ def train(config: TrainConfig, out: Path) -> dict:
 # The model learned plain text, not conversations; so that a chat client can still talk to it (serve renders a
 # conversation with the artifact's template, contract/chat.py), a turn becomes a line "Role: content" after the system
 # message, and the reply follows "Assistant:". Tools a request offers are listed first, with the hermes call format
-# (<tool_call> blocks, service/tool_calls.py), so a request can hold the reply to calls of them.
+# (<tool_call> blocks, service/core/tool_calls.py), so a request can hold the reply to calls of them.
 CHAT_TEMPLATE = """{#- kvserve's default model (the trained KJV GPT-2) learned plain text, not conversations: a system message stands
     first as it is, each other turn is a line 'Role: content', and the assistant's turn is opened for the reply. Tools,
     when offered, come first, one JSON line each (the function: its name, description and parameters), with how a call

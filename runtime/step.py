@@ -1,5 +1,5 @@
 """One slots step (contract/io_contract.py) over a SlotPool, for standard and fused graphs: what the server's
-batch (service/batch.py) and export's parity driver (export/parity_drivers.py) run.
+batch (service/core/batch.py) and export's parity driver (export/parity_drivers.py) run.
 
 A step binds the pool's rows 0..B-1 by address as both past and present, so ONNX Runtime writes each new token's
 K/V into its row and the cache never passes through the host. Only what sampling reads comes back to host memory:

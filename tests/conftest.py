@@ -366,7 +366,7 @@ def pki(tmp_path_factory):
 
 
 # Chat templates that render tools, written here in the style of each family's own (nothing copied): the format a
-# reply's calls take is the family's (service/tool_calls.py reads it from the template).
+# reply's calls take is the family's (service/core/tool_calls.py reads it from the template).
 QWEN_TOOLS_STYLE = r"""{%- if tools %}
 {{- '<|im_start|>system\n' }}{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}
 {{- '# Tools\n\nFunctions you may call:\n<tools>' }}{% for tool in tools %}{{ '\n' + tool | tojson }}{% endfor %}

@@ -4,8 +4,9 @@
                          <-------------------------------------------------------------------------  service
 
 Every import of a kvserve module, wherever it stands (top of a file, inside a function, relative or absolute, a bare
-`import kvserve`), is held to LAYERS; service/ takes from runtime/ only what runtime/__init__.py names; no two modules
-import each other, however indirectly; and importing every module of service/, runtime/ and contract/ loads no torch.
+`import kvserve`), is held to LAYERS; service/ takes from runtime/ only what runtime/__init__.py names, and its
+folders import one way (SERVICE_FOLDERS); no two modules import each other, however indirectly; and importing every
+module of service/, runtime/ and contract/ loads no torch.
 """
 
 import ast
@@ -32,18 +33,30 @@ LAYERS = {
 # Packages another layer may import only as a whole: what their __init__ names, nothing deeper.
 PACKAGE_ONLY = {"service": {"kvserve.runtime"}}
 TORCH_FREE = ("contract", "runtime", "service")
+# Inside service/: folder -> the service modules outside it that its files may import (a folder: all of it). The core
+# (engine, scheduler, rows, batch) knows no transport and no process; the edges read its domain and the server's options.
+SERVICE_FOLDERS = {
+    "core": set(),
+    "edges": {"kvserve.service.core", "kvserve.service.process.options"},
+    "process": {"kvserve.service.core", "kvserve.service.edges"},
+}
 HEAVY = ("torch", "transformers", "onnx", "onnxscript")
 
 
 def module_name(folder: str, path) -> str:
-    return PACKAGES[folder] + ("" if path.stem == "__init__" else f".{path.stem}")
+    parts = path.relative_to(REPO / folder).with_suffix("").parts
+    return ".".join([PACKAGES[folder], *(parts[:-1] if parts[-1] == "__init__" else parts)])
+
+
+def relative(folder: str, path) -> str:
+    return str(path.relative_to(REPO))
 
 
 def imports_in(folder: str, path, top_level_only: bool = False) -> set[str]:
     """The modules a file imports, relative imports resolved; `from X import y` counts as X and X.y (y may be a module).
     top_level_only: only statements that run when the module is imported (its body, `if TYPE_CHECKING:` included)."""
     tree = ast.parse(path.read_text())
-    package = PACKAGES[folder].split(".")
+    package = module_name(folder, path).split(".")[: None if path.stem == "__init__" else -1]  # what `.` is for this file
     if top_level_only:
         nodes = []
         for node in tree.body:
@@ -64,7 +77,7 @@ def imports_in(folder: str, path, top_level_only: bool = False) -> set[str]:
 
 def source_files():
     for folder in LAYERS:
-        for path in sorted((REPO / folder).glob("*.py")):
+        for path in sorted((REPO / folder).rglob("*.py")):
             yield folder, path
 
 
@@ -73,7 +86,7 @@ def test_every_kvserve_import_is_one_the_table_allows(folder):
     own = PACKAGES[folder]
     allowed = LAYERS[folder] | ({own} if folder != "kvserve" else set())
     existing = {module_name(f, p) for f, p in source_files()} | set(PACKAGES.values()) | {"kvserve.v1"}
-    for path in sorted((REPO / folder).glob("*.py")):
+    for path in sorted((REPO / folder).rglob("*.py")):
         for name in imports_in(folder, path):
             if not name.startswith("kvserve"):
                 continue
@@ -81,19 +94,41 @@ def test_every_kvserve_import_is_one_the_table_allows(folder):
                 name = name.rsplit(".", 1)[0]  # `from kvserve.x import a_function`: the module is kvserve.x
             if name == "kvserve":  # the package itself holds only its version, which any layer may read
                 continue
-            assert any(name == a or name.startswith(a + ".") for a in allowed), f"{folder}/{path.name} imports {name}"
+            where = relative(folder, path)
+            assert any(name == a or name.startswith(a + ".") for a in allowed), f"{where} imports {name}"
             for whole in PACKAGE_ONLY.get(folder, ()):
                 assert not name.startswith(whole + ".") or name.startswith("kvserve.v1"), \
-                    f"{folder}/{path.name} imports {name}: take it from {whole} (its __init__ names what {folder}/ may use)"
+                    f"{where} imports {name}: take it from {whole} (its __init__ names what {folder}/ may use)"
             if folder in TORCH_FREE:
-                assert name.split(".")[0] not in HEAVY, f"{folder}/{path.name} imports {name}"
+                assert name.split(".")[0] not in HEAVY, f"{where} imports {name}"
+
+
+def test_the_service_folders_import_one_way_and_by_their_own_names():
+    """core/ imports nothing from edges/ or process/; edges/ only the core and the options; and no file of the
+    repository's code imports a service module by its flat name from before the folders (those are for outside code)."""
+    from kvserve.service import FOLDERS
+
+    assert set(FOLDERS) == set(SERVICE_FOLDERS)
+    assert {p.stem for p in (REPO / "service").rglob("*.py") if p.stem != "__init__"} == {m for ms in FOLDERS.values() for m in ms}
+    flat = {f"kvserve.service.{module}" for modules in FOLDERS.values() for module in modules}
+    for folder in LAYERS:
+        for path in sorted((REPO / folder).rglob("*.py")):
+            names = imports_in(folder, path)
+            assert not names & flat, f"{relative(folder, path)} imports {sorted(names & flat)}: by its folder's name"
+            if folder != "service" or path.parent == REPO / "service":
+                continue
+            own = path.parent.name
+            allowed = SERVICE_FOLDERS[own] | {f"kvserve.service.{own}"}
+            for name in names:
+                if name.startswith("kvserve.service.") and name.split(".")[2] in SERVICE_FOLDERS:
+                    assert any(name == a or name.startswith(a + ".") for a in allowed), f"{relative(folder, path)} imports {name}"
 
 
 @pytest.mark.parametrize("folder", TORCH_FREE)
 def test_torch_free_layers_import_no_heavy_package(folder):
-    for path in sorted((REPO / folder).glob("*.py")):
+    for path in sorted((REPO / folder).rglob("*.py")):
         heavy = {name for name in imports_in(folder, path) if name.split(".")[0] in HEAVY}
-        assert not heavy, f"{folder}/{path.name} imports {sorted(heavy)}"
+        assert not heavy, f"{relative(folder, path)} imports {sorted(heavy)}"
 
 
 def test_importing_the_serving_layers_loads_no_torch():
@@ -139,7 +174,7 @@ def test_no_import_cycle():
 def test_only_runtime_and_exports_graph_rewrites_import_onnxruntime():
     """Outside runtime/, only export's graph rewrites use onnxruntime's offline tools (quantizer, fusions); nothing
     else outside runtime/ opens a session."""
-    users = {f"{folder}/{path.name}" for folder, path in source_files()
+    users = {relative(folder, path) for folder, path in source_files()
              if any(name.split(".")[0] == "onnxruntime" for name in imports_in(folder, path))}
     assert {u for u in users if not u.startswith("runtime/")} <= {"export/quantize.py", "export/graph_fusions.py"}, users
 

@@ -96,7 +96,7 @@ def test_the_tls_override_mounts_secrets_and_keeps_a_working_health_check(pki, t
                               f"daemon off; pid {tmp_path}/nginx.pid;"], stderr=subprocess.PIPE, text=True)
     try:
         wait_port(listen)
-        from kvserve.service.client import ClientSecurity, call_metadata, open_channel
+        from kvserve.service.edges.client import ClientSecurity, call_metadata, open_channel
         from kvserve.v1 import generation_pb2 as pb
         from kvserve.v1 import generation_pb2_grpc as pb_grpc
 

@@ -8,7 +8,7 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvserve.service.metrics import Metrics
+from kvserve.service.edges.metrics import Metrics
 
 from ..conftest import REPO
 from .conftest import compose_config

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvserve.service.metrics import Metrics
+from kvserve.service.edges.metrics import Metrics
 
 from ..conftest import REPO
 from .test_kubernetes import checkov, run, tool

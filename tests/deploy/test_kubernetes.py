@@ -172,7 +172,7 @@ def test_every_variable_is_a_flag_the_programs_read(rendered):
 
 
 def test_selectors_autoscaler_and_adapter_rule_point_at_real_things(rendered):
-    from kvserve.service.metrics import Metrics
+    from kvserve.service.edges.metrics import Metrics
 
     _, objects, _ = rendered
     deployment, container, _ = server_container(objects)

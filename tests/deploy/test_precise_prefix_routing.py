@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from kvserve.service.metrics import Metrics
-from kvserve.service.prompt_cache import BLOCK_TOKENS
+from kvserve.service.edges.metrics import Metrics
+from kvserve.service.core.prompt_cache import BLOCK_TOKENS
 
 from ..conftest import REPO
 from .test_inference_gateway import named, pod_labels, render

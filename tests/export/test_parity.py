@@ -140,7 +140,7 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
 
     from kvserve.contract.artifact import open_artifact, sha256_file
     from kvserve.runtime.step import DecoderRuntime
-    from kvserve.service.gate import run_gate
+    from kvserve.service.process.gate import run_gate
 
     bad = tmp_path / "bottom-1"
     shutil.copytree(tiny_artifact, bad)

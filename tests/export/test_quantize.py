@@ -103,7 +103,7 @@ def test_a_zeroed_scale_fails_verify_naming_the_layer_and_head(quantized, traine
 
 def test_the_load_gate_replays_a_quantized_artifact_within_tolerance_and_refuses_a_broken_one(quantized, tmp_path):
     from kvserve.runtime.step import DecoderRuntime
-    from kvserve.service.gate import run_gate
+    from kvserve.service.process.gate import run_gate
 
     def gate(directory):
         artifact = open_artifact(directory)

@@ -19,7 +19,7 @@ class ServerThread:
     """An App running in its own event loop thread, so tests can call it with ordinary blocking stubs."""
 
     def __init__(self, options, load: bool = True):
-        from kvserve.service.app import App
+        from kvserve.service.process.app import App
 
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -43,8 +43,8 @@ def start_server(artifact, load: bool = True, **overrides) -> ServerThread:
     """A server for artifact on a free port; overrides are ServerOptions' fields and EngineLimits' (max_batch_size=...)."""
     import dataclasses
 
-    from kvserve.service.limits import EngineLimits
-    from kvserve.service.options import ServerOptions
+    from kvserve.service.core.limits import EngineLimits
+    from kvserve.service.process.options import ServerOptions
 
     from ..conftest import PROVIDER
 
@@ -176,7 +176,7 @@ def random_prompt(seed: int, length: int) -> list[int]:
 def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
     """As under CUDA, where a freed row stays a hole until a join fills it: seqs run steps steps in a batch that does not
     compact, then seqs[leaving] is cancelled and leaves at the next step. Returns the scheduler."""
-    from kvserve.service.scheduler import Scheduler
+    from kvserve.service.core.scheduler import Scheduler
 
     scheduler = Scheduler(batch, step_token_budget=budget)
     scheduler.kv.compact = False
@@ -193,9 +193,9 @@ def hole_between_rows(batch, seqs, leaving: int, steps: int, budget: int):
 def sequence(seq_id: int, prompt: list[int], max_new_tokens: int, return_logprobs: bool = False, **sampling):
     """A server-internal sequence (no client, no stop rules) with the sampling parameters given (default: greedy)."""
     from kvserve.contract.tokenizer import ByteTokenizer
-    from kvserve.service.sampling import SamplingParams
-    from kvserve.service.sequence import Sequence
-    from kvserve.service.text import IncrementalDecoder, StopSequences
+    from kvserve.service.core.sampling import SamplingParams
+    from kvserve.service.core.sequence import Sequence
+    from kvserve.service.core.text import IncrementalDecoder, StopSequences
 
     return Sequence(id=seq_id, prompt_ids=prompt, max_new_tokens=max_new_tokens, params=SamplingParams(**sampling), stop_ids=frozenset(),
                     return_logprobs=return_logprobs, decoder=IncrementalDecoder(ByteTokenizer()), stops=StopSequences(()))

@@ -1,0 +1,122 @@
+"""The load-time parity gate: before serving, prove that this artifact, on this provider, through this
+engine's own prefill + cached-decode path, reproduces what the eager reference recorded at export time."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvserve.contract.artifact import Artifact, contract_problems
+from kvserve.contract.tokenizer import ByteTokenizer
+from kvserve.contract.tolerances import kl_divergence, logits_bound
+from kvserve.errors import UserError
+from kvserve.runtime import DecoderRuntime
+
+from ..core.batch import SlotBatch
+from .kv_budget import MIN_BUDGET_TOKENS
+from ..core.limits import EngineLimits
+from ..core.model_info import GateResult
+from ..core.sampling import SamplingParams
+from ..core.scheduler import Scheduler
+from ..core.sequence import Sequence
+from ..core.text import IncrementalDecoder, StopSequences
+
+
+def _greedy_sequence(seq_id: int, prompt: list[int], max_new_tokens: int, capture_logits: bool = False) -> Sequence:
+    """A server-internal greedy sequence (no client, no stop rules) driven straight through a batch."""
+    return Sequence(
+        id=seq_id,
+        prompt_ids=prompt,
+        max_new_tokens=max_new_tokens,
+        params=SamplingParams(temperature=0.0),
+        stop_ids=frozenset(),
+        return_logprobs=False,
+        decoder=IncrementalDecoder(ByteTokenizer()),
+        stops=StopSequences(()),
+        captured_logits=[] if capture_logits else None,
+    )
+
+
+def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: int, tokens: int) -> Scheduler:
+    """A scheduler over a batch of rows for sequences of at most tokens: the replay's, not the whole context's
+    (a long-context model's full rows would be gigabytes the server has not yet decided to spend)."""
+    config = dataclasses.replace(artifact.config, n_ctx=min(artifact.config.n_ctx, tokens))
+    return Scheduler(SlotBatch(runtime, config, rows), budget)
+
+
+def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
+    """Greedy-decode the golden prompt through the serving batch and scheduler (prefill from an empty cache, then
+    cached decode steps), taking each token from the graph's greedy_tokens as serving does and reading the logits
+    beside it: the tokens must be the eager reference's (where the precision requires it) and each its own logits'
+    argmax; the logits must be within the precision's bound of the reference's."""
+    golden = artifact.golden()
+    tolerance = artifact.tolerance
+    steps = len(golden.tokens)
+    seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
+    scheduler = _scheduler(runtime, artifact, 1, step_token_budget, len(golden.prompt_ids) + steps + 1)
+    try:
+        results = scheduler.drive([seq])
+    finally:
+        scheduler.batch.close()  # its bound steps (and CUDA graphs) are the replay's alone
+    for _, event in results:
+        if isinstance(event, BaseException):
+            return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
+    logits = np.stack(seq.captured_logits).astype(np.float64)  # (N, V)
+    same_tokens = seq.generated == golden.tokens.tolist()
+    own_argmax = bool((logits.argmax(-1) == np.array(seq.generated)).all())
+    # Once the greedy tokens part, the two continue from different text: compare up to and including the
+    # first step that differs (its logits still came from the same context).
+    differ = [i for i, (a, b) in enumerate(zip(seq.generated, golden.tokens.tolist())) if a != b]
+    compared = differ[0] + 1 if differ else steps
+    max_abs = float(np.abs(logits[:compared] - golden.logits[:compared]).max())
+    bound = logits_bound(tolerance, golden.logits[:compared])
+    passed = (same_tokens or not tolerance.greedy_identical) and own_argmax and max_abs <= bound
+    summary = (
+        f"golden replay on {runtime.provider}: {steps} greedy tokens {'identical' if same_tokens else 'DIFFER'}"
+        f"{'' if own_argmax else ' (greedy_tokens NOT its logits argmax)'}, "
+        f"max abs logit diff {max_abs:.2e} (tolerance {bound:.3g}, {artifact.precision})"
+    )
+    if tolerance.kl_mean_max is not None:
+        kl = float(kl_divergence(golden.logits[:compared], logits[:compared]).mean())
+        passed = passed and kl <= tolerance.kl_mean_max
+        summary += f", mean KL {kl:.2e} over {compared} steps (tolerance {tolerance.kl_mean_max:g})"
+    return GateResult(passed, summary)
+
+
+def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
+    problems = contract_problems(runtime.signature(), artifact)
+    if problems:
+        return GateResult(False, "KV contract mismatch: " + "; ".join(problems[:3]))
+    return replay_golden(runtime, artifact, step_token_budget)
+
+
+WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a decode step of every row
+
+
+def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None) -> None:
+    """Fill the serving batch to its largest size through the serving path (its rows' prompts in chunks, then one
+    decode step of every row), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
+    fixed-shape decode steps then binds (and captures) every shape it may run. The prompt cache forgets the warm-up's
+    rows: no request should find their made-up tokens. More decode steps bought the first requests nothing measurable
+    and cost the start a step each (bench/startup.py's bursts)."""
+    config = batch.config  # as served: its context may be cut (serve --max-context)
+    batch_size = batch.max_rows
+    prompt_len = max(1, min(8, config.n_ctx // 2))
+    new_tokens = max(1, min(WARM_UP_NEW_TOKENS, config.n_ctx - prompt_len))
+    scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)  # the warm-up's rows: the server's are made after it
+    held = scheduler.budget_tokens()
+    if held is not None and held < MIN_BUDGET_TOKENS:
+        raise UserError(f"--kv-cache-memory {kv_budget} holds {held} tokens of this model's K/V ({scheduler.token_bytes} bytes each); "
+                        f"give it at least {MIN_BUDGET_TOKENS * scheduler.token_bytes} ({MIN_BUDGET_TOKENS} tokens)")
+    if held is not None:  # each row within the K/V budget (at least kv_budget.MIN_BUDGET_TOKENS)
+        new_tokens = max(1, min(new_tokens, held - prompt_len))
+    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, new_tokens) for i in range(batch_size)]
+    results = scheduler.drive(rows)  # a failure anywhere counts
+    failures = [e for _, e in results if isinstance(e, BaseException)]
+    if failures:
+        raise failures[0]
+    scheduler.forget_cached()
+    if batch.fixed_decode:
+        scheduler.prepare_decode_shapes()

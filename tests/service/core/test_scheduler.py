@@ -1,0 +1,296 @@
+"""The scheduler (service/core/scheduler.py): what each step runs (plan: decode never waits for a prefill, chunks within the
+token budget, one join at a time), a failed step failing each of its sequences once, and the hand-off to the event loop.
+The planning tests run on a batch with no model behind it; the rest on every slots graph (conftest.slots_graph)."""
+
+import asyncio
+from dataclasses import dataclass, field, replace
+
+import pytest
+
+from kvserve.contract.artifact import open_artifact
+from kvserve.contract.config import DecoderConfig, RopeScaling
+from kvserve.model.generate import generate
+from kvserve.runtime import DecoderRuntime
+from kvserve.service.core.batch import SlotBatch
+from kvserve.service.core.drafts import StepCosts
+from kvserve.service.process.gate import _greedy_sequence
+from kvserve.service.core.kv_rows import HeldRow
+from kvserve.service.core.scheduler import Scheduler
+
+from ...conftest import PROVIDER
+from ..conftest import random_prompt as prompt
+
+
+@dataclass
+class PlannedRows:
+    """What plan() asks of the rows, with no pool or model: the sequences in rows, free rows, cached prefix length; a
+    join takes a row past the cached prefix, a release lets it go."""
+
+    rows: list = field(default_factory=list)
+    max_rows: int = 4
+    cached_prefix: int = 0
+    fitting: set = field(default_factory=lambda: {"all"})  # ids of the sequences the K/V budget has room for now
+    held: dict = field(default_factory=dict)  # each sequence in rows: its HeldRow
+
+    def free_rows(self) -> int:
+        return self.max_rows - len(self.rows)
+
+    def fits(self, seq) -> bool:
+        return "all" in self.fitting or seq.id in self.fitting
+
+    @property
+    def slots(self) -> list:
+        return list(self.rows)
+
+    def join(self, seq) -> None:
+        self.held[seq] = HeldRow(len(self.rows), self.cached_prefix)
+        seq.reused_prompt_tokens = self.cached_prefix
+        self.rows.append(seq)
+
+    def release(self, leaving) -> None:
+        self.rows = [s for s in self.rows if s not in leaving]
+        self.held = {s: hold for s, hold in self.held.items() if s not in leaving}
+
+    def refill(self, seq) -> None:  # as KvRows.refill, without the prompt cache
+        seq.long_rope, seq.refill_ids, self.held[seq].cached_tokens = True, seq.prompt_ids + seq.generated, 0
+
+
+@dataclass
+class PlannedBatch:
+    config: DecoderConfig = DecoderConfig()
+    step_costs: StepCosts = field(default_factory=StepCosts)
+
+
+def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_prefix: int = 0, config: DecoderConfig = DecoderConfig(),
+            cached: dict | None = None) -> Scheduler:
+    """rows: sequences in rows, each holding the K/V of every token it has but the last (a decoding row's), or what
+    cached says ({sequence: tokens})."""
+    scheduler = Scheduler.__new__(Scheduler)  # plan() reads the queue, the budget and the rows: no loop, no thread
+    rows = rows or []
+    written = {seq: (cached or {}).get(seq, seq.total_tokens - 1 if seq.generated else 0) for seq in rows}
+    held = {seq: HeldRow(index, written[seq]) for index, seq in enumerate(rows)}
+    scheduler.kv = PlannedRows(rows, max_rows, cached_prefix, held=held)
+    scheduler.batch, scheduler.step_token_budget = PlannedBatch(config), budget
+    scheduler.speculation = False  # drafts are planned by test_drafts.py
+    scheduler.step_time_bound = 0  # chunks cut to the measured step times: test_a_chunk_is_cut_to_keep_its_step_within_the_bound
+    from collections import deque
+
+    scheduler.waiting = deque()
+    return scheduler
+
+
+def decoding(seq_id: int):
+    seq = _greedy_sequence(seq_id, [1, 2, 3], 10)
+    seq.generated = [4]  # its prompt's 3 tokens in its row
+    return seq
+
+
+@pytest.mark.parametrize("decoders, prompt_len, budget, chunk", [
+    (2, 70, 8, 6),  # two rows decode: the chunk gets the rest of the budget
+    (2, 8, 8, 8),  # a tail of at most a quarter of the budget rides along
+    (2, 9, 8, 6),  # ... and a longer one does not
+    (0, 70, 8, 70),  # nobody decodes: the whole prompt in one step
+    (2, 70, 0, 70),  # budget 0: no limit
+    (9, 70, 8, 1),  # more rows than the budget: the chunk still advances
+])
+def test_a_chunk_takes_what_the_decoding_rows_leave_of_the_budget(decoders, prompt_len, budget, chunk):
+    scheduler = planner(budget, [decoding(i) for i in range(decoders)], max_rows=16)
+    joining = _greedy_sequence(99, list(range(prompt_len)), 4)
+    scheduler.waiting.append(joining)
+    plan = scheduler.plan()
+    assert plan.joining == [joining] and plan.chunk is joining and plan.chunk_tokens == chunk and len(plan.decode) == decoders
+
+
+@pytest.mark.parametrize("added, chunk", [
+    (None, 30),  # no chunk measured yet: the budget's
+    (0.01, 30),  # a chunk token adds 1% of a plain step: 30 of them fit in 1.3 steps, the budget's chunk too
+    (0.02, 15),  # 2%: the chunk is cut to the 15 that keep the step within 1.3 plain ones
+    (1.0, 4),  # a chunk token costs a whole step: the chunk still advances by MIN_CHUNK_TOKENS
+])
+def test_a_chunk_is_cut_to_keep_its_step_within_the_bound(added, chunk):
+    """--step-time-bound 130: a step with a prompt chunk beside decoding rows takes at most 1.3 times a decode-only step
+    of as many rows, by the step times measured (StepCosts)."""
+    scheduler = planner(32, [decoding(i) for i in range(2)], max_rows=16)
+    scheduler.step_time_bound = 1.3
+    costs = scheduler.batch.step_costs
+    costs.seconds[2, 0] = 1.0
+    if added is not None:
+        costs.record_chunk(2, 10, 1.0 + 10 * added)
+    scheduler.waiting.append(_greedy_sequence(99, list(range(200)), 4))
+    assert scheduler.plan().chunk_tokens == chunk
+
+
+def test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free():
+    scheduler = planner(32, cached_prefix=16)
+    first, second = (_greedy_sequence(i, list(range(40)), 4) for i in (1, 2))
+    scheduler.waiting.extend([first, second])
+    plan = scheduler.plan()
+    assert plan.joining == [first] and plan.chunk_tokens == 40 - 16 and list(scheduler.waiting) == [second]
+    full = planner(32, [decoding(i) for i in range(4)], max_rows=4)
+    full.waiting.append(second)
+    plan = full.plan()
+    assert not plan.joining and plan.chunk is None and len(plan.decode) == 4 and list(full.waiting) == [second]  # no free row
+
+
+def test_a_prefilling_row_keeps_the_chunk_and_a_cancelled_row_is_planned_nowhere():
+    prefilling = _greedy_sequence(5, list(range(30)), 4)
+    cancelled = decoding(6)
+    cancelled.cancelled = True
+    scheduler = planner(8, [decoding(1), prefilling, cancelled], cached={prefilling: 10})  # 20 prompt tokens left, none generated
+    waiting = _greedy_sequence(7, [1, 2], 4)
+    scheduler.waiting.append(waiting)
+    plan = scheduler.plan()
+    assert plan.chunk is prefilling and plan.chunk_tokens == 8 - 1 and not plan.joining  # no join while a prompt is being prefilled
+    assert [s.id for s in plan.decode] == [1]
+
+
+def test_a_longrope_row_about_to_pass_the_original_context_is_prefilled_again_whole_and_a_long_prompt_starts_long():
+    """Phi-3's longrope: a row whose next token is the 17th of a 16-position original context (16 prompt tokens in the
+    cache and one generated) becomes the chunk, every token so far, turned long; a row one short (its next token the
+    16th) decodes on; a waiting prompt past the original context joins turned long, one within it short."""
+    config = DecoderConfig(model_type="phi3", n_ctx=64, rope_scaling=RopeScaling("longrope", 4.0, 16, short_factor=(1.0,) * 4,
+                                                                                   long_factor=(2.0,) * 4), d_model=32, n_head=4)
+    crossing, within = _greedy_sequence(1, list(range(16)), 10), _greedy_sequence(2, list(range(15)), 10)
+    for seq in (crossing, within):
+        seq.generated = [99]  # its prompt in its row
+    plan = planner(8, [crossing, within], config=config).plan()
+    assert plan.chunk is crossing and crossing.long_rope and crossing.prefill_ids == list(range(16)) + [99]
+    assert plan.chunk_tokens == 8 - 1 and [s.id for s in plan.decode] == [2] and not within.long_rope
+    for length, long in ((17, True), (16, False)):
+        scheduler = planner(8, config=config)
+        scheduler.waiting.append(_greedy_sequence(3, list(range(length)), 4))
+        assert scheduler.plan().joining[0].long_rope == long
+    # a Llama with longrope keeps what it cached (transformers recomputes only Phi-3's): the row decodes on, long
+    crossing = _greedy_sequence(4, list(range(16)), 10)
+    crossing.generated = [99]  # 16 tokens in its row
+    plan = planner(8, [crossing], config=replace(config, model_type="llama")).plan()
+    assert plan.decode == [crossing] and plan.chunk is None and crossing.long_rope and crossing.long_rope_from == 16
+
+
+def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks(slots_graph, slots_runtime, slots_model):
+    scheduler = Scheduler(SlotBatch(slots_runtime, slots_model.config, 4), step_token_budget=8)
+    running = [_greedy_sequence(i, prompt(i, 5), 60) for i in range(2)]
+    scheduler.drive([])  # nothing to do
+    for seq in running:
+        scheduler.waiting.append(seq)
+    while any(not s.generated for s in running):
+        scheduler.run_step(scheduler.plan())
+    long = _greedy_sequence(9, prompt(9, 70), 5)
+    scheduler.waiting.append(long)
+    chunks = []
+    while not long.generated:
+        before = [len(s.generated) for s in running]
+        plan = scheduler.plan()
+        chunks.append(plan.chunk_tokens)
+        scheduler.run_step(plan)
+        assert [len(s.generated) for s in running] == [n + 1 for n in before]  # nobody waits for the prefill
+    assert sum(chunks) == 70 and max(chunks) == 8 - len(running)  # the budget: 2 decode tokens + a 6-token chunk
+    for seq in running + [long]:
+        while not seq.finished:
+            scheduler.run_step(scheduler.plan())
+    for seq in running + [long]:
+        assert seq.generated == slots_graph.alone(seq)
+
+
+def test_a_prompt_arriving_at_an_idle_batch_is_prefilled_in_one_step(slots_runtime, slots_model):
+    scheduler = Scheduler(SlotBatch(slots_runtime, slots_model.config, 2), step_token_budget=8)
+    scheduler.waiting.append(_greedy_sequence(1, prompt(1, 50), 3))
+    plan = scheduler.plan()
+    assert plan.chunk_tokens == 50 and not plan.decode
+    unlimited = Scheduler(SlotBatch(slots_runtime, slots_model.config, 2), step_token_budget=0)
+    unlimited.drive([_greedy_sequence(2, prompt(2, 4), 30)])
+    assert not unlimited.kv.rows
+
+
+def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, tiny_model, monkeypatch):
+    artifact = open_artifact(tiny_artifact)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
+    batch = SlotBatch(runtime, artifact.config, 4)
+    # the failure comes after the joining sequence has its row: the case that once reported it twice
+    inner = "_step"
+    real = batch._step
+
+    async def scenario():
+        scheduler = Scheduler(batch, step_token_budget=32)
+        seqs = [_greedy_sequence(i, prompt(i, 4), 20) for i in range(3)]
+        rows_before_failure = []
+
+        def fail_after(*args):  # the step in which the third sequence joined (one joins a step), after it ran
+            rows_before_failure.append(len(scheduler.kv.rows))
+            results = real(*args)
+            if seqs[2] not in scheduler.kv.held:
+                return results
+            raise RuntimeError("injected step failure")
+
+        monkeypatch.setattr(batch, inner, fail_after)
+        for seq in seqs:
+            seq.events = asyncio.Queue()
+            scheduler.submit(seq)
+        await scheduler._step()  # the steps the step thread runs on, up to the failure
+        assert rows_before_failure[-1] == 3 and seqs[0].generated and seqs[1].generated
+        failures = {}
+        for seq in seqs:
+            while not seq.events.empty():
+                event = seq.events.get_nowait()
+                if isinstance(event, BaseException):
+                    failures[seq.id] = failures.get(seq.id, 0) + 1
+        scheduler.close()
+        return failures, seqs, scheduler
+
+    failures, seqs, scheduler = asyncio.run(scenario())
+    assert failures == {0: 1, 1: 1, 2: 1}
+    assert all(s.finished for s in seqs) and not scheduler.kv.rows
+    monkeypatch.setattr(batch, inner, real)
+    after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
+    Scheduler(batch, step_token_budget=32).drive([after])
+    assert after.generated == generate(tiny_model, [after.prompt_ids], 6).tokens[0].tolist()
+
+
+def test_the_handoff_never_leaves_a_flush_waiting_when_it_is_closed_meanwhile():
+    """The step thread flushes the hand-off (scheduler.Handoff) while the engine may be closing it from another
+    thread. Here the close is started at the worst moment, just as the flush hands in its marker: the flush must still
+    return (a marker handed in after the thread's stop once waited forever, and the interpreter hung at exit waiting
+    for the step thread), and what was handed over before reaches the loop."""
+    import threading
+
+    from kvserve.service.core.scheduler import Handoff
+
+    loop = asyncio.new_event_loop()
+    delivered = []
+    handoff = Handoff(delivered.append)
+    handoff.hand_over(loop, ["step"])
+    real_queue = handoff._queue
+
+    class CloseAsFlushHandsIn:
+        def put(self, item):
+            if isinstance(item, threading.Event):
+                closing = threading.Thread(target=handoff.close)
+                closing.start()
+                closing.join(0.5)  # a close that can run now, runs to its end first
+            real_queue.put(item)
+
+        def get(self):
+            return real_queue.get()
+
+    handoff._queue = CloseAsFlushHandsIn()
+    flushing = threading.Thread(target=handoff.flush, daemon=True)
+    try:
+        flushing.start()
+        flushing.join(5)
+        assert not flushing.is_alive(), "the flush waits for a hand-off thread that has stopped"
+        handoff.close()
+        handoff.hand_over(loop, ["after close"])  # passed to the loop directly
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    assert delivered == [["step"], ["after close"]]
+
+
+def test_the_first_in_line_waits_for_kv_memory_and_none_overtakes_it():
+    scheduler = planner(8)
+    first, second = _greedy_sequence(1, [1, 2, 3], 10), _greedy_sequence(2, [1, 2], 1)
+    scheduler.waiting.extend([first, second])
+    scheduler.kv.fitting = {2}  # a free row, but memory only for the second
+    assert scheduler.plan().joining == [] and list(scheduler.waiting) == [first, second]
+    scheduler.kv.fitting = {1, 2}  # memory freed
+    assert scheduler.plan().joining == [first]
