@@ -185,3 +185,20 @@ def test_scripts_and_benchmarks_use_the_installed_package():
         text = path.read_text()
         for linking in ("symlink_to(", "os.symlink(", "SUBPACKAGES"):
             assert linking not in text, f"{path.relative_to(REPO)} links folders by hand ({linking})"
+
+
+def test_the_flat_service_names_are_the_modules_in_their_folders():
+    """Code written against service/ before its folders imports the same module objects (one import, one state)."""
+    import importlib
+
+    from kvserve.service import FOLDERS
+
+    for folder, modules in FOLDERS.items():
+        for module in modules:
+            assert importlib.import_module(f"kvserve.service.{module}") is importlib.import_module(f"kvserve.service.{folder}.{module}")
+    from kvserve.service.engine import Engine  # the engine's module, not the folder
+    from kvserve.service.core.engine import Engine as Moved
+
+    assert Engine is Moved
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("kvserve.service.no_such_module")
