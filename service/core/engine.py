@@ -19,7 +19,7 @@ from kvserve.runtime import DecoderRuntime
 from .batch import SlotBatch
 from .engine_errors import EngineError, InvalidArgument, QueueFull, SequenceFailed, Unavailable
 from .limits import EngineLimits, out_of_bounds
-from .model_info import LiveCounts, SequenceKv
+from .model_info import LiveCounts
 from .sampling import nth_seed
 from .scheduler import Scheduler
 from .sequence import GenerationRequest
@@ -198,7 +198,4 @@ class Engine:
                 request_span.end()
 
     def live(self) -> LiveCounts:
-        rows, cached_rows, cached_bytes, budget = self.scheduler.live_rows()
-        return LiveCounts(active=len(rows), queued=len(self.scheduler.waiting), cached_rows=cached_rows, kv_bytes=sum(b for _, b in rows),
-                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in rows], cached_kv_bytes=cached_bytes,
-                          kv_budget_bytes=budget or 0)
+        return self.scheduler.live()

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, SuffixCache, expected_tokens
 from .kv_rows import KvRows
+from .model_info import LiveCounts, SequenceKv
 from .sequence import Sequence, StepEvent
 from .step_plan import StepPlan, StepResults
 
@@ -205,10 +206,13 @@ class Scheduler:
         """Bytes of K/V one token takes: K and V, every layer."""
         return self.kv.token_bytes
 
-    def live_rows(self) -> tuple[list[tuple[Sequence, int]], int, int, int | None]:
-        """The sequences in rows with the K/V bytes each holds, the prompt cache's rows and bytes, and the budget."""
+    def live(self) -> LiveCounts:
+        """The sequences in rows and the K/V each holds, those waiting, the prompt cache's rows and bytes, the budget."""
         kv = self.kv
-        return [(s, kv.held_bytes(s)) for s in kv.rows], kv.cached_rows(), kv.cached_bytes(), kv.budget_bytes
+        rows = [(s, kv.held_bytes(s)) for s in kv.rows]
+        return LiveCounts(active=len(rows), queued=len(self.waiting), cached_rows=kv.cached_rows(), kv_bytes=sum(b for _, b in rows),
+                          sequences=[SequenceKv(s.id, s.total_tokens, b) for s, b in rows], cached_kv_bytes=kv.cached_bytes(),
+                          kv_budget_bytes=kv.budget_bytes or 0)
 
     def forget_cached(self) -> None:
         """The prompt cache lets go of every row it keeps (the warm-up's made-up prompts)."""
