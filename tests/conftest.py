@@ -147,6 +147,7 @@ def kv_dtype_artifacts(tmp_path_factory, tiny_model, tiny_llama_model):
 
 
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "kjv-gpt2"  # the trained default model (model/train.py)
+QUOTE_CHECKPOINT = REPO / "checkpoints" / "kjv-quote-gpt2"  # the default model trained on to quote its context
 
 
 @pytest.fixture(scope="session")
