@@ -10,8 +10,10 @@ Workloads (the artifact's own tokenizer):
               which prompt lookup drafts (the default model copies nothing from its prompt: no copy workload here)
   asked-again the verses greedy, then all of them again (an agent's loop, a retry): the second answers drafted from
               the first (the output cache, --draft-cache-tokens; each run is a fresh engine, so a fresh cache)
-  copy        with --copy-artifact: the quoting model (model/train.py --quote-share) reciting 12 held-out passages after
-              its cue, greedy, as many tokens as each passage: what it copies, prompt lookup drafts
+  copy        with --copy-artifact: the quoting model (checkpoints/kjv-quote-gpt2, exported) reciting 12 held-out
+              passages after its cue, greedy, one request at a time, as many tokens as each passage: what it copies,
+              prompt lookup drafts
+  copy-16     the same recitals, 16 streams at once (the 12 and the first 4 again)
   open-1      the verses sampled (temperature 0.8, seeds fixed), one request at a time: drafts should stay off where
               they do not pay
   open-16     16 streams at once, sampled (temperature 0.8, seeds fixed): little repeats, so drafts should stay off
@@ -22,7 +24,8 @@ outputs were identical. Also a step-cost table: a step of 1 + k tokens against 1
 drafting row runs), which the scheduler's cost model learns while serving. Prints markdown tables and the machine.
 
     python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
-                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs]
+                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs copy copy-16]
+                                [--copy-artifact artifacts/kjv-quote] [--copy-checkpoint checkpoints/kjv-quote-gpt2]
 """
 
 from __future__ import annotations
@@ -133,6 +136,9 @@ def workloads(parts: list[str], copy: list | None = None) -> dict:
         chosen["repeating"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES], False)
     if "copy" in parts and copy is not None:
         chosen["copy"] = ([GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True) for ids, n in copy], False)
+    if "copy-16" in parts and copy is not None:
+        chosen["copy-16"] = ([GenerationRequest(prompt_ids=tuple(ids), max_new_tokens=n, ignore_eos=True)
+                              for ids, n in (copy * 2)[:16]], True)
     if "asked-again" in parts:
         chosen["asked-again"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES] * 2, False)
     if "tool-calls" in parts:
@@ -174,8 +180,10 @@ def main() -> None:
     parser.add_argument("--artifact", default="artifacts/kjv-gpt2")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["structured", "tool-calls", "repeating", "asked-again", "open-1", "open-16", "costs"])
-    parser.add_argument("--copy-artifact", help="the quoting model's artifact (model/train.py --quote-share): the copy workload")
-    parser.add_argument("--copy-checkpoint", help="its checkpoint (the held-out passages are tokenized by its tokenizer)")
+    parser.add_argument("--copy-artifact", help="the quoting model's artifact (kvserve export --checkpoint checkpoints/kjv-quote-gpt2): "
+                                                "the copy workloads")
+    parser.add_argument("--copy-checkpoint", default="checkpoints/kjv-quote-gpt2",
+                        help="its checkpoint (the held-out passages are tokenized by its tokenizer)")
     args = parser.parse_args()
     bench = main_bench = Bench(args.artifact)
     copying = Bench(args.copy_artifact) if args.copy_artifact else None
@@ -184,7 +192,7 @@ def main() -> None:
     print("| workload | speculation | tokens/s (median) | rounds | drafts checked | accepted | greedy outputs |")
     print("|---|---|---:|---|---:|---:|---|")
     for name, (requests, concurrent) in workloads(args.parts, copy).items():
-        bench = copying if name == "copy" else main_bench
+        bench = copying if name.startswith("copy") else main_bench
         asyncio.run(bench.run(False, requests[:1], concurrent))  # warm: every shape seen once
         rates = {False: [], True: []}
         last = {}

@@ -1,9 +1,9 @@
 """Speculation on a copy-heavy workload against llama.cpp's: kvserve's server with --speculation on and off, and
 llama-server with each of its draftless --spec-type choices, on the same weights and the same prompts.
 
-The model quotes its context: model/train.py's quoting model, trained on from the default model with a share of its
-windows passages recited after a cue (docs/models.md, "A model that quotes its context", has the commands), then
-exported. The prompts: held-out passages and the cue (never trained on), as
+The model quotes its context: checkpoints/kjv-quote-gpt2, trained on from the default model with a share of its
+windows passages recited after a cue (docs/models.md, "A model that quotes its context", says how), then exported.
+The prompts: the end-of-text token, held-out passages and the cue (never trained on), as
 token ids; each asks for as many tokens as its passage has (ignore_eos), greedy. llama.cpp gets the checkpoint converted by
 its own convert_hf_to_gguf.py to an F32 GGUF (its pre-tokenizer check told the byte-level BPE is GPT-2's, which it is;
 the prompts are ids, so its text handling is never used), and before anything is timed its greedy tokens must be
@@ -12,7 +12,7 @@ kvserve's for the first prompt.
 Both servers over HTTP, one request at a time (batch 1), and 16 at once; whole answers (not streamed); 2 threads each;
 rounds alternating over every server. Per server: tokens/s (median of the rounds) and kvserve's drafts checked and taken.
 
-    python bench/speculation_peers.py --checkpoint artifacts/kjv-quote2-gpt2 --artifact artifacts/kjv-quote2 \\
+    python bench/speculation_peers.py --checkpoint checkpoints/kjv-quote-gpt2 --artifact artifacts/kjv-quote \\
         --llama-cpp PATH/llama.cpp [--build PATH/llama.cpp/build] --convert-python PYTHON [--rounds 3] [--prompts 12]
 """
 
@@ -57,20 +57,22 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 
 def prompts(checkpoint: Path, count: int) -> list[tuple[list[int], int]]:
-    """(prompt ids: a held-out passage and the cue, tokens to ask for: the passage's) of the first `count` passages of at
-    least 48 tokens."""
+    """(prompt ids: the end-of-text token, a held-out passage and the cue; tokens to ask for: the passage's) of the first
+    `count` passages of at least 48 tokens. The end-of-text token begins the prompt as it begins each training document
+    (the one before it ends there; GPT-2's <|endoftext|> is its BOS too): without it the model finds the passage's start
+    less surely and recites less of it."""
     from tokenizers import Tokenizer
 
     from kvserve.model.corpus import load_corpus
-    from kvserve.model.train import QUOTE_CUE, quote_documents
+    from kvserve.model.train import EOS, QUOTE_CUE, quote_documents
 
     tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    cue = len(tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids)
+    cue, bos = len(tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids), tokenizer.token_to_id(EOS)
     chosen = []
     for document in quote_documents(tokenizer, load_corpus().held_out):
         passage = (len(document) - 1 - cue) // 2
         if passage >= 48:
-            chosen.append((document[: passage + cue], passage))
+            chosen.append(([bos, *document[: passage + cue]], passage))
         if len(chosen) == count:
             break
     return chosen
