@@ -58,24 +58,13 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 
 def prompts(checkpoint: Path, count: int) -> list[tuple[list[int], int]]:
     """(prompt ids: the end-of-text token, a held-out passage and the cue; tokens to ask for: the passage's) of the first
-    `count` passages of at least 48 tokens. The end-of-text token begins the prompt as it begins each training document
-    (the one before it ends there; GPT-2's <|endoftext|> is its BOS too): without it the model finds the passage's start
-    less surely and recites less of it."""
+    `count` held-out passages of at least 48 tokens (model/train.py recital_prompts)."""
     from tokenizers import Tokenizer
 
     from kvserve.model.corpus import load_corpus
-    from kvserve.model.train import EOS, QUOTE_CUE, quote_documents
+    from kvserve.model.train import recital_prompts
 
-    tokenizer = Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
-    cue, bos = len(tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids), tokenizer.token_to_id(EOS)
-    chosen = []
-    for document in quote_documents(tokenizer, load_corpus().held_out):
-        passage = (len(document) - 1 - cue) // 2
-        if passage >= 48:
-            chosen.append(([bos, *document[: passage + cue]], passage))
-        if len(chosen) == count:
-            break
-    return chosen
+    return recital_prompts(Tokenizer.from_file(str(checkpoint / "tokenizer.json")), load_corpus().held_out, count)
 
 
 def gguf(checkpoint: Path, llama_cpp: Path, convert_python: str, out: Path) -> Path:

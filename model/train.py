@@ -113,6 +113,22 @@ def quote_documents(tokenizer, chapters: tuple[str, ...]) -> list[list[int]]:
     return documents
 
 
+def recital_prompts(tokenizer, chapters: tuple[str, ...], count: int, min_tokens: int = 48) -> list[tuple[list[int], int]]:
+    """(prompt ids, the passage's length) for the first `count` quoting documents of chapters whose passage has at least
+    min_tokens tokens: end of text, the passage, QUOTE_CUE; what follows should be the passage again. The end-of-text
+    token begins the prompt as it begins each training document (the one before ends there; GPT-2's <|endoftext|> is
+    its BOS too): without it the model finds the passage's start less surely and recites less of it."""
+    cue, bos = len(tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids), tokenizer.token_to_id(EOS)
+    chosen = []
+    for document in quote_documents(tokenizer, chapters):
+        passage = (len(document) - 1 - cue) // 2
+        if passage >= min_tokens:
+            chosen.append(([bos, *document[: passage + cue]], passage))
+        if len(chosen) == count:
+            break
+    return chosen
+
+
 @torch.no_grad()
 def recital_accuracy(model: GPT2, documents: list[list[int]], cue_length: int) -> float:
     """Of the recited tokens of quoting documents (after QUOTE_CUE), the share the model's greedy choice gets right given

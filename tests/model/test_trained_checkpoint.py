@@ -13,7 +13,7 @@ from kvserve.contract.tokenizer import HFTokenizer
 from kvserve.model.checkpoint import load_checkpoint
 from kvserve.model.corpus import load_corpus
 from kvserve.model.decoders import build
-from kvserve.model.train import QUOTE_CUE, QUOTE_TOKENS, TrainConfig, perplexity, quote_documents, token_stream, train
+from kvserve.model.train import QUOTE_CUE, QUOTE_TOKENS, TrainConfig, perplexity, quote_documents, recital_prompts, token_stream, train
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER, QUOTE_CHECKPOINT
 
@@ -53,22 +53,23 @@ def test_the_quoting_checkpoint_says_it_went_on_from_the_default_model_and_share
 
 
 def recited(model, passages: int = 12) -> tuple[float, list[int]]:
-    """Greedy after the cue on the first held-out passages of at least 48 tokens (bench/speculation_peers.py's copy
-    prompts: end-of-text, passage, cue): (the share of the passages' positions it reproduces, how many tokens of each
-    it recites before its first departure)."""
+    """Greedy after the cue on the first held-out passages of at least 48 tokens (recital_prompts, bench/speculation.py's
+    copy workload): (the share of the passages' positions it reproduces, how many tokens of each it recites before its
+    first departure)."""
     from tokenizers import Tokenizer
 
     from kvserve.model.generate import generate
 
     tokenizer = Tokenizer.from_file(str(DEFAULT_CHECKPOINT / "tokenizer.json"))
-    cue, eos = len(tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids), tokenizer.token_to_id("<|endoftext|>")
+    cue = tokenizer.encode(QUOTE_CUE, add_special_tokens=False).ids
     same = total = 0
     runs = []
-    for document in [d for d in quote_documents(tokenizer, load_corpus().held_out) if (len(d) - 1 - cue) // 2 >= 48][:passages]:
-        passage = (len(document) - 1 - cue) // 2
-        out = generate(model, [[eos, *document[: passage + cue]]], passage).tokens[0].tolist()
-        same, total = same + sum(a == b for a, b in zip(out, document[:passage])), total + passage
-        runs.append(next((i for i, (a, b) in enumerate(zip(out, document[:passage])) if a != b), passage))
+    for prompt, length in recital_prompts(tokenizer, load_corpus().held_out, passages):
+        passage = prompt[1 : length + 1]
+        assert prompt[0] == tokenizer.token_to_id("<|endoftext|>") and prompt[length + 1 :] == cue and length >= 48
+        out = generate(model, [prompt], length).tokens[0].tolist()
+        same, total = same + sum(a == b for a, b in zip(out, passage)), total + length
+        runs.append(next((i for i, (a, b) in enumerate(zip(out, passage)) if a != b), length))
     return same / total, runs
 
 
