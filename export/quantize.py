@@ -7,7 +7,8 @@ Schemes (chosen by measurement, bench/int8_decode.py and bench/decode_floor.py; 
                 each row's activations quantized on their own (a row's numbers never depend on its neighbours).
   int4          the same operator with 4-bit weights, but for attention's projections (Q/K/V, W_O), which stay in
                 int8's 8 bits (ATTENTION_IN_8_BITS): a decode step reads 55-73% of int8's bytes (qwen2.5-0.5b,
-                qwen3-0.6b, whose attention is 9% and 30% of their weights).
+                qwen3-0.6b, whose attention is 9% and 30% of their weights); an untied model's LM head and token
+                embedding stay in 8 bits too (VOCABULARY_IN_8_BITS).
   int8-dynamic  MatMulInteger with per-output-channel int8 weights and activations quantized per call
                 (DynamicQuantizeLinear). Kept for the comparison; not offered by the CLI.
 Every MatMul whose second input is a weight is quantized, the tied LM head included: the graph multiplies by
@@ -15,8 +16,8 @@ Transpose(wte), which is folded into a weight of its own here, and a Gemm with a
 the Llama family's slots step runs them) becomes a MatMul first. Where the head is tied, the embedding lookup then
 reads the head's quantized blocks too (com.microsoft.GatherBlockQuantized: a row's blocks dequantized as it is
 gathered), so the table is stored once, in 8 or 4 bits, instead of a float32 copy beside the quantized head (for
-Qwen3-0.6B's 151,936 x 1,024 table, 622 MB of float32). An untied model's embedding is quantized on its own, in the
-same bits and blocks, and read the same way (quantize_untied_tables).
+Qwen3-0.6B's 151,936 x 1,024 table, 622 MB of float32). An untied model's embedding is quantized on its own, in int8's
+bits and blocks (for int4 too: VOCABULARY_IN_8_BITS), and read the same way (quantize_untied_tables).
 """
 
 from __future__ import annotations
@@ -54,6 +55,15 @@ BLOCKS = {"int8": (8, 256), "int4": (4, 128)}
 # the CPU kernel multiplies an 8-bit weight about as fast as a 4-bit one, so the step's time hardly moves.
 ATTENTION_IN_8_BITS = {"int4"}
 ATTENTION_WEIGHT = "attn."  # in the weight's name: the module path of every decoder here (self_attn., GPT-2's attn.)
+# int4 keeps an untied model's vocabulary matrices in 8 bits too, whatever --attention-bits says. The LM head: every
+# logit is a dot product with one of its rows and no later layer smooths its rounding (llama.cpp's Q4_0 keeps its output
+# matrix in 6-bit Q6_K for that). The token embedding: a lookup reads one row a token, so its bits cost bytes held, not
+# step time. On the Llama-3.1-8B shape's first 2 layers (random weights, the residual stream quieted) verify's mean KL
+# was 0.060 with both in 4 bits and 0.025 with both in 8 (bench/large_export.py; bench/results/cpu-2core.md, "Untied
+# vocabulary matrices"). A tied table stays in the scheme's bits: it is the head too, read whole every step, and at 8 bits
+# it would be a large share of a small model's step.
+VOCABULARY_IN_8_BITS = {"int4"}
+HEAD_WEIGHT = "lm_head."  # in an untied head's weight name (transformers' module name, which the Llama family keeps)
 ACCURACY_LEVEL = 4  # MatMulNBits: int8 arithmetic on the CPU provider (the 4-bit weights are widened to 8 in the kernel)
 
 
@@ -374,6 +384,12 @@ def attention_matmuls(model: onnx.ModelProto) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and ATTENTION_WEIGHT in n.input[1]]
 
 
+def head_matmuls(model: onnx.ModelProto) -> list[str]:
+    """The names of the weight MatMuls that multiply by an untied LM head (a tied head's weight is the embedding's)."""
+    initializers = {init.name for init in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and HEAD_WEIGHT in n.input[1]]
+
+
 def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None, plan: WeightPlan | None = None,
                    attention_bits: int | None = None) -> tuple[onnx.ModelProto, dict]:
     """The quantized graph and what the manifest records about it; block_size overrides the scheme's (BLOCKS) for a
@@ -397,8 +413,9 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
         bits, default_block = BLOCKS[scheme]
         block_size = block_size or default_block
         attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS and attention_bits != 4 else []
-        if "" in attention:
-            raise QuantizeError("an attention projection's MatMul has no name to keep it in 8 bits by")
+        head = head_matmuls(model) if scheme in VOCABULARY_IN_8_BITS else []
+        if "" in attention + head:
+            raise QuantizeError("an attention projection's or the LM head's MatMul has no name to keep it in 8 bits by")
         def nbits(graph: onnx.ModelProto, bits: int, block_size: int, exclude: list[str]) -> onnx.ModelProto:
             if plan is not None:
                 _nbits_quantize(graph, plan, bits, block_size, exclude)
@@ -408,17 +425,23 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
             quantizer.process()
             return quantizer.model.model
 
-        quantized = nbits(model, bits, block_size, attention)
+        quantized = nbits(model, bits, block_size, attention + head)
         facts = {"scheme": scheme, "op": "com.microsoft.MatMulNBits", "bits": bits, "block_size": block_size, "symmetric": True,
                  "accuracy_level": ACCURACY_LEVEL}
+        wide_bits, wide_block = BLOCKS["int8"]
+        if attention + head:
+            quantized = nbits(quantized, wide_bits, wide_block, [])  # the weight MatMuls the first pass left: attention's, the head's
         if attention:
-            attention_bits, attention_block = BLOCKS["int8"]
-            quantized = nbits(quantized, attention_bits, attention_block, [])  # the weight MatMuls the first pass left: attention's
-            facts |= {"attention_bits": attention_bits, "attention_block_size": attention_block, "attention_matmuls": len(attention)}
+            facts |= {"attention_bits": wide_bits, "attention_block_size": wide_block, "attention_matmuls": len(attention)}
         elif scheme in ATTENTION_IN_8_BITS:  # asked for 4: attention's projections went with the rest
             facts |= {"attention_bits": bits}
+        if head:
+            facts |= {"head_bits": wide_bits, "head_block_size": wide_block}
+        table_bits, table_block = (wide_bits, wide_block) if scheme in VOCABULARY_IN_8_BITS else (bits, block_size)
         facts |= {"shared_embedding": share_tied_table(quantized, plan) > 0,
-                  "quantized_embedding": quantize_untied_tables(quantized, bits, block_size, plan) > 0}
+                  "quantized_embedding": quantize_untied_tables(quantized, table_bits, table_block, plan) > 0}
+        if facts["quantized_embedding"]:
+            facts |= {"embedding_bits": table_bits, "embedding_block_size": table_block}
     elif scheme == "int8-dynamic":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 

@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument(
         "--quantize", choices=QUANTIZATIONS, default=None,
-        help="8- or 4-bit weights (MatMulNBits, blocks of 256 (int8) or 128 (int4, whose attention projections keep int8's 8 bits) unless "
+        help="8- or 4-bit weights (MatMulNBits, blocks of 256 (int8) or 128 (int4, whose attention projections, and an untied model's LM head and token table, keep int8's 8 bits) unless "
         "--quantize-block; float32 graph only), verified against "
         "the float32 eager model within the int8 or int4 tolerances (docs/parity.md, \"Int8\" and \"Int4\")",
     )
@@ -324,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "int4's 4-bit weights; smaller follows the weights more closely, larger decodes faster: docs/parity.md, \"Block sizes\")")
     export.add_argument("--attention-bits", type=int, choices=ATTENTION_BITS, default=None,
                         help="with --quantize int4: the attention projections' bits, 8 (default: parity held on small models where 4 "
-                        "missed) or 4 (every matrix in 4 bits, as llama.cpp's Q4_0: 18%% fewer bytes a step and 1.14x llama.cpp's "
+                        "missed) or 4 (every matrix in 4 bits but an untied LM head, as llama.cpp's Q4_0: 18%% fewer bytes a step and 1.14x llama.cpp's "
                         "batch-1 decode at the Qwen3-4B shape; docs/models.md)")
     export.add_argument("--kv-dtype", choices=KV_DTYPES, default=None,
                         help="what a slots graph's K/V cache holds: the model's --dtype (default), float16 (half a float32 cache), or "

@@ -620,9 +620,15 @@ MUTATIONS = (
     Mutation(
         "an untied model's token table stays float in a quantized export",
         "export/quantize.py",
-        (("                 \"quantized_embedding\": quantize_untied_tables(quantized, bits, block_size, plan) > 0}",
-          "                 \"quantized_embedding\": False}"),),
+        (("                  \"quantized_embedding\": quantize_untied_tables(quantized, table_bits, table_block, plan) > 0}",
+          "                  \"quantized_embedding\": False}"),),
         (f"tests/export/test_quantize.py::test_each_new_family_quantizes_and_passes_parity[{PHI3}-int8-None]",),
+    ),
+    Mutation(
+        "int4: an untied LM head and token table in 4 bits like the rest",
+        "export/quantize.py",
+        (('VOCABULARY_IN_8_BITS = {"int4"}', "VOCABULARY_IN_8_BITS = set()"),),
+        ("tests/export/test_quantize.py::test_int4_with_attention_in_4_bits_keeps_only_an_untied_vocabulary_in_8_bits_and_passes_parity",),
     ),
 )
 

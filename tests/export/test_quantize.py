@@ -179,9 +179,10 @@ def test_a_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf
     assert not [n for n in graph.graph.node if n.op_type in ("MatMul", "Gemm") and n.input[1] in weights]  # no float weight left
 
 
-def test_int4_with_attention_in_4_bits_quantizes_every_matrix_in_4_bits_and_passes_parity(make_hf_llama, tmp_path):
+def test_int4_with_attention_in_4_bits_keeps_only_an_untied_vocabulary_in_8_bits_and_passes_parity(make_hf_llama, tmp_path):
     """--attention-bits 4: Q/K/V and W_O go with the rest (as llama.cpp's Q4_0 has them), the manifest says so, and the
-    artifact is held to the same int4 bounds."""
+    artifact is held to the same int4 bounds. An untied model's LM head and token embedding keep 8 bits whatever
+    attention's are (quantize.VOCABULARY_IN_8_BITS)."""
     from kvserve.export.pipeline import export_artifact
     from kvserve.model.checkpoint import load_checkpoint
 
@@ -195,9 +196,13 @@ def test_int4_with_attention_in_4_bits_quantizes_every_matrix_in_4_bits_and_pass
     assert report.passed
     quantization = open_artifact(out).manifest["quantization"]
     assert quantization["attention_bits"] == 4 and "attention_matmuls" not in quantization
+    assert (quantization["head_bits"], quantization["embedding_bits"]) == (8, 8)
     graph = onnx.load(str(out / "model.onnx"))
-    bits = [{a.name: a.i for a in n.attribute}["bits"] for n in graph.graph.node if n.op_type == "MatMulNBits"]
-    assert len(bits) == 4 * model.config.n_layer + 1 and set(bits) == {4}
+    bits = {n.input[1]: {a.name: a.i for a in n.attribute}["bits"] for n in graph.graph.node if n.op_type == "MatMulNBits"}
+    (head,) = [weight for weight in bits if "lm_head." in weight]
+    assert len(bits) == 4 * model.config.n_layer + 1 and bits.pop(head) == 8 and set(bits.values()) == {4}
+    (lookup,) = [n for n in graph.graph.node if n.op_type == "GatherBlockQuantized"]
+    assert {a.name: a.i for a in lookup.attribute}["bits"] == 8
 
 
 def test_a_fused_llama_checkpoint_quantizes_every_projection_and_passes_parity(make_hf_llama, tmp_path):
@@ -247,6 +252,7 @@ def test_each_new_family_quantizes_and_passes_parity(make_hf_llama, tmp_path, na
     expected_block = block or BLOCKS[scheme][1]
     assert quantization["block_size"] == expected_block and quantization["shared_embedding"] == model.config.tie_word_embeddings
     assert quantization["quantized_embedding"] == (not model.config.tie_word_embeddings)  # an untied table in blocks of its own
+    assert "head_bits" not in quantization or (scheme, model.config.tie_word_embeddings) == ("int4", False)  # a tied head: the scheme's bits
     graph = onnx.load(str(out / "model.onnx")).graph
     table = {(model.config.vocab_size, model.config.d_model), (model.config.d_model, model.config.vocab_size)}
     assert not [t.name for t in graph.initializer if t.data_type == onnx.TensorProto.FLOAT and tuple(t.dims) in table]  # no float table
