@@ -1,9 +1,14 @@
 """Export and verify of the 3-8 B models people run on CPUs: peak memory and time of `kvserve export` on a checkpoint
 of a published model's shape (random weights, bfloat16 shards of 2 GB with their index, as downloaded), per precision;
-or of a preset, this tree against a baseline revision, alternating (--preset, --baseline).
+or of a preset; this tree against a baseline revision, alternating (--baseline).
 
     python bench/large_export.py [--shape qwen3-4b] [--precision int4 float16] [--work /tmp/kvserve-large] [--residual-scale 0.015625]
     python bench/large_export.py --preset qwen2.5-0.5b --precision int4 --baseline d63c112 [--rounds 2]
+    python bench/large_export.py --shape llama3.1-8b --layers 2 --residual-scale 0.015625 --baseline HEAD  # the numbers, quickly
+
+--layers keeps the shape's first N layers (its vocabulary and widths whole): a quick look at how a precision moves the
+numbers (verify's mean KL is in the table), not a figure of the whole model's memory or time. --baseline with --shape
+exports the same checkpoint with a revision's kvserve in turn with this tree's.
 
 The checkpoint is written once into --work (kept for the next run; 8 GB for qwen3-4b, 16 GB for llama3.1-8b) a tensor
 at a time. Each export runs as its own process under /usr/bin/time -v (peak RSS is its maximum resident set: what
@@ -19,6 +24,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -79,11 +85,19 @@ def random_tensors(config: DecoderConfig, seed: int = 0, residual_scale: float =
             yield name, torch.randn(shape, generator=generator, dtype=torch.bfloat16).mul_(std)
 
 
-def checkpoint(shape: str, work: Path, residual_scale: float = 1.0) -> Path:
-    directory = work / (f"{shape}-bf16-scaled" if residual_scale == 1.0 else f"{shape}-bf16-residual-{residual_scale:g}")
+def shape_config(shape: str, layers: int | None = None) -> DecoderConfig:
+    """The shape's config, cut to its first `layers` layers if given."""
+    config = SHAPES[shape]
+    return config if layers is None else replace(config, n_layer=layers)
+
+
+def checkpoint(shape: str, work: Path, residual_scale: float = 1.0, layers: int | None = None) -> Path:
+    name = shape if layers is None else f"{shape}-{layers}l"
+    directory = work / (f"{name}-bf16-scaled" if residual_scale == 1.0 else f"{name}-bf16-residual-{residual_scale:g}")
+    config = shape_config(shape, layers)
     if not (directory / "model.safetensors.index.json").exists():
         started = time.perf_counter()
-        write_checkpoint(SHAPES[shape], directory, random_tensors(SHAPES[shape], residual_scale=residual_scale), torch.bfloat16, SHARD_BYTES)
+        write_checkpoint(config, directory, random_tensors(config, residual_scale=residual_scale), torch.bfloat16, SHARD_BYTES)
         print(f"wrote {directory} in {time.perf_counter() - started:.0f} s", flush=True)
     return directory
 
@@ -95,14 +109,24 @@ def timed_export(source: list[str], out: Path, precision: str, site: Path | None
                *PRECISIONS[precision]]
     env = dict(os.environ) | ({"PYTHONPATH": str(site)} if site is not None else {})
     started = time.perf_counter()
-    run = subprocess.run(command, capture_output=True, text=True, env=env)
+    # not from a checkout: `python -m` puts the working directory first on the path, and from the repository's root that
+    # imports this tree's kvserve ahead of site's (the baseline then measured this tree against itself, until 2026-11-29)
+    run = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir())
     wall = time.perf_counter() - started
     (out.parent / f"{out.name}.log").write_text(run.stdout + run.stderr)  # the whole report, beside the artifact
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     stages = re.findall(r"^== (.+?): ([\d.]+) s \(total", run.stdout + run.stderr, re.M)
     passed = "result: PASS" in run.stdout + run.stderr
     return {"peak_gb": int(peak.group(1)) * 1024 / 1e9 if peak else float("nan"), "wall_s": wall, "passed": passed, "rc": run.returncode,
-            "stages": stages, "tail": (run.stdout + run.stderr)[-1500:]}
+            "stages": stages, "tail": (run.stdout + run.stderr)[-1500:], "kl": verify_kl(run.stdout + run.stderr)}
+
+
+def verify_kl(report: str) -> tuple[float, float]:
+    """(the largest mean KL of verify's prefill and decode checks, its held-out text's mean KL) from the report an export
+    prints (NaN where absent): how far the precision moved the logits, passed or not."""
+    checks = [float(row.split("|")[5]) for row in re.findall(r"^\| (?:prefill|decode)[^\n]*", report, re.M)]
+    text = re.search(r"held-out text, teacher-forced .*?mean KL ([\d.e+-]+)", report)
+    return max(checks, default=float("nan")), float(text.group(1)) if text else float("nan")
 
 
 def main() -> None:
@@ -111,30 +135,38 @@ def main() -> None:
     parser.add_argument("--precision", nargs="+", choices=sorted(PRECISIONS), default=["int4"])
     parser.add_argument("--work", type=Path, default=Path("/tmp/kvserve-large"))
     parser.add_argument("--preset", help="export this preset instead of a checkpoint of --shape")
-    parser.add_argument("--baseline", help="with --preset: a revision whose export runs in turn with this tree's")
+    parser.add_argument("--baseline", help="a revision whose export runs in turn with this tree's (of --preset, or of --shape's checkpoint)")
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--residual-scale", type=float, default=1.0,
                         help="the residual projections' spread times this (random_tensors): 1/64 makes an int4 export verify")
+    parser.add_argument("--layers", type=int, help="the shape's first N layers only (shape_config)")
     args = parser.parse_args()
+    args.work = args.work.resolve()  # the exports run from another directory
     if args.preset:
         compare_presets(args)
         return
-    directory = checkpoint(args.shape, args.work, args.residual_scale)
-    params = sum(torch.Size(s).numel() for s in (p.shape for p in skeleton(SHAPES[args.shape]).parameters()))
+    directory = checkpoint(args.shape, args.work, args.residual_scale, args.layers)
+    params = sum(torch.Size(s).numel() for s in (p.shape for p in skeleton(shape_config(args.shape, args.layers)).parameters()))
+    trees = {"this tree": None} | ({f"baseline {args.baseline}": install_revision(args.baseline)} if args.baseline else {})
     rows = []
     for precision in args.precision:
-        # random weights: a vocabulary would change nothing measured
-        result = timed_export(["--checkpoint", str(directory), "--no-tokenizer"], args.work / f"{directory.name}-{precision}", precision)
-        rows.append((precision, result))
-        if result["rc"] not in (0, 1):
-            print(result["tail"], file=sys.stderr)
-    print(f"\n{args.shape}: {params / 1e9:.2f} B parameters, bfloat16 shards of {SHARD_BYTES / 1e9:.0f} GB")
-    print("| precision | export + verify peak RSS | wall | verify | where the time went |")
-    print("|---|---|---|---|---|")
-    for precision, r in rows:
+        for round_ in range(args.rounds):
+            for tree, site in trees.items():
+                # random weights: a vocabulary would change nothing measured
+                out = args.work / f"{directory.name}-{precision}" if site is None else args.work / f"{directory.name}-{precision}-baseline"
+                result = timed_export(["--checkpoint", str(directory), "--no-tokenizer"], out, precision, site)
+                rows.append((precision, tree, result))
+                if result["rc"] not in (0, 1):
+                    print(result["tail"], file=sys.stderr)
+    layers = "" if args.layers is None else f" (its first {args.layers} layers)"
+    print(f"\n{args.shape}{layers}: {params / 1e9:.2f} B parameters, bfloat16 shards of {SHARD_BYTES / 1e9:.0f} GB, residual scale {args.residual_scale:g}")
+    print("| precision | tree | export + verify peak RSS | wall | verify | mean KL, worst check / held-out text | where the time went |")
+    print("|---|---|---|---|---|---|---|")
+    for precision, tree, r in rows:
         where = ", ".join(f"{name} {float(s):.0f} s" for name, s in r["stages"])
         verdict = "PASS" if r["passed"] else f"FAIL (rc {r['rc']})"
-        print(f"| {precision} | {r['peak_gb']:.2f} GB | {r['wall_s'] / 60:.1f} min | {verdict} | {where} |")
+        checks, text = r["kl"]
+        print(f"| {precision} | {tree} | {r['peak_gb']:.2f} GB | {r['wall_s'] / 60:.1f} min | {verdict} | {checks:.3f} / {text:.3f} | {where} |")
     print(f"\nmachine: {describe()}")
 
 
