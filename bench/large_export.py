@@ -57,7 +57,9 @@ SHAPES = {
                                  original_max_position_embeddings=8192),
     ),
 }
-PRECISIONS = {"int4": ["--quantize", "int4"], "int4-attention4": ["--quantize", "int4", "--attention-bits", "4"], "int4-b32": ["--quantize", "int4", "--quantize-block", "32"], "int8-b32": ["--quantize", "int8", "--quantize-block", "32"], "int8": ["--quantize", "int8"], "float16": ["--dtype", "float16"], "float32": []}
+PRECISIONS = {"int4": ["--quantize", "int4"], "int4-attention4": ["--quantize", "int4", "--attention-bits", "4"], "int4-b32": ["--quantize", "int4", "--quantize-block", "32"], "int8-b32": ["--quantize", "int8", "--quantize-block", "32"], "int8": ["--quantize", "int8"], "float16": ["--dtype", "float16"], "float32": [],
+              # docs/models.md's recipe for many streams on a CPU
+              "int4-many-streams": ["--quantize", "int4", "--quantize-block", "256", "--attention-bits", "4", "--kv-dtype", "int8"]}
 
 
 RESIDUAL_PROJECTIONS = ("o_proj.weight", "down_proj.weight")

@@ -2,9 +2,9 @@
 `kvserve health` asks), median of --runs, and where the time goes, read from the server's own log lines: the
 interpreter and imports up to the bound port, the session, the parity gate's replay, and the serving batch with the
 warm-up. Then what the warm-up leaves to the first requests: a burst of as many streams as rows (32-token prompts, 64
-new tokens) sent at SERVING, and the same burst again; their seconds, and the first's over the second's.
+new tokens, or --burst-tokens) sent at SERVING, and the same burst again; their seconds, and the first's over the second's.
 
-    python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5] [--baseline REV]
+    python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5] [--baseline REV] [--burst-tokens 64]
 
 With --baseline, the revision given is installed on its own (as bench/kv_memory.py installs it) and started in turn
 with this tree.
@@ -43,16 +43,16 @@ STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) ")
 BURST_PROMPT, BURST_TOKENS = 32, 64
 
 
-async def burst(target: str, rows: int, vocab: int, seed: int) -> float:
-    """Seconds for rows streams sent at once to each write BURST_TOKENS tokens."""
+async def burst(target: str, rows: int, vocab: int, seed: int, tokens: int = BURST_TOKENS) -> float:
+    """Seconds for rows streams sent at once to each write `tokens` tokens."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         started = time.perf_counter()
-        await asyncio.gather(*(stream(stub, prompt(seed + i, BURST_PROMPT, vocab), BURST_TOKENS) for i in range(rows)))
+        await asyncio.gather(*(stream(stub, prompt(seed + i, BURST_PROMPT, vocab), tokens) for i in range(rows)))
         return time.perf_counter() - started
 
 
-def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None) -> dict[str, float]:
+def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None, burst_tokens: int = BURST_TOKENS) -> dict[str, float]:
     """One start: seconds from the process's start to each mark, to the first SERVING answer, and of the two bursts."""
     port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
@@ -69,8 +69,8 @@ def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None) -
                 pass
             time.sleep(0.01)
         answered = time.perf_counter() - started
-        first_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 0))
-        second_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 100))
+        first_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 0, burst_tokens))
+        second_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 100, burst_tokens))
     finally:
         process.terminate()
         process.wait(60)
@@ -90,6 +90,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[8, 16])
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--baseline", default=None, help="a revision to start in turn with this tree (default: this tree alone)")
+    parser.add_argument("--burst-tokens", type=int, default=BURST_TOKENS,
+                        help=f"tokens each stream of a burst writes (default {BURST_TOKENS}; fewer for a model whose step takes seconds)")
     args = parser.parse_args()
     sides = {"this tree": None}
     if args.baseline:
@@ -104,7 +106,7 @@ def main() -> None:
     for run in range(args.runs):
         for side in (list(sides) if run % 2 == 0 else list(reversed(sides))):
             for rows in args.rows:
-                runs[(side, rows)].append(cold_start(args.artifact, rows, config.vocab_size, sides[side]))
+                runs[(side, rows)].append(cold_start(args.artifact, rows, config.vocab_size, sides[side], args.burst_tokens))
     for (side, rows), marks in runs.items():
         def median(name: str) -> float:
             return statistics.median(m[name] for m in marks)
