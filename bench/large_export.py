@@ -88,7 +88,8 @@ def random_tensors(config: DecoderConfig, seed: int = 0, residual_scale: float =
 
 
 def shape_config(shape: str, layers: int | None = None) -> DecoderConfig:
-    """The shape's config, cut to its first `layers` layers if given."""
+    """The shape's config, cut to its first `layers` layers if given (random_tensors then draws the residual projections
+    for that depth)."""
     config = SHAPES[shape]
     return config if layers is None else replace(config, n_layer=layers)
 
@@ -131,6 +132,24 @@ def verify_kl(report: str) -> tuple[float, float]:
     return max(checks, default=float("nan")), float(text.group(1)) if text else float("nan")
 
 
+def exports_in_turn(args, source: list[str], stem: str) -> list[tuple[str, int, str, dict]]:
+    """(precision, round, tree, timed_export's result) of each --precision's export of source (its --checkpoint or
+    --preset arguments), --rounds times, this tree's and --baseline's in turn, each into WORK/STEM-PRECISION[-baseline]."""
+    trees = {"this tree": None} | ({f"baseline {args.baseline}": install_revision(args.baseline)} if args.baseline else {})
+    rows = []
+    for precision in args.precision:
+        for round_ in range(args.rounds):
+            for tree, site in trees.items():
+                out = args.work / f"{stem}-{precision}{'' if site is None else '-baseline'}"
+                result = timed_export(source, out, precision, site)
+                data = out / "model.onnx.data"
+                result["data_sha256"] = json.loads((out / "manifest.json").read_text())["files"].get("model.onnx.data", "") if data.exists() else ""
+                if result["rc"] not in (0, 1):
+                    print(result["tail"], file=sys.stderr)
+                rows.append((precision, round_, tree, result))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-4b")
@@ -143,28 +162,21 @@ def main() -> None:
                         help="the residual projections' spread times this (random_tensors): 1/64 makes an int4 export verify")
     parser.add_argument("--layers", type=int, help="the shape's first N layers only (shape_config)")
     args = parser.parse_args()
+    if args.rounds < 1 or (args.layers is not None and args.layers < 1):
+        parser.error("--rounds and --layers must be at least 1")
     args.work = args.work.resolve()  # the exports run from another directory
     if args.preset:
         compare_presets(args)
         return
     directory = checkpoint(args.shape, args.work, args.residual_scale, args.layers)
     params = sum(torch.Size(s).numel() for s in (p.shape for p in skeleton(shape_config(args.shape, args.layers)).parameters()))
-    trees = {"this tree": None} | ({f"baseline {args.baseline}": install_revision(args.baseline)} if args.baseline else {})
-    rows = []
-    for precision in args.precision:
-        for round_ in range(args.rounds):
-            for tree, site in trees.items():
-                # random weights: a vocabulary would change nothing measured
-                out = args.work / f"{directory.name}-{precision}" if site is None else args.work / f"{directory.name}-{precision}-baseline"
-                result = timed_export(["--checkpoint", str(directory), "--no-tokenizer"], out, precision, site)
-                rows.append((precision, tree, result))
-                if result["rc"] not in (0, 1):
-                    print(result["tail"], file=sys.stderr)
+    # random weights: a vocabulary would change nothing measured
+    rows = exports_in_turn(args, ["--checkpoint", str(directory), "--no-tokenizer"], directory.name)
     layers = "" if args.layers is None else f" (its first {args.layers} layers)"
     print(f"\n{args.shape}{layers}: {params / 1e9:.2f} B parameters, bfloat16 shards of {SHARD_BYTES / 1e9:.0f} GB, residual scale {args.residual_scale:g}")
     print("| precision | tree | export + verify peak RSS | wall | verify | mean KL, worst check / held-out text | where the time went |")
     print("|---|---|---|---|---|---|---|")
-    for precision, tree, r in rows:
+    for precision, _, tree, r in rows:
         where = ", ".join(f"{name} {float(s):.0f} s" for name, s in r["stages"])
         verdict = "PASS" if r["passed"] else f"FAIL (rc {r['rc']})"
         checks, text = r["kl"]
@@ -174,16 +186,7 @@ def main() -> None:
 
 def compare_presets(args) -> None:
     """--preset: this tree's export against --baseline's, alternating, each round; and whether their weights files match."""
-    trees = {"this tree": None} | ({f"baseline {args.baseline}": install_revision(args.baseline)} if args.baseline else {})
-    rows = []
-    for precision in args.precision:
-        for round_ in range(args.rounds):
-            for tree, site in trees.items():
-                out = args.work / f"{args.preset}-{precision}-{tree.split()[0]}"
-                result = timed_export(["--preset", args.preset], out, precision, site)
-                data = out / "model.onnx.data"
-                result["data_sha256"] = json.loads((out / "manifest.json").read_text())["files"].get("model.onnx.data", "") if data.exists() else ""
-                rows.append((precision, round_, tree, result))
+    rows = exports_in_turn(args, ["--preset", args.preset], args.preset)
     print(f"\n{args.preset}: `kvserve export --preset`, {args.rounds} round(s), trees alternating")
     print("| precision | round | tree | peak RSS | wall | verify | model.onnx.data sha256 |")
     print("|---|---|---|---|---|---|---|")

@@ -93,6 +93,8 @@ def main() -> None:
     parser.add_argument("--burst-tokens", type=int, default=BURST_TOKENS,
                         help=f"tokens each stream of a burst writes (default {BURST_TOKENS}; fewer for a model whose step takes seconds)")
     args = parser.parse_args()
+    if args.burst_tokens < 1 or args.runs < 1:
+        parser.error("--burst-tokens and --runs must be at least 1")
     sides = {"this tree": None}
     if args.baseline:
         sides = {f"baseline {args.baseline}": install_revision(args.baseline), "this tree": None}

@@ -378,16 +378,11 @@ def weight_matmuls(model: onnx.ModelProto) -> int:
     return sum(1 for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers)
 
 
-def attention_matmuls(model: onnx.ModelProto) -> list[str]:
-    """The names of the weight MatMuls that project attention's Q/K/V or mix its heads (W_O)."""
+def named_weight_matmuls(model: onnx.ModelProto, part: str) -> list[str]:
+    """The names of the weight MatMuls whose weight's name holds `part`: ATTENTION_WEIGHT finds the ones that project
+    attention's Q/K/V or mix its heads (W_O), HEAD_WEIGHT an untied LM head's (a tied head's weight is the embedding's)."""
     initializers = {init.name for init in model.graph.initializer}
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and ATTENTION_WEIGHT in n.input[1]]
-
-
-def head_matmuls(model: onnx.ModelProto) -> list[str]:
-    """The names of the weight MatMuls that multiply by an untied LM head (a tied head's weight is the embedding's)."""
-    initializers = {init.name for init in model.graph.initializer}
-    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and HEAD_WEIGHT in n.input[1]]
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in initializers and part in n.input[1]]
 
 
 def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None = None, plan: WeightPlan | None = None,
@@ -412,8 +407,8 @@ def quantize_model(model: onnx.ModelProto, scheme: str, block_size: int | None =
 
         bits, default_block = BLOCKS[scheme]
         block_size = block_size or default_block
-        attention = attention_matmuls(model) if scheme in ATTENTION_IN_8_BITS and attention_bits != 4 else []
-        head = head_matmuls(model) if scheme in VOCABULARY_IN_8_BITS else []
+        attention = named_weight_matmuls(model, ATTENTION_WEIGHT) if scheme in ATTENTION_IN_8_BITS and attention_bits != 4 else []
+        head = named_weight_matmuls(model, HEAD_WEIGHT) if scheme in VOCABULARY_IN_8_BITS else []
         if "" in attention + head:
             raise QuantizeError("an attention projection's or the LM head's MatMul has no name to keep it in 8 bits by")
         def nbits(graph: onnx.ModelProto, bits: int, block_size: int, exclude: list[str]) -> onnx.ModelProto:
