@@ -7,7 +7,10 @@ new tokens, or --burst-tokens) sent at SERVING, and the same burst again; their 
     python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5] [--baseline REV] [--burst-tokens 64]
 
 With --baseline, the revision given is installed on its own (as bench/kv_memory.py installs it) and started in turn
-with this tree.
+with this tree. With --llama-server and --gguf, llama.cpp's server is started in turn too (as many slots as rows, 256
+tokens each), timed from its start to its /health answering 200, the peer's SERVING. With --cold, the kernel's page
+cache is dropped before every start (root only), so each reads its weights from the disk, as a new container does;
+without it, a kvserve start hands its weights' pages back (runtime/weights_memory.py) and llama-server's stay cached.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -84,6 +88,32 @@ def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None, b
     return marks
 
 
+def drop_page_cache() -> None:
+    """Every clean page of every file out of the kernel's cache, so the next start reads its weights from the disk."""
+    subprocess.run(["sync"], check=True)
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def llama_server_start(binary: Path, gguf: Path, rows: int) -> dict[str, float]:
+    """Seconds from llama-server's start to its /health answering 200 (loaded, slots ready)."""
+    port = free_port()
+    started = time.perf_counter()
+    process = subprocess.Popen([str(binary), "-m", str(gguf), "--port", str(port), "-t", str(os.cpu_count() or 1), "-np", str(rows),
+                                "-c", str(rows * 256), "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while process.poll() is None:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                    if reply.status == 200:
+                        return {"answered": time.perf_counter() - started}
+            except OSError:
+                time.sleep(0.01)
+        sys.exit(f"llama-server exited with {process.returncode} before it was healthy")
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--artifact", default="artifacts/gpt2-int8")
@@ -92,15 +122,29 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a revision to start in turn with this tree (default: this tree alone)")
     parser.add_argument("--burst-tokens", type=int, default=BURST_TOKENS,
                         help=f"tokens each stream of a burst writes (default {BURST_TOKENS}; fewer for a model whose step takes seconds)")
+    parser.add_argument("--llama-server", type=Path, help="llama.cpp's llama-server binary, started in turn on --gguf")
+    parser.add_argument("--gguf", type=Path, help="the GGUF llama-server loads (the same checkpoint as --artifact)")
+    parser.add_argument("--cold", action="store_true", help="drop the page cache before every start (root only)")
     args = parser.parse_args()
     if args.burst_tokens < 1 or args.runs < 1:
         parser.error("--burst-tokens and --runs must be at least 1")
+    if (args.llama_server is None) != (args.gguf is None):
+        parser.error("--llama-server and --gguf go together")
+    for path in (args.llama_server, args.gguf):
+        if path is not None and not path.is_file():
+            parser.error(f"{path}: no such file")
+    if args.cold and not os.access("/proc/sys/vm/drop_caches", os.W_OK):
+        parser.error("--cold drops the page cache, which needs root (/proc/sys/vm/drop_caches is not writable)")
     sides = {"this tree": None}
     if args.baseline:
         sides = {f"baseline {args.baseline}": install_revision(args.baseline), "this tree": None}
+    if args.llama_server is not None:
+        sides["llama-server"] = None
     config = open_artifact(args.artifact).config
     print(f"# Cold starts to SERVING\n\n{describe()}\n\n{Path(args.artifact).name} ({config.n_layer} layers, context {config.n_ctx}), "
-          f"{args.runs} starts per row count, alternating; medians, seconds from the process's start\n")
+          f"{args.runs} starts per row count, alternating; medians, seconds from the process's start; page cache "
+          f"{'dropped before every start' if args.cold else 'as each server leaves it'}"
+          f"{f'; llama-server on {args.gguf.name}, to /health 200' if args.llama_server else ''}\n")
     print("| server | rows | to SERVING | imports + bind | session | parity gate | batch + warm-up | first burst s | again s | first / again | "
           "runs (to SERVING) |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
@@ -108,11 +152,19 @@ def main() -> None:
     for run in range(args.runs):
         for side in (list(sides) if run % 2 == 0 else list(reversed(sides))):
             for rows in args.rows:
-                runs[(side, rows)].append(cold_start(args.artifact, rows, config.vocab_size, sides[side], args.burst_tokens))
+                if args.cold:
+                    drop_page_cache()
+                if side == "llama-server":
+                    runs[(side, rows)].append(llama_server_start(args.llama_server, args.gguf, rows))
+                else:
+                    runs[(side, rows)].append(cold_start(args.artifact, rows, config.vocab_size, sides[side], args.burst_tokens))
     for (side, rows), marks in runs.items():
         def median(name: str) -> float:
             return statistics.median(m[name] for m in marks)
 
+        if side == "llama-server":  # its start has no phases kvserve's log names, and no bursts are sent to it
+            print(f"| {side} | {rows} | {median('answered'):.2f} | | | | | | | | {', '.join(format(m['answered'], '.2f') for m in marks)} |")
+            continue
         bound, session, gate, serving = median("bound"), median("session"), median("gate"), median("serving")
         first, again = median("first_burst"), median("second_burst")
         print(f"| {side} | {rows} | {median('answered'):.2f} | {bound:.2f} | {session - bound:.2f} | {gate - session:.2f} | {serving - gate:.2f} | "

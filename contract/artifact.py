@@ -58,8 +58,9 @@ _hashing: dict[Path, Future] = {}  # prefetch_checksums' digests in the making, 
 
 def prefetch_checksums(directory: str | Path) -> None:
     """Start hashing directory's graph files on a thread of their own (hashlib lets go of the GIL), for an
-    open_artifact(check_files=True) that comes later: the server starts it before its imports, which it overlaps
-    (gpt2 int8: 0.1 s of its start, bench/startup.py). Files that are not there are left to open_artifact to name."""
+    open_artifact(check_files=True) that comes later: the server starts it before its imports, which the graph's hash
+    overlaps (gpt2 int8: 0.1 s of its start, bench/startup.py), and the weights' its session's opening. Files that
+    are not there, or whose hashing has started already, are left alone."""
     for name in (MODEL_FILE, MODEL_DATA_FILE):
         path = (Path(directory) / name).resolve()
         if path.is_file() and path not in _hashing:
@@ -108,6 +109,7 @@ class Artifact:
     directory: Path
     config: DecoderConfig
     manifest: dict
+    unchecked: tuple[str, ...] = ()  # files whose checksums open_artifact left to check_unchecked (weights_later)
 
     @property
     def model_path(self) -> Path:
@@ -182,6 +184,10 @@ class Artifact:
         path = self.directory / TOKENIZER_FILE
         return path if path.exists() else None
 
+    def check_unchecked(self) -> None:
+        """Check the checksums open_artifact left for later (weights_later); raises ArtifactError naming a changed file."""
+        _check_checksums(self.directory, {name: self.manifest["files"][name] for name in self.unchecked})
+
     def golden(self) -> GoldenRecord:
         return GoldenRecord.load(self.directory / GOLDEN_FILE)
 
@@ -190,8 +196,11 @@ class Artifact:
         return json.loads(path.read_text()) if path.exists() else None
 
 
-def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
-    """Read and cross-check an artifact directory; with check_files, the model files' checksums too."""
+def open_artifact(directory: str | Path, check_files: bool = True, weights_later: bool = False) -> Artifact:
+    """Read and cross-check an artifact directory; with check_files, the model files' checksums too. weights_later
+    leaves the weights file's (gigabytes at 3-8 B parameters: seconds of hashing) to Artifact.check_unchecked, which
+    the server calls once its session, reading the same file, is open: the hash and the weights' repacking then run
+    on two cores at once."""
     directory = Path(directory)
     if not directory.is_dir():
         raise ArtifactError(f"{directory}: artifact directory not found")
@@ -236,14 +245,22 @@ def open_artifact(directory: str | Path, check_files: bool = True) -> Artifact:
             f"{where}: architecture {architecture!r} ({manifest.get('model_type')!r}) disagrees with config.json's "
             f"model_type {config.model_type!r}"
         )
+    later = (MODEL_DATA_FILE,) if check_files and weights_later and MODEL_DATA_FILE in files else ()
     if check_files:
-        for name, expected in files.items():
-            path = directory / name
-            if not path.exists():
-                raise ArtifactError(f"{path}: missing")
-            if _checksum(path) != expected:
-                raise ArtifactError(f"{path}: checksum mismatch (the file changed after export)")
-    return Artifact(directory=directory, config=config, manifest=manifest)
+        for name in files:
+            if not (directory / name).exists():
+                raise ArtifactError(f"{directory / name}: missing")
+        _check_checksums(directory, {name: expected for name, expected in files.items() if name not in later})
+    return Artifact(directory=directory, config=config, manifest=manifest, unchecked=later)
+
+
+def _check_checksums(directory: Path, expected: dict[str, str]) -> None:
+    for name, digest in expected.items():
+        path = directory / name
+        if not path.exists():
+            raise ArtifactError(f"{path}: missing")
+        if _checksum(path) != digest:
+            raise ArtifactError(f"{path}: checksum mismatch (the file changed after export)")
 
 
 def contract_problems(signature: dict[str, dict], artifact: Artifact) -> list[str]:

@@ -94,7 +94,7 @@ def _serve(args) -> int:
     os.environ.setdefault("GRPC_VERBOSITY", "NONE")
     from kvserve.contract.artifact import prefetch_checksums
 
-    prefetch_checksums(args.model or ".")  # hashed while the serving code imports; checked before anything listens
+    prefetch_checksums(args.model or ".")  # the graph checked before anything listens, the weights before the gate
     from kvserve.service.process.app import serve
     from kvserve.service.core.limits import EngineLimits, declarations, out_of_bounds
     from kvserve.service.process.options import TRACE_PROTOCOLS, ServerOptions, TraceExport

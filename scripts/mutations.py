@@ -113,6 +113,18 @@ MUTATIONS = (
         ("tests/service/core/test_fixed_decode.py::test_the_gate_the_warm_up_and_every_step_run_on_one_thread",),
     ),
     Mutation(
+        "the warm-up fills every row of the batch again",
+        "service/process/gate.py",
+        (("for i in range(min(WARM_UP_ROWS, batch.max_rows))]", "for i in range(batch.max_rows)]"),),
+        ("tests/service/process/test_lifecycle.py::test_warm_up_runs_each_kind_of_step_once_whatever_the_batch_size",),
+    ),
+    Mutation(
+        "the server never checks the weights checksum it left for later",
+        "service/process/loading.py",
+        (("    await asyncio.to_thread(artifact.check_unchecked)  # before any step reads them\n", ""),),
+        ("tests/test_cli.py::test_a_broken_artifact_is_refused_in_one_line",),
+    ),
+    Mutation(
         "fixed-shape decode: decode rows read only up to the narrowest bucket",
         "service/core/batch.py",
         (("rows, columns = self.decode_shape(len(slots), width)", "rows, columns = self.decode_shape(len(slots), min(width, 64))"),),

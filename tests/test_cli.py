@@ -7,6 +7,7 @@ import shutil
 import socket
 from pathlib import Path
 
+import onnx
 import pytest
 
 from .conftest import run_cli
@@ -56,12 +57,40 @@ def _corrupt_model(manifest, directory):
     manifest["files"]["model.onnx"] = _sha256(directory / "model.onnx")  # the checksum agrees: only loading tells
 
 
+def _weights_apart(manifest, directory) -> Path:
+    """The tiny graph's weights moved to model.onnx.data, as a large model's are written, the manifest's checksums
+    those of the files as moved; the weights file's path."""
+    graph = onnx.load(str(directory / "model.onnx"))
+    onnx.save_model(graph, str(directory / "model.onnx"), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data")  # the shapes' small constants stay in the graph, as the exporter keeps them
+    for name in ("model.onnx", "model.onnx.data"):
+        manifest["files"][name] = _sha256(directory / name)
+    return directory / "model.onnx.data"
+
+
+def _changed_weights(manifest, directory):
+    path = _weights_apart(manifest, directory)
+    weights = bytearray(path.read_bytes())
+    weights[len(weights) // 2] ^= 0x40  # one weight off: the session loads it; only the checksum tells
+    path.write_bytes(bytes(weights))
+
+
+def _weights_cut_short(manifest, directory):
+    path = _weights_apart(manifest, directory)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # the session cannot load it; the checksum is the cause
+
+
+WEIGHTS_CHANGED = "model.onnx.data: checksum mismatch (the file changed after export)"
+FOUND_AFTER_LISTENING = ("corrupt model.onnx", "changed weights", "weights cut short")  # the weights are checked as the session opens
+
 BROKEN_ARTIFACTS = {
     "no files": (lambda m, d: m.pop("files"), "manifest.json: 'files' must map each file name to its sha256"),
     "files of the wrong type": (lambda m, d: m.update(files=["model.onnx"]), "'files' must map each file name to its sha256, got list"),
     "no dtype": (lambda m, d: m.pop("dtype"), "manifest.json: dtype None is not one of float32, float16"),
     "bfloat16": (lambda m, d: m.update(dtype="bfloat16"), "dtype 'bfloat16' is not one of float32, float16"),
     "corrupt model.onnx": (_corrupt_model, "model.onnx: ONNX Runtime cannot load it"),
+    "changed weights": (_changed_weights, WEIGHTS_CHANGED),
+    "weights cut short": (_weights_cut_short, WEIGHTS_CHANGED),
     "unknown attention": (lambda m, d: m.update(attention="flash"), "manifest.json: attention 'flash' is not one of standard, fused"),
     "an older format": (lambda m, d: m.update(format="kvserve-artifact/1"),
                         "manifest.json: format 'kvserve-artifact/1'; this kvserve reads 'kvserve-artifact/2': re-export with kvserve export"),
@@ -80,7 +109,7 @@ def test_a_broken_artifact_is_refused_in_one_line(tiny_artifact, tmp_path, case,
     args = ["verify", str(broken)] if command == "verify" else ["serve", "--model", str(broken), "--port", "0", "--provider", "cpu"]
     result = run_cli(*args)
     one_line_error(result, message)
-    if case != "corrupt model.onnx":  # a manifest problem is found before anything listens; only loading finds this one
+    if case not in FOUND_AFTER_LISTENING:  # a manifest problem is found before anything listens
         assert "listening" not in result.stderr
 
 

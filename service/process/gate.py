@@ -92,18 +92,25 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
     return replay_golden(runtime, artifact, step_token_budget)
 
 
-WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a decode step of every row
+WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a decode step
+# Two rows joining one after the other give a step of each kind the serving loop runs: a prompt chunk alone, a chunk
+# beside a decoding row, a decode alone. Before 2026-11-29 every row of the batch was warmed this way (the rows join one
+# chunk a step and leave after their second token, so no step ever held more than two rows): the same three kinds of
+# step, repeated, which cost a Llama-3.1-8B start 20 s on an AVX2 machine and bought its first requests nothing
+# (bench/startup.py).
+WARM_UP_ROWS = 2
+# A chunk of two tokens takes the multi-token path as one of 8 did, at a quarter of its compute (an 8 B model's
+# warm-up: 1.5 s instead of 2.4-2.8 on that machine).
+WARM_UP_PROMPT = 2
 
 
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None) -> None:
-    """Fill the serving batch to its largest size through the serving path (its rows' prompts in chunks, then one
-    decode step of every row), so the first requests pay no first-run costs; the batch is empty afterwards. A batch of
-    fixed-shape decode steps then binds (and captures) every shape it may run. The prompt cache forgets the warm-up's
-    rows: no request should find their made-up tokens. More decode steps bought the first requests nothing measurable
-    and cost the start a step each (bench/startup.py's bursts)."""
+    """Run each kind of step the serving loop runs once through the serving path (WARM_UP_ROWS rows with short prompts),
+    so the first requests pay no first-run costs; the batch is empty afterwards. A batch of fixed-shape decode steps
+    then binds (and captures) every shape it may run, at every row count. The prompt cache forgets the warm-up's rows:
+    no request should find their made-up tokens."""
     config = batch.config  # as served: its context may be cut (serve --max-context)
-    batch_size = batch.max_rows
-    prompt_len = max(1, min(8, config.n_ctx // 2))
+    prompt_len = max(1, min(WARM_UP_PROMPT, config.n_ctx // 2))
     new_tokens = max(1, min(WARM_UP_NEW_TOKENS, config.n_ctx - prompt_len))
     scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)  # the warm-up's rows: the server's are made after it
     held = scheduler.budget_tokens()
@@ -112,7 +119,7 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
                         f"give it at least {MIN_BUDGET_TOKENS * scheduler.token_bytes} ({MIN_BUDGET_TOKENS} tokens)")
     if held is not None:  # each row within the K/V budget (at least kv_budget.MIN_BUDGET_TOKENS)
         new_tokens = max(1, min(new_tokens, held - prompt_len))
-    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, new_tokens) for i in range(batch_size)]
+    rows = [_greedy_sequence(-1 - i, [i % config.vocab_size] * prompt_len, new_tokens) for i in range(min(WARM_UP_ROWS, batch.max_rows))]
     results = scheduler.drive(rows)  # a failure anywhere counts
     failures = [e for _, e in results if isinstance(e, BaseException)]
     if failures:

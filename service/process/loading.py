@@ -12,7 +12,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from kvserve.contract.artifact import Artifact, open_artifact
+from kvserve.contract.artifact import Artifact, open_artifact, prefetch_checksums
 from kvserve.contract.chat import ChatTemplate, load_chat_template
 from kvserve.contract.config import DecoderConfig
 from kvserve.contract.io_contract import SLOTS
@@ -39,8 +39,10 @@ class NotServable(UserError):
 
 
 def open_servable(path: str) -> Artifact:
-    """The artifact at path, checked, if the server serves its layout (slots)."""
-    artifact = open_artifact(path)
+    """The artifact at path, checked (its weights file's checksum is left to load_model, which checks it while the
+    session opens), if the server serves its layout (slots)."""
+    prefetch_checksums(path)  # the server's command started this before its imports; a no-op then
+    artifact = open_artifact(path, weights_later=True)
     if artifact.kv_cache != SLOTS:
         raise NotServable(f"{path}: its {artifact.kv_cache} KV cache is an export for tools that drive the graph themselves; "
                           f"kvserve serves the {SLOTS} layout: re-export with kvserve export (without --kv-cache {artifact.kv_cache})")
@@ -72,8 +74,13 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     """Open the session for artifact, run the parity gate, then allocate the serving batch and warm it up.
     on_session(runtime) is told the session as soon as it is open (the server reports its provider)."""
     config = served_config(artifact.config, options.max_context)
-    runtime = await asyncio.to_thread(DecoderRuntime, artifact.model_path, config.n_layer, artifact.dtype, options.provider,
-                                      cuda_graph=options.cuda_graph)
+    try:  # the weights file's hash (prefetch_checksums' thread) runs beside the session's repacking of the same bytes
+        runtime = await asyncio.to_thread(DecoderRuntime, artifact.model_path, config.n_layer, artifact.dtype, options.provider,
+                                          cuda_graph=options.cuda_graph)
+    except BaseException:
+        await asyncio.to_thread(artifact.check_unchecked)  # a weights file changed since export is the cause to name
+        raise
+    await asyncio.to_thread(artifact.check_unchecked)  # before any step reads them
     if runtime.fallback_reason:
         log.warning("serving on the CPU provider: %s", runtime.fallback_reason)
     if runtime.cuda_graph_note:

@@ -56,6 +56,29 @@ def test_checksums_hashed_ahead_are_the_ones_checked_and_a_changed_graph_is_stil
     assert not artifact._hashing
 
 
+def test_the_weights_checksum_left_for_later_is_checked_by_check_unchecked_and_only_then(copied):
+    """The server leaves the weights file's hash (gigabytes at 8 B) to run beside its session's opening: open_artifact
+    with weights_later checks everything else, and check_unchecked the weights, against the manifest still."""
+    from kvserve.contract.artifact import sha256_file
+
+    weights = copied / "model.onnx.data"
+    weights.write_bytes(bytes(range(256)) * 64)
+    manifest = json.loads((copied / "manifest.json").read_text())
+    edit_manifest(copied, files={**manifest["files"], "model.onnx.data": sha256_file(weights)})
+    open_artifact(copied, weights_later=True).check_unchecked()
+    assert open_artifact(copied).unchecked == ()  # checked at once: nothing left
+    weights.write_bytes(b"\xff" + weights.read_bytes()[1:])
+    later = open_artifact(copied, weights_later=True)
+    assert later.unchecked == ("model.onnx.data",)
+    with pytest.raises(ArtifactError, match="model.onnx.data: checksum mismatch"):
+        later.check_unchecked()
+    with pytest.raises(ArtifactError, match="model.onnx.data: checksum mismatch"):
+        open_artifact(copied)
+    weights.unlink()  # a missing weights file is named at once, whatever is left for later
+    with pytest.raises(ArtifactError, match="model.onnx.data: missing"):
+        open_artifact(copied, weights_later=True)
+
+
 def test_an_artifact_opens_with_its_config_and_a_graph_that_is_not_its_contract_is_named(tiny_artifact):
     artifact = open_artifact(tiny_artifact)
     assert artifact.kv_cache == "slots" and artifact.attention == "fused" and artifact.dtype == "float32"

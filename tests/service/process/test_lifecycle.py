@@ -285,6 +285,28 @@ def test_a_taken_port_and_a_bad_variable_are_one_line_errors(server):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_warm_up_runs_each_kind_of_step_once_whatever_the_batch_size(server, monkeypatch):
+    """A chunk alone, a chunk beside a decoding row, a decode alone: what the serving loop runs, once each, and no
+    more at 8 rows than at 2 (a Llama-3.1-8B start spent 20 s warming 16 rows the same way)."""
+    from kvserve.service.core.batch import SlotBatch
+    from kvserve.service.core.scheduler import Scheduler
+    from kvserve.service.process.gate import warm_up
+
+    for rows in (2, 8):
+        kinds = []
+        run_step = Scheduler.run_step
+
+        def recording(self, plan, before_model=None):
+            kinds.append((plan.chunk is not None, len(plan.decode)))
+            return run_step(self, plan, before_model)
+
+        monkeypatch.setattr(Scheduler, "run_step", recording)
+        batch = SlotBatch(server.app.runtime, server.app.artifact.config, rows)
+        warm_up(batch, server.app.artifact)
+        assert kinds == [(True, 0), (True, 1), (False, 1)]
+        monkeypatch.undo()
+
+
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
     from kvserve.service.core.batch import SlotBatch
     from kvserve.service.process.gate import warm_up
