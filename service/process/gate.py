@@ -96,7 +96,7 @@ WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a
 # Two rows joining one after the other give a step of each kind the serving loop runs: a prompt chunk alone, a chunk
 # beside a decoding row, a decode alone. Before 2026-11-29 every row of the batch was warmed this way (the rows join one
 # chunk a step and leave after their second token, so no step ever held more than two rows): the same three kinds of
-# step, repeated, which cost a Llama-3.1-8B start 20 s on an AVX2 machine and bought its first requests nothing
+# step, repeated, which cost a Llama-3.1-8B start 23 s on an AVX2 machine and bought its first requests nothing
 # (bench/startup.py).
 WARM_UP_ROWS = 2
 # A chunk of two tokens takes the multi-token path as one of 8 did, at a quarter of its compute (an 8 B model's
