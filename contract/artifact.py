@@ -247,10 +247,10 @@ def open_artifact(directory: str | Path, check_files: bool = True, weights_later
         )
     later = (MODEL_DATA_FILE,) if check_files and weights_later and MODEL_DATA_FILE in files else ()
     if check_files:
-        for name in files:
+        _check_checksums(directory, {name: expected for name, expected in files.items() if name not in later})
+        for name in later:  # a missing file is named now, whatever is left for later
             if not (directory / name).exists():
                 raise ArtifactError(f"{directory / name}: missing")
-        _check_checksums(directory, {name: expected for name, expected in files.items() if name not in later})
     return Artifact(directory=directory, config=config, manifest=manifest, unchecked=later)
 
 

@@ -100,7 +100,7 @@ WARM_UP_NEW_TOKENS = 2  # the first from the prefill's logits, the second from a
 # (bench/startup.py).
 WARM_UP_ROWS = 2
 # A chunk of two tokens takes the multi-token path as one of 8 did, at a quarter of its compute (an 8 B model's
-# warm-up: 1.5 s instead of 2.4-2.8 on that machine).
+# warm-up: 1.58 s instead of 2.85 on that machine, bench/startup.py --cold).
 WARM_UP_PROMPT = 2
 
 

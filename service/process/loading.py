@@ -18,7 +18,7 @@ from kvserve.contract.config import DecoderConfig
 from kvserve.contract.io_contract import SLOTS
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 from kvserve.errors import JobFailed, UserError
-from kvserve.runtime import DecoderRuntime
+from kvserve.runtime import DecoderRuntime, ModelUnloadable
 
 from ..core.batch import SlotBatch
 from .gate import run_gate, warm_up
@@ -77,8 +77,8 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     try:  # the weights file's hash (prefetch_checksums' thread) runs beside the session's repacking of the same bytes
         runtime = await asyncio.to_thread(DecoderRuntime, artifact.model_path, config.n_layer, artifact.dtype, options.provider,
                                           cuda_graph=options.cuda_graph)
-    except BaseException:
-        await asyncio.to_thread(artifact.check_unchecked)  # a weights file changed since export is the cause to name
+    except ModelUnloadable:  # a weights file changed since export is the cause to name (not on Ctrl-C or a missing provider)
+        await asyncio.to_thread(artifact.check_unchecked)
         raise
     await asyncio.to_thread(artifact.check_unchecked)  # before any step reads them
     if runtime.fallback_reason:
