@@ -47,13 +47,13 @@ def test_checksums_hashed_ahead_are_the_ones_checked_and_a_changed_graph_is_stil
     artifact.prefetch_checksums(copied)
     assert (copied / "model.onnx").resolve() in artifact._hashing
     open_artifact(copied)
-    assert not artifact._hashing  # each digest is used once
+    assert not [path for path in artifact._hashing if copied.resolve() in path.parents]  # each digest is used once
     (copied / "model.onnx").write_bytes((copied / "model.onnx").read_bytes() + b"x")
     artifact.prefetch_checksums(copied)
     with pytest.raises(ArtifactError, match="model.onnx: checksum mismatch"):
         open_artifact(copied)
     artifact.prefetch_checksums(copied / "nowhere")  # nothing there: nothing started, open_artifact names it
-    assert not artifact._hashing
+    assert not [path for path in artifact._hashing if copied.resolve() in path.parents]
 
 
 def test_the_weights_checksum_left_for_later_is_checked_by_check_unchecked_and_only_then(copied):
