@@ -1,7 +1,8 @@
 """Cold starts: `kvserve serve` from its process start to SERVING (asked of the health service every 10 ms, as
 `kvserve health` asks), median of --runs, and where the time goes, read from the server's own log lines: the
 interpreter and imports up to the bound port, the session, the parity gate's replay, and the serving batch with the
-warm-up. Then what the warm-up leaves to the first requests: a burst of as many streams as rows (32-token prompts, 64
+warm-up; and the bytes the server had read from storage by then (/proc/PID/io read_bytes: with --cold, whether its
+weights file was read from the disk once or twice). Then what the warm-up leaves to the first requests: a burst of as many streams as rows (32-token prompts, 64
 new tokens, or --burst-tokens) sent at SERVING, and the same burst again; their seconds, and the first's over the second's.
 
     python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5] [--baseline REV] [--burst-tokens 64]
@@ -56,6 +57,14 @@ async def burst(target: str, rows: int, vocab: int, seed: int, tokens: int = BUR
         return time.perf_counter() - started
 
 
+def storage_read_bytes(pid: int) -> int:
+    """Bytes process pid has had read from storage so far (page-cache hits not counted; its memory-mapped pages too)."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/{pid}/io has no read_bytes")
+
+
 def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None, burst_tokens: int = BURST_TOKENS) -> dict[str, float]:
     """One start: seconds from the process's start to each mark, to the first SERVING answer, and of the two bursts."""
     port = free_port()
@@ -73,13 +82,14 @@ def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None, b
                 pass
             time.sleep(0.01)
         answered = time.perf_counter() - started
+        read = storage_read_bytes(process.pid)
         first_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 0, burst_tokens))
         second_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 100, burst_tokens))
     finally:
         process.terminate()
         process.wait(60)
     log.seek(0)
-    marks = {"answered": answered, "first_burst": first_burst, "second_burst": second_burst}
+    marks = {"answered": answered, "read": read, "first_burst": first_burst, "second_burst": second_burst}
     for line in log.read().splitlines():
         stamp = STAMP.match(line)
         for name, words in MARKS.items():
@@ -105,7 +115,7 @@ def llama_server_start(binary: Path, gguf: Path, rows: int) -> dict[str, float]:
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                     if reply.status == 200:
-                        return {"answered": time.perf_counter() - started}
+                        return {"answered": time.perf_counter() - started, "read": storage_read_bytes(process.pid)}
             except OSError:
                 time.sleep(0.01)
         sys.exit(f"llama-server exited with {process.returncode} before it was healthy")
@@ -145,9 +155,11 @@ def main() -> None:
           f"{args.runs} starts per row count, alternating; medians, seconds from the process's start; page cache "
           f"{'dropped before every start' if args.cold else 'as each server leaves it'}"
           f"{f'; llama-server on {args.gguf.name}, to /health 200' if args.llama_server else ''}\n")
-    print("| server | rows | to SERVING | imports + bind | session | parity gate | batch + warm-up | first burst s | again s | first / again | "
-          "runs (to SERVING) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    weights = sum(f.stat().st_size for f in Path(args.artifact).iterdir() if f.name.startswith("model.onnx"))
+    print(f"weights: {weights / 1e9:.2f} GB (model.onnx and its data file){f', the GGUF {args.gguf.stat().st_size / 1e9:.2f} GB' if args.gguf else ''}\n")
+    print("| server | rows | to SERVING | imports + bind | session | parity gate | batch + warm-up | read from storage GB | first burst s | again s | "
+          "first / again | runs (to SERVING) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     runs: dict[tuple[str, int], list[dict]] = {(side, rows): [] for side in sides for rows in args.rows}
     for run in range(args.runs):
         for side in (list(sides) if run % 2 == 0 else list(reversed(sides))):
@@ -163,12 +175,12 @@ def main() -> None:
             return statistics.median(m[name] for m in marks)
 
         if side == "llama-server":  # its start has no phases kvserve's log names, and no bursts are sent to it
-            print(f"| {side} | {rows} | {median('answered'):.2f} | | | | | | | | {', '.join(format(m['answered'], '.2f') for m in marks)} |")
+            print(f"| {side} | {rows} | {median('answered'):.2f} | | | | | {median('read') / 1e9:.2f} | | | | {', '.join(format(m['answered'], '.2f') for m in marks)} |")
             continue
         bound, session, gate, serving = median("bound"), median("session"), median("gate"), median("serving")
         first, again = median("first_burst"), median("second_burst")
         print(f"| {side} | {rows} | {median('answered'):.2f} | {bound:.2f} | {session - bound:.2f} | {gate - session:.2f} | {serving - gate:.2f} | "
-              f"{first:.2f} | {again:.2f} | {first / again:.2f} | {', '.join(format(m['answered'], '.2f') for m in marks)} |")
+              f"{median('read') / 1e9:.2f} | {first:.2f} | {again:.2f} | {first / again:.2f} | {', '.join(format(m['answered'], '.2f') for m in marks)} |")
 
 
     for site in sides.values():
