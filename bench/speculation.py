@@ -21,10 +21,13 @@ Workloads (the artifact's own tokenizer):
 
 Per workload and mode: generated tokens/s (median of the rounds), drafts checked and accepted, and whether greedy
 outputs were identical. Also a step-cost table: a step of 1 + k tokens against 1 at batch 1 (the chunk part, as a
-drafting row runs), which the scheduler's cost model learns while serving. Prints markdown tables and the machine.
+drafting row runs), which the scheduler's cost model learns while serving; and with the part costs-16, a step of 16
+decoding rows one of which runs 1 + k tokens through the chunk part against a plain 16-row step, with the most such a
+step could give were every draft taken (ONNX Runtime's GroupQueryAttention takes several tokens a row for one row
+only, so one row drafts a step: 16 + k tokens for its cost, against 16). Prints markdown tables and the machine.
 
     python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
-                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs copy copy-16]
+                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs costs-16 copy copy-16]
                                 [--copy-artifact artifacts/kjv-quote] [--copy-checkpoint checkpoints/kjv-quote-gpt2]
 """
 
@@ -175,6 +178,37 @@ def step_costs(bench: Bench, reps: int = 30) -> list[tuple[int, float]]:
     return [(tokens, min(values)) for tokens, values in times.items()]
 
 
+def step_costs_beside_rows(bench: Bench, rows: int = 16, reps: int = 30) -> list[tuple[int, float]]:
+    """(k, ms) of a step of `rows` decoding rows at position 64, the last of them running 1 + k tokens through the chunk
+    part as a drafting row does (k = 0: a plain step, every row one token), best of 3."""
+    from kvserve.runtime import pool_capacity
+
+    config, runtime = bench.config, bench.runtime
+    pool = runtime.new_pool(rows, config.n_kv_head, config.d_head, pool_capacity(config))
+    none = np.zeros(0, np.int64)
+    for row in range(rows):
+        runtime.run_slots(pool, none, none, None, np.arange(64, dtype=np.int64) % 50 + 5, 0, row, np.array([63]), False)
+
+    def step(k: int) -> None:
+        tokens, positions = np.full(rows, 7, np.int64), np.full(rows, 64, np.int64)  # (B,)
+        if k == 0:
+            runtime.run_slots(pool, tokens, positions, None, none, 0, 0, np.arange(rows), False)
+            return
+        tokens[-1], positions[-1] = 0, pool.scratch  # the drafting row sits the decode part out, as SlotBatch runs it
+        runtime.run_slots(pool, tokens, positions, None, np.full(1 + k, 7, np.int64), 64, rows - 1,
+                          np.array([*range(rows - 1), *range(rows, rows + 1 + k)]), False)
+
+    times: dict[int, list[float]] = {}
+    for _ in range(3):
+        for k in (0, 2, 4, 8):
+            step(k)
+            start = time.perf_counter()
+            for _ in range(reps):
+                step(k)
+            times.setdefault(k, []).append((time.perf_counter() - start) / reps * 1e3)
+    return [(k, min(values)) for k, values in times.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default="artifacts/kjv-gpt2")
@@ -226,6 +260,14 @@ def main() -> None:
         print("|---:|---:|---:|")
         for tokens, ms in costs:
             print(f"| {tokens} | {ms:.3f} | {ms / base:.2f}x |")
+    if "costs-16" in args.parts:
+        rows = 16
+        costs = step_costs_beside_rows(copying or main_bench, rows)
+        base = costs[0][1]
+        print(f"\n| {rows} decoding rows, one drafting k (chunk part) | ms (best of 3) | against a plain step | tokens/s against plain, every draft taken |")
+        print("|---:|---:|---:|---:|")
+        for k, ms in costs:
+            print(f"| {k} | {ms:.3f} | {ms / base:.2f}x | {(rows + k) / rows / (ms / base):.2f}x |")
     print(f"\nMachine: {describe('cpu')}")
     for each in (main_bench, copying):
         if each is not None:
