@@ -82,6 +82,10 @@ def cold_start(artifact: str, rows: int, vocab: int, site: Path | None = None, b
                 pass
             time.sleep(0.01)
         answered = time.perf_counter() - started
+        if process.poll() is not None:
+            log.seek(0)
+            last = (log.read().strip().splitlines() or ["(no output)"])[-1]
+            sys.exit(f"kvserve serve exited with {process.returncode} before SERVING: {last}")
         read = storage_read_bytes(process.pid)
         first_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 0, burst_tokens))
         second_burst = asyncio.run(burst(f"127.0.0.1:{port}", rows, vocab, 100, burst_tokens))
