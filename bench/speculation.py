@@ -19,12 +19,14 @@ Workloads (the artifact's own tokenizer):
   open-16     16 streams at once, sampled (temperature 0.8, seeds fixed): little repeats, so drafts should stay off
               where they do not pay
 
-Per workload and mode: generated tokens/s (median of the rounds), drafts checked and accepted, and whether greedy
-outputs were identical. Also a step-cost table: a step of 1 + k tokens against 1 at batch 1 (the chunk part, as a
-drafting row runs), which the scheduler's cost model learns while serving; and with the part costs-16, a step of 16
-decoding rows one of which runs 1 + k tokens through the chunk part against a plain 16-row step, with the most such a
-step could give were every draft taken (ONNX Runtime's GroupQueryAttention takes several tokens a row for one row
-only, so one row drafts a step: 16 + k tokens for its cost, against 16). Prints markdown tables and the machine.
+Per workload and mode: generated tokens/s (median of the rounds), on over off round by round (each round runs both,
+one after the other: the median of those ratios, which a shared machine's drift between rounds does not move as it
+moves the medians), drafts checked and accepted, and whether greedy outputs were identical. Also a step-cost table: a
+step of 1 + k tokens against 1 at batch 1 (the chunk part, as a drafting row runs), which the scheduler's cost model
+learns while serving; and with the part costs-16, a step of 16 decoding rows one of which runs 1 + k tokens through
+the chunk part against a plain 16-row step, with the most such a step could give were every draft taken (ONNX
+Runtime's GroupQueryAttention takes several tokens a row for one row only, so one row drafts a step: 16 + k tokens for
+its cost, against 16). Prints markdown tables and the machine.
 
     python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
                                 [--parts structured tool-calls repeating asked-again open-1 open-16 costs costs-16 copy copy-16]
@@ -223,8 +225,8 @@ def main() -> None:
     copying = Bench(args.copy_artifact) if args.copy_artifact else None
     copy = copy_prompts(Path(args.copy_checkpoint)) if args.copy_artifact else None
     print(f"# Speculation on against off: {args.artifact}, {args.rounds} rounds alternating\n")
-    print("| workload | speculation | tokens/s (median) | rounds | drafts checked | accepted | greedy outputs |")
-    print("|---|---|---:|---|---:|---:|---|")
+    print("| workload | speculation | tokens/s (median) | on / off, round by round (median) | rounds | drafts checked | accepted | greedy outputs |")
+    print("|---|---|---:|---:|---|---:|---:|---|")
     for name, (requests, concurrent) in workloads(args.parts, copy).items():
         bench = copying if name.startswith("copy") else main_bench
         asyncio.run(bench.run(False, requests[:1], concurrent))  # warm: every shape seen once
@@ -250,7 +252,10 @@ def main() -> None:
             _, drafted, accepted = last[speculation]
             median = statistics.median(rates[speculation])
             ratio = f" ({median / statistics.median(rates[False]):.2f}x)" if speculation else ""
-            print(f"| {name} | {'on' if speculation else 'off'} | {median:,.1f}{ratio} | "
+            # A round's two runs are adjacent in time: their ratio cancels the drift a shared VM adds between rounds,
+            # which the medians' ratio keeps.
+            paired = f"{statistics.median(on / off for on, off in zip(rates[True], rates[False])):.3f}x" if speculation else ""
+            print(f"| {name} | {'on' if speculation else 'off'} | {median:,.1f}{ratio} | {paired} | "
                   f"{', '.join(f'{r:,.0f}' for r in rates[speculation])} | {drafted:,} | {accepted:,} | {identical} |")
     bench = main_bench
     if "costs" in args.parts:
