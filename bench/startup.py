@@ -2,8 +2,9 @@
 `kvserve health` asks), median of --runs, and where the time goes, read from the server's own log lines: the
 interpreter and imports up to the bound port, the session, the parity gate's replay, and the serving batch with the
 warm-up; and the bytes the server had read from storage by then (/proc/PID/io read_bytes: with --cold, whether its
-weights file was read from the disk once or twice). Then what the warm-up leaves to the first requests: a burst of as many streams as rows (32-token prompts, 64
-new tokens, or --burst-tokens) sent at SERVING, and the same burst again; their seconds, and the first's over the second's.
+weights file was read from the disk once or twice). Then what the warm-up leaves to the first requests: a burst of as
+many streams as rows (32-token prompts, 64 new tokens, or --burst-tokens) sent at SERVING, and the same burst again;
+their seconds, and the first's over the second's.
 
     python bench/startup.py [--artifact artifacts/gpt2-int8] [--rows 8 16] [--runs 5] [--baseline REV] [--burst-tokens 64]
 
@@ -58,7 +59,8 @@ async def burst(target: str, rows: int, vocab: int, seed: int, tokens: int = BUR
 
 
 def storage_read_bytes(pid: int) -> int:
-    """Bytes process pid has had read from storage so far (page-cache hits not counted; its memory-mapped pages too)."""
+    """Bytes the kernel has read from storage for process pid so far: its read() calls and the faults of its mapped
+    pages that went to the disk; what the page cache already held is not counted."""
     for line in Path(f"/proc/{pid}/io").read_text().splitlines():
         if line.startswith("read_bytes:"):
             return int(line.split()[1])
