@@ -135,9 +135,10 @@ def ggufs(llama_cpp: Path, build: Path, convert_python: str, source: dict, types
 class LlamaServer:
     """llama-server on a GGUF, until closed."""
 
-    def __init__(self, build: Path, gguf: Path, threads: int, slots: int, context: int, extra: tuple[str, ...] = ()):
+    def __init__(self, binary: Path, gguf: Path, threads: int, slots: int, context: int, extra: tuple[str, ...] = (), poll: float = 0.2):
+        """binary: llama-server; poll: seconds between asks of its /health (bench/startup.py times the start by it)."""
         self.port = free_port()
-        self.process = subprocess.Popen([str(build / "bin" / "llama-server"), "-m", str(gguf), "--port", str(self.port), "-t", str(threads),
+        self.process = subprocess.Popen([str(binary), "-m", str(gguf), "--port", str(self.port), "-t", str(threads),
                                          "-np", str(slots), "-c", str(slots * context), "--no-webui", *extra],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 300
@@ -147,7 +148,7 @@ class LlamaServer:
                     if reply.status == 200:
                         return
             except OSError:
-                time.sleep(0.2)
+                time.sleep(poll)
         self.close()
         sys.exit(f"llama-server did not start on {gguf}")
 
@@ -179,7 +180,7 @@ def check_same_model(build: Path, f32: Path, threads: int, expected: list[int], 
     TOP_CHECKED likeliest. A converter that read the weights otherwise would rank it anywhere in the vocabulary, while
     random weights' near-ties (a BF16 GGUF's activations are rounded to bfloat16 in its dot products) may part the two
     greedy paths after a token or two."""
-    server = LlamaServer(build, f32, threads, 1, PROMPT_LEN + len(expected) + 16, ("-ctk", "f32", "-ctv", "f32"))
+    server = LlamaServer(build / "bin" / "llama-server", f32, threads, 1, PROMPT_LEN + len(expected) + 16, ("-ctk", "f32", "-ctv", "f32"))
     ids = bench_prompt(vocab)
     try:
         theirs = server.complete(ids, len(expected))
@@ -224,7 +225,7 @@ def llama_served(build: Path, gguf: Path, threads: int, vocab: int, context: int
     """llama-server's peak resident bytes and tokens/s under 16 concurrent completions, its K/V cache of type kv[0]."""
     from concurrent.futures import ThreadPoolExecutor
 
-    server = LlamaServer(build, gguf, threads, STREAMS, context, ("-ctk", kv[0], "-ctv", kv[0], *kv[1:]))
+    server = LlamaServer(build / "bin" / "llama-server", gguf, threads, STREAMS, context, ("-ctk", kv[0], "-ctv", kv[0], *kv[1:]))
     try:
         peak = Peak(server.process.pid)
         peak.start()

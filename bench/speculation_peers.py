@@ -136,7 +136,7 @@ class Llama:
         self.build, self.path, self.extra = build, path, extra
 
     def __enter__(self):
-        self.server = LlamaServer(self.build, self.path, 2, STREAMS, 256, ("--spec-type", *self.extra))
+        self.server = LlamaServer(self.build / "bin" / "llama-server", self.path, 2, STREAMS, 256, ("--spec-type", *self.extra))
         return self
 
     def __exit__(self, *exc):

@@ -27,7 +27,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from datetime import datetime
 from pathlib import Path
 
@@ -36,6 +35,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 from kv_memory import install_revision  # noqa: E402
+from llama_cpp_compare import LlamaServer  # noqa: E402
 from serving_latency import free_port, prompt, serving_status, stream  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
@@ -111,23 +111,14 @@ def drop_page_cache() -> None:
 
 
 def llama_server_start(binary: Path, gguf: Path, rows: int) -> dict[str, float]:
-    """Seconds from llama-server's start to its /health answering 200 (loaded, slots ready)."""
-    port = free_port()
+    """Seconds from llama-server's start to its /health answering 200 (loaded, slots ready), asked every 10 ms as
+    kvserve's health is, and what it had read from storage by then."""
     started = time.perf_counter()
-    process = subprocess.Popen([str(binary), "-m", str(gguf), "--port", str(port), "-t", str(os.cpu_count() or 1), "-np", str(rows),
-                                "-c", str(rows * 256), "--no-webui"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = LlamaServer(binary, gguf, os.cpu_count() or 1, rows, 256, poll=0.01)
     try:
-        while process.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
-                    if reply.status == 200:
-                        return {"answered": time.perf_counter() - started, "read": storage_read_bytes(process.pid)}
-            except OSError:
-                time.sleep(0.01)
-        sys.exit(f"llama-server exited with {process.returncode} before it was healthy")
+        return {"answered": time.perf_counter() - started, "read": storage_read_bytes(server.process.pid)}
     finally:
-        process.terminate()
-        process.wait(60)
+        server.close()
 
 
 def main() -> None:
