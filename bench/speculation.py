@@ -161,28 +161,21 @@ def workloads(parts: list[str], copy: list | None = None) -> dict:
     return chosen
 
 
-def step_costs(bench: Bench, reps: int = 30) -> list[tuple[int, float]]:
-    """(tokens, ms) of a batch-1 step that runs 1 + k tokens through the chunk part, at position 64."""
-    from kvserve.runtime import pool_capacity
-
-    config, runtime = bench.config, bench.runtime
-    pool = runtime.new_pool(1, config.n_kv_head, config.d_head, pool_capacity(config))
-    none = np.zeros(0, np.int64)
-    runtime.run_slots(pool, none, none, None, np.arange(64, dtype=np.int64) % 50 + 5, 0, 0, np.array([63]), False)
+def best_ms(step, sizes: tuple[int, ...], reps: int = 30) -> list[tuple[int, float]]:
+    """(size, ms) of step(size), the best of 3 passes over sizes of reps calls each."""
     times: dict[int, list[float]] = {}
     for _ in range(3):
-        for tokens in (1, 2, 3, 5, 7, 9):
-            piece = np.full(tokens, 7, np.int64)
+        for size in sizes:
+            step(size)
             start = time.perf_counter()
             for _ in range(reps):
-                runtime.run_slots(pool, none, none, None, piece, 64, 0, np.arange(tokens), False)
-            times.setdefault(tokens, []).append((time.perf_counter() - start) / reps * 1e3)
-    return [(tokens, min(values)) for tokens, values in times.items()]
+                step(size)
+            times.setdefault(size, []).append((time.perf_counter() - start) / reps * 1e3)
+    return [(size, min(values)) for size, values in times.items()]
 
 
-def step_costs_beside_rows(bench: Bench, rows: int = 16, reps: int = 30) -> list[tuple[int, float]]:
-    """(k, ms) of a step of `rows` decoding rows at position 64, the last of them running 1 + k tokens through the chunk
-    part as a drafting row does (k = 0: a plain step, every row one token), best of 3."""
+def prefilled_pool(bench: Bench, rows: int):
+    """A pool of `rows` rows, each holding 64 prompt tokens."""
     from kvserve.runtime import pool_capacity
 
     config, runtime = bench.config, bench.runtime
@@ -190,6 +183,20 @@ def step_costs_beside_rows(bench: Bench, rows: int = 16, reps: int = 30) -> list
     none = np.zeros(0, np.int64)
     for row in range(rows):
         runtime.run_slots(pool, none, none, None, np.arange(64, dtype=np.int64) % 50 + 5, 0, row, np.array([63]), False)
+    return pool
+
+
+def step_costs(bench: Bench) -> list[tuple[int, float]]:
+    """(tokens, ms) of a batch-1 step that runs 1 + k tokens through the chunk part, at position 64."""
+    runtime, pool, none = bench.runtime, prefilled_pool(bench, 1), np.zeros(0, np.int64)
+    return best_ms(lambda tokens: runtime.run_slots(pool, none, none, None, np.full(tokens, 7, np.int64), 64, 0, np.arange(tokens), False),
+                   (1, 2, 3, 5, 7, 9))
+
+
+def step_costs_beside_rows(bench: Bench, rows: int = 16) -> list[tuple[int, float]]:
+    """(k, ms) of a step of `rows` decoding rows at position 64, the last of them running 1 + k tokens through the chunk
+    part as a drafting row does (k = 0: a plain step, every row one token), best of 3."""
+    runtime, pool, none = bench.runtime, prefilled_pool(bench, rows), np.zeros(0, np.int64)
 
     def step(k: int) -> None:
         tokens, positions = np.full(rows, 7, np.int64), np.full(rows, 64, np.int64)  # (B,)
@@ -200,15 +207,7 @@ def step_costs_beside_rows(bench: Bench, rows: int = 16, reps: int = 30) -> list
         runtime.run_slots(pool, tokens, positions, None, np.full(1 + k, 7, np.int64), 64, rows - 1,
                           np.array([*range(rows - 1), *range(rows, rows + 1 + k)]), False)
 
-    times: dict[int, list[float]] = {}
-    for _ in range(3):
-        for k in (0, 2, 4, 8):
-            step(k)
-            start = time.perf_counter()
-            for _ in range(reps):
-                step(k)
-            times.setdefault(k, []).append((time.perf_counter() - start) / reps * 1e3)
-    return [(k, min(values)) for k, values in times.items()]
+    return best_ms(step, (0, 2, 4, 8))
 
 
 def main() -> None:
