@@ -303,7 +303,10 @@ def test_warm_up_runs_each_kind_of_step_once_whatever_the_batch_size(server, mon
 
         monkeypatch.setattr(Scheduler, "run_step", recording)
         batch = SlotBatch(server.app.runtime, server.app.artifact.config, rows)
-        warm_up(batch, server.app.artifact)
+        try:
+            warm_up(batch, server.app.artifact)
+        finally:
+            batch.close()  # its bound steps are the shared runtime's until let go
         assert kinds == [(True, 0), (True, 1), (False, 1)]
         monkeypatch.undo()
 
