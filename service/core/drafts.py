@@ -16,9 +16,10 @@ Where drafts come from, per row:
     prompt and output (copying, quoting, code edits, repeated structure);
   - the output cache (SuffixCache): what followed its last 3 tokens in a recent finished output of any request.
 
-How many (k): each row keeps a running estimate of how often its drafts are accepted, and the step costs (StepCosts,
-measured from the steps the batch runs, by decoding rows and drafts) say what a step with k drafts costs against a
-plain one; k is the count that gives the step the most tokens per second, within the step-time bound when other rows
+How many (k): each row keeps running estimates of how often its first draft token is taken and how often each later
+one is once those before it were (Acceptance), and the step costs (StepCosts, measured from the steps the batch runs,
+by decoding rows and drafts, read off a line through the draft counts run) say what a step with k drafts costs against
+a plain one; k is the count that gives the step the most tokens per second, within the step-time bound when other rows
 wait on it, 0 when none beats no drafts. A row whose drafts keep failing stops drafting for a while (BACKOFF_STEPS).
 """
 
@@ -29,9 +30,10 @@ from dataclasses import dataclass, field
 # At most this many drafts a step: a ring row's rejected columns must fall outside its window (contract RING_SLACK).
 MAX_DRAFT_TOKENS = 8
 NGRAM = 3  # prompt lookup matches the last 3 tokens, then the last 2 (PromptLookup indexes both)
-LOOKUP_PRIOR, GRAMMAR_PRIOR = 0.5, 0.8  # acceptance assumed before a row has drafted
-ACCEPTANCE_WEIGHT = 0.3  # weight of the latest step in a row's running acceptance
-STOP_BELOW, BACKOFF_STEPS = 0.15, 16  # a row accepting fewer than this rests so many steps before drafting again
+LOOKUP_PRIOR, GRAMMAR_PRIOR = (0.5, 0.7), (0.8, 0.8)  # acceptance (first, then) assumed before a row has drafted
+PRIOR_TRIED = 2.0  # the assumed acceptance weighs as much as this many draft tokens tried
+ACCEPTANCE_DECAY = 0.7  # each step's counts weigh this much less at the next: a row's text changes as it goes
+STOP_BELOW, BACKOFF_STEPS = 0.15, 16  # a row whose first draft tokens are taken less often than this rests so many steps
 # A row whose lookup finds nothing this many steps running rests as many, then twice as many each time again, at most
 # MAX_REST: text that does not repeat costs its row a lookup now and then, not every step.
 MISSES_BEFORE_REST, MAX_REST = 4, 64
@@ -54,7 +56,9 @@ class PromptLookup:
         self.tokens.append(token)
 
     def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the row's last n tokens, longest n first."""
+        """Up to k tokens that followed the latest earlier occurrence of the row's last n tokens, longest n first. Where
+        that occurrence is closer to the end than k tokens, the text is taken to go on repeating from it (a loop, a
+        list's rows): the tokens since it, again and again."""
         tokens, end, ends = self.tokens, len(self.tokens), self._ends
         for stop in range(max(self._indexed, 2), end):  # n-grams that now have a continuation
             ends[(tokens[stop - 2], tokens[stop - 1])] = stop
@@ -66,7 +70,10 @@ class PromptLookup:
                 continue
             start = ends.get(tuple(tokens[end - n:]))
             if start is not None:
-                return tokens[start:start + k]
+                if start + k <= end:
+                    return tokens[start:start + k]
+                period = tokens[start:]
+                return [period[i % len(period)] for i in range(k)]
         return []
 
 
@@ -121,31 +128,87 @@ class SuffixCache:
         return self._held
 
 
+class Acceptance:
+    """How often a row's drafts are taken, as two running ratios: its first draft token (first), and each later one once
+    the ones before it were (then). A copying row's drafts are mostly all taken or refused at the first token
+    (the quoting model's copy workload, bench/speculation.py, counted by hand: of 80 drafts of 8, 55 kept whole, 10
+    refused at the first token, 15 broken between), so one rate for every position would price a long draft at what its
+    first token risks, again and again.
+
+    Each is tokens taken over tokens tried, a step's counts decaying by ACCEPTANCE_DECAY at the next, from a prior worth
+    PRIOR_TRIED tokens. A draft's tokens after its first refused one were never tried (the step stops comparing there)
+    and count for nothing."""
+
+    __slots__ = ("first_taken", "first_tried", "then_taken", "then_tried")
+
+    def __init__(self, first: float, then: float | None = None):
+        then = first if then is None else then
+        self.first_taken, self.first_tried = first * PRIOR_TRIED, PRIOR_TRIED
+        self.then_taken, self.then_tried = then * PRIOR_TRIED, PRIOR_TRIED
+
+    @property
+    def first(self) -> float:
+        return self.first_taken / self.first_tried
+
+    @property
+    def then(self) -> float:
+        return self.then_taken / self.then_tried
+
+    def add(self, offered: int, kept: int) -> None:
+        """A step offered `offered` draft tokens and kept the first `kept`."""
+        self.first_taken = ACCEPTANCE_DECAY * self.first_taken + (kept > 0)
+        self.first_tried = ACCEPTANCE_DECAY * self.first_tried + 1
+        if kept and offered > 1:  # its later tokens were tried up to the first refused one
+            self.then_taken = ACCEPTANCE_DECAY * self.then_taken + kept - 1
+            self.then_tried = ACCEPTANCE_DECAY * self.then_tried + kept - 1 + (kept < offered)
+
+    def expected_tokens(self, k: int) -> float:
+        """Tokens a row gains from a step with k drafts: 1 + first * (1 + then + ... + then^(k-1))."""
+        then = self.then
+        return 1.0 + self.first * sum(then ** i for i in range(k))
+
+
 @dataclass
 class DraftState:
-    """One row's drafting: its lookup index, its running acceptance, and its rest after failures."""
+    """One row's drafting: its lookup index, its running acceptance of lookup's and of its grammar's drafts, and its
+    rest after failures."""
 
     lookup: PromptLookup
-    acceptance: float = LOOKUP_PRIOR
-    grammar_acceptance: float = GRAMMAR_PRIOR
+    acceptance: Acceptance = field(default_factory=lambda: Acceptance(*LOOKUP_PRIOR))
+    grammar_acceptance: Acceptance = field(default_factory=lambda: Acceptance(*GRAMMAR_PRIOR))
     resting: int = 0  # steps left before this row drafts again
     misses: int = 0  # steps running its lookup found nothing
     rest: int = MISSES_BEFORE_REST  # steps it rests after its next misses
     drafted: int = 0  # tokens offered to the model
     accepted: int = 0  # of them, kept
+    unchecked: tuple[int, int] | None = None  # (position, token): the first of drafts found but not run
 
     def record(self, offered: int, kept: int, grammar: bool) -> None:
         """A step checked `offered` drafts of this row and kept `kept` (the counts are kept as they happen: the batch
         counts what it offers, Sequence.advance what it keeps, so a Finish made mid-step has them)."""
         if not offered:
             return
-        rate = kept / offered
         if grammar:
-            self.grammar_acceptance += ACCEPTANCE_WEIGHT * (rate - self.grammar_acceptance)
+            self.grammar_acceptance.add(offered, kept)
         else:
-            self.acceptance += ACCEPTANCE_WEIGHT * (rate - self.acceptance)
-            if self.acceptance < STOP_BELOW:
-                self.resting, self.acceptance = BACKOFF_STEPS, LOOKUP_PRIOR / 2  # tried again later, warily
+            self.acceptance.add(offered, kept)
+            if self.acceptance.first < STOP_BELOW:
+                self.resting = BACKOFF_STEPS  # tried again later, warily
+                self.acceptance = Acceptance(LOOKUP_PRIOR[0] / 2, self.acceptance.then)
+
+    def found_unused(self, drafts: list[int]) -> None:
+        """Its lookup found drafts that this step does not check (they would not pay, or another row drafts): whether
+        the row's next token is the first of them is learnt for free when it comes (check_unused), so a row whose
+        acceptance fell too low to draft is not held there by never drafting again."""
+        self.unchecked = (len(self.lookup.tokens), drafts[0])
+
+    def check_unused(self) -> None:
+        """Count the first unused draft as tried, and taken if the row's next token was it."""
+        position, token = self.unchecked
+        tokens = self.lookup.tokens
+        if len(tokens) > position:
+            self.unchecked = None
+            self.acceptance.add(1, int(tokens[position] == token))
 
     def missed(self) -> None:
         """Its lookup found nothing this step (text that does not repeat): after a few such steps it rests, longer each
@@ -156,12 +219,6 @@ class DraftState:
 
     def found(self) -> None:
         self.misses, self.rest = 0, MISSES_BEFORE_REST
-
-
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a row gains from a step with k drafts, each accepted with probability `acceptance` given the last was:
-    1 + a + a^2 + ... + a^k."""
-    return sum(acceptance ** i for i in range(k + 1))
 
 
 @dataclass
@@ -179,6 +236,7 @@ class StepCosts:
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, drafts) -> running mean seconds
     _first: set = field(default_factory=set)  # pairs seen once (their first run is not counted)
     _gate: dict = field(default_factory=dict)  # rows -> [may_pay's answer, asks left before it is asked again]
+    _lines: dict = field(default_factory=dict)  # rows -> _fit's line through the draft counts' means (dropped as they move)
     chunk_seconds: dict[int, float] = field(default_factory=dict)  # rows -> running mean seconds a prompt chunk token adds
     bound: float = 0.0  # the most a step with drafts may cost, as a multiple of a plain one, when other rows wait on it (0: none)
 
@@ -190,8 +248,9 @@ class StepCosts:
                 self._first.add(key)
                 return
             self.seconds[key] = seconds
-            return
-        self.seconds[key] = seen + self.WEIGHT * (min(seconds, OUTLIER * seen) - seen)  # a stall counts as OUTLIER steps at most
+        else:
+            self.seconds[key] = seen + self.WEIGHT * (min(seconds, OUTLIER * seen) - seen)  # a stall counts as OUTLIER steps at most
+        self._lines.pop(rows, None)
 
     def record_chunk(self, rows: int, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows and a prompt chunk of `tokens` took `seconds`: what each chunk token added to a
@@ -213,12 +272,32 @@ class StepCosts:
 
     def cost(self, rows: int, drafts: int) -> float | None:
         """Seconds for a decode step of `rows` rows, one checking `drafts` drafts (None until a plain step of as many rows
-        has run)."""
+        has run). Where two draft counts or more have run, the least-squares line through their running means: each
+        mean is a few steps' on a machine whose steps vary by half (bench/speculation.py), and the line, which the steps
+        of every count move, does not rank 8 drafts cheaper than 6 as the means themselves can."""
+        if drafts:
+            line = self._lines.get(rows)
+            if line is None:
+                line = self._lines[rows] = self._fit(rows)
+            if line:
+                return line[0] + line[1] * drafts
         known = self.seconds.get((rows, drafts))
         if known is not None:
             return known
         plain = self.seconds.get((rows, 0))
         return None if plain is None else plain * (1 + self.PRIOR_SLOPE * drafts)
+
+    def _fit(self, rows: int) -> tuple[float, float] | tuple[()]:
+        """(seconds at 0 drafts, seconds a draft) of the line through the draft counts run with `rows` rows; () for fewer
+        than two. Never falling with more drafts, never below a plain step."""
+        points = [(k, seconds) for (r, k), seconds in self.seconds.items() if r == rows and k]
+        if len(points) < 2:
+            return ()
+        mean_k = sum(k for k, _ in points) / len(points)
+        mean_s = sum(s for _, s in points) / len(points)
+        slope = max(sum((k - mean_k) * (s - mean_s) for k, s in points) / sum((k - mean_k) ** 2 for k, _ in points), 0.0)
+        intercept = max(mean_s - slope * mean_k, self.seconds.get((rows, 0), 0.0))
+        return intercept, slope
 
     def may_pay(self, rows: int) -> bool:
         """Whether drafts that are all taken would pay in a step of `rows` rows: asked every step, so answered from what
@@ -227,12 +306,12 @@ class StepCosts:
         if said is None or said[1] <= 0:
             if (rows, 0) not in self.seconds:  # nothing measured to weigh drafts against yet: asked again next step
                 return False
-            said = [self.best_count(1.0, rows, MAX_DRAFT_TOKENS) > 0, GATE_STEPS]
+            said = [self.best_count(Acceptance(1.0), rows, MAX_DRAFT_TOKENS) > 0, GATE_STEPS]
             self._gate[rows] = said
         said[1] -= 1
         return said[0]
 
-    def best_count(self, acceptance: float, rows: int, most: int) -> int:
+    def best_count(self, acceptance: Acceptance, rows: int, most: int) -> int:
         """The k (of DRAFT_COUNTS, at most `most`) that makes a step of `rows` decoding rows, one of them drafting k,
         give the most tokens per second; 0 when no k beats drafting none (or no plain step of as many rows has run)."""
         base = self.cost(rows, 0)
@@ -245,7 +324,7 @@ class StepCosts:
             cost = self.cost(rows, k)
             if self.bound and rows > 1 and cost > self.bound * base:  # the other rows' next token waits on this step
                 break
-            rate = (rows - 1 + expected_tokens(acceptance, k)) / cost
+            rate = (rows - 1 + acceptance.expected_tokens(k)) / cost
             if rate > best_rate * 1.02:  # a margin: a 2% gain is within a step's noise
                 best, best_rate = k, rate
         return best

@@ -41,7 +41,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, SuffixCache, expected_tokens
+from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, SuffixCache
 from .kv_rows import KvRows
 from .model_info import LiveCounts, SequenceKv
 from .sequence import Sequence, StepEvent
@@ -278,6 +278,8 @@ class Scheduler:
             state = seq.drafts
             if state is None:
                 state = seq.drafts = DraftState(PromptLookup(seq.prompt_ids + seq.generated))
+            if state.unchecked is not None:
+                state.check_unused()
             matcher = seq.constraint.matcher if seq.constraint is not None else None
             if matcher is None and state.resting:  # its lookup rests (a grammar's forced tokens never do)
                 state.resting -= 1
@@ -304,9 +306,13 @@ class Scheduler:
                 continue
             acceptance = state.grammar_acceptance if grammar else state.acceptance
             k = costs.best_count(acceptance, len(decode), len(drafts))
-            gain = expected_tokens(acceptance, k)
+            gain = acceptance.expected_tokens(k)
             if k and gain > best_gain:
+                if best is not None and not best_grammar:
+                    best.drafts.found_unused(best_drafts)
                 best, best_drafts, best_grammar, best_gain = seq, drafts[:k], grammar, gain
+            elif not grammar:
+                state.found_unused(drafts)
         return StepPlan(decode=decode, draft_row=best, drafts=best_drafts, grammar_drafts=best_grammar, slots=slots, held=held)
 
     def run_step(self, plan: StepPlan, before_model=None) -> StepResults:

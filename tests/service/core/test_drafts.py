@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.service.core.batch import SlotBatch
-from kvserve.service.core.drafts import MAX_DRAFT_TOKENS, PromptLookup, StepCosts, SuffixCache
+from kvserve.service.core.drafts import MAX_DRAFT_TOKENS, Acceptance, DraftState, PromptLookup, StepCosts, SuffixCache
 from kvserve.service.core.sampling import SamplingParams, choose
 from kvserve.service.core.scheduler import Scheduler
 from kvserve.service.core.structured import FormatCompiler, FormatKind, ResponseFormat
@@ -47,28 +47,81 @@ def test_the_output_cache_drafts_what_followed_in_an_earlier_answer_and_keeps_at
     assert off.held == 0 and off.propose([1, 2, 3], 2) == []
 
 
+def test_a_lookup_whose_match_ends_near_the_end_drafts_the_text_since_it_repeating():
+    looping = PromptLookup([5, 1, 2, 3, 1, 2, 3, 1, 2])  # "1 2" last came 3 tokens back: the loop "3 1 2" goes on
+    assert looping.propose(8) == [3, 1, 2, 3, 1, 2, 3, 1]
+    assert looping.propose(2) == [3, 1]  # as many as there are after it: nothing repeated
+    assert PromptLookup([4, 7, 7, 7]).propose(3) == [7, 7, 7]  # a token repeating itself
+
+
+def test_acceptance_counts_a_drafts_first_token_apart_and_never_the_tokens_after_a_refusal():
+    copying = Acceptance(0.5, 0.5)
+    for _ in range(6):
+        copying.add(8, 8)  # taken whole
+        copying.add(8, 0)  # refused at once
+    assert 0.4 < copying.first < 0.6 and copying.then > 0.95  # half the drafts right, and those right to their end
+    assert copying.expected_tokens(8) > 4  # about 1 + 8 / 2: one rate of 1/2 for every position would say under 2
+    assert copying.expected_tokens(0) == 1.0
+    broke = Acceptance(0.5, 0.5)
+    for _ in range(8):
+        broke.add(8, 5)  # 5 kept, the 6th refused: 4 of 5 later tokens tried were taken; the last two never were tried
+    assert broke.first > 0.95 and broke.then == pytest.approx(0.8, abs=0.02)
+    fixed = Acceptance(0.9)  # one rate for both
+    assert fixed.expected_tokens(3) == pytest.approx(1 + 0.9 + 0.81 + 0.729)
+
+
+def test_a_row_that_stopped_drafting_learns_from_its_unused_drafts_and_drafts_again():
+    state = DraftState(PromptLookup([1, 2, 3, 4, 1, 2]))
+    for _ in range(3):
+        state.record(4, 0, grammar=False)  # refused at once three steps running
+    low = state.acceptance.first
+    drafts = state.lookup.propose(4)
+    assert drafts == [3, 4, 1, 2]
+    for token in (3, 4, 1):  # it does not draft, yet its tokens keep being what the lookup said
+        state.found_unused(state.lookup.propose(4))
+        state.lookup.push(token)
+        state.check_unused()
+    assert state.acceptance.first > low and state.unchecked is None
+    state.found_unused([9])
+    state.check_unused()  # its next token has not come yet: nothing learnt, still waiting
+    assert state.unchecked is not None
+
+
 def test_the_step_costs_draft_only_as_many_as_pay_for_their_acceptance():
-    assert StepCosts().best_count(0.9, 1, 8) == 0  # no plain step measured: nothing to weigh drafts against
+    likely, rare = Acceptance(0.9), Acceptance(0.05)
+    assert StepCosts().best_count(likely, 1, 8) == 0  # no plain step measured: nothing to weigh drafts against
     learning = StepCosts()
     assert not learning.may_pay(1)  # not yet measured: asked again at the next step, not held for GATE_STEPS
     learning.seconds[1, 0] = 1.0
     assert learning.may_pay(1)
     guessed = StepCosts({(1, 0): 1.0})  # drafts not tried yet: each guessed to cost PRIOR_SLOPE of a step
-    assert guessed.cost(1, 4) == pytest.approx(1 + 4 * StepCosts.PRIOR_SLOPE) and guessed.best_count(0.9, 1, 8) > 0
-    assert guessed.best_count(0.05, 1, 8) == 0  # drafts that are almost never taken never pay
+    assert guessed.cost(1, 4) == pytest.approx(1 + 4 * StepCosts.PRIOR_SLOPE) and guessed.best_count(likely, 1, 8) > 0
+    assert guessed.best_count(rare, 1, 8) == 0  # drafts that are almost never taken never pay
     flat = StepCosts({(1, 0): 1.0, **{(1, k): 1.0 + 0.01 * k for k in (1, 2, 3, 4, 6, 8)}})  # as measured: barely grows
-    assert flat.best_count(0.9, 1, 8) == 8
-    assert flat.best_count(0.9, 1, 3) == 3  # no more than the drafts there are
+    assert flat.best_count(likely, 1, 8) == 8
+    assert flat.best_count(likely, 1, 3) == 3  # no more than the drafts there are
     steep = StepCosts({(1, 0): 1.0, **{(1, k): 1.0 + k for k in (1, 2, 3, 4, 6, 8)}})  # every draft costs a whole step
-    assert steep.best_count(0.9, 1, 8) == 0
+    assert steep.best_count(likely, 1, 8) == 0
     wide = StepCosts({(16, 0): 1.0})  # one drafting row of 16: its gain is shared by a step that costs all 16 more
-    assert wide.best_count(0.9, 16, 8) == 0
+    assert wide.best_count(likely, 16, 8) == 0
     wide.record(16, 2, 9.0)  # a shape's first run (ONNX Runtime plans its memory) is not its cost
     assert (16, 2) not in wide.seconds
     wide.record(16, 2, 1.0)  # unless drafting measures as free there
-    assert wide.best_count(0.9, 16, 8) == 2
+    assert wide.best_count(likely, 16, 8) == 2
     wide.record(16, 2, 100.0)  # a stall counts as twice the running mean at most
     assert wide.seconds[16, 2] == pytest.approx(1.0 + StepCosts.WEIGHT * (2.0 - 1.0))
+
+
+def test_the_step_costs_of_several_draft_counts_are_read_off_one_line_through_them():
+    noisy = StepCosts({(1, 0): 1.0, (1, 2): 1.3, (1, 4): 1.5, (1, 6): 1.9, (1, 8): 1.6})  # 8 drafts timed below 6: noise
+    assert noisy.cost(1, 8) > noisy.cost(1, 6) > noisy.cost(1, 4) > noisy.cost(1, 2) > noisy.cost(1, 0) == 1.0
+    assert noisy.cost(1, 3) == pytest.approx((noisy.cost(1, 2) + noisy.cost(1, 4)) / 2)  # a count never run, on the line
+    noisy.record(1, 8, 3.0)  # a new time moves the line
+    assert noisy.cost(1, 8) > 1.9
+    falling = StepCosts({(1, 0): 1.0, (1, 2): 1.4, (1, 8): 1.2})
+    assert falling.cost(1, 8) == falling.cost(1, 2) >= 1.0  # more drafts are never read as cheaper
+    below = StepCosts({(1, 0): 1.0, (1, 2): 0.8, (1, 4): 0.8})
+    assert below.cost(1, 4) == 1.0  # nor as cheaper than a plain step
 
 
 def test_a_sampled_row_takes_a_draft_exactly_when_its_own_draw_is_the_draft():
