@@ -233,6 +233,7 @@ class StepCosts:
 
     PRIOR_SLOPE = 0.1
     WEIGHT = 0.2
+    LINE_SPAN = 4  # draft counts at least this far apart before costs are read off a line through them
     seconds: dict[tuple[int, int], float] = field(default_factory=dict)  # (rows, drafts) -> running mean seconds
     _first: set = field(default_factory=set)  # pairs seen once (their first run is not counted)
     _gate: dict = field(default_factory=dict)  # rows -> [may_pay's answer, asks left before it is asked again]
@@ -272,9 +273,10 @@ class StepCosts:
 
     def cost(self, rows: int, drafts: int) -> float | None:
         """Seconds for a decode step of `rows` rows, one checking `drafts` drafts (None until a plain step of as many rows
-        has run). Where two draft counts or more have run, the least-squares line through their running means: each
-        mean is a few steps' on a machine whose steps vary by half (bench/speculation.py), and the line, which the steps
-        of every count move, does not rank 8 drafts cheaper than 6 as the means themselves can."""
+        has run). Where draft counts LINE_SPAN or more apart have run, the least-squares line through their running
+        means: each mean is a few steps' on a machine whose steps vary by half (bench/speculation.py), and the line,
+        which the steps of every count move, does not rank 8 drafts cheaper than 6 as the means themselves can (two
+        counts close together would give it a slope of noise)."""
         if drafts:
             line = self._lines.get(rows)
             if line is None:
@@ -288,10 +290,10 @@ class StepCosts:
         return None if plain is None else plain * (1 + self.PRIOR_SLOPE * drafts)
 
     def _fit(self, rows: int) -> tuple[float, float] | tuple[()]:
-        """(seconds at 0 drafts, seconds a draft) of the line through the draft counts run with `rows` rows; () for fewer
-        than two. Never falling with more drafts, never below a plain step."""
+        """(seconds at 0 drafts, seconds a draft) of the line through the draft counts run with `rows` rows; () where they
+        span less than LINE_SPAN. Never falling with more drafts, never below a plain step."""
         points = [(k, seconds) for (r, k), seconds in self.seconds.items() if r == rows and k]
-        if len(points) < 2:
+        if len(points) < 2 or max(k for k, _ in points) - min(k for k, _ in points) < self.LINE_SPAN:
             return ()
         mean_k = sum(k for k, _ in points) / len(points)
         mean_s = sum(s for _, s in points) / len(points)

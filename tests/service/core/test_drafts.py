@@ -120,8 +120,10 @@ def test_the_step_costs_of_several_draft_counts_are_read_off_one_line_through_th
     assert noisy.cost(1, 8) > 1.9
     falling = StepCosts({(1, 0): 1.0, (1, 2): 1.4, (1, 8): 1.2})
     assert falling.cost(1, 8) == falling.cost(1, 2) >= 1.0  # more drafts are never read as cheaper
-    below = StepCosts({(1, 0): 1.0, (1, 2): 0.8, (1, 4): 0.8})
-    assert below.cost(1, 4) == 1.0  # nor as cheaper than a plain step
+    below = StepCosts({(1, 0): 1.0, (1, 2): 0.8, (1, 6): 0.8})
+    assert below.cost(1, 6) == 1.0  # nor as cheaper than a plain step
+    close = StepCosts({(1, 0): 1.0, (1, 2): 1.1, (1, 3): 1.5})  # too close together for a slope: each mean as it is
+    assert close.cost(1, 3) == 1.5 and close.cost(1, 8) == pytest.approx(1 + 8 * StepCosts.PRIOR_SLOPE)
 
 
 def test_a_sampled_row_takes_a_draft_exactly_when_its_own_draw_is_the_draft():
