@@ -25,7 +25,11 @@ Cancelled sequences leave as the next step is planned, finished ones at the end 
 
 While rows are running, the step thread plans and runs step after step itself (Scheduler._run_steps), handing
 each step's events to the event loop without waiting for it: the loop's round trip (waking it, planning there,
-handing the next step back to the step thread) would otherwise sit between every two model calls of a stream. The
+handing the next step back to the step thread) would otherwise sit between every two model calls of a stream. A step
+whose tokens no caller streams (answers taken whole), none of them a sequence's last, waits for the next hand-over, at
+most UNSTREAMED_HANDOFF_NS: woken every step, the loop's work runs beside the model call on the core ONNX Runtime's
+second thread wants (the quoting model's whole answers over HTTP, batch 1, by hand: 1.19x the tokens a second held
+back, 1.09x with speculation). The
 queue is a deque that both threads use (the loop appends and withdraws, a plan pops); a step's plan reads the
 cancellations the loop set. An empty batch, or a closing scheduler, hands the loop back its turn.
 """
@@ -51,6 +55,8 @@ log = logging.getLogger(__name__)
 
 # A chunk cut to keep its step within --step-time-bound still takes this many tokens: a prompt always advances.
 MIN_CHUNK_TOKENS = 4
+# Steps whose tokens no caller streams reach the loop at least this often: its gauges and metrics stay this fresh.
+UNSTREAMED_HANDOFF_NS = 50_000_000
 
 
 def step_thread() -> ThreadPoolExecutor:
@@ -62,7 +68,8 @@ def step_thread() -> ThreadPoolExecutor:
 @dataclass
 class StepDone:
     """A step that ran, as the step thread saw it when it ended: its results, and for the metrics the prompt tokens
-    each sequence that joined reused and computed, and the batch as the step left it."""
+    each sequence that joined reused and computed, and the batch as the step left it; when it ended, and whether the
+    loop should have it now (a token a caller streams, a sequence's last event)."""
 
     results: StepResults
     prompts: list[tuple[int, int]]
@@ -73,6 +80,8 @@ class StepDone:
     cached_bytes: int
     drafted: int = 0  # draft tokens the step checked
     accepted: int = 0  # of them, those taken
+    ended_ns: int = 0
+    urgent: bool = True
 
 
 class StepFailed(Exception):
@@ -371,8 +380,8 @@ class Scheduler:
         (the loop delivers them, then waits for work when the batch is empty)."""
         pending: list[StepDone] = []
 
-        def hand_over() -> None:
-            if pending:
+        def hand_over() -> None:  # an urgent step goes before the next model call: only the newest can be one
+            if pending and (pending[-1].urgent or time.monotonic_ns() - pending[0].ended_ns >= UNSTREAMED_HANDOFF_NS):
                 self._handoff.hand_over(loop, pending[:])
                 pending.clear()
 
@@ -395,13 +404,15 @@ class Scheduler:
             for seq, event in results:  # finished outputs, for later rows' drafts (a request that opted out gives none)
                 if seq.speculate and isinstance(event, StepEvent) and event.finish is not None:
                     self.outputs.add(seq.prompt_ids, seq.generated)
+        urgent = any(seq.streamed or not isinstance(event, StepEvent) or event.finish is not None for seq, event in results)
         drafted = accepted = 0
         if plan.draft_row is not None:
             taken = [event.token_id for seq, event in results if seq is plan.draft_row and isinstance(event, StepEvent)]
             if taken:  # it ran (it was not cancelled first): its drafts up to the first it did not take were accepted
                 drafted = len(plan.drafts)
                 accepted = next((i for i, (token, draft) in enumerate(zip(taken, plan.drafts)) if token != draft), min(len(taken), drafted))
-        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting), kv.cached_bytes(), drafted, accepted)
+        return StepDone(results, prompts, len(kv.rows), kv.kv_bytes(), kv.cached_rows(), len(self.waiting), kv.cached_bytes(), drafted, accepted,
+                        time.monotonic_ns(), urgent)
 
     def _ran_chunk(self, seq: Sequence, results: StepResults) -> bool:
         """Whether a sequence that joined this step ran its first chunk (it was not cancelled first): its row holds more
@@ -410,10 +421,11 @@ class Scheduler:
         return hold.cached_tokens > seq.reused_prompt_tokens if hold is not None else any(s is seq for s, _ in results)
 
     def _deliver(self, steps: list[StepDone]) -> None:
-        """On the event loop: each sequence's event to its caller, and each step's metrics, step by step."""
-        now = time.monotonic_ns()
+        """On the event loop: each sequence's event to its caller, and each step's metrics, step by step (its tokens timed
+        when the step ended, which for a step held back is not when the loop has it)."""
         metrics = self.metrics
         for done in steps:
+            now = done.ended_ns
             if metrics is not None:
                 for reused, computed in done.prompts:
                     metrics.on_prompt(reused, computed)

@@ -42,6 +42,8 @@ class GenerationRequest:
     response_format: ResponseFormat | None = None  # the output's structure (structured.py); None: free text
     thinking_token_budget: int | None = None  # a reasoning model's thinking bound in tokens; None: the server's default
     speculation: bool = True  # False: this request's steps check no drafts (where the server's --speculation is on)
+    streamed: bool = True  # False: its caller takes the answer whole (a body, not a stream), so its tokens may reach the
+    # event loop in bursts (scheduler.py UNSTREAMED_HANDOFF_NS)
     traceparent: str | None = None  # the caller's W3C trace context (HTTP headers, gRPC metadata), read when tracing is on
     tracestate: str | None = None
 
@@ -121,6 +123,7 @@ class Sequence:
     forced: list[int] = field(default_factory=list)  # ids it takes next whatever the model says (the closing marker)
     reasoning_tokens: int = 0  # generated tokens spent thinking
     speculate: bool = True  # whether its steps may check drafts (the server's --speculation and the request's say)
+    streamed: bool = True  # whether its caller streams its tokens (GenerationRequest.streamed)
     drafts: DraftState | None = None  # speculation's state for this row (drafts.py), made when it first may draft
 
     def __post_init__(self):

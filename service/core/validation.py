@@ -214,6 +214,7 @@ class RequestValidator:
             thinking_close_ids=self.thinking_close_ids,
             answer_constraint=answer_constraint,
             speculate=request.speculation,
+            streamed=request.streamed,
         )
 
     def _tools(self, request: GenerationRequest):

@@ -171,7 +171,7 @@ def shared_parameters(body: dict, kind: str, limits: EngineLimits) -> Shared:
                   response_format=response_format(body.get("response_format")), ignore_eos=flag(body, "ignore_eos"),
                   min_new_tokens=number(body, "min_tokens", 0, 0, 2**31 - 1, int), stop_token_ids=tuple(stop_token_ids),
                   skip_special_tokens=skip_special, include_stop_sequence=flag(body, "include_stop_str_in_output"),
-                  speculation=body.get("speculation") is None or flag(body, "speculation"))
+                  speculation=body.get("speculation") is None or flag(body, "speculation"), streamed=stream)
     return Shared(fields, stream, include_usage, continuous_usage, logprobs, n)
 
 

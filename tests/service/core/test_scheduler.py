@@ -15,6 +15,7 @@ from kvserve.service.core.batch import SlotBatch
 from kvserve.service.core.drafts import StepCosts
 from kvserve.service.process.gate import _greedy_sequence
 from kvserve.service.core.kv_rows import HeldRow
+from kvserve.service.core import scheduler as scheduler_module
 from kvserve.service.core.scheduler import Scheduler
 
 from ...conftest import PROVIDER
@@ -244,6 +245,43 @@ def test_a_failed_step_fails_every_sequence_in_it_exactly_once(tiny_artifact, ti
     after = _greedy_sequence(7, prompt(7, 5), 6)  # the batch serves again
     Scheduler(batch, step_token_budget=32).drive([after])
     assert after.generated == generate(tiny_model, [after.prompt_ids], 6).tokens[0].tolist()
+
+
+@pytest.mark.parametrize("streamed, bound_ns, separate", [
+    (True, 10**12, True),  # a streamed token reaches the loop before the next model call
+    (False, 10**12, False),  # an answer taken whole: the loop has its tokens with its last
+    (False, 0, True),  # ... or within UNSTREAMED_HANDOFF_NS
+])
+def test_steps_whose_tokens_nobody_streams_reach_the_loop_with_the_last_or_within_the_bound(tiny_artifact, tiny_model, monkeypatch,
+                                                                                            streamed, bound_ns, separate):
+    artifact = open_artifact(tiny_artifact)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
+    monkeypatch.setattr(scheduler_module, "UNSTREAMED_HANDOFF_NS", bound_ns)
+    deliveries = []
+    real = Scheduler._deliver
+
+    def deliver(self, steps):
+        deliveries.append([event.token_id for done in steps for _, event in done.results])
+        real(self, steps)
+
+    monkeypatch.setattr(Scheduler, "_deliver", deliver)
+
+    async def scenario():
+        scheduler = Scheduler(SlotBatch(runtime, artifact.config, 2), step_token_budget=32)
+        seq = _greedy_sequence(1, prompt(1, 4), 12)
+        seq.streamed, seq.events = streamed, asyncio.Queue()
+        scheduler.submit(seq)
+        await scheduler._step()  # every step of the sequence, on the step thread
+        scheduler.close()
+        received = []
+        while not seq.events.empty():
+            received.append(seq.events.get_nowait())
+        return seq, scheduler, received
+
+    seq, scheduler, received = asyncio.run(scenario())
+    assert [event.token_id for event in received] == seq.generated == generate(tiny_model, [seq.prompt_ids], 12).tokens[0].tolist()
+    assert received[-1].finish is not None and sum(deliveries, []) == seq.generated
+    assert len(deliveries) == (12 if separate else 1)
 
 
 def test_the_handoff_never_leaves_a_flush_waiting_when_it_is_closed_meanwhile():

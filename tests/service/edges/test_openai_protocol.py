@@ -26,8 +26,10 @@ def test_a_chat_body_becomes_the_engine_request_it_describes():
     assert request.sampling.temperature == 0.5 and request.sampling.seed == 1  # a given seed is never the engine's "choose one"
     assert request.sampling.logit_bias == ((7, -100.0),) and request.response_format.kind is FormatKind.JSON_OBJECT
     assert [(m.role, m.content) for m in request.prompt_messages] == [("user", "Hi")]
+    assert request.streamed  # its tokens go to the loop as they come
     completion = parse({"model": "m", "prompt": [[1, 2, 3]]}, "completions", "m", LIMITS).request
     assert completion.prompt_ids == (1, 2, 3) and completion.max_new_tokens == 16  # OpenAI's default for completions
+    assert not completion.streamed  # a body: taken whole
 
 
 @pytest.mark.parametrize("body, kind, status, param", [
