@@ -179,10 +179,11 @@ class SlotBatch:
         started = time.perf_counter()
         sampled = self.runtime.run_decode(self.pool, input_ids, position_ids, attention_mask, needs_logits(decode), before_model,
                                           self._long_rope(slots, rows))  # B rows
-        self.step_costs.record(len(decode), 0, time.perf_counter() - started)
         for row in decode_rows:
             row.cached_tokens += 1
-        return advance_each(decode, sampled.logits, sampled.greedy_tokens, [row.index for row in decode_rows], masks)
+        results = advance_each(decode, sampled.logits, sampled.greedy_tokens, [row.index for row in decode_rows], masks)
+        self.step_costs.record(len(decode), 0, time.perf_counter() - started)
+        return results
 
     def _step(self, slots: list[Sequence | None], held: dict[Sequence, HeldRow], decode: list[Sequence],
               chunk: Sequence | None, chunk_tokens: int, before_model: Callable[[], None] | None,
@@ -229,22 +230,27 @@ class SlotBatch:
             np.asarray(logits_index, dtype=np.int64), needs_logits(sampling), before_model, self._long_rope(slots, rows),
             chunk_row is not None and chunk_row.long_rope,
         )
-        if chunk is None:  # a decode step, plain or with drafts: what the scheduler sizes drafts by
-            self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
-        elif decode:  # and what a prompt chunk adds beside decoding rows: what it sizes chunks by
-            self.step_costs.record_chunk(len(decode), len(piece), time.perf_counter() - started)
         for row in decode_rows:
             row.cached_tokens += 1
         if drafts:
             results = advance_each(decode, sampled.logits, sampled.greedy_tokens, masks=masks)
-            return results + self._check_drafts(solo, held[solo], list(drafts), grammar_drafts, sampled, len(decode), masks)
-        if solo is not None:
-            held[solo].cached_tokens += 1
-        if chunk is not None:
-            held[chunk].cached_tokens = start + len(piece)
-            if completes:
-                chunk.refill_ids = None  # a row prefilled again decodes on
-        return advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
+            results += self._check_drafts(solo, held[solo], list(drafts), grammar_drafts, sampled, len(decode), masks)
+        else:
+            if solo is not None:
+                held[solo].cached_tokens += 1
+            if chunk is not None:
+                held[chunk].cached_tokens = start + len(piece)
+                if completes:
+                    chunk.refill_ids = None  # a row prefilled again decodes on
+            results = advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
+        # What the scheduler sizes drafts and chunks by: the model call and the tokens taken from it (a sampled row's
+        # draw at each of its drafts costs as a token of the model's does on a small model), for a decode step plain or
+        # with drafts, and what a prompt chunk adds beside decoding rows.
+        if chunk is None:
+            self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
+        elif decode:
+            self.step_costs.record_chunk(len(decode), len(piece), time.perf_counter() - started)
+        return results
 
     @staticmethod
     def _check_drafts(seq: Sequence, row: HeldRow, drafts: list[int], grammar: bool, sampled, first: int, masks) -> StepResults:

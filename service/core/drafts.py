@@ -223,8 +223,9 @@ class DraftState:
 
 @dataclass
 class StepCosts:
-    """What a decode step costs, learnt from the steps run: a running mean of the model call's time for each count of
-    decoding rows and of drafts one of them checks (0: a plain decode step). A step with drafts runs its row through the
+    """What a decode step costs, learnt from the steps run: a running mean of its time (the model call, and the tokens
+    taken from it: a sampled row draws at every draft it checks) for each count of decoding rows and of drafts one of
+    them checks (0: a plain decode step). A step with drafts runs its row through the
     chunk part of the graph, another path than a plain step's, so its cost is learnt apart: before a (rows, drafts)
     pair has run, it is taken as the plain step's grown by PRIOR_SLOPE a draft (batch 1 on the CPU measures 10-15% a
     token for the first few, bench/speculation.py), and the pair is tried only where that guess says it pays. And what a
