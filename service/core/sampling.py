@@ -83,6 +83,31 @@ def choose(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator,
     return _choose_among(logits, params, rng)
 
 
+# top_p's first look at the likeliest tokens; 32 times as many each time the nucleus is not within them.
+NUCLEUS_FIRST = 256
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The ids top_p keeps: the likeliest first (ties: lower id first), up to and with the one whose cumulative
+    probability reaches top_p. As a stable sort of the whole vocabulary finds them, from a partial sort of its likeliest
+    tokens: the whole sort of 151,936 probabilities (a Qwen vocabulary) took 19-21 ms a token on a 2-core AVX2 EPYC, this
+    0.6 ms where the nucleus held 25-132 tokens and 2.3 ms at 1,540 (by hand); a nucleus of tens of thousands (logits
+    almost flat) falls through to the whole sort, at 1.2x its time. Only the tokens strictly likelier than the m-th
+    likeliest are sure to stand first in the whole order, in this order (ties at the m-th may fall either side of a
+    partition), and their cumulative sums are the whole order's first ones, summed in the same order: the same cut."""
+    size, m = probs.size, NUCLEUS_FIRST
+    while m < size:
+        likeliest = np.argpartition(-probs, m - 1)[:m]
+        sure = likeliest[probs[likeliest] > probs[likeliest].min()]
+        order = sure[np.lexsort((sure, -probs[sure]))]  # by probability, falling; ties by id
+        cumulative = np.cumsum(probs[order])
+        if cumulative.size and cumulative[-1] >= top_p:
+            return order[: int(np.searchsorted(cumulative, top_p)) + 1]  # with the token that reaches top_p
+        m *= 32
+    order = np.argsort(-probs, kind="stable")
+    return order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
+
+
 def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     """The index in logits (K,), penalties applied, that the temperature, top_k, min_p and top_p choose."""
     if params.greedy:
@@ -97,11 +122,9 @@ def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Gen
         probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
         probs /= probs.sum()
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        cutoff = int(np.searchsorted(cumulative, params.top_p)) + 1  # keep the token that reaches top_p
+        nucleus = _nucleus(probs, params.top_p)
         kept = np.zeros_like(probs)
-        kept[order[:cutoff]] = probs[order[:cutoff]]
+        kept[nucleus] = probs[nucleus]
         probs = kept / kept.sum()
     cumulative = np.cumsum(probs)
     return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), probs.size - 1))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
-from kvserve.service.core.sampling import SamplingParams, choose, log_probability
+from kvserve.service.core.sampling import SamplingParams, _nucleus, choose, log_probability
 from kvserve.service.core.text import IncrementalDecoder, StopSequences
 
 
@@ -75,6 +75,23 @@ def test_greedy_repetition_penalty_top_k_and_top_p():
     assert {choose(logits, nucleus, rng, None) for _ in range(50)} == {1}
     wide = SamplingParams(temperature=5.0)
     assert len({choose(logits, wide, rng, None) for _ in range(200)}) == 4
+
+
+@pytest.mark.parametrize("spread", ["peaked", "flat", "ties"])
+def test_top_p_keeps_what_a_stable_sort_of_the_whole_vocabulary_keeps(spread):
+    """sampling._nucleus sorts only the likeliest tokens: the cut must be the whole sort's, ties (lower id first) and
+    nuclei larger than its first looks included."""
+    rng = np.random.default_rng(7)
+    for trial in range(60):
+        size = int(rng.choice([3, 300, 5000]))
+        logits = {"peaked": rng.normal(size=size) * 6, "flat": rng.normal(size=size) * 0.01,
+                  "ties": np.round(rng.normal(size=size))}[spread]
+        probs = np.exp(logits - logits.max())
+        probs /= probs.sum()
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            order = np.argsort(-probs, kind="stable")
+            whole = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
+            assert np.array_equal(_nucleus(probs, top_p), whole), (spread, size, top_p)
 
 
 def test_sampling_follows_the_distribution_and_the_seed():
