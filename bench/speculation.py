@@ -26,10 +26,14 @@ step of 1 + k tokens against 1 at batch 1 (the chunk part, as a drafting row run
 learns while serving; and with the part costs-16, a step of 16 decoding rows one of which runs 1 + k tokens through
 the chunk part against a plain 16-row step, with the most such a step could give were every draft taken (ONNX
 Runtime's GroupQueryAttention takes several tokens a row for one row only, so one row drafts a step: 16 + k tokens for
-its cost, against 16). Prints markdown tables and the machine.
+its cost, against 16). And with the part rows, plain decode steps of 1 to 64 rows on the artifact drafts would run
+on (the copy artifact where given): the tokens a second a step of 16 + 16k tokens makes bounds what any way of checking
+drafts could give 16 streams, all of them drafting k, every draft taken (a row's k tokens cost at least k rows' of
+weights' arithmetic). Prints markdown tables and the machine.
 
     python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
-                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs costs-16 copy copy-16]
+                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs costs-16 rows copy
+                                         copy-16]
                                 [--copy-artifact artifacts/kjv-quote] [--copy-checkpoint checkpoints/kjv-quote-gpt2]
 """
 
@@ -210,6 +214,13 @@ def step_costs_beside_rows(bench: Bench, rows: int = 16) -> list[tuple[int, floa
     return best_ms(step, (0, 2, 4, 8))
 
 
+def plain_steps(bench: Bench, sizes: tuple[int, ...] = (1, 8, 16, 24, 32, 48, 64)) -> list[tuple[int, float]]:
+    """(rows, ms) of a plain decode step of that many rows at position 64, best of 3."""
+    runtime, pool, none = bench.runtime, prefilled_pool(bench, max(sizes)), np.zeros(0, np.int64)
+    return best_ms(lambda rows: runtime.run_slots(pool, np.full(rows, 7, np.int64), np.full(rows, 64, np.int64), None, none, 0, 0,
+                                                  np.arange(rows), False), sizes)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default="artifacts/kjv-gpt2")
@@ -272,6 +283,13 @@ def main() -> None:
         print("|---:|---:|---:|---:|")
         for k, ms in costs:
             print(f"| {k} | {ms:.3f} | {ms / base:.2f}x | {(rows + k) / rows / (ms / base):.2f}x |")
+    if "rows" in args.parts:
+        steps = plain_steps(copying or main_bench)
+        at16 = 16 / dict(steps)[16]
+        print("\n| rows in a plain decode step | ms (best of 3) | tokens/s | against 16 rows |")
+        print("|---:|---:|---:|---:|")
+        for rows, ms in steps:
+            print(f"| {rows} | {ms:.3f} | {rows / ms * 1e3:,.0f} | {rows / ms / at16:.2f}x |")
     print(f"\nMachine: {describe('cpu')}")
     for each in (main_bench, copying):
         if each is not None:

@@ -9,8 +9,15 @@ its own convert_hf_to_gguf.py to an F32 GGUF (its pre-tokenizer check told the b
 the prompts are ids, so its text handling is never used), and before anything is timed its greedy tokens must be
 kvserve's for the first prompt.
 
-Both servers over HTTP, one request at a time (batch 1), and 16 at once; whole answers (not streamed); 2 threads each;
-rounds alternating over every server. Per server: tokens/s (median of the rounds) and kvserve's drafts checked and taken.
+Both servers over HTTP, one request at a time (batch 1), and 16 at once; whole answers (not streamed); 2 threads each.
+Every server runs at once, fresh each round, and they take turns request by request (batch 1: each prompt goes to every
+server, the order turning by one server a prompt; 16 streams: each server's 16 at once, in turns too), so a shared
+machine's drift, which moved one server's pass over the prompts by a third from one minute to the next on this VM,
+falls on all of them alike. Before each request the client waits SETTLE seconds: a server that has just answered still
+spins its threads a while (ONNX Runtime's and ggml's thread pools), and when the next request followed at once
+llama-server's copy workload ran a third slower after kvserve's requests, kvserve's a tenth slower after llama-server's
+(by hand). Per server: tokens/s (median of the rounds: its tokens over its requests' time), kvserve with speculation on
+over each other server round by round (the median of the rounds' ratios), and kvserve's drafts checked and taken.
 
     python bench/speculation_peers.py --checkpoint checkpoints/kjv-quote-gpt2 --artifact artifacts/kjv-quote \\
         --llama-cpp PATH/llama.cpp [--build PATH/llama.cpp/build] --convert-python PYTHON [--rounds 3] [--prompts 12]
@@ -19,6 +26,7 @@ rounds alternating over every server. Per server: tokens/s (median of the rounds
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import shutil
@@ -39,6 +47,7 @@ from serving_latency import Server, free_port  # noqa: E402
 SPEC_TYPES = [("none", ()), ("ngram-simple", ()), ("ngram-simple n3 m8", ("--spec-ngram-simple-size-n", "3", "--spec-ngram-simple-size-m", "8")),
               ("ngram-map-k", ()), ("ngram-mod", ()), ("ngram-cache", ())]
 STREAMS = 16
+SETTLE = 0.2  # seconds between two requests: what a server that has just answered spins on settles first
 
 # Run inside llama.cpp's converter environment: its GPT-2 model class reads n_ctx, and its BPE check knows published
 # tokenizers by a hash of how they split a test text; this one splits as GPT-2's does (tokenizers' ByteLevel).
@@ -161,6 +170,21 @@ def measure(server, work: list[tuple[list[int], int]], concurrent: bool) -> tupl
     return seconds, sum(a[1] for a in answers), sum(a[2] for a in answers), sum(a[3] for a in answers)
 
 
+def one_round(servers: dict, work: list[tuple[list[int], int]]) -> dict:
+    """name -> {False: (seconds, tokens, accepted, refused) of batch 1, True: of 16 streams}, the servers taking turns."""
+    names = list(servers)
+    totals = {name: {False: [0.0, 0, 0, 0], True: None} for name in names}
+    for i, item in enumerate(work):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            time.sleep(SETTLE)
+            measured = measure(servers[name], [item], False)
+            totals[name][False] = [a + b for a, b in zip(totals[name][False], measured)]
+    for name in names[len(work) % len(names):] + names[:len(work) % len(names)]:
+        time.sleep(SETTLE)
+        totals[name][True] = measure(servers[name], (work * STREAMS)[:STREAMS], True)
+    return totals
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", type=Path, required=True)
@@ -186,22 +210,30 @@ def main() -> None:
     print(f"llama-server's greedy tokens on the first prompt: {same} of {len(ours)} the same as kvserve's\n")
     results = {name: {False: [], True: []} for name, _ in servers}
     drafts = {}
-    for round_ in range(args.rounds):
-        order = servers if round_ % 2 == 0 else servers[::-1]
-        for name, make in order:
-            with make() as server:
+    for _ in range(args.rounds):
+        with contextlib.ExitStack() as stack:
+            running = {name: stack.enter_context(make()) for name, make in servers}
+            for name, server in running.items():
                 measure(server, work[:2], False)  # warm
-                for concurrent in (False, True):
-                    seconds, tokens, accepted, refused = measure(server, (work * STREAMS)[:STREAMS] if concurrent else work, concurrent)
+            for name, measured in one_round(running, work).items():
+                for concurrent, (seconds, tokens, accepted, refused) in measured.items():
                     results[name][concurrent].append(tokens / seconds)
                     drafts[name, concurrent] = (accepted, refused)
-    print("| server | batch 1 tokens/s | 16 streams tokens/s | kvserve drafts taken / refused (batch 1) |")
-    print("|---|---:|---:|---|")
-    base = {c: statistics.median(results[servers[0][0]][c]) for c in (False, True)}
+    on = servers[1][0]
+
+    def over(name: str, concurrent: bool) -> str:
+        """kvserve with speculation on over this server, round by round (the median of each round's ratio)."""
+        if name == on:
+            return "-"
+        return f"{statistics.median(a / b for a, b in zip(results[on][concurrent], results[name][concurrent])):.2f}x"
+
+    print("| server | batch 1 tokens/s | kvserve on over it, round by round | 16 streams tokens/s | kvserve on over it | "
+          "kvserve drafts taken / refused (batch 1) |")
+    print("|---|---:|---:|---:|---:|---|")
     for name, _ in servers:
         one, many = (statistics.median(results[name][c]) for c in (False, True))
         accepted, refused = drafts[name, False]
-        print(f"| {name} | {one:,.1f} ({one / base[False]:.2f}x) | {many:,.1f} ({many / base[True]:.2f}x) | "
+        print(f"| {name} | {one:,.1f} | {over(name, False)} | {many:,.1f} | {over(name, True)} | "
               f"{f'{accepted:,} / {refused:,}' if name.startswith('kvserve') else '-'} |")
     print(f"\nMachine: {describe('cpu')}")
 
