@@ -243,8 +243,8 @@ class SlotBatch:
                 if completes:
                     chunk.refill_ids = None  # a row prefilled again decodes on
             results = advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
-        # What the scheduler sizes drafts and chunks by: the model call and the tokens taken from it (a sampled row's
-        # draw at each of its drafts costs as a token of the model's does on a small model), for a decode step plain or
+        # What the scheduler sizes drafts and chunks by: the model call and the tokens taken from it (a sampled row draws
+        # at each draft it checks, ~170 us a draw on the default model against a ~1 ms step), for a decode step plain or
         # with drafts, and what a prompt chunk adds beside decoding rows.
         if chunk is None:
             self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
