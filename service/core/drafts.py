@@ -27,8 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# At most this many drafts a step: a ring row's rejected columns must fall outside its window (contract RING_SLACK).
-MAX_DRAFT_TOKENS = 8
+# At most this many drafts a step: a ring row's rejected columns must fall outside its window (contract RING_SLACK: a
+# step writes its last token and k drafts; the k-th lands on the ring column of the position RING_SLACK + window back).
+MAX_DRAFT_TOKENS = 16
 NGRAM = 3  # prompt lookup matches the last 3 tokens, then the last 2 (PromptLookup indexes both)
 LOOKUP_PRIOR, GRAMMAR_PRIOR = (0.5, 0.7), (0.8, 0.8)  # acceptance (first, then) assumed before a row has drafted
 PRIOR_TRIED = 2.0  # the assumed acceptance weighs as much as this many draft tokens tried
@@ -37,7 +38,7 @@ STOP_BELOW, BACKOFF_STEPS = 0.15, 16  # a row whose first draft tokens are taken
 # A row whose lookup finds nothing this many steps running rests as many, then twice as many each time again, at most
 # MAX_REST: text that does not repeat costs its row a lookup now and then, not every step.
 MISSES_BEFORE_REST, MAX_REST = 4, 64
-DRAFT_COUNTS = (1, 2, 3, 4, 6, 8)  # the k a row may pick
+DRAFT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # the k a row may pick
 GATE_STEPS = 16  # steps StepCosts.may_pay's answer stands for
 OUTLIER = 2.0  # a step timed at more than this many times its running mean counts as this many (a stall, not its cost)
 
