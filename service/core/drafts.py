@@ -164,9 +164,10 @@ class Acceptance:
             self.then_tried = ACCEPTANCE_DECAY * self.then_tried + kept - 1 + (kept < offered)
 
     def expected_tokens(self, k: int) -> float:
-        """Tokens a row gains from a step with k drafts: 1 + first * (1 + then + ... + then^(k-1))."""
+        """Tokens a row gains from a step with k drafts: 1 + first * (1 + then + ... + then^(k-1)), summed in closed
+        form (asked for every draft count of every candidate row, every step)."""
         then = self.then
-        return 1.0 + self.first * sum(then ** i for i in range(k))
+        return 1.0 + self.first * (k if then >= 1.0 else (1.0 - then ** k) / (1.0 - then))
 
 
 @dataclass
