@@ -170,16 +170,22 @@ def measure(server, work: list[tuple[list[int], int]], concurrent: bool) -> tupl
     return seconds, sum(a[1] for a in answers), sum(a[2] for a in answers), sum(a[3] for a in answers)
 
 
+def turned(names: list[str], by: int) -> list[str]:
+    """names in turn from the by-th (wrapping)."""
+    by %= len(names)
+    return names[by:] + names[:by]
+
+
 def one_round(servers: dict, work: list[tuple[list[int], int]]) -> dict:
     """name -> {False: (seconds, tokens, accepted, refused) of batch 1, True: of 16 streams}, the servers taking turns."""
     names = list(servers)
     totals = {name: {False: [0.0, 0, 0, 0], True: None} for name in names}
     for i, item in enumerate(work):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in turned(names, i):
             time.sleep(SETTLE)
             measured = measure(servers[name], [item], False)
             totals[name][False] = [a + b for a, b in zip(totals[name][False], measured)]
-    for name in names[len(work) % len(names):] + names[:len(work) % len(names)]:
+    for name in turned(names, len(work)):
         time.sleep(SETTLE)
         totals[name][True] = measure(servers[name], (work * STREAMS)[:STREAMS], True)
     return totals
