@@ -30,6 +30,9 @@ from .pool import KvTraffic, SlotPool
 from .providers import ProviderUnavailable, open_session, planned_device
 from .sampled import Sampled
 
+# Bindings kept per runtime: a batch's steps alternate between a few row layouts (all rows, the rows up to a joining
+# prompt's, one row checking drafts alone), each bound once rather than at every change.
+BINDINGS_KEPT = 4
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int8": np.int8}
 ORT_TYPES = {"tensor(float)": "float32", "tensor(float16)": "float16", "tensor(int8)": "int8", "tensor(int64)": "int64"}
 
@@ -71,7 +74,7 @@ class DecoderRuntime:
         self._past_names = [n for i in range(n_layer) for n in io.past_names(i)]
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
         self.traffic = KvTraffic()
-        self._pool_binding: tuple | None = None  # (key, binding): the last step's K/V binding, reused while its key holds
+        self._bindings: dict[tuple, BoundStep] = {}  # (pool, rows, first_row) -> its binding, the latest used last
         self._uncaptured = ort.RunOptions()
         self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
         captures, note, decode_session = opened.captures_decode, opened.cuda_graph_note, None
@@ -122,8 +125,7 @@ class DecoderRuntime:
     def release_pool(self, pool: SlotPool) -> None:
         """Forget every binding of pool (and release its CUDA graphs): the pool is no longer used."""
         self.fixed_steps.release(pool)
-        if self._pool_binding is not None and self._pool_binding[0][0] is pool:
-            self._pool_binding = None
+        self._bindings = {key: bound for key, bound in self._bindings.items() if key[0] is not pool}
 
     def run_feeds(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         """Every output of one plain run over host feeds, in the graph's order: how tools that drive a concat graph
@@ -132,24 +134,30 @@ class DecoderRuntime:
 
     def _bound_pool(self, pool: SlotPool, rows: int, first_row: int = 0, chunk_row: int | None = None) -> BoundStep:
         """An IO binding with the pool's rows first_row .. first_row + rows - 1 bound as past and present (and, for a fused
-        graph, row chunk_row as the chunk's past and present). The last binding is kept and reused while the next step
-        binds the same (pool, rows, first_row, chunk_row): decode steps in a row do."""
-        key = (pool, rows, first_row, chunk_row)
-        if self._pool_binding is not None and self._pool_binding[0] == key:
-            return self._pool_binding[1]
-        binding = self.session.io_binding()
-        names = [(self._past_names, self._present_names, first_row, rows)]
-        if chunk_row is not None:
-            names.append((self._chunk_past_names, self._chunk_present_names, chunk_row, 1))
-        for past_names, present_names, row, count in names:
-            for index, (past_name, present_name, value) in enumerate(zip(past_names, present_names, pool.values)):
-                shape = pool.value_shape(index, count)  # (B, H, C, d_k): consecutive rows from row on
-                address = value.data_ptr() + row * pool.value_row_bytes(index)
-                binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, address)
-                binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, address)
-        bound = BoundStep(binding, self.device)
-        self._pool_binding = (key, bound)
+        graph, row chunk_row as the chunk's past and present). Bindings are kept by the rows they bind (BINDINGS_KEPT,
+        the least recently used dropped) and reused while the next step binds the same rows: decode steps in a row do,
+        and the steps of a batch alternate between a few layouts (plain, a prompt chunk, a row checking drafts); a kept
+        binding whose chunk row differs rebinds the chunk's K/V alone."""
+        key = (pool, rows, first_row)
+        bound = self._bindings.pop(key, None)
+        if bound is None:
+            bound = BoundStep(self.session.io_binding(), self.device)
+            self._bind_rows(bound, pool, self._past_names, self._present_names, first_row, rows)
+            if len(self._bindings) >= BINDINGS_KEPT:
+                del self._bindings[next(iter(self._bindings))]
+        self._bindings[key] = bound  # the latest used last
+        if chunk_row is not None and bound.chunk_row != chunk_row:
+            self._bind_rows(bound, pool, self._chunk_past_names, self._chunk_present_names, chunk_row, 1)
+            bound.chunk_row = chunk_row
         return bound
+
+    def _bind_rows(self, bound: BoundStep, pool: SlotPool, past_names: list[str], present_names: list[str], row: int,
+                   count: int) -> None:
+        for index, (past_name, present_name, value) in enumerate(zip(past_names, present_names, pool.values)):
+            shape = pool.value_shape(index, count)  # (B, H, C, d_k): consecutive rows from row on
+            address = value.data_ptr() + row * pool.value_row_bytes(index)
+            bound.binding.bind_input(past_name, self.device, 0, self.kv_dtype, shape, address)
+            bound.binding.bind_output(present_name, self.device, 0, self.kv_dtype, shape, address)
 
     def run_slots(
         self,
@@ -228,18 +236,19 @@ class DecoderRuntime:
         """Run a slots step whose greedy tokens (K,) and, when asked for, logits (K, V) land in host arrays bound up
         front: asking the binding for its outputs afterwards would wrap every bound K/V buffer too (121 objects a step
         for a 30-layer model). Logits not asked for stay where the step ran (ONNX Runtime allocates them there)."""
-        binding = bound.binding
         tokens = bound.greedy_output(n_logits)
         logits = None
         if with_logits:
             logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V): the caller's to keep
-            binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            bound.binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+            bound.logits_rows = None
             self.traffic.logits_bytes += logits.nbytes
-        else:  # bound anew every step: the binding keeps the array the last run allocated, whose row count may differ
-            binding.bind_output(io.LOGITS, self.device, 0)
+        elif bound.logits_rows != n_logits:  # ONNX Runtime's own buffer, which the next step of as many rows reuses
+            bound.binding.bind_output(io.LOGITS, self.device, 0)
+            bound.logits_rows = n_logits
         if before_run is not None:
             before_run()
-        self.session.run_with_iobinding(binding, self._uncaptured)
+        self.session.run_with_iobinding(bound.binding, self._uncaptured)
         return Sampled(logits, tokens.copy())
 
 
@@ -248,30 +257,52 @@ class BoundStep:
     which a step of the same shapes writes into instead of binding new ones: right after a model call binding is slow
     (the weights streamed through the caches evicted what the binding calls touch: on a gpt2 int8 step, 246 µs from
     the start of run_slots to the model call, against 30 µs for a whole step's host work with the model call stubbed
-    out)."""
+    out). The buffers of the last SHAPES_KEPT shapes an input took stay made, so steps whose shapes come and go (a row
+    checking 1 + k tokens, then one) rebind one but make none."""
+
+    SHAPES_KEPT = 32
 
     def __init__(self, binding, device: str):
         self.binding, self.device = binding, device
-        self.inputs: dict[str, np.ndarray] = {}
-        self.values: dict[str, ort.OrtValue] = {}  # what each input is bound to: its host buffer itself on the CPU
-        self.greedy_tokens: np.ndarray | None = None
+        self.inputs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # what each input is bound to now
+        self._made: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, ort.OrtValue]] = {}  # (name, shape) -> its buffer
+        self._greedy: dict[int, np.ndarray] = {}  # count -> the host buffer of that many greedy tokens
+        self.greedy_tokens: np.ndarray | None = None  # the one bound now
+        self.chunk_row: int | None = None  # the pool row bound as a fused graph's chunk
+        self.logits_rows: int | None = None  # logits bound to ONNX Runtime's own buffer of this many rows (None: not)
 
     def set_input(self, name: str, values: np.ndarray) -> None:
-        """Bind values (int64, any shape) to input name: written into the buffer bound last time when the shape is the same."""
-        buffer = self.inputs.get(name)
-        if buffer is not None and buffer.shape == values.shape:
+        """Bind values (int64, any shape) to input name: written into the buffer of that shape made before, if any
+        (bound again when it is not the one bound now)."""
+        bound = self.inputs.get(name)
+        if bound is None or bound[0].shape != values.shape:
+            key = (name, values.shape)
+            bound = self._made.pop(key, None)
+            if bound is None:
+                buffer = np.array(values, dtype=np.int64, order="C")  # a copy the binding reads, kept alive here
+                bound = (buffer, ort.OrtValue.ortvalue_from_numpy(buffer, self.device, 0))  # on the CPU the same memory
+                if len(self._made) >= self.SHAPES_KEPT:
+                    del self._made[next(iter(self._made))]
+            self._made[key] = bound  # the latest used last
+            self.inputs[name] = bound
+            buffer, value = bound
             buffer[...] = values
-            if self.device != "cpu":  # bound as a device copy: a write into the host buffer alone never reaches the step
-                self.values[name].update_inplace(buffer)
+            if self.device != "cpu":  # bound as a device copy, which a write into the host buffer alone never reaches
+                value.update_inplace(buffer)
+            self.binding.bind_ortvalue_input(name, value)
             return
-        buffer = self.inputs[name] = np.array(values, dtype=np.int64, order="C")  # a copy the binding reads, kept alive here
-        self.values[name] = ort.OrtValue.ortvalue_from_numpy(buffer, self.device, 0)  # on the CPU the same memory
-        self.binding.bind_ortvalue_input(name, self.values[name])
+        buffer, value = bound
+        buffer[...] = values
+        if self.device != "cpu":
+            value.update_inplace(buffer)
 
     def greedy_output(self, count: int) -> np.ndarray:
         """The host buffer the step's (count,) greedy tokens are bound to; zeros at first, so a stubbed-out run (the
         bench's host timing) leaves valid ids."""
         if self.greedy_tokens is None or len(self.greedy_tokens) != count:
-            self.greedy_tokens = np.zeros(count, np.int64)
-            self.binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, (count,), self.greedy_tokens.ctypes.data)
+            tokens = self._greedy.get(count)
+            if tokens is None:
+                tokens = self._greedy[count] = np.zeros(count, np.int64)
+            self.greedy_tokens = tokens
+            self.binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, (count,), tokens.ctypes.data)
         return self.greedy_tokens

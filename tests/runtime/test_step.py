@@ -1,5 +1,5 @@
 """One slots step (runtime/step.py) on standard and fused graphs: the pool bound by address and written in place, only
-what sampling reads brought to the host, a binding reused while the step's shape holds; and a concat graph run as
+what sampling reads brought to the host, bindings kept per row layout and reused; and a concat graph run as
 tools run it (run_feeds)."""
 
 import numpy as np
@@ -17,11 +17,13 @@ def opened(artifact_dir) -> tuple[DecoderRuntime, object]:
     return DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER), artifact.config
 
 
-def prefill(runtime, pool, rows: int, row: int, prompt: list[int], with_logits: bool = True):
-    """Row `row`'s whole prompt as one chunk, every other row a scratch token; sampled at the prompt's last token."""
+def prefill(runtime, pool, rows: int, row: int, prompt: list[int], with_logits: bool = True, sample_row_0: bool = False):
+    """Row `row`'s whole prompt as one chunk, every other row a scratch token; sampled at the prompt's last token (and
+    at row 0's scratch token: a fused graph then runs row 0 beside the chunk)."""
     scratch = pool.capacity - 1
+    sampled = [0] * sample_row_0 + [rows + len(prompt) - 1]
     return runtime.run_slots(pool, np.zeros(rows, np.int64), np.full(rows, scratch, np.int64), np.ones((rows, 1), np.int64),
-                             np.array(prompt, np.int64), 0, row, np.array([rows + len(prompt) - 1]), with_logits)
+                             np.array(prompt, np.int64), 0, row, np.array(sampled), with_logits)
 
 
 @pytest.mark.parametrize("graph", ["tiny_standard_artifact", "tiny_fused_artifact"], ids=["standard", "fused"])
@@ -40,17 +42,33 @@ def test_a_step_writes_its_rows_k_v_in_place_and_returns_the_graphs_greedy_token
     assert runtime.traffic.logits_bytes == sampled.logits.nbytes  # greedy tokens alone: no logits read back
 
 
-def test_a_binding_is_reused_while_the_step_keeps_its_shape_and_made_anew_when_it_changes(tiny_standard_artifact):
-    runtime, config = opened(tiny_standard_artifact)
-    pool = runtime.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config))
-    prefill(runtime, pool, 3, 0, [1, 2])
-    first = runtime._pool_binding
-    prefill(runtime, pool, 3, 1, [3, 4])
-    assert runtime._pool_binding is first  # same rows bound: the same binding, its input buffers rewritten
-    prefill(runtime, pool, 2, 0, [1, 2])
-    assert runtime._pool_binding is not first  # two rows now: bound anew
-    runtime.release_pool(pool)
-    assert runtime._pool_binding is None
+@pytest.mark.parametrize("graph", ["tiny_standard_artifact", "tiny_fused_artifact"], ids=["standard", "fused"])
+def test_kept_bindings_and_buffers_compute_what_binding_every_step_anew_does(graph, request):
+    """Steps that alternate between row layouts (3 rows, then 2, then 3 again), chunk rows and shapes (chunks of 3, 2
+    and 3 tokens), greedy tokens alone and logits: each layout's binding is kept and reused, each shape's buffers too,
+    a kept fused binding rebinds its chunk row alone, and every step's tokens, logits and K/V rows are those of a
+    runtime that binds every step anew."""
+    artifact = request.getfixturevalue(graph)
+    (runtime, config), (anew, _) = opened(artifact), opened(artifact)
+    pools = [r.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config)) for r in (runtime, anew)]
+    steps = [(3, 0, [5, 6, 7], False, False), (3, 1, [8, 9], True, True), (2, 0, [1, 2, 3], False, False),
+             (3, 2, [4, 5, 6], False, True), (3, 1, [7, 7], False, True), (3, 0, [2, 3], True, False),
+             (3, 2, [9, 8, 7], True, True), (3, 1, [6, 5, 4], False, True)]
+    for step, (rows, row, prompt, with_logits, sample_row_0) in enumerate(steps):
+        anew._bindings.clear()
+        kept, fresh = (prefill(r, pool, rows, row, prompt, with_logits, sample_row_0) for r, pool in zip((runtime, anew), pools))
+        assert kept.greedy_tokens.tolist() == fresh.greedy_tokens.tolist()
+        assert (kept.logits is None) == (not with_logits) and (kept.logits is None or np.array_equal(kept.logits, fresh.logits))
+        if step == 0:
+            first_key, first = next(reversed(runtime._bindings.items()))
+    for row in range(3):
+        for a, b in zip(pools[0].row_to_host(row, 3), pools[1].row_to_host(row, 3)):
+            assert np.array_equal(a, b)
+    # standard: 3 rows and 2; fused: row 0 (a chunk alone runs as its row, and rows 1 and 2 ran theirs beside row 0, the
+    # one binding's chunk row rebound)
+    assert runtime._bindings[first_key] is first and len(runtime._bindings) == (2 if graph == "tiny_standard_artifact" else 1)
+    runtime.release_pool(pools[0])
+    assert not runtime._bindings
 
 
 def test_fixed_shape_decode_steps_drive_a_standard_graph_or_a_decode_graph_only(tiny_fused_artifact):
