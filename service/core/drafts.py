@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# At most this many drafts a step: a ring row's rejected columns must fall outside its window (contract RING_SLACK: a
-# step writes its last token and k drafts; the k-th lands on the ring column of the position RING_SLACK + window back).
-MAX_DRAFT_TOKENS = 16
+from kvserve.contract.config import RING_SLACK
+
+# At most this many drafts a step; a ring row's at most RING_SLACK (most_drafts), whose rejected columns must fall
+# outside its window (contract RING_SLACK: a step writes its last token and k drafts; the k-th lands on the ring column
+# of the position RING_SLACK + window back).
+MAX_DRAFT_TOKENS = 32
 NGRAM = 3  # prompt lookup matches the last 3 tokens, then the last 2 (PromptLookup indexes both)
 LOOKUP_PRIOR, GRAMMAR_PRIOR = (0.5, 0.7), (0.8, 0.8)  # acceptance (first, then) assumed before a row has drafted
 PRIOR_TRIED = 2.0  # the assumed acceptance weighs as much as this many draft tokens tried
@@ -38,9 +41,15 @@ STOP_BELOW, BACKOFF_STEPS = 0.15, 16  # a row whose first draft tokens are taken
 # A row whose lookup finds nothing this many steps running rests as many, then twice as many each time again, at most
 # MAX_REST: text that does not repeat costs its row a lookup now and then, not every step.
 MISSES_BEFORE_REST, MAX_REST = 4, 64
-DRAFT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16)  # the k a row may pick
+DRAFT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the k a row may pick
 GATE_STEPS = 16  # steps StepCosts.may_pay's answer stands for
 OUTLIER = 2.0  # a step timed at more than this many times its running mean counts as this many (a stall, not its cost)
+
+
+def most_drafts(ring: int | None) -> int:
+    """The most drafts a row may check in a step, in a pool whose windowed layers' rows are rings of `ring` columns
+    (None: no ring layers)."""
+    return MAX_DRAFT_TOKENS if ring is None else min(MAX_DRAFT_TOKENS, RING_SLACK)
 
 
 class PromptLookup:

@@ -45,7 +45,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .drafts import MAX_DRAFT_TOKENS, DraftState, PromptLookup, SuffixCache
+from .drafts import DraftState, PromptLookup, SuffixCache, most_drafts
 from .kv_rows import KvRows
 from .model_info import LiveCounts, SequenceKv
 from .sequence import Sequence, StepEvent
@@ -171,6 +171,7 @@ class Scheduler:
         batch.step_costs.bound = self.step_time_bound
         self.speculation = speculation  # decoding rows may check drafts (drafts.py) where the step costs say it pays
         self.outputs = SuffixCache(draft_cache_tokens if speculation else 0)  # finished outputs later rows draft from
+        self.most_drafts = most_drafts(batch.pool.ring)  # a step's drafts in one row
         self.metrics = metrics
         self.waiting: deque[Sequence] = deque()
         self._owns_executor = executor is None  # a thread handed in is its giver's to close
@@ -293,7 +294,7 @@ class Scheduler:
             if matcher is None and state.resting:  # its lookup rests (a grammar's forced tokens never do)
                 state.resting -= 1
                 continue
-            most = min(MAX_DRAFT_TOKENS, seq.max_new_tokens - len(seq.generated) - 1)
+            most = min(self.most_drafts, seq.max_new_tokens - len(seq.generated) - 1)
             if long_after is not None and not seq.long_rope:  # never past the turn to the long factors
                 most = min(most, long_after - held[seq].cached_tokens - 1)
             if most <= 0:

@@ -9,7 +9,8 @@ import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.service.core.batch import SlotBatch
-from kvserve.service.core.drafts import MAX_DRAFT_TOKENS, Acceptance, DraftState, PromptLookup, StepCosts, SuffixCache
+from kvserve.service.core.drafts import (MAX_DRAFT_TOKENS, Acceptance, DraftState, PromptLookup, StepCosts, SuffixCache,
+                                         most_drafts)
 from kvserve.service.core.sampling import SamplingParams, choose
 from kvserve.service.core.scheduler import Scheduler
 from kvserve.service.core.structured import FormatCompiler, FormatKind, ResponseFormat
@@ -235,6 +236,7 @@ def test_a_row_that_rolled_drafts_back_holds_the_kv_of_a_row_that_never_drafted(
     batch = SlotBatch(slots_runtime, slots_model.config, 2)
     batch.step_costs = FlatCosts()
     scheduler = Scheduler(batch, step_token_budget=8, speculation=True)
+    scheduler.most_drafts = 8  # short drafts: a row that refused some still has tokens to go, and its next step writes
     seqs = [sequence(i, random_prompt(60 + i, 20 + 9 * i), 60) for i in range(2)]
     for seq in seqs:
         scheduler.waiting.append(seq)
@@ -315,11 +317,44 @@ def test_a_constrained_row_checks_its_grammars_forced_tokens_and_writes_what_it_
 
 
 def test_drafts_never_exceed_what_a_ring_row_can_lose():
-    # a refused draft's column overwrites a ring position that must fall outside the window (contract RING_SLACK)
+    # a refused draft's column overwrites a ring position that must fall outside the window (contract RING_SLACK); a
+    # pool without ring rows has no such bound
     from kvserve.contract.config import RING_SLACK
 
-    assert MAX_DRAFT_TOKENS <= RING_SLACK
+    assert most_drafts(None) == MAX_DRAFT_TOKENS > RING_SLACK
+    assert most_drafts(5 + RING_SLACK) == RING_SLACK
 
+
+
+def test_a_row_checks_at_most_what_its_pool_allows_a_step(llama_artifact, tiny_standard_artifact, oracle, monkeypatch):
+    """Drafts offered in full every step (the oracle) and every count paying (FlatCosts): a pool with ring rows checks
+    at most RING_SLACK drafts a step, one without more (up to MAX_DRAFT_TOKENS, where the acceptance so far says
+    they pay); the tokens are those without drafts."""
+    from kvserve.contract.artifact import open_artifact
+    from kvserve.contract.config import RING_SLACK
+    from kvserve.runtime import DecoderRuntime
+
+    from ...conftest import PROVIDER
+
+    checked = []
+    run_plan = SlotBatch.run
+
+    def counted(self, plan, before_model=None):
+        checked.append((self.pool.ring is not None, len(plan.drafts)))
+        return run_plan(self, plan, before_model)
+
+    monkeypatch.setattr(SlotBatch, "run", counted)
+    _, _, ring_dir = llama_artifact("mistral sliding window 7 head_dim 16", attention="standard")
+    for directory in (ring_dir, tiny_standard_artifact):
+        artifact = open_artifact(directory)
+        runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER)
+        off, on = ([sequence(0, random_prompt(70, 5), 44)] for _ in range(2))
+        run(runtime, artifact.config, off, speculation=False)
+        oracle.update({tuple(off[0].prompt_ids): off[0].generated})
+        run(runtime, artifact.config, on, speculation=True)
+        assert on[0].generated == off[0].generated
+    assert max(k for ring, k in checked if ring) == RING_SLACK
+    assert MAX_DRAFT_TOKENS >= max(k for ring, k in checked if not ring) > RING_SLACK
 
 # --- the server: the switch, the request's opt-out, what FinishDetails, usage and the metrics say ------------------
 
@@ -392,5 +427,5 @@ def test_a_request_asked_again_drafts_the_earlier_answer_from_the_output_cache(t
     assert again_ids == first_ids == opted_ids
     assert opted.accepted_draft_tokens == opted.rejected_draft_tokens == 0
     # 40 tokens: the first from the prompt's step, then a plain step or two while the step costs are measured, then
-    # drafts of up to 8; a random model's own text repeats little, the earlier answer all of it
+    # drafts; a random model's own text repeats little, the earlier answer all of it
     assert (again.accepted_draft_tokens >= 20) is bool(cache_tokens), (first.accepted_draft_tokens, again.accepted_draft_tokens)
