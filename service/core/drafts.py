@@ -260,7 +260,11 @@ class StepCosts:
             if key not in self._first:  # a shape's first run plans its memory (ONNX Runtime): often several times a step
                 self._first.add(key)
                 return
-            self.seconds[key] = seconds
+            expected = self.cost(rows, drafts) if drafts else None
+            # A count's first time, timed in a stall, would stand until that count runs again, which the line it
+            # steepened then forbids (one of 32 drafts at 6 times its cost made the line's slope 7 times the others'):
+            # it counts as OUTLIER times what the counts run so far (or the prior) say at most.
+            self.seconds[key] = seconds if expected is None else min(seconds, OUTLIER * expected)
         else:
             self.seconds[key] = seen + self.WEIGHT * (min(seconds, OUTLIER * seen) - seen)  # a stall counts as OUTLIER steps at most
         self._lines.pop(rows, None)

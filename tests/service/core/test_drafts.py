@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.service.core.batch import SlotBatch
-from kvserve.service.core.drafts import (MAX_DRAFT_TOKENS, Acceptance, DraftState, PromptLookup, StepCosts, SuffixCache,
-                                         most_drafts)
+from kvserve.service.core.drafts import (MAX_DRAFT_TOKENS, OUTLIER, Acceptance, DraftState, PromptLookup, StepCosts,
+                                         SuffixCache, most_drafts)
 from kvserve.service.core.sampling import SamplingParams, choose
 from kvserve.service.core.scheduler import Scheduler
 from kvserve.service.core.structured import FormatCompiler, FormatKind, ResponseFormat
@@ -125,6 +125,20 @@ def test_the_step_costs_of_several_draft_counts_are_read_off_one_line_through_th
     assert below.cost(1, 6) == 1.0  # nor as cheaper than a plain step
     close = StepCosts({(1, 0): 1.0, (1, 2): 1.1, (1, 3): 1.5})  # too close together for a slope: each mean as it is
     assert close.cost(1, 3) == 1.5 and close.cost(1, 8) == pytest.approx(1 + 8 * StepCosts.PRIOR_SLOPE)
+
+
+
+def test_a_draft_counts_first_time_in_a_stall_counts_as_a_bounded_multiple_of_the_line():
+    """A count's mean stands until that count runs again: its first time, taken in a stall (a server starting beside
+    it), would steepen the line so far that the counts it priced out never run again to correct it."""
+    likely = Acceptance(0.8, 0.95)
+    costs = StepCosts({(1, 0): 1.0, **{(1, k): 1.0 + 0.12 * k for k in (1, 2, 3, 4, 6, 8, 12, 16)}})
+    expected = costs.cost(1, 32)
+    costs.record(1, 32, 50.0)  # a count's first run is not counted
+    costs.record(1, 32, 50.0)  # its first counted time, in a stall: as OUTLIER times what the line says at most
+    assert costs.seconds[1, 32] == pytest.approx(OUTLIER * expected) and costs.best_count(likely, 1, 32) >= 4
+    costs.record(1, 32, 50.0)  # from then on, OUTLIER times its own mean at most, as every count's
+    assert costs.seconds[1, 32] == pytest.approx(OUTLIER * expected * (1 + StepCosts.WEIGHT))
 
 
 def test_a_sampled_row_takes_a_draft_exactly_when_its_own_draw_is_the_draft():
