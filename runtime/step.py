@@ -266,7 +266,7 @@ class BoundStep:
         self.binding, self.device = binding, device
         self.inputs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # what each input is bound to now
         self._made: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, ort.OrtValue]] = {}  # (name, shape) -> its buffer
-        self._greedy: dict[int, np.ndarray] = {}  # count -> the host buffer of that many greedy tokens
+        self._greedy: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # count -> a host buffer of that many greedy tokens
         self.greedy_tokens: np.ndarray | None = None  # the one bound now
         self.chunk_row: int | None = None  # the pool row bound as a fused graph's chunk
         self.logits_rows: int | None = None  # logits bound to ONNX Runtime's own buffer of this many rows (None: not)
@@ -300,9 +300,10 @@ class BoundStep:
         """The host buffer the step's (count,) greedy tokens are bound to; zeros at first, so a stubbed-out run (the
         bench's host timing) leaves valid ids."""
         if self.greedy_tokens is None or len(self.greedy_tokens) != count:
-            tokens = self._greedy.get(count)
-            if tokens is None:
-                tokens = self._greedy[count] = np.zeros(count, np.int64)
-            self.greedy_tokens = tokens
-            self.binding.bind_output(io.GREEDY_TOKENS, "cpu", 0, np.int64, (count,), tokens.ctypes.data)
+            made = self._greedy.get(count)
+            if made is None:
+                tokens = np.zeros(count, np.int64)
+                made = self._greedy[count] = (tokens, ort.OrtValue.ortvalue_from_numpy(tokens))  # host memory, shared
+            self.greedy_tokens = made[0]
+            self.binding.bind_ortvalue_output(io.GREEDY_TOKENS, made[1])
         return self.greedy_tokens
