@@ -44,6 +44,9 @@ MISSES_BEFORE_REST, MAX_REST = 4, 64
 DRAFT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the k a row may pick
 GATE_STEPS = 16  # steps StepCosts.may_pay's answer stands for
 OUTLIER = 2.0  # a step timed at more than this many times its running mean counts as this many (a stall, not its cost)
+# A draft count not run in this many steps of as many rows is forgotten (looked at every FORGET_EVERY steps): its mean
+# stands until it runs again, and one taken in a slow spell, priced out by itself, would stand for good.
+FORGET_STEPS, FORGET_EVERY = 512, 64
 
 
 def most_drafts(ring: int | None) -> int:
@@ -250,11 +253,17 @@ class StepCosts:
     _first: set = field(default_factory=set)  # pairs seen once (their first run is not counted)
     _gate: dict = field(default_factory=dict)  # rows -> [may_pay's answer, asks left before it is asked again]
     _lines: dict = field(default_factory=dict)  # rows -> _fit's line through the draft counts' means (dropped as they move)
+    _steps: dict = field(default_factory=dict)  # rows -> steps of as many rows recorded
+    _ran: dict = field(default_factory=dict)  # (rows, drafts) -> _steps[rows] when it last ran (0: before any was counted)
     chunk_seconds: dict[int, float] = field(default_factory=dict)  # rows -> running mean seconds a prompt chunk token adds
     bound: float = 0.0  # the most a step with drafts may cost, as a multiple of a plain one, when other rows wait on it (0: none)
 
     def record(self, rows: int, drafts: int, seconds: float) -> None:
         key = (rows, drafts)
+        step = self._steps[rows] = self._steps.get(rows, 0) + 1
+        self._ran[key] = step
+        if step % FORGET_EVERY == 0:
+            self._forget(rows, step)
         seen = self.seconds.get(key)
         if seen is None:
             if key not in self._first:  # a shape's first run plans its memory (ONNX Runtime): often several times a step
@@ -268,6 +277,16 @@ class StepCosts:
         else:
             self.seconds[key] = seen + self.WEIGHT * (min(seconds, OUTLIER * seen) - seen)  # a stall counts as OUTLIER steps at most
         self._lines.pop(rows, None)
+
+    def _forget(self, rows: int, step: int) -> None:
+        """Forget the draft counts of `rows` rows not run in FORGET_STEPS steps: their cost is read off the others'
+        line again, or the prior, so where drafts looked too dear to try the scheduler tries them again."""
+        stale = [key for key in self.seconds if key[0] == rows and key[1] and step - self._ran.get(key, 0) > FORGET_STEPS]
+        for key in stale:
+            del self.seconds[key]
+        if stale:
+            self._lines.pop(rows, None)
+            self._gate.pop(rows, None)
 
     def record_chunk(self, rows: int, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows and a prompt chunk of `tokens` took `seconds`: what each chunk token added to a

@@ -9,8 +9,8 @@ import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
 from kvserve.service.core.batch import SlotBatch
-from kvserve.service.core.drafts import (MAX_DRAFT_TOKENS, OUTLIER, Acceptance, DraftState, PromptLookup, StepCosts,
-                                         SuffixCache, most_drafts)
+from kvserve.service.core.drafts import (FORGET_EVERY, FORGET_STEPS, MAX_DRAFT_TOKENS, OUTLIER, Acceptance, DraftState,
+                                         PromptLookup, StepCosts, SuffixCache, most_drafts)
 from kvserve.service.core.sampling import SamplingParams, choose
 from kvserve.service.core.scheduler import Scheduler
 from kvserve.service.core.structured import FormatCompiler, FormatKind, ResponseFormat
@@ -139,6 +139,27 @@ def test_a_draft_counts_first_time_in_a_stall_counts_as_a_bounded_multiple_of_th
     assert costs.seconds[1, 32] == pytest.approx(OUTLIER * expected) and costs.best_count(likely, 1, 32) >= 4
     costs.record(1, 32, 50.0)  # from then on, OUTLIER times its own mean at most, as every count's
     assert costs.seconds[1, 32] == pytest.approx(OUTLIER * expected * (1 + StepCosts.WEIGHT))
+
+
+
+def test_draft_counts_not_run_for_long_are_forgotten_so_drafts_are_tried_again():
+    """Draft counts whose means say no draft pays (timed in a slow spell) are never run again to correct them: after
+    FORGET_STEPS steps without them they are forgotten, their cost is the prior again, and drafts are tried."""
+    likely = Acceptance(0.8, 0.95)
+    costs = StepCosts({(1, 0): 1.0, (1, 2): 9.0, (1, 8): 40.0})
+    assert not costs.may_pay(1) and costs.best_count(likely, 1, 32) == 0
+    for _ in range(FORGET_STEPS):
+        costs.record(1, 0, 1.0)  # plain steps only: nothing drafts
+    assert (1, 8) in costs.seconds and not costs.may_pay(1)
+    for _ in range(FORGET_EVERY):
+        costs.record(1, 0, 1.0)
+    assert (1, 2) not in costs.seconds and (1, 8) not in costs.seconds and (1, 0) in costs.seconds
+    assert costs.may_pay(1) and costs.best_count(likely, 1, 32) > 0
+    costs.record(1, 4, 1.4)
+    costs.record(1, 4, 1.4)  # a count run lately is kept
+    for _ in range(FORGET_STEPS - FORGET_EVERY):
+        costs.record(1, 0, 1.0)
+    assert costs.seconds[1, 4] == pytest.approx(1.4)
 
 
 def test_a_sampled_row_takes_a_draft_exactly_when_its_own_draw_is_the_draft():
