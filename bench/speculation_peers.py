@@ -17,7 +17,8 @@ falls on all of them alike. Before each request the client waits SETTLE seconds:
 spins its threads a while (ONNX Runtime's and ggml's thread pools), and when the next request followed at once
 llama-server's copy workload ran a third slower after kvserve's requests, kvserve's a tenth slower after llama-server's
 (by hand). Per server: tokens/s (median of the rounds: its tokens over its requests' time), kvserve with speculation on
-over each other server round by round (the median of the rounds' ratios), and kvserve's drafts checked and taken.
+over each other server round by round (the median of the rounds' ratios), and kvserve's drafts taken and refused at
+batch 1, in every round (a round that drafts far less than the others shows there).
 
     python bench/speculation_peers.py --checkpoint checkpoints/kjv-quote-gpt2 --artifact artifacts/kjv-quote \\
         --llama-cpp PATH/llama.cpp [--build PATH/llama.cpp/build] --convert-python PYTHON [--rounds 3] [--prompts 12]
@@ -224,7 +225,7 @@ def main() -> None:
             for name, measured in one_round(running, work).items():
                 for concurrent, (seconds, tokens, accepted, refused) in measured.items():
                     results[name][concurrent].append(tokens / seconds)
-                    drafts[name, concurrent] = (accepted, refused)
+                    drafts.setdefault((name, concurrent), []).append(f"{accepted:,} / {refused:,}")
     on = servers[1][0]
 
     def over(name: str, concurrent: bool) -> str:
@@ -234,13 +235,12 @@ def main() -> None:
         return f"{statistics.median(a / b for a, b in zip(results[on][concurrent], results[name][concurrent])):.2f}x"
 
     print("| server | batch 1 tokens/s | kvserve on over it, round by round | 16 streams tokens/s | kvserve on over it | "
-          "kvserve drafts taken / refused (batch 1) |")
+          "kvserve drafts taken / refused (batch 1), round by round |")
     print("|---|---:|---:|---:|---:|---|")
     for name, _ in servers:
         one, many = (statistics.median(results[name][c]) for c in (False, True))
-        accepted, refused = drafts[name, False]
         print(f"| {name} | {one:,.1f} | {over(name, False)} | {many:,.1f} | {over(name, True)} | "
-              f"{f'{accepted:,} / {refused:,}' if name.startswith('kvserve') else '-'} |")
+              f"{'; '.join(drafts[name, False]) if name.startswith('kvserve') else '-'} |")
     print(f"\nMachine: {describe('cpu')}")
 
 
