@@ -127,7 +127,6 @@ def test_the_step_costs_of_several_draft_counts_are_read_off_one_line_through_th
     assert close.cost(1, 3) == 1.5 and close.cost(1, 8) == pytest.approx(1 + 8 * StepCosts.PRIOR_SLOPE)
 
 
-
 def test_a_draft_counts_first_time_in_a_stall_counts_as_a_bounded_multiple_of_the_line():
     """A count's mean stands until that count runs again: its first time, taken in a stall (a server starting beside
     it), would steepen the line so far that the counts it priced out never run again to correct it."""
@@ -139,7 +138,6 @@ def test_a_draft_counts_first_time_in_a_stall_counts_as_a_bounded_multiple_of_th
     assert costs.seconds[1, 32] == pytest.approx(OUTLIER * expected) and costs.best_count(likely, 1, 32) >= 4
     costs.record(1, 32, 50.0)  # from then on, OUTLIER times its own mean at most, as every count's
     assert costs.seconds[1, 32] == pytest.approx(OUTLIER * expected * (1 + StepCosts.WEIGHT))
-
 
 
 def test_draft_counts_not_run_for_long_are_forgotten_so_drafts_are_tried_again():
@@ -360,7 +358,6 @@ def test_drafts_never_exceed_what_a_ring_row_can_lose():
     assert most_drafts(5 + RING_SLACK) == RING_SLACK
 
 
-
 def test_a_row_checks_at_most_what_its_pool_allows_a_step(llama_artifact, tiny_standard_artifact, oracle, monkeypatch):
     """Drafts offered in full every step (the oracle) and every count paying (FlatCosts): a pool with ring rows checks
     at most RING_SLACK drafts a step, one without more (up to MAX_DRAFT_TOKENS, where the acceptance so far says
@@ -390,6 +387,7 @@ def test_a_row_checks_at_most_what_its_pool_allows_a_step(llama_artifact, tiny_s
         assert on[0].generated == off[0].generated
     assert max(k for ring, k in checked if ring) == RING_SLACK
     assert MAX_DRAFT_TOKENS >= max(k for ring, k in checked if not ring) > RING_SLACK
+
 
 # --- the server: the switch, the request's opt-out, what FinishDetails, usage and the metrics say ------------------
 
