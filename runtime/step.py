@@ -275,26 +275,23 @@ class BoundStep:
         """Bind values (int64, any shape) to input name: written into the buffer of that shape made before, if any
         (bound again when it is not the one bound now)."""
         bound = self.inputs.get(name)
-        if bound is None or bound[0].shape != values.shape:
+        rebind = bound is None or bound[0].shape != values.shape
+        if rebind:
             key = (name, values.shape)
             bound = self._made.pop(key, None)
             if bound is None:
-                buffer = np.array(values, dtype=np.int64, order="C")  # a copy the binding reads, kept alive here
+                buffer = np.empty(values.shape, np.int64)  # the memory the binding reads, kept alive here
                 bound = (buffer, ort.OrtValue.ortvalue_from_numpy(buffer, self.device, 0))  # on the CPU the same memory
                 if len(self._made) >= self.SHAPES_KEPT:
                     del self._made[next(iter(self._made))]
             self._made[key] = bound  # the latest used last
             self.inputs[name] = bound
-            buffer, value = bound
-            buffer[...] = values
-            if self.device != "cpu":  # bound as a device copy, which a write into the host buffer alone never reaches
-                value.update_inplace(buffer)
-            self.binding.bind_ortvalue_input(name, value)
-            return
         buffer, value = bound
         buffer[...] = values
-        if self.device != "cpu":
+        if self.device != "cpu":  # bound as a device copy, which a write into the host buffer alone never reaches
             value.update_inplace(buffer)
+        if rebind:
+            self.binding.bind_ortvalue_input(name, value)
 
     def greedy_output(self, count: int) -> np.ndarray:
         """The host buffer the step's (count,) greedy tokens are bound to; zeros at first, so a stubbed-out run (the
