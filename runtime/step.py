@@ -75,6 +75,8 @@ class DecoderRuntime:
         self._present_names = [n for i in range(n_layer) for n in io.present_names(i)]
         self.traffic = KvTraffic()
         self._bindings: dict[tuple, BoundStep] = {}  # (pool, rows, first_row) -> its binding, the latest used last
+        self._unread_logits: np.ndarray | None = None  # (K, V) float32: where the CPU's steps write logits nobody reads
+        self._unread_views: dict[int, ort.OrtValue] = {}  # rows -> an OrtValue over _unread_logits' first rows
         self._uncaptured = ort.RunOptions()
         self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
         captures, note, decode_session = opened.captures_decode, opened.cuda_graph_note, None
@@ -235,17 +237,31 @@ class DecoderRuntime:
     def _run_sampled(self, bound: BoundStep, n_logits: int, with_logits: bool, before_run: Callable[[], None] | None) -> Sampled:
         """Run a slots step whose greedy tokens (K,) and, when asked for, logits (K, V) land in host arrays bound up
         front: asking the binding for its outputs afterwards would wrap every bound K/V buffer too (121 objects a step
-        for a 30-layer model). Logits not asked for stay where the step ran (ONNX Runtime allocates them there)."""
+        for a 30-layer model). Logits not asked for stay where the step ran: on the CPU in one scratch array every kept
+        binding writes them to (each binding's own would hold up to BINDINGS_KEPT copies of the largest), elsewhere in
+        ONNX Runtime's buffer, which the binding's next step of as many rows reuses."""
         tokens = bound.greedy_output(n_logits)
         logits = None
         if with_logits:
             logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V): the caller's to keep
             bound.binding.bind_output(io.LOGITS, "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
-            bound.logits_rows = None
+            bound.unread_logits = None
             self.traffic.logits_bytes += logits.nbytes
-        elif bound.logits_rows != n_logits:  # ONNX Runtime's own buffer, which the next step of as many rows reuses
-            bound.binding.bind_output(io.LOGITS, self.device, 0)
-            bound.logits_rows = n_logits
+        else:
+            scratch = self._unread_logits
+            if self.device == "cpu" and (scratch is None or len(scratch) < n_logits):
+                scratch = self._unread_logits = np.empty((n_logits, self.vocab_size), np.float32)  # (K, V), never read
+                self._unread_views.clear()
+            held = bound.unread_logits
+            if held is None or held[0] is not scratch or held[1] != n_logits:
+                if self.device == "cpu":
+                    view = self._unread_views.get(n_logits)
+                    if view is None:  # its first n_logits rows, the same memory
+                        view = self._unread_views[n_logits] = ort.OrtValue.ortvalue_from_numpy(scratch[:n_logits])
+                    bound.binding.bind_ortvalue_output(io.LOGITS, view)
+                else:
+                    bound.binding.bind_output(io.LOGITS, self.device, 0)
+                bound.unread_logits = (scratch, n_logits)  # holds the array it is bound to: a larger one may replace it
         if before_run is not None:
             before_run()
         self.session.run_with_iobinding(bound.binding, self._uncaptured)
@@ -269,7 +285,7 @@ class BoundStep:
         self._greedy: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # count -> a host buffer of that many greedy tokens
         self.greedy_tokens: np.ndarray | None = None  # the one bound now
         self.chunk_row: int | None = None  # the pool row bound as a fused graph's chunk
-        self.logits_rows: int | None = None  # logits bound to ONNX Runtime's own buffer of this many rows (None: not)
+        self.unread_logits: tuple | None = None  # (scratch array or None, rows) that logits not asked for are bound to
 
     def set_input(self, name: str, values: np.ndarray) -> None:
         """Bind values (int64, any shape) to input name: written into the buffer of that shape made before, if any
