@@ -111,6 +111,10 @@ class Handoff:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._state = threading.Lock()  # the step thread hands over and flushes while another thread may close
+        # lists handed over (written by the step thread alone) and passed on (by this thread alone): equal, a flush
+        # has nothing to wait for (the round trip through this thread it would make costs two thread wake-ups, a
+        # request's end on a 2-core VM waited ~0.4 ms for them)
+        self._handed = self._passed = 0
 
     def hand_over(self, loop: asyncio.AbstractEventLoop, steps: list[StepDone]) -> None:
         with self._state:
@@ -118,6 +122,7 @@ class Handoff:
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._pass_on, name="kvserve-handoff", daemon=True)
                     self._thread.start()
+                self._handed += 1
                 self._queue.put((loop, steps))
                 return
         _call_soon(loop, self._deliver, steps)  # a step that ended after close: passed on directly
@@ -126,6 +131,8 @@ class Handoff:
         """Wait until everything handed over so far is in the loop's queue of callbacks."""
         with self._state:
             if self._thread is None or self._closed:  # closed: the thread passes on what precedes its stop, then ends
+                return
+            if self._passed == self._handed:  # every list handed over is in the loop's queue already
                 return
             passed = threading.Event()
             self._queue.put(passed)
@@ -147,6 +154,7 @@ class Handoff:
                 continue
             loop, steps = item
             _call_soon(loop, self._deliver, steps)
+            self._passed += 1
             del item, loop, steps  # while this waits for the next, it holds no step's sequences
 
 
