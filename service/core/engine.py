@@ -24,7 +24,7 @@ from .sampling import nth_seed
 from .scheduler import Scheduler
 from .sequence import GenerationRequest
 from .structured import FormatError
-from .validation import Encoder, RequestValidator
+from .validation import Encoder, RequestValidator, validates_inline
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +108,10 @@ class Engine:
         cancelled, disconnected, deadline) frees the sequence's cache within one step."""
         if not self._accepting:
             raise Unavailable("the server is shutting down")
-        seq = await asyncio.to_thread(self.validator.make_sequence, request)  # tokenizing: off the event loop
+        if validates_inline(request):  # cheaper than the round trip to a thread
+            seq = self.validator.make_sequence(request)
+        else:  # tokenizing: off the event loop
+            seq = await asyncio.to_thread(self.validator.make_sequence, request)
         self._admit(1)
         seq.events = asyncio.Queue()
         self.scheduler.submit(seq)

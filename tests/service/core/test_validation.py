@@ -11,7 +11,8 @@ from kvserve.service.core.limits import EngineLimits
 from kvserve.service.core.sampling import SamplingParams
 from kvserve.service.core.sequence import GenerationRequest
 from kvserve.service.core.structured import FormatKind, ResponseFormat
-from kvserve.service.core.validation import RequestValidator
+from kvserve.service.core.tool_calls import ToolRequest
+from kvserve.service.core.validation import INLINE_CHARACTERS, INLINE_TOKEN_IDS, RequestValidator, validates_inline
 
 from ...conftest import DEFAULT_CHECKPOINT
 
@@ -84,3 +85,15 @@ def test_under_a_kv_budget_as_many_as_fit_is_what_it_holds_and_what_never_fits_i
         budgeted.make_sequence(GenerationRequest(prompt_ids=(1,) * 30, max_new_tokens=71))
     with pytest.raises(InvalidArgument, match=r"prompt.token_ids: the prompt has 100 tokens; the server's K/V budget holds 100 tokens"):
         budgeted.make_sequence(GenerationRequest(prompt_ids=(1,) * 100))
+
+
+def test_only_small_requests_without_a_grammar_are_validated_on_the_event_loop():
+    assert validates_inline(GenerationRequest(prompt_ids=(1,) * INLINE_TOKEN_IDS))
+    assert not validates_inline(GenerationRequest(prompt_ids=(1,) * (INLINE_TOKEN_IDS + 1)))
+    assert validates_inline(GenerationRequest(prompt_text="a" * INLINE_CHARACTERS))
+    assert not validates_inline(GenerationRequest(prompt_text="a" * (INLINE_CHARACTERS + 1)))
+    half = "a" * (INLINE_CHARACTERS // 2)
+    assert validates_inline(GenerationRequest(prompt_messages=(ChatMessage("system", half), ChatMessage("user", half))))
+    assert not validates_inline(GenerationRequest(prompt_messages=(ChatMessage("system", half), ChatMessage("user", half + "a"))))
+    assert not validates_inline(GenerationRequest(prompt_ids=(1,), response_format=ResponseFormat(FormatKind.REGEX, "a+")))
+    assert not validates_inline(GenerationRequest(prompt_messages=(ChatMessage("user", "hi"),), tools=ToolRequest("[]")))
