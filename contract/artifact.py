@@ -6,7 +6,6 @@
                         checksums, source
     golden.npz          a fixed prompt, the eager model's greedy tokens and the logits behind each one
     kv_scales.npz       an int8 K/V cache's scales, key and value, each (layers, K/V heads, head_dim) float32
-    decode.onnx         a fused graph's decode-only form (float16, or weights up to CHUNKLESS_MAX_WEIGHT_BYTES)
     parity.json         the verify report written at export time
     tokenizer.json ...  copied from the checkpoint when it has them
 """
@@ -38,10 +37,9 @@ PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
 DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE
-# Weights (bytes of the graph's files) up to which a fused artifact has a decode graph and runs its CPU steps of one row
-# and no chunk through it: the step graph's If a layer is a fixed cost that only a small model's step feels (quoting
-# model, 16 MiB: 0.93-0.95x; gpt2, 474 MiB: 0.99-1.01x; bench/chunkless_steps.py), and a second session packs the
-# weights a second time, which only a small model affords.
+# Weights (bytes of the graph's files) up to which a fused CPU artifact has a decode graph and runs its steps without a
+# prompt chunk through it: the step graph's If a layer is a fixed cost (25-50 µs each on a 2-core AMD EPYC Zen 3) that a
+# small model's step feels, and a second session packs the weights a second time, which only a small model affords.
 CHUNKLESS_MAX_WEIGHT_BYTES = 64 << 20
 # Format 2: the slots graph always outputs greedy_tokens, and the inplace layout is gone; kvserve reads format 2 alone.
 FORMAT = "kvserve-artifact/2"

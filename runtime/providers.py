@@ -80,11 +80,8 @@ class OpenedSession:
         return "cuda" if self.provider == CUDA else "cpu"
 
 
-def open_session(model_path: str | Path, dtype: str, provider: str = "auto", threads: int = 0, cuda_graph: bool = False,
-                 stop_spinning: bool = False) -> OpenedSession:
-    """A session over the graph at model_path on the best provider provider allows; cuda_graph: with capture enabled;
-    stop_spinning: its threads stop spinning as soon as a run ends (ONNX Runtime's session.force_spinning_stop), for a
-    session that takes turns with another on the same cores.
+def open_session(model_path: str | Path, dtype: str, provider: str = "auto", threads: int = 0, cuda_graph: bool = False) -> OpenedSession:
+    """A session over the graph at model_path on the best provider provider allows; cuda_graph: with capture enabled.
     Weights are repacked for the CPU kernels one at a time, ONNX Runtime's default: on every thread
     (session.prepack.enable_parallel) a Qwen3-4B-shaped int4 server reached SERVING 0.8 s sooner but peaked at 5.44 GB
     during its start instead of 3.16 (2-core AMD EPYC Zen 5, bench/kv_memory.py; docs/models.md)."""
@@ -104,8 +101,6 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
-    if stop_spinning:
-        options.add_session_config_entry("session.force_spinning_stop", "1")
     session, captures_decode, cuda_graph_note = None, False, None
     if cuda_graph and providers[0] == CPU:
         cuda_graph_note = "CUDA graphs need the CUDA provider; decode steps run uncaptured"

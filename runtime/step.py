@@ -45,20 +45,13 @@ class DecoderRuntime:
         """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode).
         decode_graph: a fused graph's fixed-shape decode steps run its artifact's decode graph (DECODE_GRAPH_FILE beside
         model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider).
-        chunkless_steps: run_slots' fused steps of one row and no chunk beside it (a row decoding or checking drafts
-        alone, a prompt chunk alone) run the decode graph too (on the CPU provider, where the artifact has one); None:
-        where its weights are small (artifact.CHUNKLESS_MAX_WEIGHT_BYTES). Steps of more rows keep the step graph: there
-        the If a layer weighs less (16 rows: 0.96-1.02x through the decode graph), and each change of session reads the
-        other's copy of the weights through the caches (16 rows with a prompt chunk every other step: 1.12x slower)."""
+        chunkless_steps: run_slots' fused steps without a prompt chunk beside their rows run the decode graph too (on the
+        CPU provider, where the artifact has one); None: where its weights are small (artifact.CHUNKLESS_MAX_WEIGHT_BYTES)."""
         model_path = Path(model_path)
         decode_path = model_path.parent / DECODE_GRAPH_FILE
         fused_decode = decode_path.exists() and (decode_graph or (decode_graph is None and cuda_graph and planned_device(provider) == "cuda"))
-        chunkless = decode_path.exists() and planned_device(provider) == "cpu" and (
-            chunkless_steps or (chunkless_steps is None and graph_bytes(model_path.parent) <= CHUNKLESS_MAX_WEIGHT_BYTES))
         # A fused step graph holds an If, which no CUDA graph captures: its decode steps are the decode graph's to capture.
-        # Two sessions taking turns on the CPU stop their threads spinning when a run ends, or one's spin holds a core
-        # the other's run needs (16 rows with a prompt chunk every fourth step ran 1.56x slower).
-        opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode, stop_spinning=chunkless)
+        opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode)
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
         self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
@@ -91,14 +84,15 @@ class DecoderRuntime:
         captures, note, decode_session = opened.captures_decode, opened.cuda_graph_note, None
         if self.attention == io.FUSED:
             if fused_decode:
-                decoder = open_session(decode_path, dtype, opened.device, threads, cuda_graph, stop_spinning=chunkless)
+                decoder = open_session(decode_path, dtype, opened.device, threads, cuda_graph)
                 decode_session, captures, note = decoder.session, decoder.captures_decode, decoder.cuda_graph_note
             elif cuda_graph:
                 captures, note = False, "CUDA graphs off: this fused artifact has no decode graph (re-export it); decode steps run uncaptured"
         self.decodes_fixed = self.attention == io.STANDARD or decode_session is not None  # whether run_decode can run
-        self.chunkless_session = None  # where run_slots' fused steps of one row and no chunk run, when not self.session
-        if chunkless and self.attention == io.FUSED and self.device == "cpu":
-            self.chunkless_session = decode_session or open_session(decode_path, dtype, "cpu", threads, stop_spinning=True).session
+        self.chunkless_session = None  # where run_slots' fused steps without a chunk run, when not self.session
+        if self.attention == io.FUSED and self.device == "cpu" and decode_path.exists() and (
+                chunkless_steps or (chunkless_steps is None and graph_bytes(model_path.parent) <= CHUNKLESS_MAX_WEIGHT_BYTES)):
+            self.chunkless_session = decode_session or open_session(decode_path, dtype, "cpu", threads).session
         self.fixed_steps = FixedDecodeSteps(decode_session or self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
                                             (self._past_names, self._present_names), self.traffic, captures, note, self._uncaptured)
 
@@ -224,9 +218,9 @@ class DecoderRuntime:
         decoding = logits_index < rows  # the rest are the chunk's
         chunk = np.ascontiguousarray(chunk_ids, dtype=np.int64).reshape(1, n_chunk)  # (1, T)
         chunk_positions = np.arange(chunk_start, chunk_start + n_chunk, dtype=np.int64)[None]  # (1, T)
+        chunkless = self.chunkless_session is not None and (n_chunk == 0 or not decoding.any())
         if decoding.any():
             count = int(logits_index[decoding].max()) + 1
-            chunkless = self.chunkless_session is not None and n_chunk == 0 and count == 1
             # no chunk: row 0, passed through (the chunkless graph has none)
             bound = self._bound_pool(pool, count, 0, None if chunkless else chunk_slot if n_chunk else 0, chunkless)
             tokens = np.asarray(input_ids[:count]).reshape(count, 1)  # (B, 1)
@@ -234,7 +228,6 @@ class DecoderRuntime:
             graph_index = np.where(decoding, logits_index, logits_index - rows + count)  # the chunk follows the B rows
             rows_long = np.zeros(count, np.int64) if long_rope is None else np.asarray(long_rope[:count])  # (B,)
         elif n_chunk:
-            chunkless = self.chunkless_session is not None
             bound = self._bound_pool(pool, 1, chunk_slot, None if chunkless else chunk_slot, chunkless)
             tokens, positions, graph_index = chunk, chunk_positions, logits_index - rows
             chunk = chunk_positions = np.zeros((1, 0), np.int64)

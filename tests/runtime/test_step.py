@@ -64,33 +64,23 @@ def test_kept_bindings_and_buffers_compute_what_binding_every_step_anew_does(gra
     for row in range(3):
         for a, b in zip(pools[0].row_to_host(row, 3), pools[1].row_to_host(row, 3)):
             assert np.array_equal(a, b)
-    # standard: 3 rows and 2; fused: row 0 twice (a chunk alone runs as its one row, through the decode graph, and rows 1
-    # and 2 ran theirs beside row 0 through the step graph, its one binding's chunk row rebound)
+    # standard: 3 rows and 2; fused: row 0 twice (a chunk alone runs as its row, through the decode graph, and rows 1 and 2
+    # ran theirs beside row 0 through the step graph, its one binding's chunk row rebound)
     assert runtime._bindings[first_key] is first and len(runtime._bindings) == 2
     runtime.release_pool(pools[0])
     assert not runtime._bindings
 
 
-def stops_spinning(session) -> bool:
-    """Whether session's threads stop spinning when a run ends (what two sessions taking turns on the cores need)."""
-    try:
-        return session.get_session_options().get_session_config_entry("session.force_spinning_stop") == "1"
-    except RuntimeError:  # never set
-        return False
-
-
 @pytest.mark.parametrize("graph", ["tiny_fused_artifact", "tiny_llama_fused_artifact"], ids=["gpt2", "llama"])
 def test_a_small_fused_artifacts_steps_without_a_chunk_run_its_decode_graph_and_compute_what_its_step_graph_does(graph, request):
-    """Steps of a small artifact (its decode graph written beside it) of one row and no chunk beside it (a prompt alone,
-    a row decoding alone, a row checking 5 tokens alone) run the decode graph; a prompt chunk beside decoding rows, and
-    several rows decoding, run the step graph. Every step's tokens, logits and K/V rows are those of a runtime that runs
-    the step graph alone."""
+    """Steps of a small artifact (its decode graph written beside it) that carry no chunk beside their rows (a prompt
+    alone, rows decoding, a row checking 5 tokens alone) run the decode graph; a prompt chunk beside decoding rows runs
+    the step graph. Every step's tokens, logits and K/V rows are those of a runtime that runs the step graph alone."""
     artifact = open_artifact(request.getfixturevalue(graph))
     assert (artifact.directory / DECODE_GRAPH_FILE).exists()
     runtimes = [DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunkless_steps=chunkless)
                 for chunkless in (None, False)]
     assert runtimes[0].chunkless_session is not None and runtimes[1].chunkless_session is None
-    assert [stops_spinning(s) for s in (runtimes[0].session, runtimes[0].chunkless_session, runtimes[1].session)] == [True, True, False]
     config = artifact.config
     pools = [r.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config)) for r in runtimes]
     scratch = pools[0].capacity - 1
@@ -98,11 +88,10 @@ def test_a_small_fused_artifacts_steps_without_a_chunk_run_its_decode_graph_and_
     steps = [  # (input_ids, position_ids, chunk, chunk_start, chunk_slot, logits_index, with_logits, runs the decode graph)
         ([0], [scratch], [5, 6, 7, 8], 0, 0, [4], True, True),  # row 0's prompt alone: its chunk is the step's one row
         ([0, 0], [scratch, scratch], [9, 10, 11], 0, 1, [0, 4], False, False),  # row 1's prompt beside row 0's sampled scratch token
-        ([3, 4], [4, 3], empty, 0, 0, [0, 1], True, False),  # rows 0 and 1 decode
-        ([5], [5], empty, 0, 0, [0], False, True),  # row 0 decodes alone
+        ([3, 4], [4, 3], empty, 0, 0, [0, 1], True, True),  # rows 0 and 1 decode
         ([0, 2, 0], [scratch, 4, scratch], [1, 2, 3, 4, 5, 6], 0, 2, [1, 8], True, False),  # row 2's prompt beside row 1
-        ([0], [scratch], [7, 1, 2, 3, 4], 6, 0, [1, 2, 3, 4, 5], True, True),  # row 0 checks 5 tokens alone
-        ([6, 7, 8], [11, 5, 6], empty, 0, 0, [0, 1, 2], False, False),  # every row decodes
+        ([0], [scratch], [7, 1, 2, 3, 4], 5, 0, [1, 2, 3, 4, 5], True, True),  # row 0 checks 5 tokens alone
+        ([6, 7, 8], [10, 5, 6], empty, 0, 0, [0, 1, 2], False, True),  # every row decodes
     ]
     for ids, positions, chunk, start, slot, index, with_logits, chunkless in steps:
         chunkless_bound = []
