@@ -37,21 +37,12 @@ PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
 DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE
-# Weights (bytes of the graph's files) up to which a fused CPU artifact has a decode graph and runs its steps without a
-# prompt chunk through it: the step graph's If a layer is a fixed cost (25-50 µs each on a 2-core AMD EPYC Zen 3) that a
-# small model's step feels, and a second session packs the weights a second time, which only a small model affords.
-CHUNKLESS_MAX_WEIGHT_BYTES = 64 << 20
 # Format 2: the slots graph always outputs greedy_tokens, and the inplace layout is gone; kvserve reads format 2 alone.
 FORMAT = "kvserve-artifact/2"
 
 
 class ArtifactError(UserError, ValueError):
     """An artifact directory that is missing, incomplete or inconsistent; the message names the file."""
-
-
-def graph_bytes(directory: str | Path) -> int:
-    """The bytes of an artifact's graph and weights files (MODEL_FILE and, where it has one, MODEL_DATA_FILE)."""
-    return sum(path.stat().st_size for path in (Path(directory) / MODEL_FILE, Path(directory) / MODEL_DATA_FILE) if path.exists())
 
 
 def sha256_file(path: Path) -> str:
