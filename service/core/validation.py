@@ -30,7 +30,8 @@ PROMPT_CONTEXT_TOKENS = 6
 OFFLOAD_CHARACTERS = 4096
 # A request this small is validated on the event loop (validates_inline): handing it to a thread and back costs two
 # thread wake-ups, 0.6 ms on a 2-core AMD EPYC VM, where tokenizing 256 characters of English took 0.14 ms and checking
-# 4,096 ids less; anything larger, and any grammar to compile, goes to a thread, so no request holds up the loop.
+# 4,096 ids less; anything larger, a conversation (its chat template's rendering) and any grammar to compile go to a
+# thread, so no request holds up the loop.
 INLINE_CHARACTERS = 256
 INLINE_TOKEN_IDS = 4096
 
@@ -39,14 +40,13 @@ Encoder = Callable[[str, bool, int], "list[int] | int"]
 
 
 def validates_inline(request: GenerationRequest) -> bool:
-    """Whether make_sequence costs request less on the event loop than on a thread: no structure or tools to compile,
-    and a prompt of at most INLINE_TOKEN_IDS ids or INLINE_CHARACTERS characters (a conversation's contents together)."""
-    if request.response_format is not None or request.tools is not None:
+    """Whether make_sequence costs request less on the event loop than on a thread: no structure to compile, and a
+    prompt of at most INLINE_TOKEN_IDS ids or INLINE_CHARACTERS characters of text (a conversation never: rendering
+    its template is not bounded by its length)."""
+    if request.response_format is not None or request.tools is not None or request.prompt_messages is not None:
         return False
     if request.prompt_ids is not None:
         return len(request.prompt_ids) <= INLINE_TOKEN_IDS
-    if request.prompt_messages is not None:
-        return sum(len(message.content) for message in request.prompt_messages) <= INLINE_CHARACTERS
     return len(request.prompt_text or "") <= INLINE_CHARACTERS
 
 

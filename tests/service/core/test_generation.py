@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvserve.model.generate import generate
+from kvserve.service.core.validation import INLINE_CHARACTERS
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
@@ -163,7 +164,7 @@ def test_max_new_tokens_zero_fills_the_context(stub):
     assert len(ids) == 6 and finish.reason == pb.FINISH_REASON_LENGTH
 
 
-def test_tokenize_refuses_text_over_the_limit_and_runs_off_the_event_loop(stub, server, monkeypatch):
+def test_tokenize_refuses_text_over_the_limit_and_runs_off_the_event_loop_as_a_long_generation_does(stub, server, monkeypatch):
     with pytest.raises(grpc.RpcError) as error:
         stub.Tokenize(pb.TokenizeRequest(text="x" * 262_145), timeout=10)
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "text: 262145 bytes of text; at most 262144" in error.value.details()
@@ -179,8 +180,11 @@ def test_tokenize_refuses_text_over_the_limit_and_runs_off_the_event_loop(stub, 
 
     monkeypatch.setattr(tokenizer, "encode", encode)
     stub.Tokenize(pb.TokenizeRequest(text="abc"), timeout=10)
-    collect(stub, pb.GenerateRequest(text="abc", max_new_tokens=2))
+    with pytest.raises(grpc.RpcError):  # more than the loop tokenizes itself (validates_inline), and than this context holds
+        collect(stub, pb.GenerateRequest(text="a" * (INLINE_CHARACTERS + 1), max_new_tokens=2))
     assert threads and server.thread not in threads  # never the thread the event loop runs on
+    collect(stub, pb.GenerateRequest(text="abc", max_new_tokens=2))
+    assert server.thread in threads  # a generation's short text costs less there than a thread's round trip (validates_inline)
 
 
 def test_tokenize_and_model_info(stub, server, tiny_model):
