@@ -327,7 +327,7 @@ def test_the_handoff_never_leaves_a_flush_waiting_when_it_is_closed_meanwhile():
     assert delivered == [["step"], ["after close"]]
 
 
-def test_a_flush_with_every_step_passed_on_returns_without_a_round_trip_through_the_handoff_thread(monkeypatch):
+def test_a_flush_with_every_step_passed_on_returns_without_a_round_trip_through_the_handoff_thread():
     """What the step thread handed over has reached the loop's queue once the hand-off thread passed it on: a flush then
     returns at once (no marker through the thread, whose round trip costs two thread wake-ups at every request's end),
     and one with a step still in the thread waits for it."""
