@@ -332,6 +332,7 @@ def test_a_flush_with_every_step_passed_on_returns_without_a_round_trip_through_
     returns at once (no marker through the thread, whose round trip costs two thread wake-ups at every request's end),
     and one with a step still in the thread waits for it."""
     import threading
+    import time
 
     from kvserve.service.core.scheduler import Handoff
 
@@ -339,12 +340,13 @@ def test_a_flush_with_every_step_passed_on_returns_without_a_round_trip_through_
     delivered, markers = [], []
     handoff = Handoff(delivered.append)
     real_queue = handoff._queue
-    hold = threading.Event()
+    hold, marker_sent = threading.Event(), threading.Event()
 
     class Counting:
         def put(self, item):
             if isinstance(item, threading.Event):
                 markers.append(item)
+                marker_sent.set()
             real_queue.put(item)
 
         def get(self):
@@ -356,16 +358,16 @@ def test_a_flush_with_every_step_passed_on_returns_without_a_round_trip_through_
         handoff.hand_over(loop, ["first"])
         flushing = threading.Thread(target=handoff.flush, daemon=True)
         flushing.start()
-        flushing.join(0.2)
+        assert marker_sent.wait(60), "the flush sent no marker through the thread"
         assert flushing.is_alive() and len(markers) == 1  # the thread holds "first": the flush waits for it
         hold.set()
-        flushing.join(5)
+        flushing.join(60)
         assert not flushing.is_alive()
         handoff.hand_over(loop, ["second"])
-        for _ in range(500):  # until the thread has passed it on
-            if handoff._passed == 2:
-                break
-            threading.Event().wait(0.01)
+        deadline = time.monotonic() + 60  # a guard against a hang, not a wait: the loop ends once the thread passed it on
+        while handoff._passed != 2:
+            assert time.monotonic() < deadline, "the hand-off thread never passed the second list on"
+            time.sleep(0.001)
         handoff.flush()
         assert len(markers) == 1  # nothing in flight: no marker through the thread
         loop.run_until_complete(asyncio.sleep(0))
