@@ -25,7 +25,7 @@ from decode_step import onnx_step  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
-from kvserve.runtime.providers import CPU  # noqa: E402
+from kvserve.runtime.providers import CPU, session_options  # noqa: E402
 from kvserve.runtime.step import DecoderRuntime  # noqa: E402
 
 PAST_LENGTHS = (16, 1000)
@@ -36,11 +36,12 @@ def kernel_ms_per_op(artifact, past_len: int, steps: int, rows: int = 1) -> dict
     config = artifact.config
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        options = ort.SessionOptions()
+        options = session_options()  # the process's one thread pool, as every session here
         options.enable_profiling = True
         options.profile_file_prefix = os.path.join(tmp, "step")
         options.log_severity_level = 3
         runtime.session = ort.InferenceSession(str(artifact.model_path), options, providers=[CPU])  # the same graph, profiled
+        runtime.chunkless_session = None  # every step through it, one row too
         step = onnx_step(runtime, config, past_len, rows=rows)
         for _ in range(steps):
             step()

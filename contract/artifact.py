@@ -6,6 +6,7 @@
                         checksums, source
     golden.npz          a fixed prompt, the eager model's greedy tokens and the logits behind each one
     kv_scales.npz       an int8 K/V cache's scales, key and value, each (layers, K/V heads, head_dim) float32
+    decode.onnx         a fused graph's decode-only form (float16, or weights up to CHUNKLESS_MAX_WEIGHT_BYTES)
     parity.json         the verify report written at export time
     tokenizer.json ...  copied from the checkpoint when it has them
 """
@@ -37,12 +38,22 @@ PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
 DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE
+# Weights (bytes of the graph's files) up to which a fused artifact has a decode graph and runs its CPU steps of one row
+# and no chunk through it: the step graph's If a layer is a fixed cost that only a small model's step feels (quoting
+# model, 16 MiB: 0.92-0.98x; gpt2, 474 MiB: 0.99-1.01x; bench/chunkless_steps.py), and a second session packs the
+# weights a second time, which only a small model affords.
+CHUNKLESS_MAX_WEIGHT_BYTES = 64 << 20
 # Format 2: the slots graph always outputs greedy_tokens, and the inplace layout is gone; kvserve reads format 2 alone.
 FORMAT = "kvserve-artifact/2"
 
 
 class ArtifactError(UserError, ValueError):
     """An artifact directory that is missing, incomplete or inconsistent; the message names the file."""
+
+
+def graph_bytes(directory: str | Path) -> int:
+    """The bytes of an artifact's graph and weights files (MODEL_FILE and, where it has one, MODEL_DATA_FILE)."""
+    return sum(path.stat().st_size for path in (Path(directory) / MODEL_FILE, Path(directory) / MODEL_DATA_FILE) if path.exists())
 
 
 def sha256_file(path: Path) -> str:

@@ -9,6 +9,10 @@ host memory, is the pool's width read from the K/V input's shape: host arithmeti
 input, and at least every row's length (a row with nothing to decode writes its scratch token in the last column).
 Everything else, weights included, is the step graph's own: the export writes it beside model.onnx (decode.onnx),
 its weights pointing into the same model.onnx.data.
+
+The same graph serves a small model's CPU steps of one row and no chunk (runtime/step.py, chunkless_steps), where the
+step graph's If a layer is a fixed cost the step feels (bench/chunkless_steps.py: the 4-layer quoting model's batch-1
+steps 0.92-0.98x the step graph's time; gpt2's 124M 0.99-1.01x, for its weights packed a second time).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import DECODE_GRAPH_FILE
+from kvserve.contract.artifact import CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE
 
 from .graph_fusions import drop_unread
 
@@ -78,10 +82,12 @@ def decode_only(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 
-def writes_decode_graph(dtype: str, kv_cache: str, attention: str) -> bool:
-    """Whether an export of these writes a decode graph: fused slots graphs in float16, the dtype ONNX Runtime's CUDA
-    provider runs GroupQueryAttention in (a float32 or quantized fused graph runs on the CPU, where nothing captures)."""
-    return dtype == "float16" and kv_cache == io.SLOTS and attention == io.FUSED
+def writes_decode_graph(dtype: str, kv_cache: str, attention: str, weight_bytes: int) -> bool:
+    """Whether an export of these, its graph and weights weight_bytes, writes a decode graph: every fused slots graph in
+    float16, the dtype ONNX Runtime's CUDA provider runs GroupQueryAttention in, for its captured decode steps; and one of
+    any dtype whose weights are small (CHUNKLESS_MAX_WEIGHT_BYTES), whose CPU steps without a chunk run it."""
+    fused = kv_cache == io.SLOTS and attention == io.FUSED
+    return fused and (dtype == "float16" or weight_bytes <= CHUNKLESS_MAX_WEIGHT_BYTES)
 
 
 def save_decode_graph(step_graph: onnx.ModelProto, directory: Path) -> None:

@@ -156,6 +156,17 @@ class _Verification:
             self.driver.fixed_decode = False
         return [self.kv_check(check, eager_past, mask.numpy().astype(bool))]
 
+    def one_row_steps(self) -> list[CheckResult]:
+        """A small artifact's steps of one row, which its decode graph runs (runtime/step.py chunkless_steps; the other
+        checks hold the step graph): a prompt prefilled a chunk at a time, then cached decode steps, as a request alone
+        runs, every position's logits and the K/V compared."""
+        prompts = self.prompts_of(DECODE_PROMPTS[-1:])
+        check = CheckStats(f"decode graph, one row: prefill T={len(prompts[0])}, {self.steps} steps")
+        eager_logits, eager_past, mask, pos = self.eager_prefill(prompts)
+        check.add_logits(np.concatenate(self.driver.prefill(prompts)), eager_logits.numpy()[mask.numpy().astype(bool)])
+        eager_past, mask, _, _ = self.decode_alongside(check, eager_logits, eager_past, mask, pos)
+        return [self.kv_check(check, eager_past, mask.numpy().astype(bool))]
+
     def long_factors(self) -> list[CheckResult]:
         """A longrope model's long factors: prompts prefilled and decoded with every row turned long, against the eager
         model told the same. [] for other models, and for a concat graph whose original context is past the parity rows."""
@@ -235,10 +246,12 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     with kv_stored_as(reference.float().eval(), stores, *(() if scales is None else (torch.from_numpy(s) for s in scales))):
         run = _Verification(artifact, reference, runtime, steps)
         with stage(f"parity: prefill and decode checks on {runtime.provider}"):
-            checks = run.prefill() + run.decode_and_recompute() + run.long_factors() + (run.decode_graph() if has_decode_graph else [])
-        with stage("parity: greedy generation"):
+            with runtime.step_graph_only():
+                checks = run.prefill() + run.decode_and_recompute() + run.long_factors() + (run.decode_graph() if has_decode_graph else [])
+            checks += run.one_row_steps() if runtime.chunkless_session is not None else []
+        with stage("parity: greedy generation"), runtime.step_graph_only():
             greedy = run.greedy()
-        with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():
+        with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext(), runtime.step_graph_only():
             text = run.text()
     report = ParityReport(
         artifact=str(artifact.directory), dtype=artifact.dtype, quantization=artifact.quantization, kv_cache=artifact.kv_cache,

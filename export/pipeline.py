@@ -147,7 +147,7 @@ def cpu_float16_refusal(model: Decoder, dtype: str, kv_cache: str, attention: st
     if dtype != "float16" or planned_device(provider) != "cpu":
         return None
     file_bytes = float32_bytes(weight_source_of(model)) // 2
-    sessions = 2 if writes_decode_graph(dtype, kv_cache, attention) else 1
+    sessions = 2 if writes_decode_graph(dtype, kv_cache, attention, file_bytes) else 1
     need, limit = sessions * CPU_FLOAT16_SESSION_FACTOR * file_bytes, memory_limit()
     if need <= limit:
         return None
@@ -247,7 +247,7 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
             graph["fused_operators"] = graph["quantization"].pop("fused_operators")
     with stage("write the weights, check and save the graph"):
         graph["external_data"] = save_graph(proto, staging, plan)
-    if writes_decode_graph(dtype, kv_cache, attention):
+    if writes_decode_graph(dtype, kv_cache, attention, art.graph_bytes(staging)):
         with stage("write the decode graph"):
             save_decode_graph(proto, staging)
     del proto, plan  # the weights are on disk now; verify loads the graph from there

@@ -82,6 +82,7 @@ class OpenedSession:
 
 def open_session(model_path: str | Path, dtype: str, provider: str = "auto", threads: int = 0, cuda_graph: bool = False) -> OpenedSession:
     """A session over the graph at model_path on the best provider provider allows; cuda_graph: with capture enabled.
+    Its operators run on the process's one thread pool (session_options).
     Weights are repacked for the CPU kernels one at a time, ONNX Runtime's default: on every thread
     (session.prepack.enable_parallel) a Qwen3-4B-shaped int4 server reached SERVING 0.8 s sooner but peaked at 5.44 GB
     during its start instead of 3.16 (2-core AMD EPYC Zen 5, bench/kv_memory.py; docs/models.md)."""
@@ -98,8 +99,7 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
         elif provider == "cuda":
             raise ProviderUnavailable(f"CUDA requested but unavailable: {reason}")
         # else: no CUDA on this machine and none asked for: the CPU, said nowhere (a CPU host is not a fault)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
+    options = session_options(threads)
     options.log_severity_level = 3  # errors only; provider fallbacks are reported by us, in one line
     session, captures_decode, cuda_graph_note = None, False, None
     if cuda_graph and providers[0] == CPU:
@@ -120,6 +120,27 @@ def open_session(model_path: str | Path, dtype: str, provider: str = "auto", thr
             raise ProviderUnavailable("CUDA requested but the session could not start on it")
         fallback_reason = "the CUDA provider failed to start"
     return OpenedSession(session, running, fallback_reason, captures_decode, cuda_graph_note)
+
+
+_POOL_THREADS: list[int] = []  # the process's intra-op thread count, once its pool is made
+
+
+def session_options(threads: int = 0) -> ort.SessionOptions:
+    """Options for a session of this process: every session runs its operators on one intra-op thread pool, made by the
+    first with `threads` threads (0: ONNX Runtime's default, one a physical core). Sessions that take turns on the same
+    cores (a small artifact's step and decode graphs, runtime/step.py) then never find the other's idle threads spinning
+    on a core their run needs: each with a pool of its own, 16 rows with a prompt chunk every fourth step ran 1.56x
+    slower, and stopping the spin after every run lost the cores to any other busy process (2-core AMD EPYC Zen 3,
+    bench/chunkless_steps.py). ONNX Runtime then refuses a session with a pool of its own in this process: a session
+    made outside open_session takes these options too."""
+    if not _POOL_THREADS:
+        ort.capi._pybind_state.set_global_thread_pool_sizes(threads, 1)
+        _POOL_THREADS.append(threads)
+    elif _POOL_THREADS[0] != threads:
+        raise ValueError(f"this process runs ONNX Runtime on {_POOL_THREADS[0] or 'the default'} threads; a session cannot have {threads}")
+    options = ort.SessionOptions()
+    options.use_per_session_threads = False
+    return options
 
 
 def planned_device(provider: str) -> str:

@@ -16,14 +16,15 @@ Decode-only steps at fixed shapes (CUDA graphs) are cuda_graphs.py's; the sessio
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 
 from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import DECODE_GRAPH_FILE
+from kvserve.contract.artifact import CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE, graph_bytes
 
 from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
 from .pool import KvTraffic, SlotPool
@@ -41,13 +42,20 @@ class DecoderRuntime:
     """One ONNX Runtime session over an exported decoder graph, and the slots step over it."""
 
     def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0,
-                 cuda_graph: bool = False, decode_graph: bool | None = None):
+                 cuda_graph: bool = False, decode_graph: bool | None = None, chunkless_steps: bool | None = None):
         """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode).
         decode_graph: a fused graph's fixed-shape decode steps run its artifact's decode graph (DECODE_GRAPH_FILE beside
-        model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider)."""
+        model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider).
+        chunkless_steps: run_slots' fused steps of one row and no chunk beside it (a row decoding or checking drafts
+        alone, a prompt chunk alone) run the decode graph too (on the CPU provider, where the artifact has one); None:
+        where its weights are small (artifact.CHUNKLESS_MAX_WEIGHT_BYTES). Steps of more rows keep the step graph: there
+        the If a layer weighs less (16 rows: 0.96-1.02x through the decode graph), and each change of session reads the
+        other's copy of the weights through the caches (16 rows with a prompt chunk every other step: 1.12x slower)."""
         model_path = Path(model_path)
         decode_path = model_path.parent / DECODE_GRAPH_FILE
         fused_decode = decode_path.exists() and (decode_graph or (decode_graph is None and cuda_graph and planned_device(provider) == "cuda"))
+        chunkless = decode_path.exists() and planned_device(provider) == "cpu" and (
+            chunkless_steps or (chunkless_steps is None and graph_bytes(model_path.parent) <= CHUNKLESS_MAX_WEIGHT_BYTES))
         # A fused step graph holds an If, which no CUDA graph captures: its decode steps are the decode graph's to capture.
         opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode)
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
@@ -87,6 +95,9 @@ class DecoderRuntime:
             elif cuda_graph:
                 captures, note = False, "CUDA graphs off: this fused artifact has no decode graph (re-export it); decode steps run uncaptured"
         self.decodes_fixed = self.attention == io.STANDARD or decode_session is not None  # whether run_decode can run
+        self.chunkless_session = None  # where run_slots' fused steps of one row and no chunk run, when not self.session
+        if chunkless and self.attention == io.FUSED and self.device == "cpu":
+            self.chunkless_session = decode_session or open_session(decode_path, dtype, "cpu", threads).session
         self.fixed_steps = FixedDecodeSteps(decode_session or self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
                                             (self._past_names, self._present_names), self.traffic, captures, note, self._uncaptured)
 
@@ -134,16 +145,29 @@ class DecoderRuntime:
         themselves (export's parity driver) run it, each step's present fed back as past."""
         return self.session.run(None, feeds)
 
-    def _bound_pool(self, pool: SlotPool, rows: int, first_row: int = 0, chunk_row: int | None = None) -> BoundStep:
+    @contextlib.contextmanager
+    def step_graph_only(self) -> Iterator[None]:
+        """Every run_slots step through the step graph while inside: the parity checks and the load gate hold the step
+        graph to the reference (a small artifact's steps of one row otherwise run its decode graph, and would hide a
+        step graph that steps of several rows serve), then the decode graph's one-row steps apart."""
+        kept, self.chunkless_session = self.chunkless_session, None
+        try:
+            yield
+        finally:
+            self.chunkless_session = kept
+
+    def _bound_pool(self, pool: SlotPool, rows: int, first_row: int = 0, chunk_row: int | None = None,
+                    chunkless: bool = False) -> BoundStep:
         """An IO binding with the pool's rows first_row .. first_row + rows - 1 bound as past and present (and, for a fused
-        graph, row chunk_row as the chunk's past and present). Bindings are kept by the rows they bind (BINDINGS_KEPT,
-        the least recently used dropped) and reused while the next step binds the same rows: decode steps in a row do,
-        and the steps of a batch alternate between a few layouts (plain, a prompt chunk, a row checking drafts); a kept
-        binding whose chunk row differs rebinds the chunk's K/V alone."""
-        key = (pool, rows, first_row)
+        graph, row chunk_row as the chunk's past and present; chunkless: of the chunkless session, which has no chunk).
+        Bindings are kept by the rows they bind (BINDINGS_KEPT, the least recently used dropped) and reused while the
+        next step binds the same rows: decode steps in a row do, and the steps of a batch alternate between a few
+        layouts (plain, a prompt chunk, a row checking drafts); a kept binding whose chunk row differs rebinds the
+        chunk's K/V alone."""
+        key = (pool, rows, first_row, chunkless)
         bound = self._bindings.pop(key, None)
         if bound is None:
-            bound = BoundStep(self.session.io_binding(), self.device)
+            bound = BoundStep(self.chunkless_session if chunkless else self.session, self.device)
             self._bind_rows(bound, pool, self._past_names, self._present_names, first_row, rows)
             if len(self._bindings) >= BINDINGS_KEPT:
                 del self._bindings[next(iter(self._bindings))]
@@ -212,13 +236,16 @@ class DecoderRuntime:
         chunk_positions = np.arange(chunk_start, chunk_start + n_chunk, dtype=np.int64)[None]  # (1, T)
         if decoding.any():
             count = int(logits_index[decoding].max()) + 1
-            bound = self._bound_pool(pool, count, 0, chunk_slot if n_chunk else 0)  # no chunk: row 0, passed through
+            chunkless = self.chunkless_session is not None and n_chunk == 0 and count == 1
+            # no chunk: row 0, passed through (the chunkless graph has none)
+            bound = self._bound_pool(pool, count, 0, None if chunkless else chunk_slot if n_chunk else 0, chunkless)
             tokens = np.asarray(input_ids[:count]).reshape(count, 1)  # (B, 1)
             positions = np.asarray(position_ids[:count]).reshape(count, 1)  # (B, 1)
             graph_index = np.where(decoding, logits_index, logits_index - rows + count)  # the chunk follows the B rows
             rows_long = np.zeros(count, np.int64) if long_rope is None else np.asarray(long_rope[:count])  # (B,)
         elif n_chunk:
-            bound = self._bound_pool(pool, 1, chunk_slot, chunk_slot)
+            chunkless = self.chunkless_session is not None
+            bound = self._bound_pool(pool, 1, chunk_slot, None if chunkless else chunk_slot, chunkless)
             tokens, positions, graph_index = chunk, chunk_positions, logits_index - rows
             chunk = chunk_positions = np.zeros((1, 0), np.int64)
             rows_long = np.array([int(chunk_long_rope)])  # (1,): the chunk is the one row
@@ -226,11 +253,13 @@ class DecoderRuntime:
             raise ValueError("a step must decode a row or run a chunk")
         if self.long_rope:
             bound.set_input(io.LONG_ROPE, rows_long)
-            bound.set_input(io.CHUNK_LONG_ROPE, np.array([int(chunk_long_rope)]))  # (1,)
         bound.set_input(io.INPUT_IDS, tokens)
         bound.set_input(io.POSITION_IDS, positions)
-        bound.set_input(io.CHUNK_IDS, chunk)
-        bound.set_input(io.CHUNK_POSITION_IDS, chunk_positions)
+        if not chunkless:  # the decode graph's chunk is an empty constant
+            if self.long_rope:
+                bound.set_input(io.CHUNK_LONG_ROPE, np.array([int(chunk_long_rope)]))  # (1,)
+            bound.set_input(io.CHUNK_IDS, chunk)
+            bound.set_input(io.CHUNK_POSITION_IDS, chunk_positions)
         bound.set_input(io.LOGITS_INDEX, graph_index)
         return self._run_sampled(bound, len(logits_index), with_logits, before_run)
 
@@ -264,7 +293,7 @@ class DecoderRuntime:
                 bound.unread_logits = (scratch, n_logits)  # holds the array it is bound to: a larger one may replace it
         if before_run is not None:
             before_run()
-        self.session.run_with_iobinding(bound.binding, self._uncaptured)
+        bound.session.run_with_iobinding(bound.binding, self._uncaptured)
         return Sampled(logits, tokens.copy())
 
 
@@ -278,8 +307,9 @@ class BoundStep:
 
     SHAPES_KEPT = 32
 
-    def __init__(self, binding, device: str):
-        self.binding, self.device = binding, device
+    def __init__(self, session: ort.InferenceSession, device: str):
+        self.session, self.device = session, device  # the session that runs the step
+        self.binding = session.io_binding()
         self.inputs: dict[str, tuple[np.ndarray, ort.OrtValue]] = {}  # what each input is bound to now
         self._made: dict[tuple[str, tuple[int, ...]], tuple[np.ndarray, ort.OrtValue]] = {}  # (name, shape) -> its buffer
         self._greedy: dict[int, tuple[np.ndarray, ort.OrtValue]] = {}  # count -> a host buffer of that many greedy tokens

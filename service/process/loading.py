@@ -86,6 +86,8 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     if runtime.cuda_graph_note:
         log.warning("%s", runtime.cuda_graph_note)
     log.info("execution provider: %s", runtime.provider)
+    if runtime.chunkless_session is not None:
+        log.info("steps of one row run the artifact's decode graph (small weights: a second session, on the same threads)")
     on_session(runtime)
     steps = step_thread()
     loop = asyncio.get_running_loop()

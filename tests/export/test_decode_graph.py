@@ -11,9 +11,9 @@ import onnx
 import pytest
 
 from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import DECODE_GRAPH_FILE
+from kvserve.contract.artifact import CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE, graph_bytes
 from kvserve.export.cuda_placement import capture_blockers
-from kvserve.export.decode_graph import TOTAL, decode_only
+from kvserve.export.decode_graph import TOTAL, decode_only, writes_decode_graph
 from kvserve.export.graph_fusions import fuse_operators
 from kvserve.export.onnx_export import trace_graph
 from kvserve.export.pipeline import export_artifact
@@ -59,6 +59,18 @@ def test_a_float16_fused_export_writes_its_decode_graph_and_holds_it_to_the_eage
     assert checks["decode graph 8 steps B=2"]["passed"] and checks["decode graph 8 steps B=2"]["kv_max_abs"] is not None
 
 
-def test_float32_and_standard_exports_write_none(tiny_artifact, tiny_standard_artifact):
-    for artifact in (tiny_artifact, tiny_standard_artifact):
-        assert not (artifact / DECODE_GRAPH_FILE).exists()
+def test_a_small_float32_fused_export_writes_its_decode_graph_a_standard_one_none(tiny_artifact, tiny_standard_artifact):
+    assert graph_bytes(tiny_artifact) <= CHUNKLESS_MAX_WEIGHT_BYTES
+    assert DECODE_GRAPH_FILE in json.loads((tiny_artifact / "manifest.json").read_text())["files"]
+    checks = {c["name"]: c for c in json.loads((tiny_artifact / "parity.json").read_text())["checks"]}
+    assert checks["decode graph 8 steps B=2"]["passed"]  # held to the eager model as a float16 one is
+    assert checks["decode graph, one row: prefill T=13, 8 steps"]["passed"]  # and the one-row steps it serves on the CPU
+    assert not (tiny_standard_artifact / DECODE_GRAPH_FILE).exists()
+
+
+def test_a_large_fused_export_writes_a_decode_graph_in_float16_alone():
+    large = CHUNKLESS_MAX_WEIGHT_BYTES + 1
+    assert writes_decode_graph("float16", io.SLOTS, io.FUSED, large)  # CUDA captures its decode steps
+    assert not writes_decode_graph("float32", io.SLOTS, io.FUSED, large)  # a quantized export's dtype too
+    assert writes_decode_graph("float32", io.SLOTS, io.FUSED, CHUNKLESS_MAX_WEIGHT_BYTES)
+    assert not writes_decode_graph("float16", io.SLOTS, io.STANDARD, 0)

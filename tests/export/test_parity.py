@@ -130,10 +130,12 @@ def test_verify_refuses_a_graph_that_is_not_its_manifests_contract_in_one_line(t
     assert f"{mixed}: the graph is not the contract its manifest declares (graph inputs are" in result.stderr
 
 
-def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_the_load_gate(tiny_artifact, tiny_model, tmp_path):
+@pytest.mark.parametrize("graph_file", ["model.onnx", "decode.onnx"], ids=["step graph", "decode graph"])
+def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_the_load_gate(tiny_artifact, tiny_model, tmp_path, graph_file):
     """greedy_tokens are what greedy requests get, so a graph that computes them wrongly (here: the top-1 made the
     bottom-1) fails verify, and the server's load-time gate, which replays the golden prompt through them and holds
-    each to its own logits' argmax."""
+    each to its own logits' argmax: the step graph (steps of several rows), and the decode graph a small artifact's steps
+    of one row run, each held apart."""
     import shutil
 
     import onnx
@@ -144,18 +146,18 @@ def test_a_graph_whose_greedy_tokens_are_not_its_logits_argmax_fails_verify_and_
 
     bad = tmp_path / "bottom-1"
     shutil.copytree(tiny_artifact, bad)
-    graph = onnx.load(str(bad / "model.onnx"))
+    graph = onnx.load(str(bad / graph_file), load_external_data=False)
     top1 = [node for node in graph.graph.node if node.op_type == "TopK"]
     assert len(top1) == 1
     next(a for a in top1[0].attribute if a.name == "largest").i = 0
-    onnx.save(graph, str(bad / "model.onnx"))
+    onnx.save(graph, str(bad / graph_file))
     manifest = json.loads((bad / "manifest.json").read_text())
-    manifest["files"]["model.onnx"] = sha256_file(bad / "model.onnx")
+    manifest["files"][graph_file] = sha256_file(bad / graph_file)
     (bad / "manifest.json").write_text(json.dumps(manifest))
     report = verify(bad, tiny_model, provider=PROVIDER)
     argmax = report.greedy_tokens_argmax
-    assert not report.passed and argmax.mismatches == argmax.rows > 0
-    assert report.failures == [f"the graph's greedy_tokens differ from its logits' argmax at {argmax.rows} of {argmax.rows} rows"]
+    assert not report.passed and 0 < argmax.mismatches < argmax.rows  # the other graph's rows took their argmax
+    assert report.failures == [f"the graph's greedy_tokens differ from its logits' argmax at {argmax.mismatches} of {argmax.rows} rows"]
     artifact = open_artifact(bad)
     gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER), artifact)
     assert not gate.passed and "greedy tokens DIFFER (greedy_tokens NOT its logits argmax)" in gate.summary

@@ -15,6 +15,7 @@ from kvserve.contract.artifact import open_artifact, sha256_file
 from kvserve.contract.tolerances import TOLERANCES
 from kvserve.export.parity import verify
 from kvserve.export.quantize import BLOCKS
+from kvserve.runtime.providers import session_options
 
 from ..conftest import DEFAULT_CHECKPOINT, PROVIDER, run_cli
 from ..test_cli import one_line_error
@@ -293,7 +294,7 @@ def test_an_untied_table_in_blocks_reads_back_as_its_rounded_rows(bits, width):
     names = {t.name for t in model.graph.initializer}
     assert "table" not in names and "positions" in names
     ids = np.array([0, 7, 15, 3])
-    _, x = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
+    _, x = ort.InferenceSession(model.SerializeToString(), session_options(), providers=["CPUExecutionProvider"]).run(None, {"ids": ids})
     step = np.abs(table).max() / (2 ** (bits - 1) - 1)  # no block's step is larger
     rows = x - positions[ids]  # (4, width): the rows ONNX Runtime gathered
     assert np.abs(rows - table[ids]).max() <= step / 2 + 1e-4

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import open_artifact
+from kvserve.contract.artifact import DECODE_GRAPH_FILE, graph_bytes, open_artifact
 from kvserve.runtime import DecoderRuntime, pool_capacity
 
 from ..conftest import PROVIDER
@@ -64,15 +64,65 @@ def test_kept_bindings_and_buffers_compute_what_binding_every_step_anew_does(gra
     for row in range(3):
         for a, b in zip(pools[0].row_to_host(row, 3), pools[1].row_to_host(row, 3)):
             assert np.array_equal(a, b)
-    # standard: 3 rows and 2; fused: row 0 (a chunk alone runs as its row, and rows 1 and 2 ran theirs beside row 0, the
-    # one binding's chunk row rebound)
-    assert runtime._bindings[first_key] is first and len(runtime._bindings) == (2 if graph == "tiny_standard_artifact" else 1)
+    # standard: 3 rows and 2; fused: row 0 twice (a chunk alone runs as its one row, through the decode graph, and rows 1
+    # and 2 ran theirs beside row 0 through the step graph, its one binding's chunk row rebound)
+    assert runtime._bindings[first_key] is first and len(runtime._bindings) == 2
     runtime.release_pool(pools[0])
     assert not runtime._bindings
 
 
+@pytest.mark.parametrize("graph", ["tiny_fused_artifact", "tiny_llama_fused_artifact"], ids=["gpt2", "llama"])
+def test_a_small_fused_artifacts_steps_without_a_chunk_run_its_decode_graph_and_compute_what_its_step_graph_does(graph, request):
+    """Steps of a small artifact (its decode graph written beside it) of one row and no chunk beside it (a prompt alone,
+    a row decoding alone, a row checking 5 tokens alone) run the decode graph; a prompt chunk beside decoding rows, and
+    several rows decoding, run the step graph. Every step's tokens, logits and K/V rows are those of a runtime that runs
+    the step graph alone."""
+    artifact = open_artifact(request.getfixturevalue(graph))
+    assert (artifact.directory / DECODE_GRAPH_FILE).exists()
+    runtimes = [DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunkless_steps=chunkless)
+                for chunkless in (None, False)]
+    assert runtimes[0].chunkless_session is not None and runtimes[1].chunkless_session is None
+    # every session on the process's one thread pool: neither's idle threads spin on a core the other's run needs
+    assert not any(s.get_session_options().use_per_session_threads for s in (runtimes[0].session, runtimes[0].chunkless_session))
+    config = artifact.config
+    pools = [r.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config)) for r in runtimes]
+    scratch = pools[0].capacity - 1
+    empty = np.zeros(0, np.int64)
+    steps = [  # (input_ids, position_ids, chunk, chunk_start, chunk_slot, logits_index, with_logits, runs the decode graph)
+        ([0], [scratch], [5, 6, 7, 8], 0, 0, [4], True, True),  # row 0's prompt alone: its chunk is the step's one row
+        ([0, 0], [scratch, scratch], [9, 10, 11], 0, 1, [0, 4], False, False),  # row 1's prompt beside row 0's sampled scratch token
+        ([3, 4], [4, 3], empty, 0, 0, [0, 1], True, False),  # rows 0 and 1 decode
+        ([5], [5], empty, 0, 0, [0], False, True),  # row 0 decodes alone
+        ([0, 2, 0], [scratch, 4, scratch], [1, 2, 3, 4, 5, 6], 0, 2, [1, 8], True, False),  # row 2's prompt beside row 1
+        ([0], [scratch], [7, 1, 2, 3, 4], 6, 0, [1, 2, 3, 4, 5], True, True),  # row 0 checks 5 tokens alone
+        ([6, 7, 8], [11, 5, 6], empty, 0, 0, [0, 1, 2], False, False),  # every row decodes
+    ]
+    for ids, positions, chunk, start, slot, index, with_logits, chunkless in steps:
+        chunkless_bound = []
+        for runtime, pool in zip(runtimes, pools):
+            ran = runtime.run_slots(pool, np.array(ids, np.int64), np.array(positions, np.int64), None, np.array(chunk, np.int64), start,
+                                    slot, np.array(index), with_logits)
+            chunkless_bound.append(next(reversed(runtime._bindings.values())).session is runtime.chunkless_session)
+            if runtime is runtimes[0]:
+                first = ran
+        assert chunkless_bound == [chunkless, False]
+        assert first.greedy_tokens.tolist() == ran.greedy_tokens.tolist()
+        assert (first.logits is None) == (not with_logits) and (first.logits is None or np.array_equal(first.logits, ran.logits))
+    for row in range(3):
+        for a, b in zip(pools[0].row_to_host(row, 11), pools[1].row_to_host(row, 11)):
+            assert np.array_equal(a, b)
+
+
+def test_a_fused_artifact_with_large_weights_runs_every_step_through_its_step_graph(tiny_fused_artifact, monkeypatch):
+    monkeypatch.setattr("kvserve.runtime.step.CHUNKLESS_MAX_WEIGHT_BYTES", graph_bytes(tiny_fused_artifact) - 1)
+    runtime, _ = opened(tiny_fused_artifact)
+    assert runtime.chunkless_session is None
+    monkeypatch.setattr("kvserve.runtime.step.CHUNKLESS_MAX_WEIGHT_BYTES", graph_bytes(tiny_fused_artifact))
+    assert opened(tiny_fused_artifact)[0].chunkless_session is not None
+
+
 def test_fixed_shape_decode_steps_drive_a_standard_graph_or_a_decode_graph_only(tiny_fused_artifact):
-    runtime, config = opened(tiny_fused_artifact)  # a fused step graph without its decode graph (float32: none written)
+    runtime, config = opened(tiny_fused_artifact)  # a fused step graph whose decode graph serves run_slots alone (decode_graph unset)
     pool = runtime.new_pool(2, config.n_kv_head, config.d_head, pool_capacity(config))
     with pytest.raises(ValueError, match="a fused step graph's decode steps go through run_slots"):
         runtime.run_decode(pool, np.zeros(2, np.int64), np.zeros(2, np.int64), np.ones((2, 64), np.int64))
@@ -112,8 +162,12 @@ def test_a_kept_binding_copies_each_steps_inputs_to_the_device_that_reads_them(m
             self.inputs[name] = value
 
     monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(lambda array, device="cpu", device_id=0: DeviceValue(array)))
+    class Session:
+        def io_binding(self):
+            return binding
+
     binding = Binding()
-    bound = BoundStep(binding, "cuda")
+    bound = BoundStep(Session(), "cuda")
     bound.set_input(io.CHUNK_IDS, np.array([[1, 2, 3]]))
     bound.set_input(io.CHUNK_IDS, np.array([[4, 5, 6]]))  # the same shape: the buffer bound last step
     assert binding.inputs[io.CHUNK_IDS].array.tolist() == [[4, 5, 6]]
