@@ -45,8 +45,10 @@ DRAFT_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)  # the k a row may pick
 GATE_STEPS = 16  # steps StepCosts.may_pay's answer stands for
 OUTLIER = 2.0  # a step timed at more than this many times its running mean counts as this many (a stall, not its cost)
 # A draft count not run in this many steps of as many rows is forgotten (looked at every FORGET_EVERY steps): its mean
-# stands until it runs again, and one taken in a slow spell, priced out by itself, would stand for good.
-FORGET_STEPS, FORGET_EVERY = 512, 64
+# stands until it runs again, and one taken in a slow spell, priced out by itself, would stand for good. At 512 and 64,
+# a spell of 80 slow steps (each 2.5x) cost the copy workload's next three rounds 40-70 of ~690 drafts taken; at 64
+# and 16, 15 in the next round alone (in process, 2-core AMD EPYC Zen 3, by hand).
+FORGET_STEPS, FORGET_EVERY = 64, 16
 
 
 def most_drafts(ring: int | None) -> int:
