@@ -48,9 +48,11 @@ class DecoderRuntime:
         model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider).
         chunkless_steps: run_slots' fused steps of one row and no chunk beside it (a row decoding or checking drafts
         alone, a prompt chunk alone) run the decode graph too (on the CPU provider, where the artifact has one); None:
-        where its weights are small (artifact.CHUNKLESS_MAX_WEIGHT_BYTES). Steps of more rows keep the step graph: there
-        the If a layer weighs less (16 rows: 0.96-1.02x through the decode graph), and each change of session reads the
-        other's copy of the weights through the caches (16 rows with a prompt chunk every other step: 1.12x slower)."""
+        where its weights are small (artifact.CHUNKLESS_MAX_WEIGHT_BYTES). Steps of more rows keep the step graph: with a
+        thread pool a session, there the If a layer weighed less (16 rows: 0.96-1.02x through the decode graph) and each
+        change of session cost more (16 rows with a prompt chunk every other step: 1.12x slower); on the process's one
+        pool (providers.session_options) bench/chunkless_steps.py measured 16 rows 0.95x and 0.96x with a chunk every
+        fourth step, which serving does not use yet."""
         model_path = Path(model_path)
         decode_path = model_path.parent / DECODE_GRAPH_FILE
         fused_decode = decode_path.exists() and (decode_graph or (decode_graph is None and cuda_graph and planned_device(provider) == "cuda"))
