@@ -37,7 +37,7 @@ GOLDEN_FILE = "golden.npz"
 PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
-DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE
+DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE or inline
 # Weights (bytes of the graph's files) up to which a fused artifact has a decode graph and runs its CPU steps of one row
 # and no chunk through it: the step graph's If a layer is a fixed cost that only a small model's step feels (quoting
 # model, 16 MiB: 0.92-0.98x; gpt2, 474 MiB: 0.99-1.01x; bench/chunkless_steps.py), and a second session packs the

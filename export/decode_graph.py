@@ -8,7 +8,7 @@ K/V inputs and outputs are dropped), and the operators' total_sequence_length, w
 host memory, is the pool's width read from the K/V input's shape: host arithmetic that needs no copy and no graph
 input, and at least every row's length (a row with nothing to decode writes its scratch token in the last column).
 Everything else, weights included, is the step graph's own: the export writes it beside model.onnx (decode.onnx),
-its weights pointing into the same model.onnx.data.
+its weights pointing into the same model.onnx.data (a graph that holds its weights inline, a small one, gets a copy).
 
 The same graph serves a small model's CPU steps of one row and no chunk (runtime/step.py, chunkless_steps), where the
 step graph's If a layer is a fixed cost the step feels (bench/chunkless_steps.py: the 4-layer quoting model's batch-1
