@@ -41,10 +41,10 @@ def kernel_ms_per_op(artifact, past_len: int, steps: int, rows: int = 1) -> dict
         options.profile_file_prefix = os.path.join(tmp, "step")
         options.log_severity_level = 3
         runtime.session = ort.InferenceSession(str(artifact.model_path), options, providers=[CPU])  # the same graph, profiled
-        runtime.chunkless_session = None  # every step through it, one row too
         step = onnx_step(runtime, config, past_len, rows=rows)
-        for _ in range(steps):
-            step()
+        with runtime.step_graph_only():  # every step through it, one row too
+            for _ in range(steps):
+                step()
         events = json.loads(Path(runtime.session.end_profiling()).read_text())
     totals = collections.Counter()
     for event in events:

@@ -245,14 +245,17 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     # (a graph whose scale differs from the recorded one breaks the K/V check at its layer), the scales to the text check.
     with kv_stored_as(reference.float().eval(), stores, *(() if scales is None else (torch.from_numpy(s) for s in scales))):
         run = _Verification(artifact, reference, runtime, steps)
-        with stage(f"parity: prefill and decode checks on {runtime.provider}"):
-            with runtime.step_graph_only():
+        one_row = runtime.chunkless_session is not None  # a small artifact's one-row steps run its decode graph
+        with runtime.step_graph_only():  # every check below holds the step graph, which steps of several rows run
+            with stage(f"parity: prefill and decode checks on {runtime.provider}"):
                 checks = run.prefill() + run.decode_and_recompute() + run.long_factors() + (run.decode_graph() if has_decode_graph else [])
-            checks += run.one_row_steps() if runtime.chunkless_session is not None else []
-        with stage("parity: greedy generation"), runtime.step_graph_only():
-            greedy = run.greedy()
-        with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext(), runtime.step_graph_only():
-            text = run.text()
+            with stage("parity: greedy generation"):
+                greedy = run.greedy()
+            with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():
+                text = run.text()
+        if one_row:
+            with stage("parity: the decode graph's one-row steps"):
+                checks += run.one_row_steps()
     report = ParityReport(
         artifact=str(artifact.directory), dtype=artifact.dtype, quantization=artifact.quantization, kv_cache=artifact.kv_cache,
         attention=artifact.attention, provider=runtime.provider, provider_note=runtime.fallback_reason, tolerance=run.tolerance,
