@@ -31,6 +31,7 @@ from kvserve.contract.config import DecoderConfig
 log = logging.getLogger(__name__)
 
 CUDA_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
+HOST_SPARE_BYTES = 1 << 20  # what a CPU pool's exchange of two rows holds aside at once (exchange_rows)
 # Linux's MAP_NORESERVE (Python's mmap names it from 3.13): a whole context of address space is reserved without
 # counting against the overcommit heuristic, which refuses one mapping larger than the machine's memory.
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
@@ -113,6 +114,7 @@ class SlotPool:
         self.rings = [layer in rings for layer in range(n_layer) for _ in (0, 1)]
         self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one whole-context layer's K of one row
         self._spare = None  # under CUDA, one row of one layer that exchange_rows moves a row's K/V through
+        self._host_spare = None  # on the CPU provider, HOST_SPARE_BYTES that exchange_rows moves rows through, piece by piece
         shapes = [(rows, n_kv_head, columns, d_head) for columns in self.columns]
         if device == "cpu":
             self._mappings, self.arrays = zip(*(reserve(shape, kv_dtype) for shape in shapes))
@@ -134,19 +136,32 @@ class SlotPool:
         """Columns of value index that hold a row's first `tokens` positions: a ring's at most its ring."""
         return min(tokens, self.ring) if self.rings[index] else tokens
 
-    def discard(self, row: int) -> None:
-        """Row's K/V is no longer wanted: its pages go back to the system and it reads as zeros (CPU provider; under CUDA
-        the memory stays allocated and the row is overwritten when next used). A row's first and last page may be
-        shared with its neighbours' and are kept."""
+    def discard(self, row: int, keep_columns: int = 0) -> None:
+        """Row's K/V past its first keep_columns positions is no longer wanted (0: none of it is): those pages go back to
+        the system and read as zeros (CPU provider; under CUDA the memory stays allocated and the row is overwritten
+        when next used). Pages shared with a neighbouring row, or with a kept part of the row, are kept. A row that
+        takes another's contents is copied into first and trimmed after (copy_columns): a copy into pages given back
+        faults every page in again, 4.8-6.5 ms for a 96-token gpt2 row (7.1 MB) against 0.3-0.5 ms into pages still
+        held (bench/row_moves.py, 2-core AMD EPYC Zen 4)."""
         if self.arrays is None:
             return
         page = mmap.PAGESIZE
+        heads, value_bytes = self.shape[1], self.column_bytes // self.shape[1]
         for index, memory in enumerate(self._mappings):
-            row_bytes = self.value_row_bytes(index)
-            start = -(-(row * row_bytes) // page) * page
-            end = ((row + 1) * row_bytes) // page * page
-            if end > start:
-                memory.madvise(mmap.MADV_DONTNEED, start, end - start)
+            row_bytes, columns = self.value_row_bytes(index), self.columns[index]
+            base = row * row_bytes
+            kept = self.held_columns(index, keep_columns)
+            if kept >= columns:
+                continue
+            if kept <= 0:
+                spans = [(base, base + row_bytes)]
+            else:  # each head's columns are a block of its own: the tail of every block
+                head_bytes = columns * value_bytes
+                spans = [(base + h * head_bytes + kept * value_bytes, base + (h + 1) * head_bytes) for h in range(heads)]
+            for first, last in spans:
+                start, end = -(-first // page) * page, last // page * page
+                if end > start:
+                    memory.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def pitched_copies(self, source: int, destination: int, columns: int) -> list[tuple[int, int, int, int, int]]:
         """A row's first `columns` positions from row source onto row destination as 2-D copies, one per layer's K and
@@ -192,19 +207,29 @@ class SlotPool:
 
     def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
         """Rows a and b trade contents: b takes a's first a_columns positions and a takes b's first b_columns (rows are
-        moved to keep the computed ones dense), through a spare of the shorter side's columns: on the CPU provider
-        made for the exchange and let go after it (kept, it would hold the pages of the longest row it ever moved);
-        under CUDA one row of one whole-context layer, kept on the device (cudaMemcpy2D, never through the host)."""
+        moved to keep the computed ones dense), through a spare: on the CPU provider HOST_SPARE_BYTES kept for good, the
+        shorter side's columns through it a piece at a time (a spare made for each exchange is fresh memory once it is
+        large, faulted in page by page: two 1,024-token gpt2 rows exchanged in 14-17 ms that way against 10-14,
+        bench/row_moves.py); under CUDA one row of one whole-context layer, kept on the device (cudaMemcpy2D, never
+        through the host)."""
         if a == b:
             return
         if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
         if self.arrays is not None:
+            heads, d_head = self.shape[1], self.shape[3]
+            if self._host_spare is None:
+                self._host_spare = np.empty(HOST_SPARE_BYTES // np.dtype(self.kv_dtype).itemsize, self.kv_dtype)
+            step = max(1, self._host_spare.size // (heads * d_head))  # columns of every head the spare holds at once
             for index, array in enumerate(self.arrays):
                 held_a, held_b = self.held_columns(index, a_columns), self.held_columns(index, b_columns)
-                spare = array[a, :, :held_a].copy()  # (H, held_a, d_k): one layer's K or V of row a
-                array[a, :, :held_b] = array[b, :, :held_b]
-                array[b, :, :held_a] = spare
+                for start in range(0, held_a, step):
+                    end = min(start + step, held_a)
+                    spare = self._host_spare[: heads * (end - start) * d_head].reshape(heads, end - start, d_head)  # (H, n, d_k)
+                    np.copyto(spare, array[a, :, start:end])
+                    array[a, :, start:end] = array[b, :, start:end]
+                    array[b, :, start:end] = spare
+                array[a, :, held_a:held_b] = array[b, :, held_a:held_b]  # (H, held_b - held_a, d_k): b's longer part
         else:
             copy_2d = device_copy_2d()
             if copy_2d is None:

@@ -9,9 +9,12 @@ p mod R, so such a row hands on only the prefixes its rings still hold, _ring_al
 (kvserve.runtime.SlotPool) is allocated once, for max_rows rows of a whole context (n_ctx columns and the scratch one),
 so no step ever allocates K/V. On the CPU provider its memory is
 committed as tokens are written and a row emptied gives its pages back (discard): a row that leaves with nothing kept
-for the prompt cache, a cached row overwritten by a sequence that reuses none of it, a row whose contents moved. So
-the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the pages of the longest
-contents it held since it was last emptied.
+for the prompt cache, a row whose contents moved; a cached row taken by a sequence that reuses none of it gives back
+what lies past the most that sequence may write (its reservation), and a row a move fills gives back what lies past
+the columns moved. So the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the
+pages of the longest contents it held since it was last emptied, and a sequence's row at most its reservation's
+beyond what it wrote. Moves write into pages still held wherever they can: into pages given back, every page faults
+in again (a 7 MB row 10-20x slower, bench/row_moves.py), and the step thread's moves are a gap in every stream.
 
 A budget (serve --kv-cache-memory) bounds that memory: a sequence is given a row only when the most it can hold (its
 prompt and max_new_tokens, every layer's K and V) fits beside what the sequences in rows may hold (fits), so no step
@@ -157,6 +160,8 @@ class KvRows:
         """Every sequence leaves its row, the pool's contents being unknown (a step failed): the prompt cache forgets
         every row too. Returns the sequences that held rows."""
         held = self.rows
+        for row in range(self.max_rows):  # a join writes over an empty row's pages as they are: nothing stale stays
+            self.pool.discard(row)
         self.held.clear()
         self.slots = []
         self._reserved = 0
@@ -250,24 +255,32 @@ class KvRows:
         source, reused, take_busy = self._prefix_source(seq.prompt_ids, seq.long_rope)
         busy = source if take_busy else None
         pool = self.pool
+        stale = None  # columns of dead K/V the row holds (None: unknown)
         if self.compact:
             row = len(self.slots)
+            stale = 0  # a free row that is not cached was emptied when it was freed
             if not take_busy and source is not None:
                 if source != row:  # row's own cached K/V (if any) goes where the chosen one was
                     pool.exchange_rows(source, row, reused, len(self.prefixes.tokens(row)) if row in self.cached else 0)
                     self._swap_cached(source, row)
             elif row in self.cached:
+                stale = len(self.prefixes.tokens(row))  # moved to the victim's place, or dropped: dead here either way
                 victim = self._victim()
                 if victim != row:
+                    moved = len(self.prefixes.tokens(row))
+                    pool.copy_columns(row, victim, moved)
                     if victim in self.cached:
-                        pool.discard(victim)  # its longer contents would outlast the copy
-                    pool.copy_columns(row, victim, len(self.prefixes.tokens(row)))
+                        pool.discard(victim, moved)  # its longer contents would outlast the copy
                     self._drop_cached(victim)
                     self._swap_cached(row, victim)
         else:
             row = source if not take_busy and source is not None else self._victim()
-        if reused == 0:
+        if reused == 0 and stale is None:
             pool.discard(row)  # whatever it held is dead: the sequence writes it from its first column
+        elif reused == 0 and stale > (most := len(seq.prompt_ids) + seq.max_new_tokens):
+            # Past the most it may write (its reservation), the pages go back; the rest it writes over, pages still
+            # held: given back, every page it writes would fault in again (runtime/pool.py discard).
+            pool.discard(row, most)
         if take_busy:
             pool.copy_columns(busy, row, reused)
         self._drop_cached(row)
@@ -306,6 +319,7 @@ class KvRows:
         in use dense."""
         if not leaving:
             return
+        emptied = set()  # rows left holding nothing: given back once the rows in use are dense (a move may fill one)
         for seq in leaving:
             hold = self.held.pop(seq, None)
             if hold is None:
@@ -325,7 +339,7 @@ class KvRows:
                     self.cached.move_to_end(row)
                     continue
                 self.prefixes.remove(row)
-            self.pool.discard(row)
+            emptied.add(row)
         while True:
             while self.slots and self.slots[-1] is None:
                 self.slots.pop()
@@ -337,10 +351,14 @@ class KvRows:
             held = len(self.prefixes.tokens(hole)) if self.prefixes is not None and hole in self.cached else 0
             if held:
                 self.pool.exchange_rows(source, hole, last.cached_tokens, held)
-            else:
+            else:  # into the pages the hole's last holder wrote, then its longer tail goes
                 self.pool.copy_columns(source, hole, last.cached_tokens)
+                self.pool.discard(hole, last.cached_tokens)
                 self._drop_cached(hole)
-                self.pool.discard(source)  # moved out, nothing left behind
+                emptied.discard(hole)
+                emptied.add(source)  # moved out, nothing left behind
             self._swap_cached(source, hole)
             self.slots[hole], last.index = moved, hole
+        for row in emptied:
+            self.pool.discard(row)
         self.settle()

@@ -126,3 +126,28 @@ def test_discard_keeps_the_neighbours_pages_it_shares():
     for got, want in zip(pool.arrays, before):
         assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2])
         assert (got[1] == 0).mean() > 0.8 and np.array_equal(got[1][got[1] != 0], want[1][got[1] != 0])
+
+
+def test_discard_keeping_a_rows_first_columns_gives_back_only_each_heads_tail():
+    pool = SlotPool(3, 2, 1024, 40, 2, np.float32, "cpu", KvTraffic())  # a column of a head is one page
+    before = filled(pool, seed=3)
+    pool.discard(1, keep_columns=12)
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[1, :, :12], want[1, :, :12])  # every head keeps its first 12 columns
+        assert not got[1, :, 12:].any()  # and gives the rest back
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[2], want[2])
+    pool.discard(1, keep_columns=40)  # keeps everything: nothing goes
+    assert all(np.array_equal(got[1, :, :12], want[1, :, :12]) for got, want in zip(pool.arrays, before))
+
+
+def test_an_exchange_longer_than_the_host_spare_moves_its_columns_in_pieces(monkeypatch):
+    import kvserve.runtime.pool as pool_module
+
+    monkeypatch.setattr(pool_module, "HOST_SPARE_BYTES", 2 * 4 * 4 * 3)  # 3 columns of 2 heads of width 4 at a time
+    pool = host_pool(rows=3, layers=2, heads=2, columns=17, width=4)
+    before = filled(pool, seed=4)
+    pool.exchange_rows(2, 0, a_columns=11, b_columns=16)  # 11 columns through the spare: 4 pieces
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[0, :, :11], want[2, :, :11]) and np.array_equal(got[2, :, :16], want[0, :, :16])
+        assert np.array_equal(got[1], want[1]) and np.array_equal(got[0, :, 11:], want[0, :, 11:])
+    assert pool._host_spare.nbytes == 2 * 4 * 4 * 3  # one spare, kept: no memory made for each exchange

@@ -1,6 +1,8 @@
 """The batch's rows (service/core/kv_rows.py): where a sequence joins and what a leaving one leaves, rows kept dense on the
 CPU with only used columns moved, the prompt cache's least-recently-used eviction, and no K/V through the host."""
 
+import mmap
+
 import numpy as np
 import pytest
 
@@ -85,11 +87,17 @@ def test_fifty_joins_and_leaves_move_no_kv_through_the_host(slots_graph, slots_r
         assert seq.generated == slots_graph.alone(seq)
 
 
-def discarding(rows: KvRows) -> list[int]:
-    """The rows the pool is told to discard, in order, from now on."""
-    told: list[int] = []
+def discarding(rows: KvRows) -> list[int | tuple[int, int]]:
+    """The rows the pool is told to discard from now on, in order: a row given back whole, or (row, columns kept) for
+    one whose first columns stay."""
+    told: list[int | tuple[int, int]] = []
     discard = rows.pool.discard
-    rows.pool.discard = lambda row: (told.append(row), discard(row))
+
+    def record(row: int, keep_columns: int = 0) -> None:
+        told.append((row, keep_columns) if keep_columns else row)
+        discard(row, keep_columns)
+
+    rows.pool.discard = record
     return told
 
 
@@ -97,8 +105,7 @@ def test_rows_that_hold_nothing_wanted_give_their_memory_back():
     rows = marked_rows(rows=3)
     told = discarding(rows)
     a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
-    assert told == [0, 1, 2]  # each joined with nothing to reuse: the row is written from its first column
-    told.clear()
+    assert told == []  # each joined an empty row: nothing held there to give back
     rows.held[c].cached_tokens = 0  # left before writing anything: nothing for the prompt cache
     c.finished = True
     rows.release([c])
@@ -111,13 +118,38 @@ def test_rows_that_hold_nothing_wanted_give_their_memory_back():
     assert told == [1]
 
 
+def test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_back_only_what_it_cannot_write():
+    """A cached row taken by a sequence that reuses none of it: its K/V moves to another free row, and the pages of
+    the columns the joiner may write (its prompt and max_new_tokens) stay, written over as it goes; a longer tail goes
+    back. Given back whole, every page would fault in again as the joiner writes it."""
+    pool = SlotPool(3, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic())  # a column a page: pages can go back
+    rows = KvRows(pool, "cpu", 1, prompt_cache=True)
+    long = join_writing(rows, 1, prompt(1, 60)[:40])
+    long.finished = True
+    rows.release([long])  # row 0 holds 40 cached columns
+    told = discarding(rows)
+    short = _greedy_sequence(2, [7, 8, 9], 4)  # may write 3 + 4 columns
+    rows.join(short)
+    assert rows.held[short].index == 0 and told == [(0, 7)]  # the cached K/V moved to an empty row, row 0's tail went back
+    assert held(rows, 1, 40) == [1000 + p for p in range(40)] and rows.cached_rows() == 1
+    mapped = rows.pool.arrays[0]
+    assert mapped[0, 0, :7, 0].tolist() == [1000 + p for p in range(7)]  # kept pages: the joiner's own writes replace them
+    assert not mapped[0, 0, 7:, 0].any()  # past what it may write: given back, zeros again
+    short.finished = True
+    rows.release([short])
+    told.clear()
+    roomy = _greedy_sequence(3, [5] * 3, 60)  # may write more than the cached row holds: nothing to give back
+    rows.join(roomy)
+    assert told == []
+
+
 def test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_nothing_behind():
     rows = marked_rows(rows=3, prompt_cache=False)
     a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
     told = discarding(rows)
     a.finished = True
-    rows.release([a])  # c moves into a's row 0; row 2 is left empty
-    assert told == [0, 2] and rows.held[c].index == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
+    rows.release([a])  # c moves into a's row 0 (over a's pages: past c's 5 columns they go back); row 2 is left empty
+    assert told == [(0, 5), 2] and rows.held[c].index == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
     assert rows.kv_bytes() == 2 * 5 * 2 * 4 and rows.cached_bytes() == 0  # two rows of 5 tokens' K and V, 4 bytes each
 
 
