@@ -121,6 +121,20 @@ def test_a_chunk_is_cut_to_keep_its_step_within_the_bound(added, chunk):
     assert scheduler.plan().chunk_tokens == chunk
 
 
+def test_a_chunk_measured_free_once_is_bounded_again_by_the_chunks_after_it():
+    """One chunk step timed below its plain step's mean (noise) says chunk tokens cost nothing, and the bound gives the
+    budget's chunk; the chunks after it must be able to say otherwise (a free estimate never moved before: OUTLIER
+    times zero capped every later time at zero, so the bound stayed off at that row count for the server's life)."""
+    costs = StepCosts({(8, 0): 1.0})
+    costs.record_chunk(8, 10, 0.9)
+    assert costs.chunk_tokens_within(8, 1.3) is None  # measured free: the budget's chunk
+    costs.record_chunk(8, 10, 1.5)  # 0.05 a token
+    assert costs.chunk_seconds[8] == pytest.approx(StepCosts.WEIGHT * 0.05)
+    for _ in range(40):
+        costs.record_chunk(8, 10, 1.5)
+    assert costs.chunk_tokens_within(8, 1.3) == 6  # 0.3 / 0.05
+
+
 def test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free():
     scheduler = planner(32, cached_prefix=16)
     first, second = (_greedy_sequence(i, list(range(40)), 4) for i in (1, 2))
