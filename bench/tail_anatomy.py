@@ -3,9 +3,10 @@ apart, 2 requests each, prompt 32, 64 new tokens, greedy) run through the engine
 process), every model call timed with what it carried, for each step token budget in turn; then the same step
 shapes timed alone, nothing else running: what a prompt chunk adds to a full batch's step.
 
-Per round and budget: inter-token gap p50 / p99 (serving_latency's target: p99/p50 <= 1.5), the joiners' time to
-first token (what a smaller budget costs), the share of steps that carried a chunk, and the median step at 15-16
-rows without and with a chunk.
+Per round and budget: inter-token gap p50 / p99 (issue 51's target: p99/p50 <= 1.4), the joiners' time to
+first token (what a smaller budget costs), the share of steps that carried a chunk, the median step at 15-16
+rows without and with a chunk, and the step thread's own work between two model calls (p99 and longest: a request's
+end and the next one's join move K/V rows there, bench/row_moves.py), which every stream waits for.
 
     python bench/tail_anatomy.py [--artifact artifacts/gpt2-int8] [--budgets 32,24,20] [--rounds 3]
 """
@@ -48,7 +49,7 @@ class TimedRuntime:
     def _timed(self, pool, input_ids, position_ids, attention_mask, chunk_ids, *rest, **options):
         start = time.perf_counter()
         result = self._run_slots(pool, input_ids, position_ids, attention_mask, chunk_ids, *rest, **options)
-        self.steps.append((len(input_ids), len(chunk_ids), time.perf_counter() - start))
+        self.steps.append((len(input_ids), len(chunk_ids), time.perf_counter() - start, start))
         return result
 
     def detach(self) -> None:
@@ -66,7 +67,8 @@ async def one_round(timed: TimedRuntime, config, budget: int) -> dict:
         await engine.close()
     itl = [gap for stamps in runs for gap in gaps(stamps)]
     ttfts = [stamps[1] - stamps[0] for stamps in runs]
-    steps = np.array(timed.steps)  # (N, 3): rows, chunk tokens, seconds
+    steps = np.array(timed.steps)  # (N, 4): rows, chunk tokens, seconds, start
+    between = (np.diff(steps[:, 3]) - steps[:-1, 2]) * 1e3  # the step thread's own work between two model calls, ms
     full = steps[:, 0] >= FULL
 
     def median_ms(chosen: np.ndarray) -> float:
@@ -75,10 +77,11 @@ async def one_round(timed: TimedRuntime, config, budget: int) -> dict:
     decode_ms, chunk_ms = median_ms(full & (steps[:, 1] == 0)), median_ms(full & (steps[:, 1] > 0))
     p50, p99 = np.percentile(itl, 50) * 1e3, np.percentile(itl, 99) * 1e3
     slowest = steps[np.argsort(steps[:, 2])[-3:][::-1]]
-    return {"slowest steps": ", ".join(f"{rows:.0f} rows + {chunk:.0f}: {seconds * 1e3:.1f} ms" for rows, chunk, seconds in slowest),
+    return {"slowest steps": ", ".join(f"{rows:.0f} rows + {chunk:.0f}: {seconds * 1e3:.1f} ms" for rows, chunk, seconds, _ in slowest),
             "ITL p50 ms": p50, "ITL p99 ms": p99, "p99/p50": p99 / p50, "TTFT p50 ms": np.median(ttfts) * 1e3,
             "steps": len(steps), "with a chunk": f"{np.mean(steps[:, 1] > 0):.0%}", "full, decode ms": decode_ms,
-            "full, with chunk ms": chunk_ms, "chunk / decode": chunk_ms / decode_ms}
+            "full, with chunk ms": chunk_ms, "chunk / decode": chunk_ms / decode_ms,
+            "between calls p99 ms": float(np.percentile(between, 99)), "between calls max ms": float(between.max())}
 
 
 def alone(runtime: DecoderRuntime, config, chunks: list[int], rounds: int, steps: int = 40) -> dict[int, np.ndarray]:
