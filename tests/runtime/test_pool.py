@@ -129,7 +129,7 @@ def test_discard_keeps_the_neighbours_pages_it_shares():
 
 
 def test_discard_keeping_a_rows_first_columns_gives_back_only_each_heads_tail():
-    pool = SlotPool(3, 2, 1024, 40, 2, np.float32, "cpu", KvTraffic())  # a column of a head is one page
+    pool = SlotPool(3, 2, mmap.PAGESIZE // 4, 40, 2, np.float32, "cpu", KvTraffic())  # a column of a head is one page
     before = filled(pool, seed=3)
     pool.discard(1, keep_columns=12)
     for got, want in zip(pool.arrays, before):
