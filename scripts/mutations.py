@@ -204,6 +204,36 @@ MUTATIONS = (
         ("tests/service/core/test_kv_rows.py::test_fifty_joins_and_leaves_move_no_kv_through_the_host",),
     ),
     Mutation(
+        "slots: a row a move fills gives back the columns just moved into it",
+        "service/core/kv_rows.py",
+        (("                self.pool.discard(hole, last.cached_tokens)", "                self.pool.discard(hole)"),),
+        ("tests/service/core/test_kv_rows.py::test_fifty_joins_and_leaves_move_no_kv_through_the_host",),
+    ),
+    Mutation(
+        "slots: a joiner keeps a cached row's pages past the most it may write",
+        "service/core/kv_rows.py",
+        (("            pool.discard(row, most)", "            pass"),),
+        ("tests/service/core/test_kv_rows.py::test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_back_only_what_it_cannot_write",),
+    ),
+    Mutation(
+        "pool: a discard that keeps a row's first columns gives them back too",
+        "runtime/pool.py",
+        (("            kept = self.held_columns(index, keep_columns)", "            kept = 0"),),
+        ("tests/runtime/test_pool.py::test_discard_keeping_a_rows_first_columns_gives_back_only_each_heads_tail",),
+    ),
+    Mutation(
+        "pool: an exchange through the kept spare skips its last piece",
+        "runtime/pool.py",
+        (("                for start in range(0, held_a, step):", "                for start in range(0, held_a - step, step):"),),
+        ("tests/runtime/test_pool.py::test_an_exchange_longer_than_the_host_spare_moves_its_columns_in_pieces",),
+    ),
+    Mutation(
+        "step costs: a chunk cost measured as free stays free",
+        "service/core/drafts.py",
+        (("            self.chunk_seconds[rows] = self.WEIGHT * added", "            self.chunk_seconds[rows] = 0.0"),),
+        ("tests/service/core/test_scheduler.py::test_a_chunk_measured_free_once_is_bounded_again_by_the_chunks_after_it",),
+    ),
+    Mutation(
         "prompt cache: a row moved into a freed one with cached K/V loses its last column",
         "service/core/kv_rows.py",
         (("self.pool.exchange_rows(source, hole, last.cached_tokens, held)", "self.pool.exchange_rows(source, hole, last.cached_tokens - 1, held)"),),
