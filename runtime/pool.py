@@ -209,7 +209,7 @@ class SlotPool:
         """Rows a and b trade contents: b takes a's first a_columns positions and a takes b's first b_columns (rows are
         moved to keep the computed ones dense), through a spare: on the CPU provider HOST_SPARE_BYTES kept for good, the
         shorter side's columns through it a piece at a time (a spare made for each exchange is fresh memory once it is
-        large, faulted in page by page: two 1,024-token gpt2 rows exchanged in 14-17 ms that way against 10-14,
+        large, faulted in page by page: two 1,024-token gpt2 rows exchanged in 14-20 ms that way against 10-14,
         bench/row_moves.py); under CUDA one row of one whole-context layer, kept on the device (cudaMemcpy2D, never
         through the host)."""
         if a == b:

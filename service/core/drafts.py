@@ -302,8 +302,8 @@ class StepCosts:
             self.chunk_seconds[rows] = added
         elif seen > 0:
             self.chunk_seconds[rows] = seen + self.WEIGHT * (min(added, OUTLIER * seen) - seen)
-        else:  # measured free (a chunk step timed below the plain mean): capped by OUTLIER times zero, it stayed free
-            self.chunk_seconds[rows] = self.WEIGHT * added  # for good, and the bound off at this row count
+        else:  # measured free (a chunk step timed below the plain mean): OUTLIER times zero would cap it there for good
+            self.chunk_seconds[rows] = self.WEIGHT * added
 
     def chunk_tokens_within(self, rows: int, bound: float) -> int | None:
         """The most prompt-chunk tokens a step of `rows` decoding rows may carry to take at most `bound` times a plain
