@@ -8,7 +8,7 @@ pool gave back (discard) faults each page in again; into pages still held it is 
 
     python bench/row_moves.py [--artifact artifacts/gpt2] [--tokens 96,1024] [--repeats 15]
 
-Run it from two checkouts (git worktree) to compare their KvRows; the pool operations themselves are the same.
+Run it from two checkouts (git worktree) to compare their KvRows and SlotPool.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
 
-from kvserve.contract.artifact import open_artifact  # noqa: E402
+from kvserve.contract.artifact import ArtifactError, open_artifact  # noqa: E402
 from kvserve.runtime import KvTraffic, SlotPool, pool_capacity  # noqa: E402
 from kvserve.service.core.kv_rows import KvRows  # noqa: E402
 from kvserve.service.process.gate import _greedy_sequence  # noqa: E402
@@ -118,7 +118,10 @@ def main() -> None:
         lengths = [int(n) for n in args.tokens.split(",")]
     except ValueError:
         parser.error(f"--tokens must be comma-separated integers, got {args.tokens!r}")
-    artifact = open_artifact(args.artifact)
+    try:
+        artifact = open_artifact(args.artifact)
+    except ArtifactError as exc:
+        parser.error(str(exc))
     config = artifact.config
     if args.repeats < 1 or any(n < 2 or n > config.n_ctx for n in lengths):
         parser.error(f"--repeats must be >= 1 and every --tokens within [2, {config.n_ctx}]")

@@ -122,9 +122,14 @@ class KvRows:
         """Bytes of K/V the sequences in rows hold."""
         return sum(self.held_bytes(seq) for seq in self.rows)
 
+    @staticmethod
+    def reservation_tokens(seq: Sequence) -> int:
+        """The most positions seq can write: its prompt and every token it may generate (the last is never written)."""
+        return len(seq.prompt_ids) + seq.max_new_tokens
+
     def reservation(self, seq: Sequence) -> int:
-        """The most K/V seq can hold: its prompt and every token it may generate (the last is never written)."""
-        return self.tokens_bytes(len(seq.prompt_ids) + seq.max_new_tokens)
+        """The most K/V seq can hold: the bytes of its reservation_tokens."""
+        return self.tokens_bytes(self.reservation_tokens(seq))
 
     def reserved_bytes(self) -> int:
         return self._reserved
@@ -267,17 +272,16 @@ class KvRows:
                 stale = len(self.prefixes.tokens(row))  # moved to the victim's place, or dropped: dead here either way
                 victim = self._victim()
                 if victim != row:
-                    moved = len(self.prefixes.tokens(row))
-                    pool.copy_columns(row, victim, moved)
+                    pool.copy_columns(row, victim, stale)
                     if victim in self.cached:
-                        pool.discard(victim, moved)  # its longer contents would outlast the copy
+                        pool.discard(victim, stale)  # its longer contents would outlast the copy
                     self._drop_cached(victim)
                     self._swap_cached(row, victim)
         else:
             row = source if not take_busy and source is not None else self._victim()
         if reused == 0 and stale is None:
             pool.discard(row)  # whatever it held is dead: the sequence writes it from its first column
-        elif reused == 0 and stale > (most := len(seq.prompt_ids) + seq.max_new_tokens):
+        elif reused == 0 and stale > (most := self.reservation_tokens(seq)):
             # Past the most it may write (its reservation), the pages go back; the rest it writes over, pages still
             # held: given back, every page it writes would fault in again (runtime/pool.py discard).
             pool.discard(row, most)
