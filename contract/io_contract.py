@@ -38,7 +38,9 @@ runs one new token for every row plus a chunk of one row's prompt, in a single p
     greedy_tokens               (num_logits,)                                          int64, argmax of each logits row
     present.{i}.key / .value    (batch_size, num_heads, cache_capacity, head_dim)      past with this step written
 
-A row with nothing to decode runs a scratch token at position cache_capacity - 1 (its last column, never read).
+A row with nothing to decode runs a scratch token at the last column of the context its pool serves (n_ctx for a whole
+context; a column never read). A CPU pool's rows may be wider, padded to whole pages (runtime/pool.py): cache_capacity
+is then more than n_ctx + 1, and the columns past the context are never written or read.
 
 A sliding-window layer's rows are rings in a standard slots graph of a model that has one (config.DecoderConfig.kv_ring:
 R = the window and RING_SLACK positions, when that is shorter than the context; the manifest's "kv_ring"): that layer's
@@ -115,6 +117,10 @@ CHUNK_LONG_ROPE = "chunk_long_rope"
 
 # A ring graph's metadata key (ModelProto.metadata_props): the position its scratch tokens run at (the module docstring)
 SCRATCH_POSITION = "kvserve.scratch_position"
+# A decode graph's metadata key (export/decode_graph.py): its operators' total length stops at its rotary tables' rows,
+# so it runs on a CPU pool wider than n_ctx + 1 columns (runtime/pool.py pads rows to whole pages); a decode graph
+# exported before it was written does not, and its runtime keeps the pool unpadded.
+DECODE_TOTAL_WITHIN_TABLES = "kvserve.decode_total_within_tables"
 
 CONCAT, SLOTS = "concat", "slots"
 STANDARD, FUSED = "standard", "fused"

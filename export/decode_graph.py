@@ -5,8 +5,9 @@ runs; ONNX Runtime captures no graph holding control flow, so a fused artifact's
 decode_only rewrites the graph for steps that only decode, one token a row: each layer's If becomes its else branch
 (the rows' operator alone), the chunk's inputs and outputs go (its ids and positions become empty constants, its
 K/V inputs and outputs are dropped), and the operators' total_sequence_length, which their CUDA kernel reads from
-host memory, is the pool's width read from the K/V input's shape: host arithmetic that needs no copy and no graph
-input, and at least every row's length (a row with nothing to decode writes its scratch token in the last column).
+host memory, is the pool's width read from the K/V input's shape, at most the operator's rotary table's rows (a
+CPU pool's rows are padded to whole pages past them): host arithmetic that needs no copy and no graph input, and at least every
+row's length (a row with nothing to decode writes its scratch token at the context's last column).
 Everything else, weights included, is the step graph's own: the export writes it beside model.onnx (decode.onnx),
 its weights pointing into the same model.onnx.data (a graph that holds its weights inline, a small one, gets a copy).
 
@@ -31,6 +32,7 @@ from .graph_fusions import drop_unread
 
 GQA = "GroupQueryAttention"
 TOTAL_INPUT = 6  # GroupQueryAttention's total_sequence_length
+COS_INPUT = 7  # and its cos_cache (its rotary tables' rows: positions 0 ..)
 TOTAL = "kvserve_decode/total_sequence_length"  # the value decode_only feeds it
 
 
@@ -56,12 +58,10 @@ def decode_only(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.output.extend(kept_outputs)
 
     past_key = io.past_names(0)[0]
-    total = [
-        helper.make_node("Shape", [past_key], [f"{TOTAL}/shape"], start=2, end=3),  # (1,): the pool's columns, on the host
-        helper.make_node("Squeeze", [f"{TOTAL}/shape"], [f"{TOTAL}/columns"]),  # ()
-        helper.make_node("Cast", [f"{TOTAL}/columns"], [TOTAL], to=TensorProto.INT32),  # () int32, as the operator wants it
-    ]
-    nodes = list(total)
+    width = f"{TOTAL}/shape"
+    nodes = [helper.make_node("Shape", [past_key], [width], start=2, end=3)]  # (1,): the pool's columns, on the host
+    totals: dict[str, str] = {}  # a rotary table ("" none) -> the total its operators read
+    decode.metadata_props.add(key=io.DECODE_TOTAL_WITHIN_TABLES, value="1")
     for node in graph.node:
         if node.op_type != "If":
             nodes.append(node)
@@ -73,13 +73,30 @@ def decode_only(model: onnx.ModelProto) -> onnx.ModelProto:
             for i, name in enumerate(inner.output):
                 inner.output[i] = renamed.get(name, name)
             if inner.op_type == GQA:
-                inner.input[TOTAL_INPUT] = TOTAL
+                table = inner.input[COS_INPUT] if len(inner.input) > COS_INPUT else ""
+                if table not in totals:  # made here, after the table (this If reads it): the order stays topological
+                    totals[table] = total = TOTAL if not totals else f"{TOTAL}/{len(totals)}"
+                    nodes += _bounded_total(width, table, total)
+                inner.input[TOTAL_INPUT] = totals[table]
             nodes.append(inner)
     del graph.node[:]
     graph.node.extend(nodes)
     drop_unread(graph)  # the chunk's pass-through, the If conditions, the device-side totals
     return decode
 
+
+
+def _bounded_total(width: str, table: str, total: str) -> list[onnx.NodeProto]:
+    """Nodes making total, int32 () as the operator wants it: the pool's width (width, (1,)), at most table's rows (a
+    CPU pool may be wider than the rotary tables, runtime/pool.py, and the operator refuses a total past them)."""
+    nodes, bound = [], width
+    if table:
+        nodes.append(helper.make_node("Shape", [table], [f"{total}/table"], start=0, end=1))  # (1,): its rows
+        nodes.append(helper.make_node("Min", [width, f"{total}/table"], [f"{total}/bound"]))  # (1,)
+        bound = f"{total}/bound"
+    nodes.append(helper.make_node("Squeeze", [bound], [f"{total}/columns"]))  # ()
+    nodes.append(helper.make_node("Cast", [f"{total}/columns"], [total], to=TensorProto.INT32))  # () int32
+    return nodes
 
 
 def writes_decode_graph(dtype: str, kv_cache: str, attention: str, weight_bytes: int) -> bool:
