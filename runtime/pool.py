@@ -9,8 +9,12 @@ a 16-row gpt2 pool of whole contexts is 1.2 GB of address space, which took 1.6 
 held that memory from the start; a step instead pays the page faults of the columns it writes (a 4 KiB page holds
 16 columns of one gpt2 head in float32; bench/kv_memory.py measures both). Under CUDA the pool is device memory,
 allocated whole. A step binds the pool's first rows by address as both past and present (step.py), so
-ONNX Runtime writes each new token's K/V into its row. The pool copies K/V between rows only when asked (a sequence
-changes row, or takes a prompt prefix another row holds), on the device where it lives, never through the host.
+ONNX Runtime writes each new token's K/V into its row. The pool moves K/V between rows only when asked (a sequence
+changes row, or takes a prompt prefix another row holds), on the device where it lives, never through the host. On the
+CPU provider each whole-context row is padded to whole pages (remap_columns: gpt2's 1,025 columns to 1,028; the
+columns past the context are never written, read or committed), so a row that changes place trades pages with the
+row it goes to (mremap, page_remap) instead of being copied: a copy into pages its destination never held faults
+every one in, on the step thread every stream waits on.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import math
 import mmap
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,6 +37,8 @@ from kvserve.contract.config import DecoderConfig
 log = logging.getLogger(__name__)
 
 CUDA_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
+# mremap's MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP: the pages go to the address given, the old span stays mapped
+MREMAP_MOVE = 1 | 2 | 4
 HOST_SPARE_BYTES = 1 << 20  # what a CPU pool's exchange of two rows holds aside at once (exchange_rows)
 # Linux's MAP_NORESERVE (Python's mmap names it from 3.13): a whole context of address space is reserved without
 # counting against the overcommit heuristic, which refuses one mapping larger than the machine's memory.
@@ -63,6 +71,54 @@ def device_copy_2d() -> Callable[[int, int, int, int, int], None] | None:
     return copy
 
 
+@functools.cache
+def page_remap() -> Callable[[int, int, int], None] | None:
+    """move(source, destination, length): a span of whole pages moved to another address by remapping them, no byte
+    copied, the source left mapped and reading as zeros (Linux's mremap with MREMAP_DONTUNMAP, since 5.7); None where
+    the C library or the kernel has no such call (tried once on a mapping of its own)."""
+    try:
+        mremap = ctypes.CDLL(None, use_errno=True).mremap
+    except (OSError, AttributeError):
+        return None
+    mremap.restype = ctypes.c_void_p
+    mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+    def move(source: int, destination: int, length: int) -> None:
+        if mremap(source, length, length, MREMAP_MOVE, destination) != destination:
+            error = ctypes.get_errno()
+            raise OSError(error, f"mremap of {length} bytes between K/V rows failed: {os.strerror(error)}")
+
+    page = mmap.PAGESIZE
+    trial = mmap.mmap(-1, 2 * page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = np.frombuffer(trial, np.uint8)
+    try:
+        view[0] = 1
+        move(view.ctypes.data, view.ctypes.data + page, page)
+        works = view[page] == 1 and view[0] == 0
+    except OSError:
+        works = False
+    del view
+    trial.close()
+    return move if works else None
+
+
+def remap_max_spans() -> int:
+    """The most rows x values a pool may remap: a remapped row can become a mapping of its own, and Linux allows a
+    process vm.max_map_count of them (65,530 by default), so half of that, the rest left to everything else."""
+    try:
+        with open("/proc/sys/vm/max_map_count") as limit:
+            return int(limit.read()) // 2
+    except (OSError, ValueError):
+        return 65530 // 2
+
+
+def remap_columns(columns: int, column_bytes: int) -> int:
+    """The fewest columns, at least `columns`, whose row (column_bytes each) is whole pages: such rows move by
+    remapping."""
+    multiple = mmap.PAGESIZE // math.gcd(column_bytes, mmap.PAGESIZE)
+    return -(-columns // multiple) * multiple
+
+
 def pool_capacity(config: DecoderConfig) -> int:
     """Columns of a pool row: a whole context, then the scratch column (where a row with nothing to decode writes)."""
     return config.n_ctx + 1
@@ -78,13 +134,15 @@ def reserve(shape: tuple[int, ...], dtype) -> tuple[mmap.mmap, np.ndarray]:
 @dataclass
 class KvTraffic:
     """What the runtime moved. host_bytes: K/V through host memory (a row read back for a check; the serving path moves
-    none); device_copies and device_copy_bytes: K/V copied between rows of a SlotPool where it lives (a sequence changing
-    row, a prompt prefix taken from another row); logits_bytes: slots steps' logits handed to the host for sampling (a
+    none); device_copies: moves and copies of K/V between rows of a SlotPool where it lives (a sequence changing row, a
+    prompt prefix taken from another row), device_copy_bytes the bytes they copied, remapped_bytes the bytes they moved
+    by remapping pages instead (no byte copied); logits_bytes: slots steps' logits handed to the host for sampling (a
     copy from the device under CUDA)."""
 
     host_bytes: int = 0
     device_copies: int = 0
     device_copy_bytes: int = 0
+    remapped_bytes: int = 0
     logits_bytes: int = 0
 
 
@@ -96,10 +154,12 @@ class SlotPool:
     the serving path: a row moves on the device (copy_columns)."""
 
     def __init__(self, rows: int, n_kv_head: int, d_head: int, capacity: int, n_layer: int, kv_dtype, device: str,
-                 traffic: KvTraffic, rings: dict[int, int] | None = None, scratch_position: int | None = None):
+                 traffic: KvTraffic, rings: dict[int, int] | None = None, scratch_position: int | None = None,
+                 remap_rows: bool = True):
         """device: "cpu" or "cuda", where the session runs; traffic: the runtime's counters, which this pool adds to;
         rings: {layer: columns} of the graph's ring layers (their ring and scratch column); scratch_position: where a
-        ring graph's scratch tokens run (io_contract.SCRATCH_POSITION; needed with rings)."""
+        ring graph's scratch tokens run (io_contract.SCRATCH_POSITION; needed with rings); remap_rows: on the CPU provider,
+        rows move by remapping their pages where the system can (page_remap), False: always by copying."""
         rings = rings or {}
         if rings and scratch_position is None:
             raise ValueError("a pool with ring layers needs the graph's scratch position")
@@ -107,12 +167,20 @@ class SlotPool:
         self.ring = next(iter(rings.values())) - 1 if rings else None  # positions a ring row holds
         # the position a row with nothing to decode runs a scratch token at (every layer writes it where no token is read)
         self.scratch = scratch_position if rings else capacity - 1
-        self.shape = (rows, n_kv_head, capacity, d_head)  # (S, H_kv, C, d_k): a whole-context layer's
         self.column_bytes = n_kv_head * d_head * np.dtype(kv_dtype).itemsize  # one column of one row, every head
+        remaps = device == "cpu" and remap_rows and rows * 2 * n_layer <= remap_max_spans()
+        self._remap = page_remap() if remaps else None
+        # A whole-context row is padded to whole pages where rows move by remapping: the columns from capacity on are
+        # never written or read (the scratch column stays capacity - 1), and their pages are never committed.
+        width = remap_columns(capacity, self.column_bytes) if self._remap else capacity
+        self.shape = (rows, n_kv_head, width, d_head)  # (S, H_kv, C, d_k): a whole-context layer's, as steps bind it
         # per value (each layer's K then V): its columns, and whether it is a ring
-        self.columns = [rings.get(layer, capacity) for layer in range(n_layer) for _ in (0, 1)]
+        self.columns = [rings.get(layer, width) for layer in range(n_layer) for _ in (0, 1)]
         self.rings = [layer in rings for layer in range(n_layer) for _ in (0, 1)]
-        self.row_bytes = n_kv_head * capacity * d_head * np.dtype(kv_dtype).itemsize  # one whole-context layer's K of one row
+        self.row_bytes = n_kv_head * width * d_head * np.dtype(kv_dtype).itemsize  # one whole-context layer's K of one row
+        # per value: whether its rows are whole pages, so move by remapping (a ring's R + 1 columns seldom are)
+        self._remaps = [self._remap is not None and self.value_row_bytes(i) % mmap.PAGESIZE == 0 for i in range(len(self.columns))]
+        self._remap_spare = None  # a span of the longest such row that remapped rows pass through
         self._spare = None  # under CUDA, one row of one layer that exchange_rows moves a row's K/V through
         self._host_spare = None  # on the CPU provider, HOST_SPARE_BYTES that exchange_rows moves rows through, piece by piece
         shapes = [(rows, n_kv_head, columns, d_head) for columns in self.columns]
@@ -145,23 +213,27 @@ class SlotPool:
         held (bench/row_moves.py, 2-core AMD EPYC Zen 4)."""
         if self.arrays is None:
             return
+        for index in range(len(self._mappings)):
+            self._give_back(index, row, keep_columns)
+
+    def _give_back(self, index: int, row: int, keep_columns: int) -> None:
+        """discard for value index alone."""
         page = mmap.PAGESIZE
         heads, value_bytes = self.shape[1], self.column_bytes // self.shape[1]
-        for index, memory in enumerate(self._mappings):
-            row_bytes, columns = self.value_row_bytes(index), self.columns[index]
-            base = row * row_bytes
-            kept = self.held_columns(index, keep_columns)
-            if kept >= columns:
-                continue
-            if kept <= 0:
-                spans = [(base, base + row_bytes)]
-            else:  # each head's columns are a block of its own: the tail of every block
-                head_bytes = columns * value_bytes
-                spans = [(base + h * head_bytes + kept * value_bytes, base + (h + 1) * head_bytes) for h in range(heads)]
-            for first, last in spans:
-                start, end = -(-first // page) * page, last // page * page
-                if end > start:
-                    memory.madvise(mmap.MADV_DONTNEED, start, end - start)
+        row_bytes, columns = self.value_row_bytes(index), self.columns[index]
+        base = row * row_bytes
+        kept = self.held_columns(index, keep_columns)
+        if kept >= columns:
+            return
+        if kept <= 0:
+            spans = [(base, base + row_bytes)]
+        else:  # each head's columns are a block of its own: the tail of every block
+            head_bytes = columns * value_bytes
+            spans = [(base + h * head_bytes + kept * value_bytes, base + (h + 1) * head_bytes) for h in range(heads)]
+        for first, last in spans:
+            start, end = -(-first // page) * page, last // page * page
+            if end > start:
+                self._mappings[index].madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def pitched_copies(self, source: int, destination: int, columns: int) -> list[tuple[int, int, int, int, int]]:
         """A row's first `columns` positions from row source onto row destination as 2-D copies, one per layer's K and
@@ -192,9 +264,8 @@ class SlotPool:
         if columns <= 0 or source == destination:
             return
         if self.arrays is not None:
-            for index, array in enumerate(self.arrays):
-                held = self.held_columns(index, columns)
-                array[destination, :, :held] = array[source, :, :held]  # (H, held, d_k)
+            for index in range(len(self.arrays)):
+                self._copy_value(index, source, destination, columns)
         else:
             copy_2d = device_copy_2d()
             if copy_2d is None:
@@ -205,9 +276,68 @@ class SlotPool:
         traffic.device_copies += 1
         traffic.device_copy_bytes += self._moved_bytes(columns)
 
+    def _remapped(self, index: int, source: int, destination: int, swap: bool) -> bool:
+        """Value index's row source's pages go to row destination, no byte copied: its old pages to source (swap,
+        through the remap spare), else freed, source then reading as zeros. False where the first remap failed (nothing
+        moved: remapping is then off for good and rows are copied)."""
+        row_bytes, base = self.value_row_bytes(index), self.arrays[index].ctypes.data
+        first, second = base + source * row_bytes, base + destination * row_bytes
+        if swap and self._remap_spare is None:
+            longest = max(self.value_row_bytes(i) for i, remaps in enumerate(self._remaps) if remaps)
+            self._remap_spare = reserve((longest,), np.uint8)
+        try:
+            if swap:
+                spare = self._remap_spare[1].ctypes.data
+                self._remap(second, spare, row_bytes)
+            else:
+                self._remap(first, second, row_bytes)
+        except OSError as error:  # the mappings' count at its limit, say: copies still work
+            log.warning("K/V rows are copied from now on: %s", error)
+            self._remaps = [False] * len(self._remaps)
+            return False
+        if swap:
+            self._remap(first, second, row_bytes)
+            self._remap(spare, first, row_bytes)
+        self.traffic.remapped_bytes += (1 + swap) * row_bytes
+        return True
+
+    def move_row(self, source: int, destination: int, columns: int, destination_columns: int | None = None,
+                 trade: bool = False) -> int | None:
+        """Row destination takes row source's first `columns` positions, wanted there alone from now on (a sequence
+        changes row, a cached row makes way for one); what destination held is dead. Where a value's rows are whole pages
+        (remap_columns) source's pages become destination's, no byte copied: a copy writes into the destination's
+        pages, and those it never held fault in (bench/row_moves.py). Destination's old pages are then freed, source
+        reading as zeros, or with trade they go to source, for a sequence about to write there to write over rather
+        than fault in. Else the columns are copied and the destination's pages past them given back
+        (destination_columns: the columns it held; None: unknown). Returns how many first columns of source still hold
+        K/V, none of it wanted, for the caller to give back or write over (None: unknown)."""
+        if self.arrays is None:  # under CUDA: the columns copied on the device, whose memory is never given back
+            self.copy_columns(source, destination, columns)
+            return columns
+        left, copied = 0, 0  # copied: bytes
+        for index in range(len(self.values)):
+            if self._remaps[index] and self._remapped(index, source, destination, swap=trade):
+                if trade:
+                    left = None if destination_columns is None or left is None else max(left, destination_columns)
+                continue
+            self._copy_value(index, source, destination, columns)
+            copied += self.held_columns(index, columns) * self.column_bytes
+            left = None if left is None else max(left, columns)
+        if copied and (destination_columns is None or destination_columns > columns):
+            self.discard(destination, columns)  # a remapped value's pages past them are source's dead ones: they go too
+        self.traffic.device_copies += 1
+        self.traffic.device_copy_bytes += copied
+        return left
+
+    def _copy_value(self, index: int, source: int, destination: int, columns: int) -> None:
+        held = self.held_columns(index, columns)
+        array = self.arrays[index]
+        array[destination, :, :held] = array[source, :, :held]  # (H, held, d_k)
+
     def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
         """Rows a and b trade contents: b takes a's first a_columns positions and a takes b's first b_columns (rows are
-        moved to keep the computed ones dense), through a spare: on the CPU provider HOST_SPARE_BYTES kept for good, the
+        moved to keep the computed ones dense). On the CPU provider a value whose rows are whole pages trades them
+        (remapped, no byte copied: move_row); the others go through a spare, HOST_SPARE_BYTES kept for good, the
         shorter side's columns through it a piece at a time (a spare made for each exchange is fresh memory once it is
         large, faulted in page by page: two 1,024-token gpt2 rows exchanged in 14-20 ms that way against 10-14,
         bench/row_moves.py); under CUDA one row of one whole-context layer, kept on the device (cudaMemcpy2D, never
@@ -216,12 +346,16 @@ class SlotPool:
             return
         if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
+        copied = list(range(len(self.values)))  # the values copied, each a_columns twice and b_columns once
         if self.arrays is not None:
             heads, d_head = self.shape[1], self.shape[3]
-            if self._host_spare is None:
-                self._host_spare = np.empty(HOST_SPARE_BYTES // np.dtype(self.kv_dtype).itemsize, self.kv_dtype)
-            step = max(1, self._host_spare.size // (heads * d_head))  # columns of every head the spare holds at once
             for index, array in enumerate(self.arrays):
+                if self._remaps[index] and self._remapped(index, a, b, swap=True):
+                    copied.remove(index)
+                    continue
+                if self._host_spare is None:
+                    self._host_spare = np.empty(HOST_SPARE_BYTES // np.dtype(self.kv_dtype).itemsize, self.kv_dtype)
+                step = max(1, self._host_spare.size // (heads * d_head))  # columns of every head the spare holds at once
                 held_a, held_b = self.held_columns(index, a_columns), self.held_columns(index, b_columns)
                 for start in range(0, held_a, step):
                     end = min(start + step, held_a)
@@ -248,7 +382,7 @@ class SlotPool:
                 copy_2d(row_b, spare, pitch, a_width, heads)
         traffic = self.traffic
         traffic.device_copies += 1
-        traffic.device_copy_bytes += 2 * self._moved_bytes(a_columns) + self._moved_bytes(b_columns)
+        traffic.device_copy_bytes += sum(2 * self.held_columns(i, a_columns) + self.held_columns(i, b_columns) for i in copied) * self.column_bytes
 
     def row_to_host(self, row: int, columns: int) -> list[np.ndarray]:
         """One row's first `columns` positions, per layer K then V, each (H, columns, d_k) in position order: a ring

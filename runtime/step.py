@@ -100,6 +100,9 @@ class DecoderRuntime:
         self.chunkless_session = None  # where run_slots' fused steps of one row and no chunk run, when not self.session
         if chunkless and self.attention == io.FUSED and self.device == "cpu":
             self.chunkless_session = decode_session or open_session(decode_path, dtype, "cpu", threads).session
+        # a decode graph exported before its total was bounded by its tables refuses a pool wider than its context
+        self.pads_pool = all(io.DECODE_TOTAL_WITHIN_TABLES in session.get_modelmeta().custom_metadata_map
+                             for session in (decode_session, self.chunkless_session) if session is not None)
         self.fixed_steps = FixedDecodeSteps(decode_session or self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
                                             (self._past_names, self._present_names), self.traffic, captures, note, self._uncaptured)
 
@@ -123,9 +126,9 @@ class DecoderRuntime:
 
     def new_pool(self, rows: int, n_kv_head: int, d_head: int, capacity: int) -> SlotPool:
         """A pool on this session's device whose copies count in this runtime's traffic (a ring graph's rings as wide as the
-        graph says, its scratch tokens where it says)."""
+        graph says, its scratch tokens where it says; rows padded to whole pages where its graphs allow, pads_pool)."""
         return SlotPool(rows, n_kv_head, d_head, capacity, self.n_layer, self.kv_dtype, self.device, self.traffic, self.rings,
-                        self.scratch_position)
+                        self.scratch_position, remap_rows=self.pads_pool)
 
     def run_decode(self, pool: SlotPool, input_ids: np.ndarray, position_ids: np.ndarray, attention_mask: np.ndarray | None,
                    with_logits: bool = True, before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:

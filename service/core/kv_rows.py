@@ -13,8 +13,10 @@ for the prompt cache, a row whose contents moved; a cached row taken by a sequen
 what lies past the most that sequence may write (its reservation), and a row a move fills gives back what lies past
 the columns moved. So the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the
 pages of the longest contents it held since it was last emptied, and a sequence's row at most its reservation's
-beyond what it wrote. Moves write into pages still held wherever they can: into pages given back, every page faults
-in again (a 7 MB row 10-20x slower, bench/row_moves.py), and the step thread's moves are a gap in every stream.
+beyond what it wrote. A row that changes place trades pages with the row it goes to where the pool's rows are whole
+pages (runtime/pool.py move_row, exchange_rows: no byte copied); else its columns are copied into pages still held
+wherever they can be: into pages given back, every page faults in again (a 7 MB row 10-20x slower,
+bench/row_moves.py), and the step thread's moves are a gap in every stream.
 
 A budget (serve --kv-cache-memory) bounds that memory: a sequence is given a row only when the most it can hold (its
 prompt and max_new_tokens, every layer's K and V) fits beside what the sequences in rows may hold (fits), so no step
@@ -25,8 +27,8 @@ A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, promp
 free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty row,
 else the least recently used cached one, and prefills only the rest. Rows 0..B-1 stay dense, so a step computes no
 idle row: a leave moves the last row into the hole (and the hole's cached K/V to the last row's place), a join moves
-the row it takes to the end of the rows in use; only used columns move, within the pool's memory (under CUDA on the
-device, cudaMemcpy2D, runtime/pool.py: no K/V crosses to the host). Only where no CUDA runtime can be loaded for
+the row it takes to the end of the rows in use; within the pool's memory, by trading pages on the CPU, else only used
+columns copied (under CUDA on the device, cudaMemcpy2D, runtime/pool.py: no K/V crosses to the host). Only where no CUDA runtime can be loaded for
 those copies does a free row stay where it is, a hole the steps run a scratch token in. (An idle row costs a standard
 graph its bucketed width of reads; a fused graph's operator reads the idle row's whole width, every layer, every step.)
 """
@@ -272,9 +274,9 @@ class KvRows:
                 stale = len(self.prefixes.tokens(row))  # moved to the victim's place, or dropped: dead here either way
                 victim = self._victim()
                 if victim != row:
-                    pool.copy_columns(row, victim, stale)
-                    if victim in self.cached:
-                        pool.discard(victim, stale)  # its longer contents would outlast the copy
+                    victim_held = len(self.prefixes.tokens(victim)) if victim in self.cached else 0
+                    # the joiner writes over what row is left holding (the victim's pages, traded, or its own)
+                    stale = pool.move_row(row, victim, stale, victim_held, trade=True)
                     self._drop_cached(victim)
                     self._swap_cached(row, victim)
         else:
@@ -355,9 +357,8 @@ class KvRows:
             held = len(self.prefixes.tokens(hole)) if self.prefixes is not None and hole in self.cached else 0
             if held:
                 self.pool.exchange_rows(source, hole, last.cached_tokens, held)
-            else:  # into the pages the hole's last holder wrote, then its longer tail goes
-                self.pool.copy_columns(source, hole, last.cached_tokens)
-                self.pool.discard(hole, last.cached_tokens)
+            else:  # the last row's K/V alone in the hole: what source is left holding goes below
+                self.pool.move_row(source, hole, last.cached_tokens)
                 self._drop_cached(hole)
                 emptied.discard(hole)
                 emptied.add(source)  # moved out, nothing left behind

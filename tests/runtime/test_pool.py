@@ -9,10 +9,11 @@ import numpy as np
 
 from kvserve.contract.config import DecoderConfig
 from kvserve.runtime import KvTraffic, SlotPool, pool_capacity
+from kvserve.runtime.pool import page_remap, remap_columns
 
 
-def host_pool(rows: int = 3, layers: int = 2, heads: int = 2, columns: int = 9, width: int = 4) -> SlotPool:
-    return SlotPool(rows, heads, width, columns, layers, np.float32, "cpu", KvTraffic())
+def host_pool(rows: int = 3, layers: int = 2, heads: int = 2, columns: int = 9, width: int = 4, remap_rows: bool = True) -> SlotPool:
+    return SlotPool(rows, heads, width, columns, layers, np.float32, "cpu", KvTraffic(), remap_rows=remap_rows)
 
 
 def filled(pool: SlotPool, seed: int = 0) -> list[np.ndarray]:
@@ -23,10 +24,15 @@ def filled(pool: SlotPool, seed: int = 0) -> list[np.ndarray]:
 
 
 def test_a_pool_is_every_layers_k_and_v_zeroed_and_a_row_past_the_context_is_scratch():
-    pool = host_pool()
+    pool = host_pool(remap_rows=False)
     assert len(pool.arrays) == len(pool.values) == 2 * 2 and pool.shape == (3, 2, 9, 4)
     assert all(not array.any() for array in pool.arrays)  # zeros: rows read padding columns
-    assert pool.row_bytes == 2 * 9 * 4 * 4  # one layer's K of one row
+    assert pool.row_bytes == 2 * 9 * 4 * 4 and pool.scratch == 8  # one layer's K of one row; the context's last column
+    padded = host_pool()  # rows that move by remapping: padded to whole pages, the scratch column where it was
+    assert page_remap() is not None  # Linux 5.7 or later, as every machine this project runs on
+    assert padded.shape == (3, 2, mmap.PAGESIZE // (2 * 4 * 4), 4) and padded.scratch == 8
+    assert padded.value_row_bytes(0) == mmap.PAGESIZE and all(not array.any() for array in padded.arrays)
+    assert remap_columns(9, 2 * 4 * 4) == 128 and remap_columns(1025, 12 * 64 * 4) == 1028 and remap_columns(8192, 2048) == 8192
     assert pool_capacity(DecoderConfig(model_type="gpt2", vocab_size=10, n_ctx=16, d_model=8, n_head=2, n_layer=1, d_mlp=8,
                                        eos_token_ids=(0,))) == 17  # a whole context, then the scratch column
 
@@ -120,7 +126,7 @@ def test_memory_is_committed_as_columns_are_written_and_a_discarded_row_gives_it
 
 
 def test_discard_keeps_the_neighbours_pages_it_shares():
-    pool = SlotPool(3, 2, 4, 1000, 1, np.float32, "cpu", KvTraffic())  # a row is 32,000 bytes: not whole pages
+    pool = SlotPool(3, 2, 4, 1000, 1, np.float32, "cpu", KvTraffic(), remap_rows=False)  # a row is 32,000 bytes: not whole pages
     before = filled(pool)
     pool.discard(1)
     for got, want in zip(pool.arrays, before):
@@ -144,10 +150,91 @@ def test_an_exchange_longer_than_the_host_spare_moves_its_columns_in_pieces(monk
     import kvserve.runtime.pool as pool_module
 
     monkeypatch.setattr(pool_module, "HOST_SPARE_BYTES", 2 * 4 * 4 * 3)  # 3 columns of 2 heads of width 4 at a time
-    pool = host_pool(rows=3, layers=2, heads=2, columns=17, width=4)
+    pool = host_pool(rows=3, layers=2, heads=2, columns=17, width=4, remap_rows=False)
     before = filled(pool, seed=4)
     pool.exchange_rows(2, 0, a_columns=11, b_columns=16)  # 11 columns through the spare: 4 pieces
     for got, want in zip(pool.arrays, before):
         assert np.array_equal(got[0, :, :11], want[2, :, :11]) and np.array_equal(got[2, :, :16], want[0, :, :16])
         assert np.array_equal(got[1], want[1]) and np.array_equal(got[0, :, 11:], want[0, :, 11:])
     assert pool._host_spare.nbytes == 2 * 4 * 4 * 3  # one spare, kept: no memory made for each exchange
+
+
+def test_rows_of_whole_pages_trade_their_pages_and_copy_no_byte():
+    pool = host_pool(rows=4)
+    before = filled(pool, seed=5)
+    pool.exchange_rows(0, 2, a_columns=3, b_columns=6)  # whole rows trade: every column, not only those asked
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[0], want[2]) and np.array_equal(got[2], want[0]) and np.array_equal(got[1], want[1])
+    row_bytes = pool.value_row_bytes(0)
+    assert (pool.traffic.device_copies, pool.traffic.device_copy_bytes, pool.traffic.remapped_bytes) == (1, 0, 4 * 2 * row_bytes)
+    left = pool.move_row(source=3, destination=1, columns=5, destination_columns=7)
+    for got, want in zip(pool.arrays, before):  # the destination's old K/V is gone, and the source holds nothing
+        assert np.array_equal(got[1], want[3]) and not got[3].any() and np.array_equal(got[0], want[2])
+    assert left == 0 and pool.traffic.device_copy_bytes == 0 and pool.traffic.remapped_bytes == (4 * 2 + 4) * row_bytes  # each value: two rows, then one
+    before = [array.copy() for array in pool.arrays]
+    assert pool.move_row(source=0, destination=2, columns=5, destination_columns=6, trade=True) == 6
+    for got, want in zip(pool.arrays, before):  # traded: the source holds the destination's old pages, to write over
+        assert np.array_equal(got[2], want[0]) and np.array_equal(got[0], want[2])
+    assert pool.move_row(0, 2, 5, trade=True) is None  # what the destination held unknown: so is what the source holds
+
+
+def test_a_move_without_remapping_copies_into_the_destination_and_gives_back_its_longer_tail():
+    pool = SlotPool(3, 1, mmap.PAGESIZE // 4, 40, 2, np.float32, "cpu", KvTraffic(), remap_rows=False)  # a column a page
+    before = filled(pool, seed=6)
+    assert pool.move_row(source=0, destination=2, columns=10, destination_columns=30) == 10  # the source keeps its own
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[2, :, :10], want[0, :, :10]) and not got[2, :, 10:].any()
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1])
+    assert pool.traffic.remapped_bytes == 0 and pool.traffic.device_copy_bytes == 2 * 2 * 10 * mmap.PAGESIZE
+    before = [array.copy() for array in pool.arrays]
+    pool.move_row(source=1, destination=2, columns=20, destination_columns=10)  # held fewer: nothing past to give back
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[2, :, :20], want[1, :, :20])
+
+
+def test_a_ring_layers_rows_not_whole_pages_are_copied_beside_the_remapped_ones():
+    pool = SlotPool(3, 1, 4, 100, 2, np.float32, "cpu", KvTraffic(), rings={1: 21}, scratch_position=99)
+    assert pool.columns == [256, 256, 21, 21] and pool._remaps == [True, True, False, False]
+    before = filled(pool, seed=7)
+    pool.exchange_rows(0, 1, a_columns=30, b_columns=12)
+    for index, (got, want) in enumerate(zip(pool.arrays, before)):
+        if index < 2:
+            assert np.array_equal(got[0], want[1]) and np.array_equal(got[1], want[0])
+        else:  # the ring's held columns: at most its 20
+            assert np.array_equal(got[1, :, :20], want[0, :, :20]) and np.array_equal(got[0, :, :12], want[1, :, :12])
+    assert pool.traffic.remapped_bytes == 2 * 2 * pool.value_row_bytes(0) and pool.traffic.device_copy_bytes > 0
+
+
+def test_a_remap_the_system_refuses_leaves_the_rows_as_they_were_and_copies_from_then_on(caplog):
+    pool = host_pool(rows=3)
+    before = filled(pool, seed=8)
+
+    def refused(source, destination, length):
+        raise OSError(12, "mremap: Cannot allocate memory")
+
+    pool._remap = refused
+    pool.exchange_rows(0, 2, a_columns=9, b_columns=9)  # copied instead: the columns asked
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[0, :, :9], want[2, :, :9]) and np.array_equal(got[2, :, :9], want[0, :, :9])
+    assert not any(pool._remaps) and pool.traffic.remapped_bytes == 0 and "copied from now on" in caplog.text
+
+
+def test_a_move_under_cuda_is_the_2d_copy_of_the_columns_asked(monkeypatch):
+    """move_row under CUDA (no pages to remap or give back): cudaMemcpy2D of the columns moved, run here as the same 2-D
+    memory copies on the host pool; the source keeps its own K/V, none of it wanted."""
+    import kvserve.runtime.pool as pool_module
+
+    pool = host_pool(rows=3, layers=2, heads=4, columns=257, width=16, remap_rows=False)
+    before = filled(pool, seed=9)
+    arrays, pool.arrays = pool.arrays, None  # as under CUDA: only addresses
+
+    def copy_2d(destination, source, pitch, width, height):
+        for head in range(height):
+            ctypes.memmove(destination + head * pitch, source + head * pitch, width)
+
+    monkeypatch.setattr(pool_module, "device_copy_2d", lambda: copy_2d)
+    assert pool.move_row(source=2, destination=0, columns=7, destination_columns=20, trade=True) == 7
+    for got, want in zip(arrays, before):
+        assert np.array_equal(got[0, :, :7], want[2, :, :7]) and np.array_equal(got[0, :, 7:], want[0, :, 7:])
+        assert np.array_equal(got[1:], want[1:])
+    assert pool.traffic.device_copies == 1 and pool.traffic.remapped_bytes == 0

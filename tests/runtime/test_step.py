@@ -7,7 +7,7 @@ import pytest
 
 from kvserve.contract import io_contract as io
 from kvserve.contract.artifact import DECODE_GRAPH_FILE, graph_bytes, open_artifact
-from kvserve.runtime import DecoderRuntime, pool_capacity
+from kvserve.runtime import DecoderRuntime, SlotPool, pool_capacity
 
 from ..conftest import PROVIDER
 
@@ -40,6 +40,76 @@ def test_a_step_writes_its_rows_k_v_in_place_and_returns_the_graphs_greedy_token
     tokens_only = prefill(runtime, again, 2, 1, [5, 6, 7], with_logits=False)
     assert tokens_only.logits is None and tokens_only.greedy_tokens.tolist() == sampled.greedy_tokens.tolist()
     assert runtime.traffic.logits_bytes == sampled.logits.nbytes  # greedy tokens alone: no logits read back
+
+
+def unpadded_pool(runtime: DecoderRuntime, rows: int, config) -> SlotPool:
+    """runtime.new_pool's pool as it was before rows were padded to whole pages: every move a copy."""
+    return SlotPool(rows, config.n_kv_head, config.d_head, pool_capacity(config), runtime.n_layer, runtime.kv_dtype, runtime.device,
+                    runtime.traffic, runtime.rings, runtime.scratch_position, remap_rows=False)
+
+
+@pytest.mark.parametrize("graph", ["tiny_standard_artifact", "tiny_fused_artifact", "tiny_llama_fused_artifact"],
+                         ids=["standard", "fused", "llama fused"])
+def test_a_pool_padded_to_whole_pages_steps_and_moves_rows_as_an_unpadded_one_does(graph, request):
+    """Rows padded to whole pages (runtime/pool.py) change no step: prompts, rows decoding (through a small fused
+    artifact's decode graph alone, and beside others), rows traded and moved between steps (remapped, against copied):
+    every step's tokens and logits and every row's K/V equal an unpadded pool's."""
+    artifact = open_artifact(request.getfixturevalue(graph))
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, PROVIDER)
+    padded, plain = runtime.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config)), unpadded_pool(runtime, 3, config)
+    if runtime.device == "cpu":
+        assert runtime.pads_pool and padded.shape[2] > pool_capacity(config) == plain.shape[2] and padded.scratch == plain.scratch
+    scratch, empty = plain.scratch, np.zeros(0, np.int64)
+    steps = [  # (input_ids, position_ids, chunk, chunk_start, chunk_slot, logits_index), then a move of the rows
+        ([0], [scratch], [5, 6, 7, 8], 0, 0, [4], None),
+        ([0, 0], [scratch, scratch], [9, 10, 11], 0, 1, [0, 4], ("exchange", 0, 1, 4, 3)),
+        ([3, 4], [3, 4], empty, 0, 0, [0, 1], None),  # row 0 now holds the 3-token prompt and row 1 the 4-token one
+        ([0, 2, 0], [scratch, 5, scratch], [1, 2, 3, 4, 5, 6], 0, 2, [1, 8], ("move", 2, 0, 6, 4)),
+        ([5], [6], empty, 0, 0, [0], None),  # row 0 (the 6-token prompt, moved) decodes alone
+        ([6, 7], [7, 6], empty, 0, 0, [0, 1], None),
+    ]
+    for ids, positions, chunk, start, slot, index, move in steps:
+        ran = [runtime.run_slots(pool, np.array(ids, np.int64), np.array(positions, np.int64), np.ones((len(ids), 16), np.int64),
+                                 np.array(chunk, np.int64), start, slot, np.array(index)) for pool in (padded, plain)]
+        assert ran[0].greedy_tokens.tolist() == ran[1].greedy_tokens.tolist() and np.array_equal(ran[0].logits, ran[1].logits)
+        if move and move[0] == "exchange":
+            for pool in (padded, plain):
+                pool.exchange_rows(*move[1:])
+        elif move:
+            for pool in (padded, plain):
+                pool.move_row(*move[1:])
+    if runtime.device == "cpu":
+        assert runtime.traffic.remapped_bytes > 0
+    for row, columns in ((0, 8), (1, 7)):
+        for a, b in zip(padded.row_to_host(row, columns), plain.row_to_host(row, columns)):
+            assert np.array_equal(a, b)
+
+
+def test_a_decode_graph_exported_before_its_total_was_bounded_keeps_the_pool_unpadded(tiny_llama_fused_artifact, tmp_path):
+    """An older export's decode graph gives its operators the pool's width as their total length, which a pool wider
+    than the rotary tables would break: without the metadata that says otherwise, the runtime pads nothing, and its
+    decode graph's steps still run."""
+    import shutil
+
+    import onnx
+
+    old = tmp_path / "old"
+    shutil.copytree(tiny_llama_fused_artifact, old)
+    decode = onnx.load(str(old / DECODE_GRAPH_FILE), load_external_data=False)
+    kept = [prop for prop in decode.metadata_props if prop.key != io.DECODE_TOTAL_WITHIN_TABLES]
+    assert len(kept) == len(decode.metadata_props) - 1  # this export wrote it
+    del decode.metadata_props[:]
+    decode.metadata_props.extend(kept)
+    onnx.save(decode, str(old / DECODE_GRAPH_FILE))  # (its checksum no longer matches: the runtime is opened directly)
+    artifact = open_artifact(tiny_llama_fused_artifact)
+    config = artifact.config
+    runtime = DecoderRuntime(old / artifact.model_path.name, config.n_layer, artifact.dtype, PROVIDER, chunkless_steps=True)
+    assert runtime.chunkless_session is not None and not runtime.pads_pool
+    pool = runtime.new_pool(1, config.n_kv_head, config.d_head, pool_capacity(config))
+    assert pool.shape[2] == pool_capacity(config)
+    ran = runtime.run_slots(pool, np.zeros(1, np.int64), np.array([pool.scratch]), None, np.array([5, 6, 7]), 0, 0, np.array([3]))
+    assert ran.greedy_tokens.shape == (1,)
 
 
 @pytest.mark.parametrize("graph", ["tiny_standard_artifact", "tiny_fused_artifact"], ids=["standard", "fused"])

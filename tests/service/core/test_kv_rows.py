@@ -15,9 +15,10 @@ from kvserve.service.core.scheduler import Scheduler
 from ..conftest import random_prompt as prompt
 
 
-def marked_rows(rows: int = 4, prompt_cache: bool = True) -> KvRows:
-    """KvRows over a small CPU pool (1 layer, 1 head, 64 columns of width 1) with nothing run in it."""
-    pool = SlotPool(rows, 1, 1, 64, 1, np.float32, "cpu", KvTraffic())
+def marked_rows(rows: int = 4, prompt_cache: bool = True, remap_rows: bool = True) -> KvRows:
+    """KvRows over a small CPU pool (1 layer, 1 head, 64 columns of width 1) with nothing run in it (remap_rows: its rows
+    padded to whole pages, so they move by remapping)."""
+    pool = SlotPool(rows, 1, 1, 64, 1, np.float32, "cpu", KvTraffic(), remap_rows=remap_rows)
     return KvRows(pool, "cpu", 1, prompt_cache)
 
 
@@ -35,8 +36,12 @@ def held(rows: KvRows, row: int, columns: int) -> list[float]:
     return rows.pool.arrays[0][row, 0, :columns, 0].tolist()
 
 
-def test_a_leave_moves_the_last_row_into_the_hole_and_keeps_what_the_leaver_wrote():
-    rows = marked_rows()
+MOVES = pytest.mark.parametrize("remap_rows", [False, True], ids=["copied", "remapped"])
+
+
+@MOVES
+def test_a_leave_moves_the_last_row_into_the_hole_and_keeps_what_the_leaver_wrote(remap_rows):
+    rows = marked_rows(remap_rows=remap_rows)
     a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
     assert [rows.held[s].index for s in (a, b, c)] == [0, 1, 2]
     a.finished = True
@@ -61,6 +66,23 @@ def test_a_prompt_takes_the_free_row_that_begins_like_it_and_the_least_recently_
     newcomer = _greedy_sequence(4, [300, 301, 302], 4)  # matches nothing: takes the one cached row left
     rows.join(newcomer)
     assert rows.held[newcomer].cached_tokens == 0 and rows.cached_rows() == 0
+
+
+@MOVES
+def test_a_joiner_taking_a_cached_row_past_the_rows_in_use_moves_it_to_their_end(remap_rows):
+    """Rows 1 and 2 cached (b's and c's K/V), row 0 in use: a prompt that begins as c's takes row 2's K/V, moved to row 1
+    (the end of the rows in use), and b's goes to row 2."""
+    rows = marked_rows(remap_rows=remap_rows)
+    a, b, c = (join_writing(rows, i, prompt(i, 40)[:34]) for i in (1, 2, 3))
+    c.finished = True
+    rows.release([c])
+    b.finished = True
+    rows.release([b])
+    again = _greedy_sequence(4, c.prompt_ids[:33] + [5], 4)
+    rows.join(again)
+    assert rows.held[again].index == 1 and again.reused_prompt_tokens == 33  # (its last prompt token is computed)
+    assert held(rows, 1, 33) == [3000 + p for p in range(33)] and held(rows, 2, 34) == [2000 + p for p in range(34)]
+    assert rows.cached_rows() == 1 and held(rows, 0, 34) == [1000 + p for p in range(34)]
 
 
 def test_with_the_prompt_cache_off_a_leaver_keeps_nothing():
@@ -119,10 +141,10 @@ def test_rows_that_hold_nothing_wanted_give_their_memory_back():
 
 
 def test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_back_only_what_it_cannot_write():
-    """A cached row taken by a sequence that reuses none of it: its K/V moves to another free row, and the pages of
-    the columns the joiner may write (its prompt and max_new_tokens) stay, written over as it goes; a longer tail goes
-    back. Given back whole, every page would fault in again as the joiner writes it."""
-    pool = SlotPool(3, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic())  # a column a page: pages can go back
+    """A cached row taken by a sequence that reuses none of it, its rows copied (not remapped): its K/V moves to another
+    free row, and the pages of the columns the joiner may write (its prompt and max_new_tokens) stay, written over as it
+    goes; a longer tail goes back. Given back whole, every page would fault in again as the joiner writes it."""
+    pool = SlotPool(3, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic(), remap_rows=False)  # a column a page
     rows = KvRows(pool, "cpu", 1, prompt_cache=True)
     long = join_writing(rows, 1, prompt(1, 60)[:40])
     long.finished = True
@@ -143,13 +165,52 @@ def test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_bac
     assert told == []
 
 
-def test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_nothing_behind():
-    rows = marked_rows(rows=3, prompt_cache=False)
+def test_a_joiner_taking_a_remapped_cached_row_gets_the_empty_rows_pages_and_gives_back_nothing():
+    """As above with rows of whole pages: the cached row and an empty one trade pages, so the joiner's row holds the
+    empty row's (none) and there is no tail to give back."""
+    pool = SlotPool(3, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic())
+    rows = KvRows(pool, "cpu", 1, prompt_cache=True)
+    long = join_writing(rows, 1, prompt(1, 60)[:40])
+    long.finished = True
+    rows.release([long])
+    told = discarding(rows)
+    short = _greedy_sequence(2, [7, 8, 9], 4)
+    rows.join(short)
+    assert rows.held[short].index == 0 and told == [] and not rows.pool.arrays[0][0].any()
+    assert held(rows, 1, 40) == [1000 + p for p in range(40)] and rows.cached_rows() == 1
+    assert pool.traffic.remapped_bytes > 0 and pool.traffic.device_copy_bytes == 0
+
+
+def test_a_joiner_whose_row_trades_pages_with_a_cached_one_writes_over_them_and_gives_back_what_it_cannot_write():
+    """The joiner's row (0) is cached, and so is the least recently used row (1): the two trade pages, so the joiner
+    writes over row 1's old pages (none faults in) and gives back what lies past its reservation."""
+    pool = SlotPool(2, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic())  # a column a page; no empty row
+    rows = KvRows(pool, "cpu", 1, prompt_cache=True)
+    first, second = join_writing(rows, 1, prompt(1, 60)[:40]), join_writing(rows, 2, prompt(2, 60)[:30])
+    second.finished = True
+    rows.release([second])  # row 1 cached first: the least recently used
+    first.finished = True
+    rows.release([first])
+    told = discarding(rows)
+    short = _greedy_sequence(3, [7, 8, 9], 4)  # may write 3 + 4 columns
+    rows.join(short)
+    assert rows.held[short].index == 0 and held(rows, 1, 40) == [1000 + p for p in range(40)] and rows.cached_rows() == 1
+    assert told == [(0, 7)] and pool.traffic.device_copy_bytes == 0
+    assert held(rows, 0, 7) == [2000 + p for p in range(7)] and not pool.arrays[0][0, 0, 7:].any()  # row 1's old pages, trimmed
+
+
+@MOVES
+def test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_nothing_behind(remap_rows):
+    rows = marked_rows(rows=3, prompt_cache=False, remap_rows=remap_rows)
     a, b, c = (join_writing(rows, i, prompt(i, 20)[:5]) for i in (1, 2, 3))
     told = discarding(rows)
     a.finished = True
-    rows.release([a])  # c moves into a's row 0 (over a's pages: past c's 5 columns they go back); row 2 is left empty
-    assert told == [(0, 5), 2] and rows.held[c].index == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
+    # c moves into a's row 0: copied over a's pages (past c's 5 columns they go back), or trading pages with it (a's
+    # then in row 2); row 2 is left empty
+    rows.release([a])
+    assert told == ([2] if remap_rows else [(0, 5), 2]) and rows.held[c].index == 0 and held(rows, 0, 5) == [3000 + p for p in range(5)]
+    if remap_rows:  # a row of whole pages: given back, it reads as zeros (a copied pool's rows share pages here)
+        assert not rows.pool.arrays[0][2].any()
     assert rows.kv_bytes() == 2 * 5 * 2 * 4 and rows.cached_bytes() == 0  # two rows of 5 tokens' K and V, 4 bytes each
 
 
@@ -225,7 +286,7 @@ def test_ring_rows_count_at_most_their_ring_and_hand_on_only_prefixes_their_ring
     rows = KvRows(pool, "cpu", 2, budget_bytes=(30 + 20) * 8)  # 30 tokens of layer 0's K and V, 20 of the ring's
     assert pool.ring == 20 and pool.scratch == 63 and rows.token_bytes == 2 * 2 * 4
     assert [rows.tokens_bytes(n) for n in (10, 20, 30)] == [10 * 16, 20 * 16, 30 * 8 + 20 * 8]
-    assert rows.budget_tokens() == 30 and rows.row_bytes() == (64 + 21) * 4 * 2
+    assert rows.budget_tokens() == 30 and rows.row_bytes() == (pool.shape[2] + 21) * 4 * 2  # layer 0 padded to a page
     rows = KvRows(pool, "cpu", 2)  # no budget: nothing cached is given back
     long, short = prompt(1, 64)[:48], prompt(2, 64)[:18]
     for ids in (long, short):
