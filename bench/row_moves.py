@@ -4,11 +4,13 @@ on an artifact's pool shape, and a request's end and the next one's join through
 for these: they run between two model calls.
 
 Each figure is the median (and the least) of --repeats runs, for rows holding --tokens columns. A copy into pages the
-pool gave back (discard) faults each page in again; into pages still held it is a memcpy.
+pool gave back (discard) faults each page in again; into pages still held it is a memcpy. A move or an exchange
+remaps the rows' pages where the pool's rows are whole pages (runtime/pool.py), copying nothing.
 
     python bench/row_moves.py [--artifact artifacts/gpt2] [--tokens 96,1024] [--repeats 15]
 
-Run it from two checkouts (git worktree) to compare their KvRows and SlotPool.
+Run it from two checkouts (git worktree) to compare their KvRows and SlotPool, or with --copy-rows to move rows by
+copying where this checkout would remap their pages.
 """
 
 from __future__ import annotations
@@ -45,8 +47,22 @@ def timed(action, prepare=None, repeats: int = 15) -> tuple[float, float]:
     return statistics.median(times) * 1e3, min(times) * 1e3
 
 
+REMAP = {"remap_rows": True}  # --copy-rows: False (a checkout before rows were remapped has no such choice)
+
+
 def new_pool(config, kv_dtype) -> SlotPool:
-    return SlotPool(ROWS, config.n_kv_head, config.head_dim, pool_capacity(config), config.n_layer, kv_dtype, "cpu", KvTraffic())
+    remap = REMAP if "remap_rows" in inspect.signature(SlotPool).parameters else {}
+    return SlotPool(ROWS, config.n_kv_head, config.head_dim, pool_capacity(config), config.n_layer, kv_dtype, "cpu", KvTraffic(), **remap)
+
+
+def move_into_shorter(pool: SlotPool, source: int, destination: int, tokens: int) -> None:
+    """A row of `tokens` columns moves into a row that held a fifth of them, as a leave's hole is filled: move_row,
+    or (a checkout before it) the copy and trim KvRows made."""
+    if hasattr(pool, "move_row"):
+        pool.move_row(source, destination, tokens, tokens // 5)
+    else:
+        pool.copy_columns(source, destination, tokens)
+        pool.discard(destination, tokens)
 
 
 def fill(pool: SlotPool, row: int, tokens: int) -> None:
@@ -62,6 +78,8 @@ def pool_operations(config, kv_dtype, tokens: int, repeats: int) -> dict[str, tu
         "copy into pages held": timed(lambda: pool.copy_columns(0, 1, tokens), repeats=repeats),
         "copy into pages given back": timed(lambda: pool.copy_columns(0, 2, tokens), lambda: pool.discard(2), repeats),
         "exchange two rows": timed(lambda: pool.exchange_rows(3, 4, tokens, tokens), repeats=repeats),
+        "move into a row holding a fifth": timed(lambda: move_into_shorter(pool, 7, 8, tokens),
+                                                 lambda: (pool.discard(8), fill(pool, 8, tokens // 5), fill(pool, 7, tokens)), repeats),
         "give a row back": timed(lambda: pool.discard(5), lambda: fill(pool, 5, tokens), repeats),
         # a checkout before discard(row, keep_columns) gives rows back whole only
         "give back past its first half": (timed(lambda: pool.discard(6, tokens // 2), lambda: fill(pool, 6, tokens), repeats)
@@ -113,7 +131,9 @@ def main() -> None:
     parser.add_argument("--artifact", default="artifacts/gpt2")
     parser.add_argument("--tokens", default="96,1024", help="columns each row holds, comma-separated")
     parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--copy-rows", action="store_true", help="rows moved by copying, not by remapping their pages")
     args = parser.parse_args()
+    REMAP["remap_rows"] = not args.copy_rows
     try:
         lengths = [int(n) for n in args.tokens.split(",")]
     except ValueError:
@@ -129,9 +149,12 @@ def main() -> None:
     columns_bytes = 2 * config.n_layer * config.n_kv_head * config.head_dim * kv_dtype.itemsize
     print(f"## K/V row moves on the CPU, {args.artifact} ({config.n_layer} layers, {config.n_kv_head} K/V heads of "
           f"{config.head_dim}, {kv_dtype.name} K/V: {columns_bytes / 1024:.0f} KiB a token), a pool of {ROWS} rows\n")
+    how = "copied" if args.copy_rows or "remap_rows" not in inspect.signature(SlotPool).parameters else "remapped where they can be"
+    print(f"Rows moved: {how}.\n")
     print("| tokens a row | MB a row | " + " | ".join(["copy into pages held", "copy into pages given back", "exchange two rows",
-                                                      "give a row back", "give back past its first half", "a request ends, one joins"])
-          + " |\n|---:|---:|" + "---:|" * 6)
+                                                      "move into a row holding a fifth", "give a row back",
+                                                      "give back past its first half", "a request ends, one joins"])
+          + " |\n|---:|---:|" + "---:|" * 7)
     for tokens in lengths:
         ops = pool_operations(config, kv_dtype, tokens, args.repeats)
         turnover = request_turnover(config, kv_dtype, tokens, args.repeats)
