@@ -74,8 +74,8 @@ MUTATIONS = (
     Mutation(
         "fixed-shape decode: each sequence reads the logits of its place in the list, not of its row",
         "service/core/batch.py",
-        (("return advance_each(decode, sampled.logits, sampled.greedy_tokens, [row.index for row in decode_rows], masks)",
-          "return advance_each(decode, sampled.logits, sampled.greedy_tokens, None, masks)"),),
+        (("results = advance_each(decode, sampled.logits, sampled.greedy_tokens, [row.index for row in decode_rows], masks)",
+          "results = advance_each(decode, sampled.logits, sampled.greedy_tokens, None, masks)"),),
         ("tests/service/core/test_fixed_decode.py::test_a_row_in_a_hole_decodes_at_the_fixed_shape_beside_scratch_rows",
          "tests/service/core/test_fixed_decode.py::test_a_row_that_samples_reads_its_own_logits_row_at_the_fixed_shape"),
     ),
@@ -173,7 +173,7 @@ MUTATIONS = (
     ),
     Mutation(
         "total KV bytes only the first sequence's",
-        "service/core/engine.py",
+        "service/core/scheduler.py",
         (("kv_bytes=sum(b for _, b in rows),", "kv_bytes=rows[0][1] if rows else 0,"),),
         (f"{GEN}::test_kv_bytes_of_several_live_streams_are_the_sum_per_sequence",),
     ),
@@ -200,14 +200,46 @@ MUTATIONS = (
     Mutation(
         "slots: a row moved into a freed one loses its last column",
         "service/core/kv_rows.py",
-        (("self.pool.copy_columns(source, hole, last.cached_tokens)", "self.pool.copy_columns(source, hole, last.cached_tokens - 1)"),),
-        ("tests/service/core/test_kv_rows.py::test_fifty_joins_and_leaves_move_no_kv_through_the_host",),
+        (("self.pool.move_row(source, hole, last.cached_tokens)", "self.pool.move_row(source, hole, last.cached_tokens - 1)"),),
+        ("tests/service/core/test_kv_rows.py::test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_nothing_behind[copied]",),
     ),
     Mutation(
         "slots: a row a move fills gives back the columns just moved into it",
+        "runtime/pool.py",
+        (("            self.discard(destination, columns)  # a remapped", "            self.discard(destination)  # a remapped"),),
+        ("tests/service/core/test_kv_rows.py::test_without_the_prompt_cache_every_row_left_is_discarded_and_moves_leave_nothing_behind[copied]",),
+    ),
+    Mutation(
+        "pool: an exchange by remapping moves one row's pages and loses the other's",
+        "runtime/pool.py",
+        (("            self._remap(spare, first, row_bytes)\n", "            pass\n"),),
+        ("tests/runtime/test_pool.py::test_rows_of_whole_pages_trade_their_pages_and_copy_no_byte",
+         "tests/runtime/test_step.py::test_a_pool_padded_to_whole_pages_steps_and_moves_rows_as_an_unpadded_one_does",),
+    ),
+    Mutation(
+        "pool: rows not padded to whole pages, so never remapped",
+        "runtime/pool.py",
+        (("        width = remap_columns(capacity, self.column_bytes) if self._remap else capacity", "        width = capacity"),),
+        ("tests/runtime/test_pool.py::test_a_pool_is_every_layers_k_and_v_zeroed_and_a_row_past_the_context_is_scratch",
+         "tests/runtime/test_step.py::test_a_pool_padded_to_whole_pages_steps_and_moves_rows_as_an_unpadded_one_does",),
+    ),
+    Mutation(
+        "slots: a joiner's row gets the victim's pages freed instead of traded, so its writes fault them in",
         "service/core/kv_rows.py",
-        (("                self.pool.discard(hole, last.cached_tokens)", "                self.pool.discard(hole)"),),
-        ("tests/service/core/test_kv_rows.py::test_fifty_joins_and_leaves_move_no_kv_through_the_host",),
+        (("stale = pool.move_row(row, victim, stale, victim_held, trade=True)", "stale = pool.move_row(row, victim, stale, victim_held)"),),
+        ("tests/service/core/test_kv_rows.py::test_a_joiner_whose_row_trades_pages_with_a_cached_one_writes_over_them_and_gives_back_what_it_cannot_write",),
+    ),
+    Mutation(
+        "decode graph: its operators' total length is the pool's width, past a rotary table's rows",
+        "export/decode_graph.py",
+        (("    if table:\n        nodes.append(", "    if False:\n        nodes.append("),),
+        ("tests/runtime/test_step.py::test_a_pool_padded_to_whole_pages_steps_and_moves_rows_as_an_unpadded_one_does[llama fused]",),
+    ),
+    Mutation(
+        "runtime: a decode graph exported before its total was bounded gets a padded pool too",
+        "runtime/step.py",
+        (("        self.pads_pool = all(", "        self.pads_pool = True or all("),),
+        ("tests/runtime/test_step.py::test_a_decode_graph_exported_before_its_total_was_bounded_keeps_the_pool_unpadded",),
     ),
     Mutation(
         "slots: a joiner keeps a cached row's pages past the most it may write",
@@ -218,7 +250,7 @@ MUTATIONS = (
     Mutation(
         "pool: a discard that keeps a row's first columns gives them back too",
         "runtime/pool.py",
-        (("            kept = self.held_columns(index, keep_columns)", "            kept = 0"),),
+        (("        kept = self.held_columns(index, keep_columns)", "        kept = 0"),),
         ("tests/runtime/test_pool.py::test_discard_keeping_a_rows_first_columns_gives_back_only_each_heads_tail",),
     ),
     Mutation(
@@ -237,7 +269,8 @@ MUTATIONS = (
         "prompt cache: a row moved into a freed one with cached K/V loses its last column",
         "service/core/kv_rows.py",
         (("self.pool.exchange_rows(source, hole, last.cached_tokens, held)", "self.pool.exchange_rows(source, hole, last.cached_tokens - 1, held)"),),
-        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+        # rows that trade pages move whole: the columns named matter where they are copied
+        ("tests/service/core/test_kv_rows.py::test_a_leave_moves_the_last_row_into_the_hole_and_keeps_what_the_leaver_wrote[copied]",),
     ),
     Mutation(
         "prompt cache: a finished row claims its last generated token's K/V, never written",
@@ -262,7 +295,7 @@ MUTATIONS = (
         "service/core/kv_rows.py",
         (("pool.exchange_rows(source, row, reused, len(self.prefixes.tokens(row)) if row in self.cached else 0)",
           "pool.exchange_rows(source, row, 0, len(self.prefixes.tokens(row)) if row in self.cached else 0)"),),
-        (f"{PC}::test_tokens_and_log_probabilities_are_the_same_with_the_cache_on_and_off",),
+        ("tests/service/core/test_kv_rows.py::test_a_joiner_taking_a_cached_row_past_the_rows_in_use_moves_it_to_their_end[copied]",),
     ),
     Mutation(
         "prompt cache: a wrapped ring row hands on a prefix whose window it overwrote",
@@ -585,7 +618,7 @@ MUTATIONS = (
     Mutation(
         "K/V memory: a row left with nothing cached keeps its pages",
         "service/core/kv_rows.py",
-        (("                self.prefixes.remove(row)\n            self.pool.discard(row)\n", "                self.prefixes.remove(row)\n"),),
+        (("        for row in emptied:\n            self.pool.discard(row)\n", "        for row in emptied:\n            pass\n"),),
         ("tests/service/core/test_kv_rows.py::test_rows_that_hold_nothing_wanted_give_their_memory_back",),
     ),
     Mutation(
@@ -631,7 +664,7 @@ MUTATIONS = (
     Mutation(
         "a kept binding rewrites only the host buffer of a device input",
         "runtime/step.py",
-        (("                self.values[name].update_inplace(buffer)\n", "                pass\n"),),
+        (("            value.update_inplace(buffer)\n", "            pass\n"),),
         ("tests/runtime/test_step.py::test_a_kept_binding_copies_each_steps_inputs_to_the_device_that_reads_them",),
     ),
     Mutation(
