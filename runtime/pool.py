@@ -12,9 +12,9 @@ allocated whole. A step binds the pool's first rows by address as both past and 
 ONNX Runtime writes each new token's K/V into its row. The pool moves K/V between rows only when asked (a sequence
 changes row, or takes a prompt prefix another row holds), on the device where it lives, never through the host. On the
 CPU provider each whole-context row is padded to whole pages (remap_columns: gpt2's 1,025 columns to 1,028; the
-columns past the context are never written, read or committed), so a row that changes place trades pages with the
-row it goes to (mremap, page_remap) instead of being copied: a copy into pages its destination never held faults
-every one in, on the step thread every stream waits on.
+columns past the context are never written, read or committed), so a long row that changes place trades pages with
+the row it goes to (mremap, page_remap) instead of being copied: a copy into pages its destination never held faults
+every one in, on the step thread every stream waits on. A short row (REMAP_MIN_COLUMNS) is still copied.
 """
 
 from __future__ import annotations
@@ -39,6 +39,12 @@ log = logging.getLogger(__name__)
 CUDA_MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyKind
 # mremap's MREMAP_MAYMOVE | MREMAP_FIXED | MREMAP_DONTUNMAP: the pages go to the address given, the old span stays mapped
 MREMAP_MOVE = 1 | 2 | 4
+# A move or an exchange remaps rows only where one side holds at least this many columns: a shorter row is copied,
+# into pages mostly held. In a serving process 72 remaps (gpt2's 24 values, 3 each) cost more than copying a short row:
+# 16 staggered streams' step thread spent a p99 of 11.6-14.4 ms between model calls with every move remapped against
+# 4.0-4.4 copied (bench/tail_anatomy.py, rows of ~96 tokens, 2-core AMD EPYC Zen 4), where bench/row_moves.py alone
+# times them alike; an 875-column row remapped costs 1.3-2.0 ms against 32-34 copied into a short row's place.
+REMAP_MIN_COLUMNS = 256
 HOST_SPARE_BYTES = 1 << 20  # what a CPU pool's exchange of two rows holds aside at once (exchange_rows)
 # Linux's MAP_NORESERVE (Python's mmap names it from 3.13): a whole context of address space is reserved without
 # counting against the overcommit heuristic, which refuses one mapping larger than the machine's memory.
@@ -181,6 +187,7 @@ class SlotPool:
         # per value: whether its rows are whole pages, so move by remapping (a ring's R + 1 columns seldom are)
         self._remaps = [self._remap is not None and self.value_row_bytes(i) % mmap.PAGESIZE == 0 for i in range(len(self.columns))]
         self._remap_spare = None  # a span of the longest such row that remapped rows pass through
+        self.remap_min_columns = REMAP_MIN_COLUMNS  # rows holding fewer are copied
         self._spare = None  # under CUDA, one row of one layer that exchange_rows moves a row's K/V through
         self._host_spare = None  # on the CPU provider, HOST_SPARE_BYTES that exchange_rows moves rows through, piece by piece
         shapes = [(rows, n_kv_head, columns, d_head) for columns in self.columns]
@@ -305,18 +312,20 @@ class SlotPool:
                  trade: bool = False) -> int | None:
         """Row destination takes row source's first `columns` positions, wanted there alone from now on (a sequence
         changes row, a cached row makes way for one); what destination held is dead. Where a value's rows are whole pages
-        (remap_columns) source's pages become destination's, no byte copied: a copy writes into the destination's
-        pages, and those it never held fault in (bench/row_moves.py). Destination's old pages are then freed, source
-        reading as zeros, or with trade they go to source, for a sequence about to write there to write over rather
-        than fault in. Else the columns are copied and the destination's pages past them given back
+        (remap_columns) and columns reaches remap_min_columns, source's pages become destination's, no byte copied: a
+        copy writes into the destination's pages, and those it never held fault in (bench/row_moves.py). Destination's
+        old pages are then freed, source reading as zeros, or with trade they go to source, for a sequence about to
+        write there to write over rather than fault in. Else the columns are copied and the destination's pages past
+        them given back
         (destination_columns: the columns it held; None: unknown). Returns how many first columns of source still hold
         K/V, none of it wanted, for the caller to give back or write over (None: unknown)."""
         if self.arrays is None:  # under CUDA: the columns copied on the device, whose memory is never given back
             self.copy_columns(source, destination, columns)
             return columns
         left, copied = 0, 0  # copied: bytes
+        remaps = columns >= self.remap_min_columns
         for index in range(len(self.values)):
-            if self._remaps[index] and self._remapped(index, source, destination, swap=trade):
+            if remaps and self._remaps[index] and self._remapped(index, source, destination, swap=trade):
                 if trade:
                     left = None if destination_columns is None or left is None else max(left, destination_columns)
                 continue
@@ -337,11 +346,11 @@ class SlotPool:
     def exchange_rows(self, a: int, b: int, a_columns: int, b_columns: int) -> None:
         """Rows a and b trade contents: b takes a's first a_columns positions and a takes b's first b_columns (rows are
         moved to keep the computed ones dense). On the CPU provider a value whose rows are whole pages trades them
-        (remapped, no byte copied: move_row); the others go through a spare, HOST_SPARE_BYTES kept for good, the
-        shorter side's columns through it a piece at a time (a spare made for each exchange is fresh memory once it is
-        large, faulted in page by page: two 1,024-token gpt2 rows exchanged in 14-20 ms that way against 10-14,
-        bench/row_moves.py); under CUDA one row of one whole-context layer, kept on the device (cudaMemcpy2D, never
-        through the host)."""
+        (remapped, no byte copied: move_row) when the longer side reaches remap_min_columns; the others go through a
+        spare, HOST_SPARE_BYTES kept for good, the shorter side's columns through it a piece at a time (a spare made
+        for each exchange is fresh memory once it is large, faulted in page by page: two 1,024-token gpt2 rows
+        exchanged in 14-20 ms that way against 10-14, bench/row_moves.py); under CUDA one row of one whole-context
+        layer, kept on the device (cudaMemcpy2D, never through the host)."""
         if a == b:
             return
         if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
@@ -349,8 +358,9 @@ class SlotPool:
         copied = list(range(len(self.values)))  # the values copied, each a_columns twice and b_columns once
         if self.arrays is not None:
             heads, d_head = self.shape[1], self.shape[3]
+            remaps = b_columns >= self.remap_min_columns  # b the longer side
             for index, array in enumerate(self.arrays):
-                if self._remaps[index] and self._remapped(index, a, b, swap=True):
+                if remaps and self._remaps[index] and self._remapped(index, a, b, swap=True):
                     copied.remove(index)
                     continue
                 if self._host_spare is None:
@@ -382,7 +392,8 @@ class SlotPool:
                 copy_2d(row_b, spare, pitch, a_width, heads)
         traffic = self.traffic
         traffic.device_copies += 1
-        traffic.device_copy_bytes += sum(2 * self.held_columns(i, a_columns) + self.held_columns(i, b_columns) for i in copied) * self.column_bytes
+        copied_columns = sum(2 * self.held_columns(i, a_columns) + self.held_columns(i, b_columns) for i in copied)
+        traffic.device_copy_bytes += copied_columns * self.column_bytes
 
     def row_to_host(self, row: int, columns: int) -> list[np.ndarray]:
         """One row's first `columns` positions, per layer K then V, each (H, columns, d_k) in position order: a ring

@@ -13,8 +13,9 @@ for the prompt cache, a row whose contents moved; a cached row taken by a sequen
 what lies past the most that sequence may write (its reservation), and a row a move fills gives back what lies past
 the columns moved. So the K/V held follows the tokens live and cached, not rows x context; a row keeps at most the
 pages of the longest contents it held since it was last emptied, and a sequence's row at most its reservation's
-beyond what it wrote. A row that changes place trades pages with the row it goes to where the pool's rows are whole
-pages (runtime/pool.py move_row, exchange_rows: no byte copied); else its columns are copied into pages still held
+beyond what it wrote. A long row that changes place trades pages with the row it goes to where the pool's rows are
+whole pages (runtime/pool.py move_row, exchange_rows, REMAP_MIN_COLUMNS: no byte copied); else its columns are copied
+into pages still held
 wherever they can be: into pages given back, every page faults in again (a 7 MB row 10-20x slower,
 bench/row_moves.py), and the step thread's moves are a gap in every stream.
 

@@ -13,7 +13,10 @@ from kvserve.runtime.pool import page_remap, remap_columns
 
 
 def host_pool(rows: int = 3, layers: int = 2, heads: int = 2, columns: int = 9, width: int = 4, remap_rows: bool = True) -> SlotPool:
-    return SlotPool(rows, heads, width, columns, layers, np.float32, "cpu", KvTraffic(), remap_rows=remap_rows)
+    """A small CPU pool; remap_rows: its rows padded to whole pages and remapped however few columns a move takes."""
+    pool = SlotPool(rows, heads, width, columns, layers, np.float32, "cpu", KvTraffic(), remap_rows=remap_rows)
+    pool.remap_min_columns = 0
+    return pool
 
 
 def filled(pool: SlotPool, seed: int = 0) -> list[np.ndarray]:
@@ -194,6 +197,7 @@ def test_a_move_without_remapping_copies_into_the_destination_and_gives_back_its
 
 def test_a_ring_layers_rows_not_whole_pages_are_copied_beside_the_remapped_ones():
     pool = SlotPool(3, 1, 4, 100, 2, np.float32, "cpu", KvTraffic(), rings={1: 21}, scratch_position=99)
+    pool.remap_min_columns = 0
     assert pool.columns == [256, 256, 21, 21] and pool._remaps == [True, True, False, False]
     before = filled(pool, seed=7)
     pool.exchange_rows(0, 1, a_columns=30, b_columns=12)
@@ -238,3 +242,21 @@ def test_a_move_under_cuda_is_the_2d_copy_of_the_columns_asked(monkeypatch):
         assert np.array_equal(got[0, :, :7], want[2, :, :7]) and np.array_equal(got[0, :, 7:], want[0, :, 7:])
         assert np.array_equal(got[1:], want[1:])
     assert pool.traffic.device_copies == 1 and pool.traffic.remapped_bytes == 0
+
+
+def test_rows_shorter_than_the_remap_line_are_copied_and_longer_ones_remapped():
+    pool = SlotPool(3, 1, 4, 600, 1, np.float32, "cpu", KvTraffic())
+    assert pool.remap_min_columns == 256 and all(pool._remaps)
+    before = filled(pool, seed=10)
+    pool.exchange_rows(0, 1, a_columns=100, b_columns=255)  # both short: copied
+    assert pool.traffic.remapped_bytes == 0 and pool.traffic.device_copy_bytes > 0
+    assert pool.move_row(source=1, destination=2, columns=100, destination_columns=100) == 100  # short: copied, kept
+    assert pool.traffic.remapped_bytes == 0
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[2, :, :100], want[0, :, :100])  # (row 1 held row 0's first 100 after the exchange)
+    before = [array.copy() for array in pool.arrays]
+    pool.move_row(source=2, destination=0, columns=256)  # long enough: remapped, no byte copied
+    copied = pool.traffic.device_copy_bytes
+    assert pool.traffic.remapped_bytes == 2 * pool.value_row_bytes(0) and pool.traffic.device_copy_bytes == copied
+    for got, want in zip(pool.arrays, before):
+        assert np.array_equal(got[0], want[2]) and not got[2].any() and np.array_equal(got[1], want[1])

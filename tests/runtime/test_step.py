@@ -58,6 +58,7 @@ def test_a_pool_padded_to_whole_pages_steps_and_moves_rows_as_an_unpadded_one_do
     config = artifact.config
     runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, PROVIDER)
     padded, plain = runtime.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config)), unpadded_pool(runtime, 3, config)
+    padded.remap_min_columns = 0  # these short rows remapped too
     if runtime.device == "cpu":
         assert runtime.pads_pool and padded.shape[2] > pool_capacity(config) == plain.shape[2] and padded.scratch == plain.scratch
     scratch, empty = plain.scratch, np.zeros(0, np.int64)

@@ -19,6 +19,7 @@ def marked_rows(rows: int = 4, prompt_cache: bool = True, remap_rows: bool = Tru
     """KvRows over a small CPU pool (1 layer, 1 head, 64 columns of width 1) with nothing run in it (remap_rows: its rows
     padded to whole pages, so they move by remapping)."""
     pool = SlotPool(rows, 1, 1, 64, 1, np.float32, "cpu", KvTraffic(), remap_rows=remap_rows)
+    pool.remap_min_columns = 0  # remapped however few columns a move takes
     return KvRows(pool, "cpu", 1, prompt_cache)
 
 
@@ -169,6 +170,7 @@ def test_a_joiner_taking_a_remapped_cached_row_gets_the_empty_rows_pages_and_giv
     """As above with rows of whole pages: the cached row and an empty one trade pages, so the joiner's row holds the
     empty row's (none) and there is no tail to give back."""
     pool = SlotPool(3, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic())
+    pool.remap_min_columns = 0
     rows = KvRows(pool, "cpu", 1, prompt_cache=True)
     long = join_writing(rows, 1, prompt(1, 60)[:40])
     long.finished = True
@@ -185,6 +187,7 @@ def test_a_joiner_whose_row_trades_pages_with_a_cached_one_writes_over_them_and_
     """The joiner's row (0) is cached, and so is the least recently used row (1): the two trade pages, so the joiner
     writes over row 1's old pages (none faults in) and gives back what lies past its reservation."""
     pool = SlotPool(2, 1, mmap.PAGESIZE // 4, 64, 1, np.float32, "cpu", KvTraffic())  # a column a page; no empty row
+    pool.remap_min_columns = 0
     rows = KvRows(pool, "cpu", 1, prompt_cache=True)
     first, second = join_writing(rows, 1, prompt(1, 60)[:40]), join_writing(rows, 2, prompt(2, 60)[:30])
     second.finished = True
