@@ -149,7 +149,7 @@ def main() -> None:
     columns_bytes = 2 * config.n_layer * config.n_kv_head * config.head_dim * kv_dtype.itemsize
     print(f"## K/V row moves on the CPU, {args.artifact} ({config.n_layer} layers, {config.n_kv_head} K/V heads of "
           f"{config.head_dim}, {kv_dtype.name} K/V: {columns_bytes / 1024:.0f} KiB a token), a pool of {ROWS} rows\n")
-    how = "copied" if args.copy_rows or "remap_rows" not in inspect.signature(SlotPool).parameters else "remapped where they can be"
+    how = "copied" if args.copy_rows or "remap_rows" not in inspect.signature(SlotPool).parameters else "remapped where they can be (a side of 256 columns or more, runtime/pool.py REMAP_MIN_COLUMNS)"
     print(f"Rows moved: {how}.\n")
     print("| tokens a row | MB a row | " + " | ".join(["copy into pages held", "copy into pages given back", "exchange two rows",
                                                       "move into a row holding a fifth", "give a row back",
