@@ -217,6 +217,12 @@ MUTATIONS = (
          "tests/runtime/test_step.py::test_a_pool_padded_to_whole_pages_steps_and_moves_rows_as_an_unpadded_one_does",),
     ),
     Mutation(
+        "pool: a short row remapped too (72 remaps where a copy costs less)",
+        "runtime/pool.py",
+        (("        remaps = columns >= self.remap_min_columns\n", "        remaps = True\n"),),
+        ("tests/runtime/test_pool.py::test_rows_shorter_than_the_remap_line_are_copied_and_longer_ones_remapped",),
+    ),
+    Mutation(
         "pool: rows not padded to whole pages, so never remapped",
         "runtime/pool.py",
         (("        width = remap_columns(capacity, self.column_bytes) if self._remap else capacity", "        width = capacity"),),
