@@ -85,7 +85,6 @@ def decode_only(model: onnx.ModelProto) -> onnx.ModelProto:
     return decode
 
 
-
 def _bounded_total(width: str, table: str, total: str) -> list[onnx.NodeProto]:
     """Nodes making total, int32 () as the operator wants it: the pool's width (width, (1,)), at most table's rows (a
     CPU pool may be wider than the rotary tables, runtime/pool.py, and the operator refuses a total past them)."""

@@ -283,6 +283,10 @@ class SlotPool:
         traffic.device_copies += 1
         traffic.device_copy_bytes += self._moved_bytes(columns)
 
+    def _remaps_value(self, index: int, columns: int) -> bool:
+        """Whether a move of value index's rows whose longer side holds `columns` goes by remapping (REMAP_MIN_COLUMNS)."""
+        return self._remaps[index] and columns >= self.remap_min_columns
+
     def _remapped(self, index: int, source: int, destination: int, swap: bool) -> bool:
         """Value index's row source's pages go to row destination, no byte copied: its old pages to source (swap,
         through the remap spare), else freed, source then reading as zeros. False where the first remap failed (nothing
@@ -316,16 +320,14 @@ class SlotPool:
         copy writes into the destination's pages, and those it never held fault in (bench/row_moves.py). Destination's
         old pages are then freed, source reading as zeros, or with trade they go to source, for a sequence about to
         write there to write over rather than fault in. Else the columns are copied and the destination's pages past
-        them given back
-        (destination_columns: the columns it held; None: unknown). Returns how many first columns of source still hold
-        K/V, none of it wanted, for the caller to give back or write over (None: unknown)."""
+        them given back (destination_columns: the columns it held; None: unknown). Returns how many first columns of
+        source still hold K/V, none of it wanted, for the caller to give back or write over (None: unknown)."""
         if self.arrays is None:  # under CUDA: the columns copied on the device, whose memory is never given back
             self.copy_columns(source, destination, columns)
             return columns
         left, copied = 0, 0  # copied: bytes
-        remaps = columns >= self.remap_min_columns
         for index in range(len(self.values)):
-            if remaps and self._remaps[index] and self._remapped(index, source, destination, swap=trade):
+            if self._remaps_value(index, columns) and self._remapped(index, source, destination, swap=trade):
                 if trade:
                     left = None if destination_columns is None or left is None else max(left, destination_columns)
                 continue
@@ -355,14 +357,14 @@ class SlotPool:
             return
         if b_columns < a_columns:  # the shorter side goes through the spare: it is copied twice
             a, b, a_columns, b_columns = b, a, b_columns, a_columns
-        copied = list(range(len(self.values)))  # the values copied, each a_columns twice and b_columns once
+        copied = range(len(self.values))  # the values copied, each a_columns twice and b_columns once
         if self.arrays is not None:
             heads, d_head = self.shape[1], self.shape[3]
-            remaps = b_columns >= self.remap_min_columns  # b the longer side
+            copied = []
             for index, array in enumerate(self.arrays):
-                if remaps and self._remaps[index] and self._remapped(index, a, b, swap=True):
-                    copied.remove(index)
+                if self._remaps_value(index, b_columns) and self._remapped(index, a, b, swap=True):  # b the longer side
                     continue
+                copied.append(index)
                 if self._host_spare is None:
                     self._host_spare = np.empty(HOST_SPARE_BYTES // np.dtype(self.kv_dtype).itemsize, self.kv_dtype)
                 step = max(1, self._host_spare.size // (heads * d_head))  # columns of every head the spare holds at once

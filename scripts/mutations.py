@@ -219,7 +219,7 @@ MUTATIONS = (
     Mutation(
         "pool: a short row remapped too (72 remaps where a copy costs less)",
         "runtime/pool.py",
-        (("        remaps = columns >= self.remap_min_columns\n", "        remaps = True\n"),),
+        (("return self._remaps[index] and columns >= self.remap_min_columns", "return self._remaps[index]"),),
         ("tests/runtime/test_pool.py::test_rows_shorter_than_the_remap_line_are_copied_and_longer_ones_remapped",),
     ),
     Mutation(

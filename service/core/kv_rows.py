@@ -15,9 +15,8 @@ the columns moved. So the K/V held follows the tokens live and cached, not rows 
 pages of the longest contents it held since it was last emptied, and a sequence's row at most its reservation's
 beyond what it wrote. A long row that changes place trades pages with the row it goes to where the pool's rows are
 whole pages (runtime/pool.py move_row, exchange_rows, REMAP_MIN_COLUMNS: no byte copied); else its columns are copied
-into pages still held
-wherever they can be: into pages given back, every page faults in again (a 7 MB row 10-20x slower,
-bench/row_moves.py), and the step thread's moves are a gap in every stream.
+into pages still held wherever they can be: into pages given back, every page faults in again (a 7 MB row 10-20x
+slower, bench/row_moves.py), and the step thread's moves are a gap in every stream.
 
 A budget (serve --kv-cache-memory) bounds that memory: a sequence is given a row only when the most it can hold (its
 prompt and max_new_tokens, every layer's K and V) fits beside what the sequences in rows may hold (fits), so no step
@@ -28,10 +27,11 @@ A leaving sequence's row keeps its K/V and the ids it wrote (a cached row, promp
 free row holding the longest start of its prompt, or has the start copied from a row in use, or takes an empty row,
 else the least recently used cached one, and prefills only the rest. Rows 0..B-1 stay dense, so a step computes no
 idle row: a leave moves the last row into the hole (and the hole's cached K/V to the last row's place), a join moves
-the row it takes to the end of the rows in use; within the pool's memory, by trading pages on the CPU, else only used
-columns copied (under CUDA on the device, cudaMemcpy2D, runtime/pool.py: no K/V crosses to the host). Only where no CUDA runtime can be loaded for
-those copies does a free row stay where it is, a hole the steps run a scratch token in. (An idle row costs a standard
-graph its bucketed width of reads; a fused graph's operator reads the idle row's whole width, every layer, every step.)
+the row it takes to the end of the rows in use; within the pool's memory, a long row by trading pages on the CPU,
+else only used columns copied (under CUDA on the device, cudaMemcpy2D, runtime/pool.py: no K/V crosses to the host).
+Only where no CUDA runtime can be loaded for those copies does a free row stay where it is, a hole the steps run a
+scratch token in. (An idle row costs a standard graph its bucketed width of reads; a fused graph's operator reads the
+idle row's whole width, every layer, every step.)
 """
 
 from __future__ import annotations
