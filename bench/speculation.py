@@ -4,6 +4,7 @@ runs alternating (which goes first alternates too), one batch and one step threa
 Workloads (the artifact's own tokenizer):
   structured  each schema of structured_schemas.json, greedy, one request at a time: the grammar's forced tokens as
               drafts; every output parsed and validated (jsonschema), and the same with drafts as without
+  structured-16  the same schemas, 16 requests at once (the schemas in turn): grammar drafts beside 15 other rows
   tool-calls  three small functions, each named by tool_choice, through the chat template: the call's name, keys and
               punctuation forced; every call's arguments validated
   repeating   the default model's continuation of verses, greedy, one request at a time: it repeats its own phrases,
@@ -32,7 +33,7 @@ drafts could give 16 streams, all of them drafting k, every draft taken (a row's
 weights' arithmetic). Prints markdown tables and the machine.
 
     python bench/speculation.py [--artifact artifacts/kjv-gpt2] [--rounds 3]
-                                [--parts structured tool-calls repeating asked-again open-1 open-16 costs costs-16 rows copy
+                                [--parts structured structured-16 tool-calls repeating asked-again open-1 open-16 costs costs-16 rows copy
                                          copy-16]
                                 [--copy-artifact artifacts/kjv-quote] [--copy-checkpoint checkpoints/kjv-quote-gpt2]
 """
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -141,6 +143,11 @@ def workloads(parts: list[str], copy: list | None = None) -> dict:
         chosen["structured"] = ([GenerationRequest(prompt_text=f"{name}: ", max_new_tokens=120,
                                                    response_format=ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema)))
                                  for name, schema in SCHEMAS.items()], False)
+    if "structured-16" in parts:  # 16 streams at once, the schemas in turn
+        names = list(SCHEMAS)
+        chosen["structured-16"] = ([GenerationRequest(prompt_text=f"{names[i % len(names)]}: ", max_new_tokens=120,
+                                                      response_format=ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(SCHEMAS[names[i % len(names)]])))
+                                    for i in range(16)], True)
     if "repeating" in parts:
         chosen["repeating"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES], False)
     if "copy" in parts and copy is not None:
@@ -248,8 +255,8 @@ def main() -> None:
                 rates[speculation].append(sum(len(t) for t, _ in outputs) / seconds)
                 last[speculation] = (outputs, drafted, accepted)
         identical = "-" if concurrent or name.startswith("open") else ("identical" if [t for t, _ in last[True][0]] == [t for t, _ in last[False][0]] else "DIFFER")
-        if name == "structured":
-            for (tokens, _), schema in zip(last[True][0], SCHEMAS.values()):
+        if name.startswith("structured"):
+            for (tokens, _), schema in zip(last[True][0], itertools.cycle(SCHEMAS.values())):
                 text = bench.tokenizer.decode([t for t in tokens if t not in bench.config.eos_token_ids])
                 jsonschema.validate(json.loads(text), schema)  # raises: an invalid output fails the bench
             identical += ", all valid"
