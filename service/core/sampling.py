@@ -108,23 +108,90 @@ def _nucleus(probs: np.ndarray, top_p: float) -> np.ndarray:
     return order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
 
 
+# A draw scans the vocabulary in blocks of this many: which block holds it, from the blocks' sums, then where in that one.
+DRAW_BLOCK = 1024
+# top_p first looks among the tokens at least this fraction as likely as the likeliest: when they hold top_p of the
+# probability, the nucleus is among them (the whole sort reaches top_p before it reaches a less likely token).
+NUCLEUS_FLOOR = 1e-3
+
+
 def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """The index in logits (K,), penalties applied, that the temperature, top_k, min_p and top_p choose."""
+    """The index in logits (K,), penalties applied, that the temperature, top_k, min_p and top_p choose: one uniform
+    draw of rng, at the place in the kept tokens' cumulative probabilities (in id order) where it falls. Computed in the
+    logits' own precision (float32 from the model, float64 once a penalty or bias made them so), on the candidates alone
+    once top_k or min_p has cut them, and summed a block at a time (_draw): a draw at temperature 0.8 over a 151,936-token
+    vocabulary took 0.32 ms where converting to float64 and summing it all took 2.6 (bench/sampling.py, 2-core Xeon)."""
     if params.greedy:
         return int(np.argmax(logits))
-    scaled = logits.astype(np.float64) / params.temperature
+    scaled = logits * logits.dtype.type(1.0 / params.temperature)
+    ids = None  # the indices of scaled that are still candidates; None: all of them
     if 0 < params.top_k < scaled.size:
         kth = np.partition(scaled, -params.top_k)[-params.top_k]
-        scaled = np.where(scaled < kth, -np.inf, scaled)
+        ids = np.flatnonzero(scaled >= kth)  # ties with the k-th stay, as a threshold keeps them
+        scaled = scaled[ids]
     probs = np.exp(scaled - scaled.max())
-    probs /= probs.sum()
     if params.min_p > 0.0:
-        probs = np.where(probs >= params.min_p * probs.max(), probs, 0.0)
-        probs /= probs.sum()
+        kept = np.flatnonzero(probs >= params.min_p * probs.max())
+        ids, probs = (kept if ids is None else ids[kept]), probs[kept]
     if params.top_p < 1.0:
-        nucleus = _nucleus(probs, params.top_p)
-        kept = np.zeros_like(probs)
-        kept[nucleus] = probs[nucleus]
-        probs = kept / kept.sum()
-    cumulative = np.cumsum(probs)
-    return int(min(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"), probs.size - 1))
+        kept = _nucleus_of(probs, params.top_p)
+        ids, probs = (kept if ids is None else ids[kept]), probs[kept]
+    index = _draw(probs, rng.random())
+    return index if ids is None else int(ids[index])
+
+
+def _nucleus_of(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """The ids _nucleus keeps of probs (unnormalized, float32 or float64), ascending, without sorting them all: among the
+    tokens at least NUCLEUS_FLOOR as likely as the likeliest when they are few and hold top_p of the whole, else by
+    levels of probability (_nucleus_by_level)."""
+    total = float(probs.sum(dtype=np.float64))
+    likely = np.flatnonzero(probs >= NUCLEUS_FLOOR * probs.max())
+    if likely.size <= NUCLEUS_FIRST and float(probs[likely].sum(dtype=np.float64)) >= top_p * total:
+        return np.sort(likely[_nucleus(probs[likely].astype(np.float64) / total, top_p)])
+    return np.sort(_nucleus_by_level(probs, top_p * total))
+
+
+def _nucleus_by_level(probs: np.ndarray, reach: float) -> np.ndarray:
+    """The likeliest tokens of probs (float32 or float64, >= 0), ties by id, up to and with the one whose cumulative
+    probability reaches `reach`, as a stable sort of the whole finds them, sorting only the tokens of one level: a
+    float's bits rise with its value, so its exponent and first three fraction bits make 8 levels an octave, each token
+    of a higher level likelier than any of a lower one. A whole sort of a flat vocabulary's 151,936 (a nucleus of tens of
+    thousands) took 21-29 ms (bench/sampling.py)."""
+    shift = 20 if probs.dtype == np.float32 else 49  # float32: 23 fraction bits, float64: 52
+    levels = (probs.view(np.uint32 if probs.dtype == np.float32 else np.uint64) >> shift).astype(np.intp)  # (K,)
+    mass = np.bincount(levels, weights=probs)  # each level's probability
+    reached = np.cumsum(mass[::-1])  # from the likeliest level down
+    edge_level = mass.size - 1 - min(int(np.searchsorted(reached, reach)), mass.size - 1)  # where `reach` is reached
+    edge = np.flatnonzero(levels == edge_level)
+    edge = edge[np.lexsort((edge, -probs[edge]))]  # by probability, falling; ties by id
+    before = float(reached[mass.size - 2 - edge_level]) if edge_level < mass.size - 1 else 0.0  # the likelier levels'
+    cut = min(int(np.searchsorted(before + np.cumsum(probs[edge], dtype=np.float64), reach)) + 1, edge.size)
+    return np.concatenate([np.flatnonzero(levels > edge_level), edge[:cut]])
+
+
+def _draw(probs: np.ndarray, uniform: float) -> int:
+    """The index i (of probs (K,), each >= 0, not all 0) whose share of the cumulative sum holds uniform in [0, 1): the
+    first whose cumulative probability passes uniform times the whole. Summed in float64, a block at a time."""
+    size = probs.size
+    if size <= 4 * DRAW_BLOCK:
+        cumulative = np.cumsum(probs, dtype=np.float64)
+        return _first_past(probs, cumulative, uniform * cumulative[-1])
+    whole = size - size % DRAW_BLOCK
+    blocks = probs[:whole].reshape(-1, DRAW_BLOCK).sum(axis=1, dtype=np.float64)  # (K // DRAW_BLOCK,)
+    if whole < size:
+        blocks = np.append(blocks, probs[whole:].sum(dtype=np.float64))
+    cumulative = np.cumsum(blocks)
+    target = uniform * cumulative[-1]
+    block = _first_past(blocks, cumulative, target)
+    start = block * DRAW_BLOCK
+    inside = probs[start : start + DRAW_BLOCK]
+    return start + _first_past(inside, np.cumsum(inside, dtype=np.float64), target - (cumulative[block - 1] if block else 0.0))
+
+
+def _first_past(weights: np.ndarray, cumulative: np.ndarray, target: float) -> int:
+    """The first index whose cumulative weight passes target; past the end (target at the whole by rounding), the last
+    index with weight."""
+    index = int(np.searchsorted(cumulative, target, side="right"))
+    if index < weights.size:
+        return index
+    return int(np.flatnonzero(weights)[-1])

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvserve.contract.tokenizer import ByteTokenizer
-from kvserve.service.core.sampling import SamplingParams, _nucleus, choose, log_probability
+from kvserve.service.core.sampling import DRAW_BLOCK, SamplingParams, _draw, _nucleus, _nucleus_of, choose, log_probability
 from kvserve.service.core.text import IncrementalDecoder, StopSequences
 
 
@@ -79,19 +79,68 @@ def test_greedy_repetition_penalty_top_k_and_top_p():
 
 @pytest.mark.parametrize("spread", ["peaked", "flat", "ties"])
 def test_top_p_keeps_what_a_stable_sort_of_the_whole_vocabulary_keeps(spread):
-    """sampling._nucleus sorts only the likeliest tokens: the cut must be the whole sort's, ties (lower id first) and
-    nuclei larger than its first looks included."""
+    """sampling._nucleus sorts only the likeliest tokens, _nucleus_of not even those (the likeliest few, else levels of
+    probability): the cut must be the whole sort's, ties (lower id first) and nuclei larger than their first looks
+    included, from float32 probabilities (the model's) as from float64 ones."""
     rng = np.random.default_rng(7)
     for trial in range(60):
-        size = int(rng.choice([3, 300, 5000]))
+        size = int(rng.choice([3, 300, 5000, 20000]))
         logits = {"peaked": rng.normal(size=size) * 6, "flat": rng.normal(size=size) * 0.01,
                   "ties": np.round(rng.normal(size=size))}[spread]
-        probs = np.exp(logits - logits.max())
-        probs /= probs.sum()
+        unnormalized = np.exp(logits - logits.max())
+        probs = unnormalized / unnormalized.sum()
         for top_p in (0.05, 0.5, 0.9, 0.999):
             order = np.argsort(-probs, kind="stable")
             whole = order[: int(np.searchsorted(np.cumsum(probs[order]), top_p)) + 1]
             assert np.array_equal(_nucleus(probs, top_p), whole), (spread, size, top_p)
+            for dtype in (np.float64, np.float32):
+                kept = unnormalized.astype(dtype)
+                normalized = kept.astype(np.float64) / kept.sum(dtype=np.float64)
+                order = np.argsort(-normalized, kind="stable")
+                whole = np.sort(order[: int(np.searchsorted(np.cumsum(normalized[order]), top_p)) + 1])
+                assert np.array_equal(_nucleus_of(kept, top_p), whole), (spread, size, top_p, dtype)
+
+
+@pytest.mark.parametrize("options", [dict(temperature=0.8), dict(temperature=1.2, top_k=50), dict(temperature=1.0, min_p=0.02),
+                                     dict(temperature=0.9, top_p=0.9), dict(temperature=0.7, top_k=300, top_p=0.95, min_p=0.001)])
+def test_a_draw_is_where_its_uniform_falls_in_the_whole_vocabularys_cumulative_probabilities(options):
+    """choose draws in float32 and scans the vocabulary a block at a time: the token must be the one a float64 sum over
+    the whole vocabulary gives for the same uniform (the kept tokens' cumulative probabilities in id order, the first to
+    pass uniform times their total), vocabularies of one block and of many, up to rounding at a token's edge."""
+    params = SamplingParams(**options)
+    rng = np.random.default_rng(3)
+    for size in (300, 5000, 3 * DRAW_BLOCK * 5 + 17):
+        logits = (rng.normal(size=size) * 4).astype(np.float32)
+        scaled = logits.astype(np.float64) / params.temperature
+        weights = np.exp(scaled - scaled.max())
+        if params.top_k:
+            weights[scaled < np.sort(scaled)[-params.top_k]] = 0.0
+        if params.min_p:
+            weights[weights < params.min_p * weights.max()] = 0.0
+        if params.top_p < 1.0:
+            normalized = weights / weights.sum()
+            order = np.argsort(-normalized, kind="stable")
+            outside = order[int(np.searchsorted(np.cumsum(normalized[order]), params.top_p)) + 1:]
+            weights[outside] = 0.0
+        cumulative = np.cumsum(weights)
+        for seed in range(40):
+            target = np.random.default_rng(seed).random() * cumulative[-1]
+            token = choose(logits, params, np.random.default_rng(seed), None)
+            assert weights[token] > 0, (size, seed)
+            slack = 1e-5 * cumulative[-1]
+            assert (cumulative[token - 1] if token else 0.0) - slack <= target < cumulative[token] + slack, (size, seed, token)
+
+
+def test_a_draw_at_either_end_takes_the_first_or_the_last_token_with_weight():
+    """_draw over blocks: a uniform of 0 takes the first token with weight, one just under 1 (or at 1, where a sum's
+    rounding can put a target) the last, whichever block holds them and however many blocks around them hold none."""
+    probs = np.zeros(5 * DRAW_BLOCK + 100, np.float32)
+    probs[[DRAW_BLOCK + 3, 2 * DRAW_BLOCK + 10, 4 * DRAW_BLOCK + 999]] = [0.25, 0.5, 0.25]  # blocks 0, 3 and the tail empty
+    assert _draw(probs, 0.0) == DRAW_BLOCK + 3
+    assert _draw(probs, np.nextafter(1.0, 0.0)) == 4 * DRAW_BLOCK + 999
+    assert _draw(probs, 0.5) == 2 * DRAW_BLOCK + 10  # 0.25 .. 0.75 is its share
+    assert _draw(probs, 1.0) == 4 * DRAW_BLOCK + 999  # a target at the whole (rounding can put it there): not past the end
+    assert _draw(probs[:300] + np.float32(1.0), np.nextafter(1.0, 0.0)) == 299  # one block alone
 
 
 def test_sampling_follows_the_distribution_and_the_seed():
