@@ -172,6 +172,24 @@ MUTATIONS = (
         ("tests/service/core/test_text_and_sampling.py::test_greedy_repetition_penalty_top_k_and_top_p",),
     ),
     Mutation(
+        "sampling: a draw over blocks reads the block it falls in from its start, not from what the blocks before it hold",
+        "service/core/sampling.py",
+        (("target - (cumulative[block - 1] if block else 0.0))", "target)"),),
+        ("tests/service/core/test_text_and_sampling.py::test_a_draw_is_where_its_uniform_falls_in_the_whole_vocabularys_cumulative_probabilities",),
+    ),
+    Mutation(
+        "sampling: top_p by levels keeps one token short of the one that reaches it",
+        "service/core/sampling.py",
+        (("edge[:cut]])", "edge[:cut - 1]])"),),
+        ("tests/service/core/test_text_and_sampling.py::test_top_p_keeps_what_a_stable_sort_of_the_whole_vocabulary_keeps",),
+    ),
+    Mutation(
+        "sampling: a target at the whole by rounding is drawn past the last token",
+        "service/core/sampling.py",
+        (("    if index < weights.size:\n        return index", "    if True:\n        return index"),),
+        ("tests/service/core/test_text_and_sampling.py::test_a_draw_at_either_end_takes_the_first_or_the_last_token_with_weight",),
+    ),
+    Mutation(
         "total KV bytes only the first sequence's",
         "service/core/scheduler.py",
         (("kv_bytes=sum(b for _, b in rows),", "kv_bytes=rows[0][1] if rows else 0,"),),
