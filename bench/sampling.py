@@ -74,7 +74,12 @@ def main() -> None:
     best: dict[str, dict[str, float]] = {name: {} for name in pythons}
     for round_ in range(args.rounds):
         for name in (list(pythons) if round_ % 2 == 0 else list(pythons)[::-1]):
-            for case, ms in run_in(pythons[name], args.draws).items():
+            try:
+                timed = run_in(pythons[name], args.draws)
+            except (OSError, subprocess.CalledProcessError) as exc:
+                last = (getattr(exc, "stderr", "") or str(exc)).strip().splitlines()[-1:]
+                parser.error(f"{pythons[name]}: cannot time kvserve's sampling there ({last[0] if last else exc})")
+            for case, ms in timed.items():
                 best[name][case] = min(ms, best[name].get(case, ms))
     print(f"# One sampled draw (sampling.choose), ms, best of {args.rounds} rounds of {args.draws} draws\n")
     columns = list(pythons)
