@@ -144,10 +144,9 @@ def workloads(parts: list[str], copy: list | None = None) -> dict:
                                                    response_format=ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema)))
                                  for name, schema in SCHEMAS.items()], False)
     if "structured-16" in parts:  # 16 streams at once, the schemas in turn
-        names = list(SCHEMAS)
-        chosen["structured-16"] = ([GenerationRequest(prompt_text=f"{names[i % len(names)]}: ", max_new_tokens=120,
-                                                      response_format=ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(SCHEMAS[names[i % len(names)]])))
-                                    for i in range(16)], True)
+        chosen["structured-16"] = ([GenerationRequest(prompt_text=f"{name}: ", max_new_tokens=120,
+                                                      response_format=ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema)))
+                                    for name, schema in itertools.islice(itertools.cycle(SCHEMAS.items()), 16)], True)
     if "repeating" in parts:
         chosen["repeating"] = ([GenerationRequest(prompt_text=verse, max_new_tokens=160, ignore_eos=True) for verse in VERSES], False)
     if "copy" in parts and copy is not None:

@@ -121,7 +121,7 @@ def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Gen
     logits' own precision (float32 from the model, float64 once a penalty or bias made them so), on the candidates alone
     once top_k or min_p has cut them, and summed a block at a time (_draw): a draw at temperature 0.8 over a 151,936-token
     vocabulary took 0.32-0.37 ms where converting to float64 and summing it all took 2.3-2.6 (bench/sampling.py, 2-core
-    Xeon)."""
+    Intel Xeon with AMX)."""
     if params.greedy:
         return int(np.argmax(logits))
     scaled = logits * logits.dtype.type(1.0 / params.temperature)
@@ -132,7 +132,7 @@ def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Gen
         scaled = scaled[ids]
     probs = np.exp(scaled - scaled.max())
     if params.min_p > 0.0:
-        kept = np.flatnonzero(probs >= params.min_p * probs.max())
+        kept = np.flatnonzero(probs >= params.min_p)  # of the likeliest's, which is exp(0) = 1
         ids, probs = (kept if ids is None else ids[kept]), probs[kept]
     if params.top_p < 1.0:
         kept = _nucleus_of(probs, params.top_p)
@@ -142,11 +142,11 @@ def _choose_among(logits: np.ndarray, params: SamplingParams, rng: np.random.Gen
 
 
 def _nucleus_of(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """The ids _nucleus keeps of probs (unnormalized, float32 or float64), ascending, without sorting them all: among the
-    tokens at least NUCLEUS_FLOOR as likely as the likeliest when they are few and hold top_p of the whole, else by
-    levels of probability (_nucleus_by_level)."""
+    """The ids _nucleus keeps of probs (unnormalized, the likeliest 1; float32 or float64), ascending, without sorting
+    them all: among the tokens at least NUCLEUS_FLOOR as likely as the likeliest when they are few and hold top_p of the
+    whole, else by levels of probability (_nucleus_by_level)."""
     total = float(probs.sum(dtype=np.float64))
-    likely = np.flatnonzero(probs >= NUCLEUS_FLOOR * probs.max())
+    likely = np.flatnonzero(probs >= NUCLEUS_FLOOR)
     if likely.size <= NUCLEUS_FIRST and float(probs[likely].sum(dtype=np.float64)) >= top_p * total:
         return np.sort(likely[_nucleus(probs[likely].astype(np.float64) / total, top_p)])
     return np.sort(_nucleus_by_level(probs, top_p * total))
@@ -157,7 +157,8 @@ def _nucleus_by_level(probs: np.ndarray, reach: float) -> np.ndarray:
     probability reaches `reach`, as a stable sort of the whole finds them, sorting only the tokens of one level: a
     float's bits rise with its value, so its exponent and first three fraction bits make 8 levels an octave, each token
     of a higher level likelier than any of a lower one. A draw with top_p 0.9 over a flat 151,936-token vocabulary (a
-    nucleus of tens of thousands) took 3.8-4.3 ms so, against 28-34 sorting it whole (bench/sampling.py, 2-core Xeon)."""
+    nucleus of tens of thousands) took 3.8-4.3 ms so, against 28-34 sorting it whole (bench/sampling.py, 2-core Intel Xeon
+    with AMX)."""
     shift = 20 if probs.dtype == np.float32 else 49  # float32: 23 fraction bits, float64: 52
     levels = (probs.view(np.uint32 if probs.dtype == np.float32 else np.uint64) >> shift).astype(np.intp)  # (K,)
     mass = np.bincount(levels, weights=probs)  # each level's probability
