@@ -7,6 +7,7 @@
     golden.npz          a fixed prompt, the eager model's greedy tokens and the logits behind each one
     kv_scales.npz       an int8 K/V cache's scales, key and value, each (layers, K/V heads, head_dim) float32
     decode.onnx         a fused graph's decode-only form (float16, or weights up to CHUNKLESS_MAX_WEIGHT_BYTES)
+    chunk.onnx          a fused float16 graph's form for steps with a prompt chunk beside decoding rows (no If)
     parity.json         the verify report written at export time
     tokenizer.json ...  copied from the checkpoint when it has them
 """
@@ -38,6 +39,7 @@ PARITY_FILE = "parity.json"
 TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
 DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE or inline
+CHUNK_GRAPH_FILE = "chunk.onnx"  # a fused float16 artifact's graph for steps with a chunk (export/chunk_graph.py), its weights as above
 # Weights (bytes of the graph's files) up to which a fused artifact has a decode graph and runs its CPU steps of one row
 # and no chunk through it: the step graph's If a layer is a fixed cost that only a small model's step feels (quoting
 # model, 16 MiB: 0.92-0.98x; gpt2, 474 MiB: 0.99-1.01x; bench/chunkless_steps.py), and a second session packs the

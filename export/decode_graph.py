@@ -18,7 +18,6 @@ steps 0.92-0.98x the step graph's time; gpt2's 124M 0.99-1.01x, for its weights 
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,7 @@ from onnx import TensorProto, helper, numpy_helper
 from kvserve.contract import io_contract as io
 from kvserve.contract.artifact import CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE
 
+from .fused_graph import inline_branch
 from .graph_fusions import drop_unread
 
 GQA = "GroupQueryAttention"
@@ -66,12 +66,7 @@ def decode_only(model: onnx.ModelProto) -> onnx.ModelProto:
         if node.op_type != "If":
             nodes.append(node)
             continue
-        branch = next(a.g for a in node.attribute if a.name == "else_branch")
-        renamed = {out.name: outer for out, outer in zip(branch.output, node.output)}  # the branch's outputs are the If's
-        for inner in branch.node:
-            inner = copy.deepcopy(inner)
-            for i, name in enumerate(inner.output):
-                inner.output[i] = renamed.get(name, name)
+        for inner in inline_branch(node, "else_branch"):
             if inner.op_type == GQA:
                 table = inner.input[COS_INPUT] if len(inner.input) > COS_INPUT else ""
                 if table not in totals:  # made here, after the table (this If reads it): the order stays topological

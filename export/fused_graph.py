@@ -13,6 +13,8 @@ fused_write_problems says whether such a graph may run with every present bound 
 
 from __future__ import annotations
 
+import copy
+
 import onnx
 import onnxscript
 from onnx import TensorProto, helper
@@ -193,6 +195,20 @@ def _step_shapes(row_tokens: str, chunk_tokens: str, prefix: str) -> tuple[list[
         helper.make_node("Squeeze", [n("has_chunk_1")], [n("has_chunk")]),  # (): the If's condition
     ]
     return nodes, {key: n(key) for key in ("split", "rows", "chunk", "has_chunk")}
+
+
+def inline_branch(node: onnx.NodeProto, branch_name: str) -> list[onnx.NodeProto]:
+    """Copies of the nodes of the attention If node's branch_name ("then_branch" or "else_branch"), the branch's outputs
+    renamed to the If's: what runs in the If's place in a graph whose steps always take that branch."""
+    branch = next(a.g for a in node.attribute if a.name == branch_name)
+    renamed = {out.name: outer for out, outer in zip(branch.output, node.output)}  # the branch's outputs are the If's
+    nodes = []
+    for inner in branch.node:
+        inner = copy.deepcopy(inner)
+        for i, name in enumerate(inner.output):
+            inner.output[i] = renamed.get(name, name)
+        nodes.append(inner)
+    return nodes
 
 
 def _all_nodes(graph: onnx.GraphProto):

@@ -5,6 +5,9 @@ Checks, each over real numbers from both sides:
              chunks); logits and present K/V at every real position
   decode     cached single-token steps after a prefill, both sides fed the same tokens
   recompute  the cached decode's last logits against a full recompute of the whole sequence (past = 0)
+  beside     slots graphs: decode steps with another row's prompt chunks beside them, as a joining prompt runs
+  split      a fused float16 artifact's chunk graph and decode graph, every step split between them as CUDA serves
+             it: decode, recompute and beside again
   greedy     ONNX Runtime's own greedy loop against the eager reference's tokens
   text       quantized artifacts only: teacher-forced held-out text (export/quality.py)
   argmax     slots graphs with greedy_tokens: that output equals its own logits' argmax at every row of every step
@@ -18,12 +21,14 @@ heads: a grouped-query model's cache holds fewer heads than it has query heads).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from kvserve.contract.artifact import DECODE_GRAPH_FILE, ArtifactError, contract_problems, open_artifact
+from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, ArtifactError, contract_problems, open_artifact
 from kvserve.contract.tokenizer import load_tokenizer
 from kvserve.errors import UserError
 from kvserve.model.decoders import Decoder
@@ -56,6 +61,7 @@ class VerifyRefused(UserError):
 
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
 DECODE_PROMPTS = (7, 13)
+JOINING_PROMPT = 13  # the prompt that joins DECODE_PROMPTS' rows while they decode: 3 chunks of SlotsDriver.CHUNK
 GREEDY_PROMPTS = (5, 9)
 LONG_SLOTS_PROMPTS = (9, 17)  # a slots graph's long-rope check: every row told to turn long, whatever its length
 # A model whose held-out perplexity is above this share of its vocabulary has not learned the text (the trained
@@ -84,6 +90,15 @@ class _Verification:
         self.rng = np.random.default_rng(0)
         self.max_prompt = max(1, min(33, self.config.n_ctx - steps - 1))
         self.kv_max = np.zeros((self.config.n_layer, self.config.n_kv_head))  # (L, H_kv): worst over every check
+
+    def use_runtime(self, open_runtime: Callable[[], DecoderRuntime]) -> None:
+        """Drive the runtime open_runtime opens from here on (the checks after it hold its graphs): the one driven so far,
+        its pool and its sessions let go first."""
+        argmax = self.driver.argmax_rows, self.driver.argmax_mismatches
+        self.runtime = self.driver = None
+        self.runtime = open_runtime()
+        self.driver = driver_for(self.runtime, self.artifact, columns_needed(self.steps))
+        self.driver.argmax_rows, self.driver.argmax_mismatches = argmax
 
     def prompts_of(self, lengths) -> list[list[int]]:
         return [self.rng.integers(0, self.config.vocab_size, min(n, self.max_prompt)).tolist() for n in lengths]
@@ -155,6 +170,36 @@ class _Verification:
         finally:
             self.driver.fixed_decode = False
         return [self.kv_check(check, eager_past, mask.numpy().astype(bool))]
+
+    def rows_beside_chunk(self) -> list[CheckResult]:
+        """Decode steps beside a prompt chunk, as a prompt joining a running batch runs (the step graph's chunk branch,
+        and a fused artifact's chunk graph, which runs no other step): rows prefilled, then a row's prompt a chunk a step
+        beside their decode steps, each fed the eager model's greedy token; every row's logits and K/V compared."""
+        prompts = self.prompts_of(DECODE_PROMPTS + (JOINING_PROMPT,))
+        decoding, joining = prompts[:-1], prompts[-1]
+        steps = -(-len(joining) // self.driver.CHUNK)
+        check = CheckStats(f"decode beside a prompt chunk: B={len(decoding)}, T={len(joining)} in {steps} steps")
+        self.driver.prefill(decoding + [[]])
+        long = joining_long = None  # a longrope model's rows keep the flags the driver gave them at prefill, both sides
+        if self.config.long_rope_after is not None:
+            long, joining_long = torch.from_numpy(self.driver.long[:-1].copy())[:, None], torch.tensor([[bool(self.driver.long[-1])]])  # (B, 1), (1, 1)
+        eager_logits, eager_past, mask, pos = self.eager_prefill(decoding, long)
+        joining_logits, joining_present, joining_mask, _ = self.eager_prefill([joining], joining_long)
+        for start in range(0, len(joining), self.driver.CHUNK):
+            token = eager_logits[:, -1].argmax(-1)  # (B,)
+            mask = torch.cat([mask, torch.ones(len(token), 1, dtype=torch.int64)], dim=1)  # (B, P + 1)
+            pos = pos[:, -1:] + 1  # (B, 1)
+            eager_logits, eager_past = self.reference(token[:, None], mask, pos, eager_past, *(() if long is None else (long,)))
+            rows, chunk = self.driver.decode_beside_chunk(token.numpy(), joining[start : start + self.driver.CHUNK])
+            check.add_logits(rows, eager_logits[:, -1].numpy())
+            check.add_logits(chunk, joining_logits[0, start : start + self.driver.CHUNK].numpy())
+        onnx_rows = self.driver.kv()
+        divergence = np.maximum(  # (L, H_kv): the decoding rows' and the joining row's
+            kv_divergence(onnx_rows[:-1], eager_past, mask.numpy().astype(bool), self.tolerance.kv_relative, self.tolerance.kv_rms),
+            kv_divergence(onnx_rows[-1:], joining_present, joining_mask.numpy().astype(bool), self.tolerance.kv_relative, self.tolerance.kv_rms))
+        check.kv_max_abs = float(divergence.max())
+        self.kv_max = np.maximum(self.kv_max, divergence)
+        return [check.result(self.tolerance)]
 
     def one_row_steps(self) -> list[CheckResult]:
         """A small artifact's steps of one row, which its decode graph runs (runtime/step.py chunkless_steps; the other
@@ -249,6 +294,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
         with runtime.step_graph_only():  # every check below holds the step graph, which steps of several rows run
             with stage(f"parity: prefill and decode checks on {runtime.provider}"):
                 checks = run.prefill() + run.decode_and_recompute() + run.long_factors() + (run.decode_graph() if has_decode_graph else [])
+                checks += run.rows_beside_chunk() if isinstance(run.driver, SlotsDriver) else []
             with stage("parity: greedy generation"):
                 greedy = run.greedy()
             with stage("parity: held-out text") if run.tolerance.text is not None else contextlib.nullcontext():
@@ -256,9 +302,16 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
         if one_row:
             with stage("parity: the decode graph's one-row steps"):
                 checks += run.one_row_steps()
+        provider_used, provider_note = runtime.provider, runtime.fallback_reason
+        if (artifact.directory / CHUNK_GRAPH_FILE).exists():
+            with stage("parity: the chunk graph and the decode graph, every step split between them"):
+                del runtime  # its sessions go before the split runtime's come: two at a time, as the export's memory check counts
+                run.use_runtime(lambda: DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, chunk_graph=True))
+                split = run.decode_and_recompute() + run.rows_beside_chunk()
+                checks += [dataclasses.replace(c, name=f"split steps: {c.name}") for c in split]
     report = ParityReport(
         artifact=str(artifact.directory), dtype=artifact.dtype, quantization=artifact.quantization, kv_cache=artifact.kv_cache,
-        attention=artifact.attention, provider=runtime.provider, provider_note=runtime.fallback_reason, tolerance=run.tolerance,
+        attention=artifact.attention, provider=provider_used, provider_note=provider_note, tolerance=run.tolerance,
         checks=checks, greedy=greedy, text=text, greedy_tokens_argmax=run.argmax(),
         kv_max_abs_per_layer_head=run.kv_max.tolist(), first_failing_layer_head=run.first_failing_layer_head(),
         kv_dtype=stores,

@@ -129,7 +129,7 @@ class SlotsDriver:
         rows = len(self.sequences)
         scratch_tokens, scratch = np.zeros(rows, np.int64), np.full(rows, self.pool.scratch, np.int64)
         decoding, self.decoding = self.decoding, False
-        pieces = []
+        pieces = [np.zeros((0, self.config.vocab_size), np.float32)]  # (0, V): a row joining later has no prompt yet
         for start in range(0, len(tokens), self.chunk):
             chunk = tokens[start : start + self.chunk]
             pieces.append(self._run(scratch_tokens, scratch, chunk, start, row, rows + np.arange(len(chunk))))
@@ -169,6 +169,24 @@ class SlotsDriver:
             out[row] = logits
         self.lengths += 1
         return out
+
+    def decode_beside_chunk(self, tokens: np.ndarray, chunk: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """One step of every row but the last decoding tokens (B - 1,) and the last row's next prompt chunk beside them,
+        as a prompt joining a running batch runs (the last row runs a scratch token): their logits (B - 1, V) and the
+        chunk's (T, V)."""
+        joining = len(self.sequences) - 1
+        tokens = np.asarray(tokens, np.int64)
+        for sequence, token in zip(self.sequences, tokens.tolist()):
+            sequence.append(token)
+        start = int(self.lengths[joining])
+        positions = np.append(self.lengths[:joining], self.pool.scratch)  # (B,)
+        self.decoding = True
+        logits_index = np.concatenate([np.arange(joining), joining + 1 + np.arange(len(chunk))])  # the rows', then the chunk's
+        out = self._run(np.append(tokens, 0), positions, chunk, start, joining, logits_index)
+        self.sequences[joining].extend(chunk)
+        self.lengths[:joining] += 1
+        self.lengths[joining] += len(chunk)
+        return out[:joining], out[joining:]
 
     def kv(self) -> list[list[np.ndarray]]:
         """Per row, per layer K then V, each (H_kv, L_r, d_k) as attention read them (SlotPool.read_row)."""

@@ -33,6 +33,7 @@ from kvserve.progress import stage
 from kvserve.runtime import cuda_available, memory_limit
 from kvserve.runtime.providers import planned_device
 
+from .chunk_graph import save_chunk_graph, writes_chunk_graph
 from .decode_graph import save_decode_graph, writes_decode_graph
 from .graph_fusions import fuse_operators
 from .kv_calibration import calibrate_int8_scales, calibration_windows
@@ -250,6 +251,9 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
     if writes_decode_graph(dtype, kv_cache, attention, art.graph_bytes(staging)):
         with stage("write the decode graph"):
             save_decode_graph(proto, staging)
+    if writes_chunk_graph(dtype, kv_cache, attention):
+        with stage("write the chunk graph"):
+            save_chunk_graph(proto, staging)
     del proto, plan  # the weights are on disk now; verify loads the graph from there
     (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     if tokenizer_dir is not None:

@@ -71,7 +71,7 @@ def test_float16_export_passes_with_float16_tolerances(tmp_path, tiny_model):
     # fused float16: its decode graph, held to the eager model too (fixed-shape steps, and a small model's one-row steps)
     assert {"decode graph 8 steps B=2", "decode graph, one row: prefill T=13, 8 steps"} <= {check.name for check in report.checks}
     for check in report.checks:
-        if check.name != "cached vs full recompute":  # that one compares the artifact with itself
+        if not check.name.endswith("cached vs full recompute"):  # that one compares the artifact with itself (split steps too)
             assert 0 < check.max_abs_logits <= report.tolerance.logits_max_abs * check.max_abs_eager_logit
     manifest = open_artifact(tmp_path / "fp16").manifest
     assert manifest["inputs"]["past_key_values.0.key"]["dtype"] == "float16"
