@@ -125,6 +125,7 @@ def _serve(args) -> int:
         gateway_metrics_port=args.gateway_metrics_port, tls_cert=args.tls_cert, tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca, auth_tokens=args.auth_tokens, reflection=not args.no_reflection,
         health_port=args.health_port, max_context=args.max_context, cuda_graph=args.cuda_graph, http_port=args.http_port,
+        split_steps=_split_steps(args.split_steps),
         traces=_trace_export(args.otlp_traces_endpoint, args.otlp_traces_protocol), kv_cache_memory=args.kv_cache_memory,
         kv_events=_zmq_endpoint("--kv-events", args.kv_events), kv_events_replay=_zmq_endpoint("--kv-events-replay", args.kv_events_replay),
         kv_events_topic=args.kv_events_topic,
@@ -232,6 +233,15 @@ class FromEnv:
 
     def resolve(self):
         return _env(self.name, self.default, self.kind)
+
+
+SPLIT_STEPS = {"auto": None, "on": True, "off": False}
+
+
+def _split_steps(value: str) -> bool | None:
+    if value not in SPLIT_STEPS:  # a KVSERVE_* value is not checked by argparse's choices
+        raise UserError(f"KVSERVE_SPLIT_STEPS={value!r} is not one of {', '.join(SPLIT_STEPS)}")
+    return SPLIT_STEPS[value]
 
 
 def _zmq_endpoint(flag: str, endpoint: str | None) -> str | None:
@@ -358,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--cuda-graph", action="store_true", default=FromEnv("CUDA_GRAPH", False, bool),
                        help="capture decode steps as CUDA graphs, one per (rows, width) shape, at load (standard slots "
                        "graphs on the CUDA provider; elsewhere the server says why not and runs uncaptured) [KVSERVE_CUDA_GRAPH]")
+    serve.add_argument("--split-steps", choices=tuple(SPLIT_STEPS), default=FromEnv("SPLIT_STEPS", "auto"),
+                       help="run a fused float16 artifact's steps through its chunk graph (a prompt chunk beside decoding rows) and its "
+                       "decode graph (every other step) instead of its step graph, whose If a layer CUDA pays for; auto: on the "
+                       "CUDA provider [KVSERVE_SPLIT_STEPS] (default auto)")
     serve.add_argument("--drain-seconds", type=float, default=FromEnv("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=FromEnv("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=FromEnv("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")

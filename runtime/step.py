@@ -11,6 +11,10 @@ A fused graph (GroupQueryAttention: GPT-2 and the Llama family) binds the rows a
 past and present; run_slots keeps its meaning for both graphs and arranges a fused step itself (_run_fused). On
 CUDA the fused kernel is float16 only: a float32 fused graph is refused there with the fix named.
 
+A fused artifact with a chunk graph (export/chunk_graph.py) may serve every step without the step graph's If a layer:
+steps with a prompt chunk beside decoding rows through the chunk graph, all others through the decode graph (what
+DecoderRuntime does on CUDA: splits_steps).
+
 Decode-only steps at fixed shapes (CUDA graphs) are cuda_graphs.py's; the session and its provider providers.py's.
 """
 
@@ -24,11 +28,11 @@ import numpy as np
 import onnxruntime as ort
 
 from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE, graph_bytes
+from kvserve.contract.artifact import CHUNK_GRAPH_FILE, CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE, graph_bytes
 
 from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
 from .pool import KvTraffic, SlotPool
-from .providers import ProviderUnavailable, open_session, planned_device
+from .providers import ModelUnloadable, ProviderUnavailable, open_session, planned_device
 from .sampled import Sampled
 
 # Bindings kept per runtime: a batch's steps alternate between a few row layouts (all rows, the rows up to a joining
@@ -42,7 +46,8 @@ class DecoderRuntime:
     """One ONNX Runtime session over an exported decoder graph, and the slots step over it."""
 
     def __init__(self, model_path: str | Path, n_layer: int, dtype: str, provider: str = "auto", threads: int = 0,
-                 cuda_graph: bool = False, decode_graph: bool | None = None, chunkless_steps: bool | None = None):
+                 cuda_graph: bool = False, decode_graph: bool | None = None, chunkless_steps: bool | None = None,
+                 chunk_graph: bool | None = None):
         """cuda_graph: capture decode steps of fixed shapes as CUDA graphs where ONNX Runtime can (run_decode).
         decode_graph: a fused graph's fixed-shape decode steps run its artifact's decode graph (DECODE_GRAPH_FILE beside
         model_path, a session of its own); None: when they can be captured (cuda_graph on the CUDA provider).
@@ -52,14 +57,24 @@ class DecoderRuntime:
         thread pool a session, there the If a layer weighed less (16 rows: 0.96-1.02x through the decode graph) and each
         change of session cost more (16 rows with a prompt chunk every other step: 1.12x slower); on the process's one
         pool (providers.session_options) bench/chunkless_steps.py measured 16 rows 0.95x and 0.96x with a chunk every
-        fourth step, which serving does not use yet."""
+        fourth step, which serving does not use yet.
+        chunk_graph: the steps split between two graphs without an If, the step graph not opened: a step with a prompt
+        chunk beside decoding rows runs the artifact's chunk graph (CHUNK_GRAPH_FILE), every other step its decode graph
+        (splits_steps); None: on the CUDA provider, where the artifact has both (the If a layer costs a CUDA step ~0.2 ms
+        a layer, and its first run at each new shape ~50 ms)."""
         model_path = Path(model_path)
-        decode_path = model_path.parent / DECODE_GRAPH_FILE
-        fused_decode = decode_path.exists() and (decode_graph or (decode_graph is None and cuda_graph and planned_device(provider) == "cuda"))
-        chunkless = decode_path.exists() and planned_device(provider) == "cpu" and (
+        decode_path, chunk_path = model_path.parent / DECODE_GRAPH_FILE, model_path.parent / CHUNK_GRAPH_FILE
+        device = planned_device(provider)
+        self.splits_steps = decode_path.exists() and chunk_path.exists() and (chunk_graph or (chunk_graph is None and device == "cuda"))
+        if chunk_graph and not self.splits_steps:
+            missing = " and ".join(p.name for p in (chunk_path, decode_path) if not p.exists())
+            raise ModelUnloadable(f"{model_path.parent}: splitting steps between a chunk graph and a decode graph needs both, and it has no "
+                                  f"{missing} (a fused float16 export writes them)")
+        fused_decode = decode_path.exists() and (self.splits_steps or decode_graph or (decode_graph is None and cuda_graph and device == "cuda"))
+        chunkless = decode_path.exists() and device == "cpu" and (
             chunkless_steps or (chunkless_steps is None and graph_bytes(model_path.parent) <= CHUNKLESS_MAX_WEIGHT_BYTES))
         # A fused step graph holds an If, which no CUDA graph captures: its decode steps are the decode graph's to capture.
-        opened = open_session(model_path, dtype, provider, threads, cuda_graph and not fused_decode)
+        opened = open_session(chunk_path if self.splits_steps else model_path, dtype, provider, threads, cuda_graph and not fused_decode)
         self.session, self.provider, self.device = opened.session, opened.provider, opened.device
         self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
@@ -97,8 +112,10 @@ class DecoderRuntime:
             elif cuda_graph:
                 captures, note = False, "CUDA graphs off: this fused artifact has no decode graph (re-export it); decode steps run uncaptured"
         self.decodes_fixed = self.attention == io.STANDARD or decode_session is not None  # whether run_decode can run
-        self.chunkless_session = None  # where run_slots' fused steps of one row and no chunk run, when not self.session
-        if chunkless and self.attention == io.FUSED and self.device == "cpu":
+        self.chunkless_session = None  # where run_slots' fused steps of one row and no chunk run (splits_steps: of any rows), when not self.session
+        if self.splits_steps:  # every step without a chunk beside decoding rows
+            self.chunkless_session = decode_session
+        elif chunkless and self.attention == io.FUSED and self.device == "cpu":
             self.chunkless_session = decode_session or open_session(decode_path, dtype, "cpu", threads).session
         # a decode graph exported before its total was bounded by its tables refuses a pool wider than its context
         self.pads_pool = all(io.DECODE_TOTAL_WITHIN_TABLES in session.get_modelmeta().custom_metadata_map
@@ -154,7 +171,10 @@ class DecoderRuntime:
     def step_graph_only(self) -> Iterator[None]:
         """Every run_slots step through the step graph while inside: the parity checks and the load gate hold the step
         graph to the reference (a small artifact's steps of one row otherwise run its decode graph, and would hide a
-        step graph that steps of several rows serve), then the decode graph's one-row steps apart."""
+        step graph that steps of several rows serve), then the decode graph's one-row steps apart. A runtime that splits
+        its steps (chunk_graph) has no step graph open: it refuses."""
+        if self.splits_steps:
+            raise ValueError("this runtime splits its steps between the chunk graph and the decode graph: it has no step graph open")
         kept, self.chunkless_session = self.chunkless_session, None
         try:
             yield
@@ -241,7 +261,7 @@ class DecoderRuntime:
         chunk_positions = np.arange(chunk_start, chunk_start + n_chunk, dtype=np.int64)[None]  # (1, T)
         if decoding.any():
             count = int(logits_index[decoding].max()) + 1
-            chunkless = self.chunkless_session is not None and n_chunk == 0 and count == 1
+            chunkless = self.chunkless_session is not None and n_chunk == 0 and (count == 1 or self.splits_steps)
             # no chunk: row 0, passed through (the chunkless graph has none)
             bound = self._bound_pool(pool, count, 0, None if chunkless else chunk_slot if n_chunk else 0, chunkless)
             tokens = np.asarray(input_ids[:count]).reshape(count, 1)  # (B, 1)

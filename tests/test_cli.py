@@ -152,6 +152,13 @@ def test_an_on_off_variable_that_is_neither_is_refused_in_one_line(variable, mon
     one_line_error(run_cli("serve", "--model", "does-not-matter"), f"{variable}='maybe' is not a valid on/off value")
 
 
+def test_split_steps_are_refused_in_one_line_for_an_artifact_without_a_chunk_graph_or_a_value_not_a_choice(tiny_artifact, monkeypatch):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--provider", "cpu", "--split-steps", "on"),
+                   "splitting steps between a chunk graph and a decode graph needs both, and it has no chunk.onnx")
+    monkeypatch.setenv("KVSERVE_SPLIT_STEPS", "maybe")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact)), "KVSERVE_SPLIT_STEPS='maybe' is not one of auto, on, off")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -46,18 +46,21 @@ def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: i
     return Scheduler(SlotBatch(runtime, config, rows), budget)
 
 
-def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget) -> GateResult:
+def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget,
+                  beside_a_row: bool = False) -> GateResult:
     """Greedy-decode the golden prompt through the serving batch and scheduler (prefill from an empty cache, then
     cached decode steps), taking each token from the graph's greedy_tokens as serving does and reading the logits
     beside it: the tokens must be the eager reference's (where the precision requires it) and each its own logits'
-    argmax; the logits must be within the precision's bound of the reference's."""
+    argmax; the logits must be within the precision's bound of the reference's. beside_a_row: a row admitted first
+    decodes the whole time, so the golden prompt's chunks run beside a decoding row (a chunk graph's steps)."""
     golden = artifact.golden()
     tolerance = artifact.tolerance
-    steps = len(golden.tokens)
-    seq = _greedy_sequence(0, golden.prompt_ids.tolist(), steps, capture_logits=True)
-    scheduler = _scheduler(runtime, artifact, 1, step_token_budget, len(golden.prompt_ids) + steps + 1)
+    steps, prompt = len(golden.tokens), golden.prompt_ids.tolist()
+    seq = _greedy_sequence(0, prompt, steps, capture_logits=True)
+    companions = [_greedy_sequence(1, prompt[:1], len(prompt) + steps - 1)] if beside_a_row else []
+    scheduler = _scheduler(runtime, artifact, 1 + len(companions), step_token_budget, len(prompt) + steps + 1)
     try:
-        results = scheduler.drive([seq])
+        results = scheduler.drive(companions + [seq])
     finally:
         scheduler.batch.close()  # its bound steps (and CUDA graphs) are the replay's alone
     for _, event in results:
@@ -92,6 +95,9 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
     served = replay_golden(runtime, artifact, step_token_budget)  # one row: a small artifact's decode graph runs it
     if runtime.chunkless_session is None or not served.passed:
         return served
+    if runtime.splits_steps:  # the one row ran the decode graph alone: the chunk graph runs chunks beside decoding rows
+        rows = replay_golden(runtime, artifact, step_token_budget, beside_a_row=True)
+        return GateResult(rows.passed, f"{served.summary}; beside a decoding row, through the chunk graph: {rows.summary}")
     with runtime.step_graph_only():  # what steps of several rows run
         rows = replay_golden(runtime, artifact, step_token_budget)
     return GateResult(rows.passed, f"{served.summary}; through the step graph: {rows.summary}")

@@ -76,7 +76,7 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     config = served_config(artifact.config, options.max_context)
     try:  # the weights file's hash (prefetch_checksums' thread) runs beside the session's repacking of the same bytes
         runtime = await asyncio.to_thread(DecoderRuntime, artifact.model_path, config.n_layer, artifact.dtype, options.provider,
-                                          cuda_graph=options.cuda_graph)
+                                          cuda_graph=options.cuda_graph, chunk_graph=options.split_steps)
     except ModelUnloadable:  # a weights file changed since export is the cause to name (not on Ctrl-C or a missing provider)
         await asyncio.to_thread(artifact.check_unchecked)
         raise
@@ -86,7 +86,9 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     if runtime.cuda_graph_note:
         log.warning("%s", runtime.cuda_graph_note)
     log.info("execution provider: %s", runtime.provider)
-    if runtime.chunkless_session is not None:
+    if runtime.splits_steps:
+        log.info("steps with a prompt chunk beside decoding rows run the artifact's chunk graph, every other step its decode graph")
+    elif runtime.chunkless_session is not None:
         log.info("steps of one row run the artifact's decode graph (small weights: a second session, on the same threads)")
     on_session(runtime)
     steps = step_thread()

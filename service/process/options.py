@@ -47,6 +47,9 @@ class ServerOptions:
     # Capture decode steps as CUDA graphs (standard slots graphs on the CUDA provider); where they cannot run, the
     # server says why (log, GetModelInfo's provider_note) and serves uncaptured.
     cuda_graph: bool = False
+    # A fused float16 artifact's steps through its chunk graph and decode graph instead of its step graph (runtime/step.py
+    # splits_steps); None: on the CUDA provider, where the artifact has both.
+    split_steps: bool | None = None
     # The OpenAI-compatible HTTP API (http_api.py) on host:http_port, beside gRPC; None: off, 0: any free port.
     http_port: int | None = None
     traces: TraceExport | None = None  # a span per request over OTLP; None: off

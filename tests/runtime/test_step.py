@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from kvserve.contract import io_contract as io
-from kvserve.contract.artifact import DECODE_GRAPH_FILE, graph_bytes, open_artifact
+from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, graph_bytes, open_artifact
 from kvserve.runtime import DecoderRuntime, SlotPool, pool_capacity
+from kvserve.runtime.providers import ModelUnloadable
 
 from ..conftest import PROVIDER
 
@@ -182,6 +183,63 @@ def test_a_small_fused_artifacts_steps_without_a_chunk_run_its_decode_graph_and_
     for row in range(3):
         for a, b in zip(pools[0].row_to_host(row, 11), pools[1].row_to_host(row, 11)):
             assert np.array_equal(a, b)
+
+
+def test_split_steps_run_a_chunk_beside_decoding_rows_through_the_chunk_graph_every_other_step_through_the_decode_graph(
+        tiny_llama_fused_artifacts):
+    """A runtime that splits its steps (chunk_graph, what CUDA runs) opens no step graph: a prompt chunk beside decoding
+    rows runs the chunk graph, a prompt alone, rows decoding (one or several) and a row checking drafts the decode graph;
+    every step's tokens, logits and K/V rows are those of a runtime that runs the step graph alone."""
+    artifact = open_artifact(tiny_llama_fused_artifacts("float16"))
+    split = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=True)
+    whole = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunkless_steps=False, chunk_graph=False)
+    assert split.splits_steps and not whole.splits_steps and split.chunkless_session is not None
+    assert split.session._model_path.endswith(CHUNK_GRAPH_FILE) and whole.session._model_path.endswith("model.onnx")
+    with pytest.raises(ValueError, match="no step graph open"):
+        with split.step_graph_only():
+            pass
+    config = artifact.config
+    pools = [r.new_pool(3, config.n_kv_head, config.d_head, pool_capacity(config)) for r in (split, whole)]
+    scratch = pools[0].capacity - 1
+    empty = np.zeros(0, np.int64)
+    steps = [  # (input_ids, position_ids, chunk, chunk_start, chunk_slot, logits_index, runs the chunk graph)
+        ([0], [scratch], [5, 6, 7, 8], 0, 0, [4], False),  # row 0's prompt alone: the decode graph's one row
+        ([0, 0], [scratch, scratch], [9, 10, 11], 0, 1, [0, 4], True),  # row 1's prompt beside row 0's sampled scratch token
+        ([3, 4], [4, 3], empty, 0, 0, [0, 1], False),  # rows 0 and 1 decode
+        ([0, 2, 0], [scratch, 4, scratch], [1, 2, 3, 4, 5, 6], 0, 2, [1, 8], True),  # row 2's prompt beside row 1
+        ([0, 0, 9], [scratch, scratch, 6], [7, 1, 2], 5, 0, [2, 3, 4, 5], True),  # row 0 checks 3 drafts beside row 2
+        ([0], [scratch], [7, 1, 2, 3, 4], 8, 0, [1, 2, 3, 4, 5], False),  # row 0 checks 5 tokens alone
+        ([6, 7, 8], [13, 5, 7], empty, 0, 0, [0, 1, 2], False),  # every row decodes
+    ]
+    for ids, positions, chunk, start, slot, index, chunk_graph in steps:
+        ran = []
+        for runtime, pool in zip((split, whole), pools):
+            ran.append(runtime.run_slots(pool, np.array(ids, np.int64), np.array(positions, np.int64), None, np.array(chunk, np.int64),
+                                         start, slot, np.array(index), True))
+        session = next(reversed(split._bindings.values())).session
+        assert session is (split.session if chunk_graph else split.chunkless_session)
+        assert ran[0].greedy_tokens.tolist() == ran[1].greedy_tokens.tolist()
+        assert_same(ran[0].logits, ran[1].logits)
+    for row in range(3):
+        for a, b in zip(pools[0].row_to_host(row, 14), pools[1].row_to_host(row, 14)):
+            assert_same(a, b)
+
+
+def assert_same(split: np.ndarray, whole: np.ndarray) -> None:
+    """The same numbers on the CPU provider; on CUDA the decode graph's operator is told the pool's width for its total
+    where the step graph's is told the longest row's, and may take another kernel path: float16 rounding apart."""
+    if PROVIDER == "cpu":
+        assert np.array_equal(split, whole)
+    else:
+        assert np.abs(split.astype(np.float32) - whole.astype(np.float32)).max() <= 1e-2 * max(np.abs(whole).max(), 1.0)
+
+
+def test_a_split_runtime_is_refused_for_an_artifact_without_a_chunk_graph_and_unasked_on_the_cpu(tiny_artifact, tiny_llama_fused_artifacts):
+    artifact = open_artifact(tiny_artifact)  # float32: a decode graph (small weights), no chunk graph
+    with pytest.raises(ModelUnloadable, match="splitting steps between a chunk graph and a decode graph needs both, and it has no chunk.onnx "):
+        DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=True)
+    both = open_artifact(tiny_llama_fused_artifacts("float16"))  # has both: on the CPU provider, unasked, the step graph runs
+    assert not DecoderRuntime(both.model_path, both.config.n_layer, both.dtype, "cpu").splits_steps
 
 
 def test_a_fused_artifact_with_large_weights_runs_every_step_through_its_step_graph(tiny_fused_artifact, monkeypatch):

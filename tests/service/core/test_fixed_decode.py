@@ -147,7 +147,8 @@ def test_a_fused_step_graph_without_a_decode_graph_takes_no_fixed_shape_decode(t
 def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(family, tmp_path_factory, tiny_model, tiny_llama_model,
                                                                          tiny_llama_fused_artifacts):
     """The decode graph (what `serve --cuda-graph` captures for a fused artifact): fixed-shape decode steps, a shape per
-    row count, give each sequence the tokens the step graph gives it, across joins, leaves, holes and chunks."""
+    row count, give each sequence the tokens the step graph gives it, across joins, leaves, holes and chunks; and so do
+    steps split as CUDA serves them, every step with a prompt chunk beside decoding rows through the chunk graph."""
     from kvserve.export.pipeline import export_artifact
 
     if family == "gpt2":
@@ -158,19 +159,23 @@ def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(famil
         artifact, model = tiny_llama_fused_artifacts("float16"), tiny_llama_model
     exact = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, chunkless_steps=False)  # the step graph alone
     fixed = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", decode_graph=True)
+    split = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", chunk_graph=True)
     assert fixed.captures_decode == (PROVIDER == "cuda"), fixed.cuda_graph_note
+    chunk_graph_runs = []
+    run = split.session.run_with_iobinding
+    split.session.run_with_iobinding = lambda *args: chunk_graph_runs.append(1) or run(*args)
     generated = {}
-    for name, runtime in (("exact", exact), ("fixed", fixed)):
-        batch = SlotBatch(runtime, model.config, 5, fixed_decode=name == "fixed")
+    for name, runtime in (("exact", exact), ("fixed", fixed), ("split", split)):
+        batch = SlotBatch(runtime, model.config, 5, fixed_decode=name != "exact")
         seqs = [_greedy_sequence(i, prompt(900 + i, 1 + (11 * i) % 40), 1 + (7 * i) % 50) for i in range(12)]
         Scheduler(batch, step_token_budget=8).drive(seqs)
         generated[name] = [s.generated for s in seqs]
-        if name == "fixed":
+        if name != "exact":
             shapes = runtime.fixed_shapes(batch.pool)
             assert set(shapes) <= set(batch.decode_shapes()) == {(rows, 0) for rows in (1, 2, 4, 5)} and len(shapes) >= 2
         batch.close()
-    assert generated["fixed"] == generated["exact"]
-    assert len({tuple(g) for g in generated["fixed"]}) == 12
+    assert generated["fixed"] == generated["exact"] == generated["split"]
+    assert len({tuple(g) for g in generated["fixed"]}) == 12 and len(chunk_graph_runs) >= 5
 
 
 def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_standard_artifact):
