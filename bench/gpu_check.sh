@@ -9,7 +9,8 @@
 # stalls where a loaded engine's slow steps come from: its first load (every shape new) against its second, the nodes
 # ONNX Runtime's profiler finds slow in them, and the same without memory patterns, fused and standard; bounds every
 # float16 slots export of the suite's configs on CUDA across three seeds and float32 on CUDA (the ring rows' export
-# among them), each check's error printed with the bound opened (bench/parity_errors.py), then Phi-3's crossing.
+# among them), each check's error printed with the bound opened (bench/parity_errors.py), then Phi-3's crossing;
+# split a fused float16 artifact's steps through its chunk graph and decode graph against its step graph (its If a layer).
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
@@ -105,6 +106,22 @@ for part in $PARTS; do
       step stalls-gpt2-fp16-standard $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
         --streams 16 --ort-profile /tmp/kvserve-profile-standard
       ;;
+    split)
+      # A fused float16 artifact's steps split between its chunk graph and its decode graph (no If a layer) against its
+      # step graph: each kind of step under 16 streams (first load and second), the gRPC load at 1 to 256 streams,
+      # both ways, then the CUDA tests of the split path (the chunk graph beside the step graph, tokens equal).
+      export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
+      for split in on off; do
+        step step-kinds-gpt2-fp16-split-$split $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+          --cuda-graph --streams 16 --split-steps $split
+      done
+      for split in on off; do
+        step grpc-cuda-graph-fp16-split-$split $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+          --cuda-graph --levels 1,16,64,256 --max-batch-size 256 --split-steps $split
+      done
+      step tests-cuda-split env KVSERVE_TEST_PROVIDER=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider --tb=short \
+        tests/export/test_chunk_graph.py tests/runtime/test_step.py tests/service/core/test_fixed_decode.py -k "split or chunk_graph or step_graph_does"
+      ;;
     bounds)
       step bounds-float16-cuda $PY bench/parity_errors.py --provider cuda --dtype float16 --seeds 3
       step bounds-float32-cuda $PY bench/parity_errors.py --provider cuda --only mistral gemma3 phi3
@@ -117,7 +134,7 @@ for part in $PARTS; do
         ${PYTEST_ARGS:-} tests/service/core/test_generation.py \
         tests/service/core/test_batch.py tests/service/core/test_scheduler.py tests/service/core/test_kv_rows.py tests/service/core/test_engine.py \
         tests/service/core/test_prompt_cache.py tests/runtime tests/service/core/test_structured.py tests/service/core/test_fixed_decode.py \
-        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py
+        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py
       ;;
     bench)
       step bench-decode-cuda-fp32 $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32"
@@ -137,7 +154,7 @@ for part in $PARTS; do
       step bench-serving-cuda $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32"
       ;;
     *)
-      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, bounds, tests, bench)"
+      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, split, bounds, tests, bench)"
       exit 2
       ;;
   esac

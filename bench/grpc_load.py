@@ -34,6 +34,7 @@ from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 LEVELS = (1, 4, 16)
 REQUESTS_PER_STREAM = 2  # each concurrent stream sends this many requests back to back
 SINGLE_STREAM_ROUNDS = 3  # the in-process engine and gRPC at concurrency 1 take turns this many times
+SPLIT_STEPS = {"auto": None, "on": True, "off": False}  # serve --split-steps, as the in-process runtime's chunk_graph
 LEVEL_TIME_CAP_S = 300
 
 
@@ -92,7 +93,7 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
 class InProcess:
     """The engine without gRPC, in this process: the same requests, one stream."""
 
-    def __init__(self, artifact_dir, provider, cuda_graph: bool = False, max_batch: int = 16):
+    def __init__(self, artifact_dir, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto"):
         from kvserve.contract.artifact import open_artifact
         from kvserve.service.core.batch import SlotBatch
         from kvserve.runtime.step import DecoderRuntime
@@ -101,7 +102,7 @@ class InProcess:
         artifact = open_artifact(artifact_dir)
         self.config = artifact.config
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider,
-                                      cuda_graph=cuda_graph)
+                                      cuda_graph=cuda_graph, chunk_graph=SPLIT_STEPS[split_steps])
         self.max_batch = max_batch
         self.batch = SlotBatch(self.runtime, self.config, max_batch)  # one batch for every run: its decode shapes captured once
         self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
@@ -175,10 +176,11 @@ def merged(runs: list[dict]) -> dict:
     }
 
 
-def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 16):
+def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto"):
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", provider,
-         "--max-batch-size", str(max_batch), "--max-queue", str(max(64, 4 * max_batch))] + (["--cuda-graph"] if cuda_graph else []),
+         "--max-batch-size", str(max_batch), "--max-queue", str(max(64, 4 * max_batch)), "--split-steps", split_steps]
+        + (["--cuda-graph"] if cuda_graph else []),
         stderr=subprocess.PIPE, text=True,
     )
     port = None
@@ -204,6 +206,8 @@ def main() -> None:
     parser.add_argument("--cuda-graph", action="store_true", help="serve (and run the in-process engine) with --cuda-graph")
     parser.add_argument("--levels", default=",".join(map(str, LEVELS)), help="concurrency levels, comma-separated, from 1 (default 1,4,16)")
     parser.add_argument("--max-batch-size", type=int, default=16, help="the server's --max-batch-size (default 16)")
+    parser.add_argument("--split-steps", choices=tuple(SPLIT_STEPS), default="auto",
+                        help="the server's --split-steps, and the in-process engine's (default auto: on the CUDA provider)")
     args = parser.parse_args()
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
@@ -211,9 +215,9 @@ def main() -> None:
 
     config = open_artifact(args.artifact).config
     levels = sorted({1, *(int(c) for c in args.levels.split(","))})
-    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size)
+    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps)
     provider = local.runtime.provider
-    process, target = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size)
+    process, target = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps)
     try:
         engine_runs, grpc_runs = [], []
         for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
@@ -232,7 +236,8 @@ def main() -> None:
     print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
           f"{args.new_tokens} new tokens, greedy, {args.requests_per_stream} requests per stream "
           f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= {args.max_batch_size}"
-          + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "") + "\n")
+          + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "")
+          + f", steps {'split between the chunk and decode graphs' if local.runtime.splits_steps else 'through the step graph'}\n")
     print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | server CPU µs/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 

@@ -12,7 +12,7 @@ input shapes), to tell whether planning them is what a new shape costs; --ort-pr
 3x the session's median run against its median in the others. Prints markdown tables and the machine.
 
     python bench/step_kinds.py --artifact DIR [--provider cuda] [--cuda-graph] [--streams 16] [--max-batch-size 256]
-                               [--no-mem-pattern] [--ort-profile DIR]
+                               [--no-mem-pattern] [--ort-profile DIR] [--split-steps auto|on|off]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--artifact", required=True)
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--split-steps", choices=("auto", "on", "off"), default="auto",
+                        help="a fused float16 artifact's steps through its chunk and decode graphs (default auto: on CUDA)")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--no-mem-pattern", action="store_true", help="sessions without ONNX Runtime's memory patterns")
@@ -62,7 +64,7 @@ def main() -> None:
                 sessions.append(self)
 
         ort.SessionOptions, ort.InferenceSession = Options, Session  # what runtime/providers.py opens its sessions with
-    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size)
+    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps)
     batch = local.batch
     timings = collections.defaultdict(list)  # kind -> [(seconds, rows)]
     steps = []  # (seconds, kind, shape, shape new to the sessions), every step of every load
@@ -98,7 +100,7 @@ def main() -> None:
 
     print(f"{args.artifact}, {local.runtime.provider}, {args.streams} streams, max batch {args.max_batch_size}, "
           f"cuda graph {'captured' if local.runtime.captures_decode else 'off'}, memory patterns "
-          f"{'off' if args.no_mem_pattern else 'on'}\n")
+          f"{'off' if args.no_mem_pattern else 'on'}, steps {'split between the chunk and decode graphs' if local.runtime.splits_steps else 'through the step graph'}\n")
     first_steps = []
     for load_name in ("first load (shapes new)", "second load (shapes seen)"):
         timings.clear()
