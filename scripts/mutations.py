@@ -729,6 +729,31 @@ MUTATIONS = (
         (('VOCABULARY_IN_8_BITS = {"int4"}', "VOCABULARY_IN_8_BITS = set()"),),
         ("tests/export/test_quantize.py::test_int4_with_attention_in_4_bits_keeps_only_an_untied_vocabulary_in_8_bits_and_passes_parity",),
     ),
+    Mutation(
+        "chunk graph: each If replaced by its else branch (the rows' operator alone)",
+        "export/chunk_graph.py",
+        (('inline_branch(node, "then_branch")', 'inline_branch(node, "else_branch")'),),
+        ("tests/export/test_chunk_graph.py::test_every_familys_chunk_graph_runs_both_operators_a_layer_and_no_control_flow",),
+    ),
+    Mutation(
+        "split steps: several rows decoding without a chunk sent to the chunk graph",
+        "runtime/step.py",
+        (("n_chunk == 0 and (count == 1 or self.splits_steps)", "n_chunk == 0 and count == 1"),),
+        ("tests/runtime/test_step.py::test_split_steps_run_a_chunk_beside_decoding_rows_through_the_chunk_graph_every_other_step_through_the_decode_graph",),
+    ),
+    Mutation(
+        "the load gate of split steps replays the golden prompt alone (the chunk graph never runs)",
+        "service/process/gate.py",
+        (("rows = replay_golden(runtime, artifact, step_token_budget, beside_a_row=True)", "rows = replay_golden(runtime, artifact, step_token_budget)"),),
+        ("tests/export/test_chunk_graph.py::test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate",),
+    ),
+    Mutation(
+        "parity: the joining prompt's chunks run alone, not beside the decoding rows",
+        "export/parity_drivers.py",
+        (("logits_index = np.concatenate([np.arange(joining), joining + 1 + np.arange(len(chunk))])",
+          "logits_index = joining + 1 + np.arange(len(chunk))"),),
+        ("tests/export/test_chunk_graph.py::test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate",),
+    ),
 )
 
 
