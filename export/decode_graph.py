@@ -14,6 +14,8 @@ its weights pointing into the same model.onnx.data (a graph that holds its weigh
 The same graph serves a small model's CPU steps of one row and no chunk (runtime/step.py, chunkless_steps), where the
 step graph's If a layer is a fixed cost the step feels (bench/chunkless_steps.py: the 4-layer quoting model's batch-1
 steps 0.92-0.98x the step graph's time; gpt2's 124M 0.99-1.01x, for its weights packed a second time).
+Where a runtime splits its steps (on CUDA: runtime/step.py splits_steps), it serves every step without a prompt chunk
+beside decoding rows, the chunk graph (export/chunk_graph.py) the rest.
 """
 
 from __future__ import annotations
