@@ -28,7 +28,7 @@ from kvserve.errors import UserError
 from .config import DecoderConfig
 from .hf_config import config_from_hf
 from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, SLOTS, STANDARD, io_spec, kv_dtype_refusal
-from .tolerances import Tolerance, tolerance_for
+from .tolerances import Tolerance, tolerance_for, with_own_rounding
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -40,6 +40,9 @@ TOKENIZER_FILE = "tokenizer.json"
 KV_SCALES_FILE = "kv_scales.npz"
 DECODE_GRAPH_FILE = "decode.onnx"  # a fused artifact's decode-only graph (export/decode_graph.py), its weights in MODEL_DATA_FILE or inline
 CHUNK_GRAPH_FILE = "chunk.onnx"  # a fused float16 artifact's graph for steps with a chunk (export/chunk_graph.py), its weights as above
+# The manifest's record of the eager model's own error in the artifact's dtype, where export's verify needed it to hold
+# the graph to (tolerances.with_own_rounding): {"logits": fraction of the largest logit, "kv": relative}; absent otherwise.
+OWN_ROUNDING_KEY = "own_rounding"
 # Weights (bytes of the graph's files) up to which a fused artifact has a decode graph and runs its CPU steps of one row
 # and no chunk through it: the step graph's If a layer is a fixed cost that only a small model's step feels (quoting
 # model, 16 MiB: 0.92-0.98x; gpt2, 474 MiB: 0.99-1.01x; bench/chunkless_steps.py), and a second session packs the
@@ -178,8 +181,11 @@ class Artifact:
 
     @property
     def tolerance(self) -> Tolerance:
-        """How close this artifact's numbers must stay to the eager reference's (tolerances.tolerance_for)."""
-        return tolerance_for(self.quantization or self.dtype, self.kv_dtype, self.dtype)
+        """How close this artifact's numbers must stay to the eager reference's (tolerances.tolerance_for), raised to the
+        floor its export measured where the dtype's own rounding needed one (OWN_ROUNDING_KEY)."""
+        tolerance = tolerance_for(self.quantization or self.dtype, self.kv_dtype, self.dtype)
+        floor = self.manifest.get(OWN_ROUNDING_KEY)
+        return tolerance if floor is None else with_own_rounding(tolerance, floor["logits"], floor["kv"])
 
     def kv_scales(self) -> tuple[np.ndarray, np.ndarray] | None:
         """An int8 cache's scales of K and of V, each (L, H_kv, d_k) float32; None for a float cache."""

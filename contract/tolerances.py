@@ -8,7 +8,8 @@ and to how far each layer's K/V moves relative to its size, which is what names 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -69,6 +70,10 @@ class Tolerance:
     # them line up.
     kv_rms: bool = False
     text: TextTolerance | None = None  # real-text checks; None: not run
+    # A check outside logits_max_abs or kv_max_abs passes still where its error is within this multiple of what the eager
+    # model itself loses computing in the artifact's dtype on the same prompts (export/own_rounding.py): the dtype's
+    # own rounding, not the graph's. None: the bounds are fixed.
+    own_rounding_multiple: float | None = None
 
 
 TOLERANCES = {
@@ -86,8 +91,15 @@ TOLERANCES = {
     # Top-1 is reported, not held: with every logit within the bound, the argmax can only move where the eager
     # model's top two are within twice the bound of each other, a near-tie (random test weights have them: one of
     # 17 prompt positions of a Llama-shaped model flipped, KL 1.5e-5). Mean KL is held instead (measured <= 6e-5).
+    # Where float16 itself moves a model further than these bounds (the suite's random configs, weights drawn at 0.3:
+    # transformers' own float16 forward of them is off by up to 5.4% of the largest logit), a check is held to 3x the
+    # eager model's own float16 error instead (export/own_rounding.py): across the 15 Llama-family test configs x 3
+    # seeds, 18 of whose 45 float16 graphs cross the fixed logits bound, the graph's worst check came to 0.43-1.75x that
+    # error (logits) and 0.33-1.92x (K/V) on the CPU provider (bench/float16_floor.py, bench/results/parity-errors.md):
+    # a margin of 1.57x. Mean KL stays held at 1e-3 whatever the floor (measured <= 5.1e-4 there).
     "float16": Tolerance(
         logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-3,
+        own_rounding_multiple=3.0,
     ),
     # 8-bit weights in blocks with float scales (export/quantize.py; 32 when measured, 256 now: docs/parity.md, "Block
     # sizes", where the trained model's perplexity moved by +0.02%). Measured (docs/parity.md, "Int8"): the
@@ -115,6 +127,17 @@ TOLERANCES = {
         text=TextTolerance(top1_min=0.8, kl_mean_max=0.05, perplexity_ratio_max=1.03, greedy_prefix_min=3),
     ),
 }
+
+
+def with_own_rounding(tolerance: Tolerance, logits: float, kv: float) -> Tolerance:
+    """tolerance with its logits and K/V bounds raised to own_rounding_multiple x the eager model's own error in the
+    artifact's dtype (logits: a fraction of the largest logit; kv: relative, per (layer, head)), where that is larger.
+    A floor that is not finite (the dtype overflows) raises nothing."""
+    multiple = tolerance.own_rounding_multiple
+    if multiple is None or not (math.isfinite(logits) and math.isfinite(kv)):
+        return tolerance
+    return replace(tolerance, logits_max_abs=max(tolerance.logits_max_abs, multiple * logits),
+                   kv_max_abs=max(tolerance.kv_max_abs, multiple * kv))
 
 
 def logits_bound(tolerance: Tolerance, eager_logits: np.ndarray) -> float:

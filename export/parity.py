@@ -28,8 +28,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, ArtifactError, contract_problems, open_artifact
+from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, OWN_ROUNDING_KEY, ArtifactError, contract_problems, open_artifact
 from kvserve.contract.tokenizer import load_tokenizer
+from kvserve.contract.tolerances import with_own_rounding
 from kvserve.errors import UserError
 from kvserve.model.decoders import Decoder
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
@@ -37,6 +38,7 @@ from kvserve.model.kv_storage import kv_stored_as
 from kvserve.progress import stage
 from kvserve.runtime import DecoderRuntime
 
+from .own_rounding import OwnRounding, own_rounding
 from .parity_drivers import DRIVEN_COLUMNS, SlotsDriver, artifact_greedy, driver_for
 from .parity_report import (
     ArgmaxResult,
@@ -47,6 +49,7 @@ from .parity_report import (
     ParityReport,
     failures_of,
     format_report,
+    judged,
     kv_divergence,
     write_report,
 )
@@ -261,6 +264,20 @@ class _Verification:
         """Every slots step the checks above ran: the graph's greedy_tokens against its logits' argmax."""
         return ArgmaxResult(self.driver.argmax_rows, self.driver.argmax_mismatches) if self.driver.argmax_rows else None
 
+    def held_to_own_rounding(self, checks: list[CheckResult]) -> tuple[list[CheckResult], OwnRounding | None]:
+        """Where a check fell outside the fixed bounds and the tolerance allows a floor: the eager model's own error in
+        the artifact's dtype, measured on prompts of the decode and prefill checks' lengths (each batch decoding too), and every check
+        judged again against the tolerance raised to it (self.tolerance too, which names the first failing (layer, head))."""
+        if self.tolerance.own_rounding_multiple is None or all(c.passed for c in checks):
+            return checks, None
+        with stage(f"parity: the eager model's own {self.artifact.dtype} error (a check is outside the fixed bounds)"):
+            own = own_rounding(self.reference, [self.prompts_of(lengths) for lengths in (DECODE_PROMPTS, *PREFILL_CASES)], self.steps,
+                               getattr(torch, self.artifact.dtype))
+        if own is None:  # a streamed reference: the fixed bounds hold
+            return checks, None
+        self.tolerance = with_own_rounding(self.tolerance, own.logits, own.kv)
+        return [judged(c, self.tolerance) for c in checks], own
+
     def first_failing_layer_head(self) -> LayerHead | None:
         over = np.argwhere(self.kv_max > self.tolerance.kv_max_abs)
         if not len(over):
@@ -309,12 +326,13 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
                 run.use_runtime(lambda: DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, provider, chunk_graph=True))
                 split = run.decode_and_recompute() + run.rows_beside_chunk()
                 checks += [dataclasses.replace(c, name=f"split steps: {c.name}") for c in split]
+    checks, own = run.held_to_own_rounding(checks)
     report = ParityReport(
         artifact=str(artifact.directory), dtype=artifact.dtype, quantization=artifact.quantization, kv_cache=artifact.kv_cache,
         attention=artifact.attention, provider=provider_used, provider_note=provider_note, tolerance=run.tolerance,
         checks=checks, greedy=greedy, text=text, greedy_tokens_argmax=run.argmax(),
         kv_max_abs_per_layer_head=run.kv_max.tolist(), first_failing_layer_head=run.first_failing_layer_head(),
-        kv_dtype=stores,
+        kv_dtype=stores, own_rounding=dataclasses.asdict(own) if own is not None else artifact.manifest.get(OWN_ROUNDING_KEY),
     )
     report.failures = failures_of(report, artifact.precision)
     return report

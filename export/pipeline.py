@@ -296,6 +296,9 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
     }
     (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     report = verify(staging, model, provider=provider)
+    if report.own_rounding is not None:  # the floor verify held the graph to: the load gate holds the served graph to it too
+        manifest[art.OWN_ROUNDING_KEY] = report.own_rounding
+        (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     report.artifact = str(out)
     write_report(report, staging / art.PARITY_FILE)
     staging.chmod(0o755)  # mkdtemp makes it private; a serving container's non-root user must read it

@@ -754,6 +754,24 @@ MUTATIONS = (
           "logits_index = joining + 1 + np.arange(len(chunk))"),),
         ("tests/export/test_chunk_graph.py::test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate",),
     ),
+    Mutation(
+        "float16's own error measured with a float32 copy (a floor of nothing)",
+        "export/own_rounding.py",
+        (("half = copy.deepcopy(reference).to(dtype).eval()", "half = copy.deepcopy(reference).eval()"),),
+        ("tests/export/test_own_rounding.py",),
+    ),
+    Mutation(
+        "the floor raises every precision's bounds, the floor's multiple ignored",
+        "contract/tolerances.py",
+        (("if multiple is None or not (math.isfinite(logits) and math.isfinite(kv)):", "multiple = multiple or 3.0\n    if not (math.isfinite(logits) and math.isfinite(kv)):"),),
+        ("tests/contract/test_tolerances.py::test_a_floor_raises_only_float16s_bounds_and_only_above_them",),
+    ),
+    Mutation(
+        "export forgets the floor its verify held the graph to (the load gate holds the fixed bounds)",
+        "export/pipeline.py",
+        (("        manifest[art.OWN_ROUNDING_KEY] = report.own_rounding\n", ""),),
+        ("tests/export/test_own_rounding.py::test_a_float16_model_past_the_fixed_bounds_passes_within_three_times_its_own_float16_error",),
+    ),
 )
 
 
