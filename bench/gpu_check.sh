@@ -8,8 +8,9 @@
 # serve the server's side of them (each kind of step's time under load, gRPC at 1 to 256 streams, their CUDA tests);
 # stalls where a loaded engine's slow steps come from: its first load (every shape new) against its second, the nodes
 # ONNX Runtime's profiler finds slow in them, and the same without memory patterns, fused and standard; bounds every
-# float16 slots export of the suite's configs on CUDA across three seeds and float32 on CUDA (the ring rows' export
-# among them), each check's error printed with the bound opened (bench/parity_errors.py), then Phi-3's crossing;
+# float16 export of the suite's configs on CUDA across three seeds against the eager model's own float16 error (the
+# floor the float16 bounds rise to, bench/float16_floor.py), each check's error printed with the bound opened
+# (bench/parity_errors.py), float32 on CUDA (the ring rows' export among them), then Phi-3's crossing;
 # split a fused float16 artifact's steps through its chunk graph and decode graph against its step graph (its If a layer).
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
@@ -123,6 +124,9 @@ for part in $PARTS; do
         tests/export/test_chunk_graph.py tests/runtime/test_step.py tests/service/core/test_fixed_decode.py -k "split or chunk_graph or step_graph_does"
       ;;
     bounds)
+      step bounds-float16-floor-cuda $PY bench/float16_floor.py --provider cuda --seeds 3
+      step tests-cuda-own-rounding env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
+        tests/export/test_own_rounding.py
       step bounds-float16-cuda $PY bench/parity_errors.py --provider cuda --dtype float16 --seeds 3
       step bounds-float32-cuda $PY bench/parity_errors.py --provider cuda --only mistral gemma3 phi3
       step tests-cuda-crossing env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
@@ -134,7 +138,7 @@ for part in $PARTS; do
         ${PYTEST_ARGS:-} tests/service/core/test_generation.py \
         tests/service/core/test_batch.py tests/service/core/test_scheduler.py tests/service/core/test_kv_rows.py tests/service/core/test_engine.py \
         tests/service/core/test_prompt_cache.py tests/runtime tests/service/core/test_structured.py tests/service/core/test_fixed_decode.py \
-        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py
+        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py tests/export/test_own_rounding.py
       ;;
     bench)
       step bench-decode-cuda-fp32 $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32"
