@@ -109,13 +109,16 @@ for part in $PARTS; do
       ;;
     split)
       # A fused float16 artifact's steps split between its chunk graph and its decode graph (no If a layer) against its
-      # step graph: each kind of step under 16 streams (first load and second), the gRPC load at 1 to 256 streams,
-      # both ways, then the CUDA tests of the split path (the chunk graph beside the step graph, tokens equal).
+      # step graph: each kind of step under 16 streams (first load and second; split once more after the server's warm-up
+      # of every chunk length), the gRPC load at 1 to 256 streams (the server warms them), both ways, then the CUDA tests
+      # of the split path (the chunk graph beside the step graph, tokens equal).
       export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
       for split in on off; do
         step step-kinds-gpt2-fp16-split-$split $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
           --cuda-graph --streams 16 --split-steps $split
       done
+      step step-kinds-gpt2-fp16-split-on-warmed $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+        --cuda-graph --streams 16 --split-steps on --warm-chunks
       for split in on off; do
         step grpc-cuda-graph-fp16-split-$split $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
           --cuda-graph --levels 1,16,64,256 --max-batch-size 256 --split-steps $split

@@ -9,10 +9,12 @@ step costs. Then the first load's slowest steps, each with its shape (rows, deco
 shape had run before. --no-mem-pattern opens the sessions without ONNX Runtime's memory patterns (planned per set of
 input shapes), to tell whether planning them is what a new shape costs; --ort-profile DIR profiles every session
 (ONNX Runtime's own profiler) and names the nodes that make its slowest runs slow: each node's time in the runs over
-3x the session's median run against its median in the others. Prints markdown tables and the machine.
+3x the session's median run against its median in the others. --warm-chunks runs the server's CUDA warm-up of every
+chunk length first (service/process/gate.py): whether it takes the first load's stalls away. Prints markdown tables
+and the machine.
 
     python bench/step_kinds.py --artifact DIR [--provider cuda] [--cuda-graph] [--streams 16] [--max-batch-size 256]
-                               [--no-mem-pattern] [--ort-profile DIR] [--split-steps auto|on|off]
+                               [--no-mem-pattern] [--ort-profile DIR] [--split-steps auto|on|off] [--warm-chunks]
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def main() -> None:
     parser.add_argument("--no-mem-pattern", action="store_true", help="sessions without ONNX Runtime's memory patterns")
     parser.add_argument("--slowest", type=int, default=12, help="the first load's slowest steps listed (default 12)")
     parser.add_argument("--ort-profile", help="profile the sessions into this folder and name the slow runs' nodes")
+    parser.add_argument("--warm-chunks", action="store_true",
+                        help="first run the server's CUDA warm-up of every chunk length beside a decoding row (gate.warm_chunk_lengths)")
     args = parser.parse_args()
     sessions = []
     if args.no_mem_pattern or args.ort_profile:
@@ -66,6 +70,13 @@ def main() -> None:
         ort.SessionOptions, ort.InferenceSession = Options, Session  # what runtime/providers.py opens its sessions with
     local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps)
     batch = local.batch
+    if args.warm_chunks:  # on the step thread, as the server warms up: its shapes are not among the loads' "new" ones
+        from kvserve.service.core.limits import EngineLimits
+        from kvserve.service.process.gate import warm_chunk_lengths
+
+        began = time.perf_counter()
+        local.steps.submit(warm_chunk_lengths, batch, EngineLimits.step_token_budget, None).result()
+        print(f"chunk warm-up (every chunk length beside a decoding row): {time.perf_counter() - began:.2f} s\n")
     timings = collections.defaultdict(list)  # kind -> [(seconds, rows)]
     steps = []  # (seconds, kind, shape, shape new to the sessions), every step of every load
     seen = set()

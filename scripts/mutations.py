@@ -772,6 +772,18 @@ MUTATIONS = (
         (("        manifest[art.OWN_ROUNDING_KEY] = report.own_rounding\n", ""),),
         ("tests/export/test_own_rounding.py::test_a_float16_model_past_the_fixed_bounds_passes_within_three_times_its_own_float16_error",),
     ),
+    Mutation(
+        "the CUDA warm-up runs each chunk length from an empty row only (no chunk after a first one)",
+        "service/process/gate.py",
+        (("second = [allowance + length for length in range(tail + 1, allowance + tail + 1)]", "second = []"),),
+        ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forgets_its_timings",),
+    ),
+    Mutation(
+        "the CUDA warm-up keeps its first runs' step timings",
+        "service/process/gate.py",
+        (("    batch.step_costs = StepCosts()\n", ""),),
+        ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forgets_its_timings",),
+    ),
 )
 
 

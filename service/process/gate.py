@@ -15,6 +15,7 @@ from kvserve.errors import UserError
 from kvserve.runtime import DecoderRuntime
 
 from ..core.batch import SlotBatch
+from ..core.drafts import StepCosts
 from .kv_budget import MIN_BUDGET_TOKENS
 from ..core.limits import EngineLimits
 from ..core.model_info import GateResult
@@ -115,11 +116,46 @@ WARM_UP_ROWS = 2
 WARM_UP_PROMPT = 2
 
 
-def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None) -> None:
+def chunk_warm_up_prompts(step_token_budget: int, most_tokens: int) -> list[int]:
+    """The prompt lengths that, joining one after another beside one decoding row, run every chunk length the scheduler
+    gives a chunk beside one row (Scheduler.plan: up to the budget less the row, and a quarter of the budget's tail),
+    first from an empty row, then (the longer prompts' second chunks) after a first chunk of the allowance; none over
+    most_tokens."""
+    allowance, tail = max(step_token_budget - 1, 1), step_token_budget // 4
+    whole = list(range(1, allowance + tail + 1))  # each one chunk, from column 0
+    second = [allowance + length for length in range(tail + 1, allowance + tail + 1)]  # a chunk of the allowance, then this
+    return [length for length in whole + second if length <= most_tokens]
+
+
+def warm_chunk_lengths(batch, step_token_budget: int, kv_budget: int | None) -> None:
+    """Run a prompt chunk of every length chunk_warm_up_prompts makes beside a decoding row, on the serving path: on
+    CUDA each new chunk length's first run through the chunk (or step) graph cost ~50-100 ms (bench/results/h200.md,
+    third loan: the GroupQueryAttention of the chunk, and the If's set-up), which every stream then waited for. The
+    steps' timings, first runs among them, are forgotten after: the serving scheduler measures its own."""
+    config = batch.config
+    scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)
+    held = scheduler.budget_tokens()
+    most = config.n_ctx - 1 if held is None else min(config.n_ctx - 1, held // 2)
+    lengths = chunk_warm_up_prompts(step_token_budget, most)
+    # The joiners' first tokens differ, so none finds an earlier one's K/V in the prompt cache and skips its chunk.
+    joiners = [_greedy_sequence(-10 - i, [(i + 3 + 7 * j) % config.vocab_size for j in range(length)], 1)
+               for i, length in enumerate(lengths)]
+    companion = _greedy_sequence(-9, [0], max(1, min(most, 2 * len(joiners) + 2)))  # decoding through every joiner's chunks
+    failures = [e for _, e in scheduler.drive([companion] + joiners) if isinstance(e, BaseException)]
+    if failures:
+        raise failures[0]
+    scheduler.forget_cached()
+    batch.step_costs = StepCosts()
+
+
+def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None,
+            chunk_lengths: bool | None = None) -> None:
     """Run each kind of step the serving loop runs once through the serving path (WARM_UP_ROWS rows with short prompts),
     so the first requests pay no first-run costs; the batch is empty afterwards. A batch of fixed-shape decode steps
     then binds (and captures) every shape it may run, at every row count. The prompt cache forgets the warm-up's rows:
-    no request should find their made-up tokens."""
+    no request should find their made-up tokens. chunk_lengths: also a chunk of every length beside a decoding row
+    (warm_chunk_lengths); None: on CUDA, where a new chunk length's first run stalls the streams (on the CPU it costs
+    nothing a step shows, and an 8 B model's warm-up would spend seconds on it)."""
     config = batch.config  # as served: its context may be cut (serve --max-context)
     prompt_len = max(1, min(WARM_UP_PROMPT, config.n_ctx // 2))
     new_tokens = max(1, min(WARM_UP_NEW_TOKENS, config.n_ctx - prompt_len))
@@ -136,5 +172,7 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     if failures:
         raise failures[0]
     scheduler.forget_cached()
+    if (batch.runtime.device == "cuda" if chunk_lengths is None else chunk_lengths) and batch.max_rows > 1:
+        warm_chunk_lengths(batch, step_token_budget, kv_budget)
     if batch.fixed_decode:
         scheduler.prepare_decode_shapes()

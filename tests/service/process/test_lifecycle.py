@@ -304,11 +304,49 @@ def test_warm_up_runs_each_kind_of_step_once_whatever_the_batch_size(server, mon
         monkeypatch.setattr(Scheduler, "run_step", recording)
         batch = SlotBatch(server.app.runtime, server.app.artifact.config, rows)
         try:
-            warm_up(batch, server.app.artifact)
+            warm_up(batch, server.app.artifact, chunk_lengths=False)  # as on the CPU, by default
         finally:
             batch.close()  # its bound steps are the shared runtime's until let go
         assert kinds == [(True, 0), (True, 1), (False, 1)]
         monkeypatch.undo()
+
+
+def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forgets_its_timings(server, tiny_model, monkeypatch):
+    """On CUDA each new chunk length's first run stalled every stream ~50-100 ms: the warm-up runs each length the
+    scheduler gives a chunk beside one decoding row, from an empty row and after a first chunk, then serves exactly."""
+    from kvserve.service.core.batch import SlotBatch
+    from kvserve.service.core.limits import EngineLimits
+    from kvserve.service.core.scheduler import Scheduler
+    from kvserve.service.process.gate import _greedy_sequence, chunk_warm_up_prompts, warm_up
+
+    budget = EngineLimits.step_token_budget
+    allowance, tail = budget - 1, budget // 4
+    assert chunk_warm_up_prompts(budget, 10**6) == list(range(1, allowance + tail + 1)) + [allowance + n for n in range(tail + 1, allowance + tail + 1)]
+    assert max(chunk_warm_up_prompts(budget, 20)) == 20  # none longer than a row may hold
+    chunks = []
+    run_step = Scheduler.run_step
+
+    def recording(self, plan, before_model=None):
+        if self.batch is batch and plan.chunk is not None:
+            chunks.append((len(plan.decode), plan.held[plan.chunk].cached_tokens > 0, plan.chunk_tokens))
+        return run_step(self, plan, before_model)
+
+    monkeypatch.setattr(Scheduler, "run_step", recording)
+    batch = SlotBatch(server.app.runtime, server.app.artifact.config, 4)
+    try:
+        warm_up(batch, server.app.artifact, chunk_lengths=True)
+        monkeypatch.undo()
+        beside_a_row = {(after_a_chunk, tokens) for rows, after_a_chunk, tokens in chunks if rows == 1}
+        assert {(False, n) for n in range(1, allowance + tail + 1)} <= beside_a_row
+        assert {(True, n) for n in range(tail + 1, allowance + tail + 1)} <= beside_a_row
+        assert not batch.step_costs.seconds and not batch.step_costs.chunk_seconds  # first runs' timings forgotten
+        prompt = [5, 9, 200, 17, 3, 3, 80]
+        seq = _greedy_sequence(1, prompt, 12)
+        Scheduler(batch, budget).drive([seq])
+        assert seq.reused_prompt_tokens == 0  # no warm-up row is found in the prompt cache
+        assert seq.generated == generate(tiny_model, [prompt], 12).tokens[0].tolist()
+    finally:
+        batch.close()
 
 
 def test_warm_up_fails_when_a_sequence_fails_in_the_prefill_step(server, monkeypatch):
