@@ -51,8 +51,13 @@ def hf_llama(name: str, work: Path, seed: int | None = None):
     torch.manual_seed(seed)
     config_class, model_class = (getattr(transformers, name) for name in HF_CLASSES[model_type])
     hf_config = config_class(**{"initializer_range": 0.3, "bos_token_id": 1, "eos_token_id": 2, **config}, attn_implementation="eager")
+    hf = model_class(hf_config).eval()
+    with torch.no_grad():  # the fixture's norms, drawn around 1 (before 2026-12-07 this left them at 1: other weights)
+        for param_name, param in hf.named_parameters():
+            if "norm" in param_name:
+                param.normal_(1.0, 0.3)
     directory = work / f"hf-{len(name)}-{seed}"
-    model_class(hf_config).eval().save_pretrained(directory)
+    hf.save_pretrained(directory)
     return load_checkpoint(directory), {"kind": "checkpoint", "path": str(directory)}
 
 

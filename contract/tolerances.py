@@ -92,14 +92,15 @@ TOLERANCES = {
     # model's top two are within twice the bound of each other, a near-tie (random test weights have them: one of
     # 17 prompt positions of a Llama-shaped model flipped, KL 1.5e-5). Mean KL is held instead (measured <= 6e-5).
     # Where float16 itself moves a model further than these bounds (the suite's random configs, weights drawn at 0.3:
-    # transformers' own float16 forward of them is off by up to 5.4% of the largest logit), a check is held to 3x the
-    # eager model's own float16 error instead (export/own_rounding.py): across the 15 Llama-family test configs x 3
-    # seeds, 18 of whose 45 float16 graphs cross the fixed logits bound, the graph's worst check came to 0.43-1.75x that
-    # error (logits) and 0.33-1.92x (K/V) on the CPU provider (bench/float16_floor.py, bench/results/parity-errors.md):
-    # a margin of 1.57x. Mean KL stays held at 1e-3 whatever the floor (measured <= 5.1e-4 there).
+    # transformers' own float16 forward of them is off by up to 3.2% of the largest logit), a check is held to 4x the
+    # eager model's own float16 error on the checks' own prompts instead (export/own_rounding.py): across the 15
+    # Llama-family test configs x 3 seeds, 25 of whose 45 float16 graphs cross the fixed bounds, the graph's worst check
+    # came to 0.35-2.96x that error (logits) and 0.45-1.75x (K/V) on the CPU provider (bench/float16_floor.py,
+    # bench/results/parity-errors.md): a margin of 1.35x. Mean KL stays held at 1e-3 whatever the floor (measured
+    # <= 4.1e-4 there).
     "float16": Tolerance(
         logits_max_abs=1e-2, kv_max_abs=1e-2, top1_min=0.0, greedy_identical=False, kv_relative=True, logits_relative=True, kl_mean_max=1e-3,
-        own_rounding_multiple=3.0,
+        own_rounding_multiple=4.0,
     ),
     # 8-bit weights in blocks with float scales (export/quantize.py; 32 when measured, 256 now: docs/parity.md, "Block
     # sizes", where the trained model's perplexity moved by +0.02%). Measured (docs/parity.md, "Int8"): the

@@ -5,8 +5,8 @@ wide, or a checkpoint with outlier features), float16 arithmetic alone moves its
 fixed float16 bounds allow, whichever program does the arithmetic: transformers' own float16 forward of the suite's
 random configs is off by 0.8-1.9% of the largest logit where the bound is 1% (bench/float16_floor.py). So a check
 outside the fixed bound is measured again against this floor: the same eager model run in float16 (the arithmetic
-the graph was traced from: norms, softmax and logits in float32, everything else in float16), fed prompts of verify's
-decode and prefill lengths and the float32 model's greedy tokens after them, against its float32 self.
+the graph was traced from: norms, softmax and logits in float32, everything else in float16), fed the prompts verify's
+checks drew (and more of their lengths) and the float32 model's greedy tokens after them, against its float32 self.
 """
 
 from __future__ import annotations
@@ -33,12 +33,16 @@ class OwnRounding:
 
 
 def own_rounding(reference: Decoder, prompt_batches: list[list[list[int]]], steps: int,
-                 dtype: torch.dtype = torch.float16) -> OwnRounding | None:
+                 dtype: torch.dtype = torch.float16, chunk: int = 5) -> OwnRounding | None:
     """Each batch of prompts prefilled and decoded steps tokens (each the float32 model's greedy token) by reference in
-    float32 and by a copy of it in dtype; every real position's logits and the final K/V compared. The copy holds
-    its dtype's share of the reference's bytes while it runs. None where the reference streams its matrices from the
-    checkpoint (model/weights.py, over 0.5 GB of float32 weights): they are read in float32 whatever the copy's dtype,
-    so no copy computes in dtype, and such a model is held to the fixed bounds."""
+    float32 and by a copy of it in dtype, and each prompt again alone, the copy prefilling it chunk tokens at a time
+    through its cache (as a slots graph runs it): every real position's logits and the K/V compared. Two orders of the
+    same arithmetic on the same tokens: float16's error on random weights is a few positions where rounding tips an
+    attention's near-tie, and which order tips it is chance (on one prompt the graph's largest came to 0.4-1.6x the
+    batch's, bench/results/parity-errors.md). The copy holds its dtype's share of the reference's bytes while it runs.
+    None where the reference streams its matrices from the checkpoint (model/weights.py, over 0.5 GB of float32
+    weights): they are read in float32 whatever the copy's dtype, so no copy computes in dtype, and such a model is
+    held to the fixed bounds."""
     if any(param.is_meta for param in reference.parameters()):
         return None
     half = copy.deepcopy(reference).to(dtype).eval()
@@ -61,7 +65,26 @@ def own_rounding(reference: Decoder, prompt_batches: list[list[list[int]]], step
                 scales.append(logits.abs()[:, -1])
             worst_logits = max(worst_logits, float(max(d.max() for d in deltas) / max(s.max() for s in scales)))
             worst_kv = max(worst_kv, _kv_error(past, past_16, mask.bool()))
+            for prompt in prompts:
+                logits_error, kv_error = _alone_in_chunks(reference, half, prompt, chunk)
+                worst_logits, worst_kv = max(worst_logits, logits_error), max(worst_kv, kv_error)
     return OwnRounding(worst_logits, worst_kv)
+
+
+def _alone_in_chunks(reference: Decoder, half: Decoder, prompt: list[int], chunk: int) -> tuple[float, float]:
+    """prompt prefilled whole by reference and chunk tokens at a time through half's cache: the logits' and the K/V's
+    error, as own_rounding measures them."""
+    ids = torch.tensor([prompt])  # (1, T)
+    mask = torch.ones_like(ids)
+    pos = position_ids_from_mask(mask)
+    logits, past = reference(ids, mask, pos, reference.empty_cache(1))  # (1, T, V)
+    pieces, past_16 = [], half.empty_cache(1)
+    for start in range(0, len(prompt), chunk):
+        end = min(start + chunk, len(prompt))
+        piece, past_16 = half(ids[:, start:end], mask[:, :end], pos[:, start:end], past_16)  # (1, end - start, V)
+        pieces.append(piece)
+    logits_16 = torch.cat(pieces, dim=1).float()  # (1, T, V)
+    return float((logits_16 - logits).abs().max() / logits.abs().max()), _kv_error(past, past_16, mask.bool())
 
 
 def _kv_error(past, past_16, real: torch.Tensor) -> float:

@@ -93,6 +93,7 @@ class _Verification:
         self.rng = np.random.default_rng(0)
         self.max_prompt = max(1, min(33, self.config.n_ctx - steps - 1))
         self.kv_max = np.zeros((self.config.n_layer, self.config.n_kv_head))  # (L, H_kv): worst over every check
+        self.drawn: list[list[list[int]]] = []  # every batch of prompts the checks drew, in order
 
     def use_runtime(self, open_runtime: Callable[[], DecoderRuntime]) -> None:
         """Drive the runtime open_runtime opens from here on (the checks after it hold its graphs): the one driven so far,
@@ -104,7 +105,9 @@ class _Verification:
         self.driver.argmax_rows, self.driver.argmax_mismatches = argmax
 
     def prompts_of(self, lengths) -> list[list[int]]:
-        return [self.rng.integers(0, self.config.vocab_size, min(n, self.max_prompt)).tolist() for n in lengths]
+        prompts = [self.rng.integers(0, self.config.vocab_size, min(n, self.max_prompt)).tolist() for n in lengths]
+        self.drawn.append(prompts)
+        return prompts
 
     def eager_prefill(self, prompts, long=None):
         """long (B, 1) bool: longrope rows turned long whatever their length (Llama.forward)."""
@@ -266,13 +269,13 @@ class _Verification:
 
     def held_to_own_rounding(self, checks: list[CheckResult]) -> tuple[list[CheckResult], OwnRounding | None]:
         """Where a check fell outside the fixed bounds and the tolerance allows a floor: the eager model's own error in
-        the artifact's dtype, measured on prompts of the decode and prefill checks' lengths (each batch decoding too), and every check
-        judged again against the tolerance raised to it (self.tolerance too, which names the first failing (layer, head))."""
+        the artifact's dtype on the very prompts the checks drew (each batch decoding self.steps tokens after, each
+        prompt again alone in the driver's chunks), and every check judged again against the tolerance raised to it
+        (self.tolerance too, which names the first failing (layer, head))."""
         if self.tolerance.own_rounding_multiple is None or all(c.passed for c in checks):
             return checks, None
         with stage(f"parity: the eager model's own {self.artifact.dtype} error (a check is outside the fixed bounds)"):
-            own = own_rounding(self.reference, [self.prompts_of(lengths) for lengths in (DECODE_PROMPTS, *PREFILL_CASES)], self.steps,
-                               getattr(torch, self.artifact.dtype))
+            own = own_rounding(self.reference, self.drawn, self.steps, getattr(torch, self.artifact.dtype), SlotsDriver.CHUNK)
         if own is None:  # a streamed reference: the fixed bounds hold
             return checks, None
         self.tolerance = with_own_rounding(self.tolerance, own.logits, own.kv)

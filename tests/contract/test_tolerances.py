@@ -27,7 +27,8 @@ def test_a_floor_raises_only_float16s_bounds_and_only_above_them():
 
     half = TOLERANCES["float16"]
     raised = with_own_rounding(half, 0.02, 0.001)
-    assert (raised.logits_max_abs, raised.kv_max_abs) == (pytest.approx(0.06), half.kv_max_abs)  # 3x where above, else fixed
+    assert half.own_rounding_multiple == 4.0
+    assert (raised.logits_max_abs, raised.kv_max_abs) == (pytest.approx(0.08), half.kv_max_abs)  # 4x where above, else fixed
     assert raised.kl_mean_max == half.kl_mean_max
     assert with_own_rounding(half, float("inf"), 0.02) == half  # float16 overflowing the model: no floor, the bounds refuse it
     assert with_own_rounding(half, float("nan"), 0.02) == half

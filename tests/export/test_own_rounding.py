@@ -14,8 +14,8 @@ from kvserve.export.parity import format_report, verify
 
 from ..conftest import LLAMA_CONFIGS, PROVIDER
 
-# Weights drawn at 0.3 (the suite's Llama-family models): float16 itself moves this one's logits by ~1.8% of the largest
-# and its K/V by ~1.2% (transformers' own float16 forward is off by as much), past the fixed 1% bounds.
+# Weights drawn at 0.3 (the suite's Llama-family models): float16 itself moves this one's logits by ~5% of the largest
+# and its K/V by ~2% on verify's prompts (the eager model's own float16 forward), past the fixed 1% bounds.
 WIDE = "llama gqa 4:1 head_dim 24 untied"
 
 
@@ -24,12 +24,12 @@ def prompts(vocab: int, lengths) -> list[list[int]]:
     return [rng.integers(0, vocab, n).tolist() for n in lengths]
 
 
-def test_the_own_error_is_nothing_in_float32_and_small_in_float16(tiny_llama_model):
+def test_the_own_error_is_float16s_not_the_measurements(tiny_llama_model):
     batches = [prompts(tiny_llama_model.config.vocab_size, (7, 13))]
     same = own_rounding(tiny_llama_model, batches, 4, torch.float32)
-    assert (same.logits, same.kv) == (0.0, 0.0)  # the same arithmetic: any difference is the measurement's fault
+    assert same.logits < 1e-5 and same.kv < 1e-5  # float32 again: only the chunked prefill's order of arithmetic
     half = own_rounding(tiny_llama_model, batches, 4)
-    assert 0.0 < half.logits < 1e-2 and 0.0 < half.kv < 1e-2
+    assert 100 * same.logits < half.logits < 1e-2 and 100 * same.kv < half.kv < 1e-2
     assert next(tiny_llama_model.parameters()).dtype == torch.float32  # a copy ran in float16, not the model
 
 
@@ -47,15 +47,16 @@ def wide_float16(make_hf_llama, tmp_path_factory):
     return checkpoint, out, report
 
 
-def test_a_float16_model_past_the_fixed_bounds_passes_within_three_times_its_own_float16_error(wide_float16):
+def test_a_float16_model_past_the_fixed_bounds_passes_within_a_multiple_of_its_own_float16_error(wide_float16):
     _, out, report = wide_float16
     fixed = TOLERANCES["float16"]
     worst = max(c.max_abs_logits / c.max_abs_eager_logit for c in report.checks)
     assert worst > fixed.logits_max_abs  # the fixed bound alone refuses this artifact
     own = report.own_rounding
     assert report.passed and own is not None
-    assert report.tolerance.logits_max_abs == pytest.approx(max(fixed.logits_max_abs, 3 * own["logits"]))
-    assert report.tolerance.kv_max_abs == pytest.approx(max(fixed.kv_max_abs, 3 * own["kv"]))
+    multiple = fixed.own_rounding_multiple
+    assert report.tolerance.logits_max_abs == pytest.approx(max(fixed.logits_max_abs, multiple * own["logits"]))
+    assert report.tolerance.kv_max_abs == pytest.approx(max(fixed.kv_max_abs, multiple * own["kv"]))
     assert report.tolerance.kl_mean_max == fixed.kl_mean_max  # mean KL is held whatever the floor
     assert "the eager model itself in float16" in format_report(report)
     artifact = open_artifact(out)
@@ -65,8 +66,9 @@ def test_a_float16_model_past_the_fixed_bounds_passes_within_three_times_its_own
 
 
 def test_a_float16_graph_of_other_weights_fails_whatever_the_floor(wide_float16):
-    """Layer 1's K projection 10% larger in the reference: its K are off by 10% of themselves, over three times the
-    model's own float16 error, and verify names layer 1."""
+    """Layer 1's K projection 25% larger in the reference: its K are off by a fifth of themselves (the graph's are
+    0.8x the reference's), over twice the bound this model's own float16 error raises K/V to (~9%), and verify names
+    layer 1."""
     from kvserve.model.checkpoint import load_checkpoint
 
     checkpoint, out, _ = wide_float16
@@ -74,7 +76,7 @@ def test_a_float16_graph_of_other_weights_fails_whatever_the_floor(wide_float16)
     attention, config = other.model.layers[1].self_attn, other.config
     q_width, kv_width = config.n_head * config.head_dim, config.n_kv_head * config.head_dim
     with torch.no_grad():
-        attention.qkv_proj.weight[q_width : q_width + kv_width].mul_(1.1)  # the fused projection's K rows
+        attention.qkv_proj.weight[q_width : q_width + kv_width].mul_(1.25)  # the fused projection's K rows
     report = verify(out, other, provider=PROVIDER)
     assert not report.passed
     assert report.first_failing_layer_head is not None and report.first_failing_layer_head.layer == 1
