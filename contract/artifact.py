@@ -258,6 +258,10 @@ def open_artifact(directory: str | Path, check_files: bool = True, weights_later
     ring = manifest.get("kv_ring")
     if ring is not None and (ring != config.kv_ring or manifest["kv_cache"] != SLOTS or manifest["attention"] != STANDARD):
         raise ArtifactError(f"{where}: kv_ring {ring!r} is not this model's ring ({config.kv_ring}) of a standard slots graph")
+    floor = manifest.get(OWN_ROUNDING_KEY)
+    if floor is not None and not (isinstance(floor, dict) and all(
+            isinstance(floor.get(key), (int, float)) and not isinstance(floor.get(key), bool) and 0 <= floor[key] < 1 for key in ("logits", "kv"))):
+        raise ArtifactError(f"{where}: {OWN_ROUNDING_KEY} must be null or an object of 'logits' and 'kv', each a fraction in [0, 1)")
     architecture = manifest.get("architecture")
     if architecture != config.architecture or manifest.get("model_type") != config.model_type:
         raise ArtifactError(

@@ -33,7 +33,10 @@ def edit_manifest(directory, **fields):
     (lambda d: (d / "model.onnx").write_bytes((d / "model.onnx").read_bytes() + b"x"), "checksum mismatch"),
     (lambda d: edit_manifest(d, kv_dtype="int4"), "kv_dtype 'int4' cannot go with dtype 'float32' and the slots cache"),
     (lambda d: edit_manifest(d, kv_dtype="int8"), "an int8 K/V cache needs its scales, and 'files' lacks kv_scales.npz"),
-], ids=["file missing", "unreadable", "old format", "dtype", "attention", "architecture", "checksum", "kv dtype", "kv scales"])
+    (lambda d: edit_manifest(d, own_rounding={"logits": 0.02}), "own_rounding must be null or an object of 'logits' and 'kv'"),
+    (lambda d: edit_manifest(d, own_rounding={"logits": 0.02, "kv": 3}), "own_rounding must be null or an object of 'logits' and 'kv'"),
+], ids=["file missing", "unreadable", "old format", "dtype", "attention", "architecture", "checksum", "kv dtype", "kv scales",
+        "own rounding without kv", "own rounding not a fraction"])
 def test_each_problem_is_named_with_its_file(copied, breakage, message):
     breakage(copied)
     with pytest.raises(ArtifactError, match=re.escape(message)):
