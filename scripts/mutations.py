@@ -776,13 +776,13 @@ MUTATIONS = (
         "the CUDA warm-up runs each chunk length from an empty row only (no chunk after a first one)",
         "service/process/gate.py",
         (("second = [allowance + length for length in range(tail + 1, allowance + tail + 1)]", "second = []"),),
-        ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forgets_its_timings",),
+        ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_times_none",),
     ),
     Mutation(
-        "the CUDA warm-up keeps its first runs' step timings",
+        "the CUDA warm-up's decoding row outlasts its chunks (plain steps time the first runs into the step costs)",
         "service/process/gate.py",
-        (("    batch.step_costs = StepCosts()\n", ""),),
-        ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forgets_its_timings",),
+        (("max(1, min(most, chunks + 1))", "max(1, min(most, chunks + 9))"),),
+        ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_times_none",),
     ),
 )
 

@@ -15,7 +15,6 @@ from kvserve.errors import UserError
 from kvserve.runtime import DecoderRuntime
 
 from ..core.batch import SlotBatch
-from ..core.drafts import StepCosts
 from .kv_budget import MIN_BUDGET_TOKENS
 from ..core.limits import EngineLimits
 from ..core.model_info import GateResult
@@ -121,17 +120,23 @@ def chunk_warm_up_prompts(step_token_budget: int, most_tokens: int) -> list[int]
     gives a chunk beside one row (Scheduler.plan: up to the budget less the row, and a quarter of the budget's tail),
     first from an empty row, then (the longer prompts' second chunks) after a first chunk of the allowance; none over
     most_tokens."""
-    allowance, tail = max(step_token_budget - 1, 1), step_token_budget // 4
+    allowance, tail = _beside_one_row(step_token_budget)
     whole = list(range(1, allowance + tail + 1))  # each one chunk, from column 0
     second = [allowance + length for length in range(tail + 1, allowance + tail + 1)]  # a chunk of the allowance, then this
     return [length for length in whole + second if length <= most_tokens]
 
 
+def _beside_one_row(step_token_budget: int) -> tuple[int, int]:
+    """Scheduler.plan's chunk beside one decoding row: (the budget less the row, the tail a prompt finishes in whole)."""
+    return max(step_token_budget - 1, 1), step_token_budget // 4
+
+
 def warm_chunk_lengths(batch, step_token_budget: int, kv_budget: int | None) -> None:
     """Run a prompt chunk of every length chunk_warm_up_prompts makes beside a decoding row, on the serving path: on
     CUDA each new chunk length's first run through the chunk (or step) graph cost ~50-100 ms (bench/results/h200.md,
-    third loan: the GroupQueryAttention of the chunk, and the If's set-up), which every stream then waited for. The
-    steps' timings, first runs among them, are forgotten after: the serving scheduler measures its own."""
+    third loan: the GroupQueryAttention of the chunk, and the If's set-up), which every stream then waited for. Its
+    decoding row ends with the last chunk, so no step without a chunk runs: none of these first runs is timed into the
+    step costs (drafts.StepCosts measures a chunk against a plain step of as many rows)."""
     config = batch.config
     scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)
     held = scheduler.budget_tokens()
@@ -140,12 +145,13 @@ def warm_chunk_lengths(batch, step_token_budget: int, kv_budget: int | None) -> 
     # The joiners' first tokens differ, so none finds an earlier one's K/V in the prompt cache and skips its chunk.
     joiners = [_greedy_sequence(-10 - i, [(i + 3 + 7 * j) % config.vocab_size for j in range(length)], 1)
                for i, length in enumerate(lengths)]
-    companion = _greedy_sequence(-9, [0], max(1, min(most, 2 * len(joiners) + 2)))  # decoding through every joiner's chunks
+    allowance, tail = _beside_one_row(step_token_budget)
+    chunks = sum(1 if length <= allowance + tail else 2 for length in lengths)
+    companion = _greedy_sequence(-9, [0], max(1, min(most, chunks + 1)))  # decoding beside every joiner's chunks, then done
     failures = [e for _, e in scheduler.drive([companion] + joiners) if isinstance(e, BaseException)]
     if failures:
         raise failures[0]
     scheduler.forget_cached()
-    batch.step_costs = StepCosts()
 
 
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None,

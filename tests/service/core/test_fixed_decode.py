@@ -317,3 +317,31 @@ def test_ring_rows_decode_at_fixed_shapes_as_transformers_does(llama_artifact, n
         scheduler.run_step(scheduler.plan())
     for seq in seqs:
         assert seq.generated == hf_greedy(hf, [seq.prompt_ids], 40)[0].tolist(), seq.id
+
+
+def test_the_chunk_length_warm_up_runs_each_chunk_through_the_chunk_graph_and_changes_no_token(tiny_llama_fused_artifacts,
+                                                                                                 tiny_llama_model):
+    """What the CUDA warm-up does with split steps: every chunk it runs beside its decoding row goes through the chunk
+    graph (whose first run at each chunk length it pays), and the requests after it get the tokens they get without it."""
+    from kvserve.service.process.gate import chunk_warm_up_prompts
+
+    artifact_dir, model, budget = tiny_llama_fused_artifacts("float16"), tiny_llama_model, 8
+    artifact = open_artifact(artifact_dir)
+    generated, chunk_graph_runs = {}, {}
+    for warmed in (False, True):
+        split = DecoderRuntime(artifact.model_path, model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", chunk_graph=True)
+        runs = []
+        run = split.session.run_with_iobinding
+        split.session.run_with_iobinding = lambda *args, run=run, runs=runs: runs.append(1) or run(*args)
+        batch = SlotBatch(split, model.config, 4, fixed_decode=True)
+        warm_up(batch, artifact, step_token_budget=budget, chunk_lengths=warmed)
+        chunk_graph_runs[warmed] = len(runs)
+        seqs = [_greedy_sequence(i, prompt(700 + i, 3 + 9 * i), 12) for i in range(4)]
+        Scheduler(batch, step_token_budget=budget).drive(seqs)
+        generated[warmed] = [s.generated for s in seqs]
+        batch.close()
+    lengths = chunk_warm_up_prompts(budget, model.config.n_ctx - 1)
+    allowance, tail = budget - 1, budget // 4
+    chunks = sum(1 if length <= allowance + tail else 2 for length in lengths)  # each beside the decoding row
+    assert chunk_graph_runs[True] - chunk_graph_runs[False] == chunks == 9 + 2 * 7
+    assert generated[True] == generated[False]

@@ -311,9 +311,10 @@ def test_warm_up_runs_each_kind_of_step_once_whatever_the_batch_size(server, mon
         monkeypatch.undo()
 
 
-def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forgets_its_timings(server, tiny_model, monkeypatch):
+def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_times_none(server, tiny_model, monkeypatch):
     """On CUDA each new chunk length's first run stalled every stream ~50-100 ms: the warm-up runs each length the
-    scheduler gives a chunk beside one decoding row, from an empty row and after a first chunk, then serves exactly."""
+    scheduler gives a chunk beside one decoding row, from an empty row and after a first chunk, times none of those
+    first runs into the step costs, then serves exactly."""
     from kvserve.service.core.batch import SlotBatch
     from kvserve.service.core.limits import EngineLimits
     from kvserve.service.core.scheduler import Scheduler
@@ -339,7 +340,7 @@ def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_forg
         beside_a_row = {(after_a_chunk, tokens) for rows, after_a_chunk, tokens in chunks if rows == 1}
         assert {(False, n) for n in range(1, allowance + tail + 1)} <= beside_a_row
         assert {(True, n) for n in range(tail + 1, allowance + tail + 1)} <= beside_a_row
-        assert not batch.step_costs.seconds and not batch.step_costs.chunk_seconds  # first runs' timings forgotten
+        assert not batch.step_costs.seconds and not batch.step_costs.chunk_seconds  # no first run timed into the step costs
         prompt = [5, 9, 200, 17, 3, 3, 80]
         seq = _greedy_sequence(1, prompt, 12)
         Scheduler(batch, budget).drive([seq])
