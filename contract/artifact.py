@@ -215,6 +215,11 @@ class Artifact:
         return json.loads(path.read_text()) if path.exists() else None
 
 
+def _is_fraction(value) -> bool:
+    """A JSON number in [0, 1) (not a boolean, which Python counts as an int)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < 1
+
+
 def open_artifact(directory: str | Path, check_files: bool = True, weights_later: bool = False) -> Artifact:
     """Read and cross-check an artifact directory; with check_files, the model files' checksums too. weights_later
     leaves the weights file's (gigabytes at 3-8 B parameters: seconds of hashing) to Artifact.check_unchecked, which
@@ -259,8 +264,7 @@ def open_artifact(directory: str | Path, check_files: bool = True, weights_later
     if ring is not None and (ring != config.kv_ring or manifest["kv_cache"] != SLOTS or manifest["attention"] != STANDARD):
         raise ArtifactError(f"{where}: kv_ring {ring!r} is not this model's ring ({config.kv_ring}) of a standard slots graph")
     floor = manifest.get(OWN_ROUNDING_KEY)
-    if floor is not None and not (isinstance(floor, dict) and all(
-            isinstance(floor.get(key), (int, float)) and not isinstance(floor.get(key), bool) and 0 <= floor[key] < 1 for key in ("logits", "kv"))):
+    if floor is not None and not (isinstance(floor, dict) and all(_is_fraction(floor.get(key)) for key in ("logits", "kv"))):
         raise ArtifactError(f"{where}: {OWN_ROUNDING_KEY} must be null or an object of 'logits' and 'kv', each a fraction in [0, 1)")
     architecture = manifest.get("architecture")
     if architecture != config.architecture or manifest.get("model_type") != config.model_type:

@@ -15,11 +15,12 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from kvserve.model.decoders import Decoder
 from kvserve.model.generate import left_pad, position_ids_from_mask
+
+from .parity_report import kv_divergence
 
 
 @dataclass(frozen=True)
@@ -86,13 +87,7 @@ def _alone_in_chunks(reference: Decoder, half: Decoder, prompt: list[int], chunk
 
 
 def _kv_error(past, past_16, real: torch.Tensor) -> float:
-    """The worst (layer, head)'s largest |Δ| over its largest |float32 value|, K and V apart, over the real positions
-    (real (B, S) bool). Each past: per layer (K, V), each (B, H, S, d_k)."""
-    worst = 0.0
-    for pair, pair_16 in zip(past, past_16):
-        for kv, kv_16 in zip(pair, pair_16):
-            held = real[:, None, :, None].expand_as(kv)  # (B, H, S, d_k)
-            delta = torch.where(held, (kv_16.float() - kv).abs(), 0.0).amax(dim=(0, 2, 3))  # (H,)
-            scale = torch.where(held, kv.abs(), 0.0).amax(dim=(0, 2, 3))  # (H,)
-            worst = max(worst, float((delta / scale.clamp_min(np.finfo(np.float32).tiny)).max()))
-    return worst
+    """The worst (layer, head)'s K/V error in dtype, measured as verify measures a graph's (kv_divergence, relative): each
+    past per layer (K, V), each (B, H, S, d_k), real (B, S) bool marking the positions that hold tokens."""
+    rows = [[kv[row][:, real[row]].float().numpy() for pair in past_16 for kv in pair] for row in range(len(real))]  # per row: (H, L_r, d_k), K then V a layer
+    return float(kv_divergence(rows, past, real.numpy(), relative=True).max())

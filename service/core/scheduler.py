@@ -59,6 +59,12 @@ MIN_CHUNK_TOKENS = 4
 UNSTREAMED_HANDOFF_NS = 50_000_000
 
 
+def chunk_allowance(step_token_budget: int, decoding_rows: int) -> tuple[int, int]:
+    """A prompt chunk beside decoding rows (Scheduler.plan, with no step-time bound): (the tokens it takes, the budget
+    less the rows, at least one; the tail a prompt that far from its end finishes with in the same step)."""
+    return max(step_token_budget - decoding_rows, 1), step_token_budget // 4
+
+
 def step_thread() -> ThreadPoolExecutor:
     """The one thread a scheduler runs its model steps on. The server also runs the parity gate and the warm-up on
     it: ONNX Runtime keeps CUDA graphs in the context of the thread that captured them (runtime.GRAPH_ID)."""
@@ -271,7 +277,7 @@ class Scheduler:
         remaining = len(chunk.prefill_ids) - kv.held[chunk].cached_tokens
         tokens = remaining
         if decode and self.step_token_budget:
-            allowance, tail = max(self.step_token_budget - len(decode), 1), self.step_token_budget // 4
+            allowance, tail = chunk_allowance(self.step_token_budget, len(decode))
             fits = self.batch.step_costs.chunk_tokens_within(len(decode), self.step_time_bound) if self.step_time_bound else None
             if fits is not None and fits < allowance:  # the steps measured say a budget's chunk would stall the streams
                 allowance = max(fits, MIN_CHUNK_TOKENS)
