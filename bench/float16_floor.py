@@ -7,6 +7,9 @@ widest prefill lengths, each prefilled whole, its logits against its float32 sel
 of each column: the multiple's margin.
 
     python bench/float16_floor.py [--provider cpu|cuda] [--seeds 3] [--only WORD ...] [--work DIR]
+    python bench/float16_floor.py --cost [--preset gpt2]
+        # what measuring the floor costs an export: the preset exported in float16 on the CPU, in a child process under
+        # GNU time each, plainly and with the floor forced (every check past the fixed bounds, none refused)
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -52,20 +57,49 @@ def transformers_own_error(checkpoint: Path, model_type: str, prompts: list[list
     return worst
 
 
+def force_the_floor() -> None:
+    """Fixed float16 bounds that every check crosses, so verify always measures the floor, and a multiple no check
+    crosses: every check reported as it is, none refused."""
+    fixed = tolerances.TOLERANCES["float16"]
+    tolerances.TOLERANCES["float16"] = dataclasses.replace(fixed, logits_max_abs=0.0, kv_max_abs=0.0, kl_mean_max=None,
+                                                           own_rounding_multiple=1e9)
+
+
+def export_cost(preset_name: str, work: Path) -> None:
+    """The preset's float16 export, plain and with the floor forced, each a child process under /usr/bin/time -v."""
+    print(f"| {preset_name} float16 export | wall s | peak RSS GB | floor measured |\n|---|---:|---:|---|")
+    for forced in (False, True):
+        child = (f"import sys; sys.path[:0] = {[str(ROOT / 'bench'), str(ROOT)]!r}; import float16_floor as f; "
+                 f"from kvserve.export.pipeline import export_artifact; from kvserve.model.decoders import build; "
+                 f"from kvserve.model.presets import preset; {'f.force_the_floor(); ' if forced else ''}"
+                 f"r = export_artifact(build(preset({preset_name!r}), 0), {{'kind': 'preset', 'name': {preset_name!r}, 'seed': 0}}, "
+                 f"{str(work / f'{preset_name}-{forced}')!r}, dtype='float16', provider='cpu'); print('floor', r.own_rounding)")
+        done = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", child], capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"float16_floor: the {'forced' if forced else 'plain'} export failed: {done.stderr.strip().splitlines()[-1]}")
+        wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): (\d+):([\d.]+)", done.stderr)
+        rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", done.stderr).group(1))
+        floor = re.search(r"^floor (.*)$", done.stdout, re.M).group(1)
+        print(f"| {'floor forced' if forced else 'plain'} | {60 * int(wall.group(1)) + float(wall.group(2)):.1f} | {rss / 1e6:.2f} | {floor} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--provider", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seeds", type=int, default=3, help="random weights per config: its test seed, then 1, 2, ... (default 3)")
     parser.add_argument("--only", nargs="*", default=[], help="the configs whose name contains one of these words")
     parser.add_argument("--work", type=Path, default=None)
+    parser.add_argument("--cost", action="store_true", help="time and peak memory of a preset's float16 export, plain and with the floor forced")
+    parser.add_argument("--preset", default="gpt2", help="the preset --cost exports (default gpt2: the largest reference held whole)")
     args = parser.parse_args()
+    if args.cost:
+        print(f"machine: {describe('cpu')}\n")
+        export_cost(args.preset, args.work or Path(tempfile.mkdtemp(prefix="float16-floor-cost-")))
+        return
     if args.seeds < 1:
         parser.error(f"--seeds counts the random weights each config is built with: at least 1, not {args.seeds}")
     fixed = tolerances.TOLERANCES["float16"]
-    # Bounds that every check crosses, so verify always measures the floor, and a multiple no check crosses: every check
-    # reported as it is, none refused.
-    tolerances.TOLERANCES["float16"] = dataclasses.replace(fixed, logits_max_abs=0.0, kv_max_abs=0.0, kl_mean_max=None,
-                                                           own_rounding_multiple=1e9)
+    force_the_floor()
     work = args.work or Path(tempfile.mkdtemp(prefix="float16-floor-"))
     print(f"machine: {describe(args.provider)}; float16 graphs checked on the {args.provider} provider\n")
     print("| config | seed | attention | graph logits | own logits | graph / own | transformers' own | graph K/V | own K/V | "
