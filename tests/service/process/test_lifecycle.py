@@ -57,7 +57,10 @@ def test_cancelling_100_streams_frees_every_sequence_and_its_cache(stub, server)
 
 
 def test_a_deadline_ends_the_stream_and_frees_the_sequence(stub, server, monkeypatch):
-    slow_down(monkeypatch, server.app)
+    # A step gives at most 1 + drafts.MAX_DRAFT_TOKENS tokens, so the 200 take at least 7 steps: at 0.1 s a step they
+    # outlast the deadline however many drafts the session's earlier requests taught the server to take (at 0.01 s a
+    # step, after the suite's other streams of the same request, all 200 once came before it).
+    slow_down(monkeypatch, server.app, seconds=0.1)
     with pytest.raises(grpc.RpcError) as error:
         list(stub.Generate(long_request(), timeout=0.3))
     assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
