@@ -51,14 +51,26 @@ HOST_SPARE_BYTES = 1 << 20  # what a CPU pool's exchange of two rows holds aside
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform == "linux" else 0)
 
 
+@dataclass(frozen=True)
+class DeviceCopies:
+    """Copies between K/V rows on the GPU, from the CUDA runtime that ONNX Runtime's CUDA provider has loaded.
+    copy_2d(destination, source, pitch, width, height): cudaMemcpy2D, device to device. CUDA returns from such a copy
+    before it is done (a device-to-device cudaMemcpy does no host-side synchronization), on the legacy default stream,
+    which ONNX Runtime's stream (created non-blocking) never waits for: so a pool's copies end with wait() before it
+    returns, or the next step could read a row half copied (ONNX Runtime's own device copies synchronize likewise).
+    The copy itself starts after the last step's writes: a step's run has synchronized its stream when it returns."""
+
+    copy_2d: Callable[[int, int, int, int, int], None]
+    wait: Callable[[], None]
+
+
 @functools.cache
-def device_copy_2d() -> Callable[[int, int, int, int, int], None] | None:
-    """cudaMemcpy2D(destination, pitch, source, pitch, width, height), device to device, from the CUDA runtime that ONNX
-    Runtime's CUDA provider has loaded (found by its soname); None where none can be loaded. Synchronous: it is done
-    before the next step is launched, and a step has finished before the copy starts (a step returns its outputs)."""
+def device_copies() -> DeviceCopies | None:
+    """The CUDA runtime's row copies (DeviceCopies), found by its soname; None where none can be loaded."""
     for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
         try:
-            memcpy_2d = ctypes.CDLL(name).cudaMemcpy2D
+            cudart = ctypes.CDLL(name)
+            memcpy_2d, synchronize = cudart.cudaMemcpy2D, cudart.cudaStreamSynchronize
             break
         except (OSError, AttributeError):
             continue
@@ -68,13 +80,20 @@ def device_copy_2d() -> Callable[[int, int, int, int, int], None] | None:
         return None
     memcpy_2d.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int]
     memcpy_2d.restype = ctypes.c_int
+    synchronize.argtypes = [ctypes.c_void_p]
+    synchronize.restype = ctypes.c_int
 
-    def copy(destination: int, source: int, pitch: int, width: int, height: int) -> None:
+    def copy_2d(destination: int, source: int, pitch: int, width: int, height: int) -> None:
         error = memcpy_2d(destination, pitch, source, pitch, width, height, CUDA_MEMCPY_DEVICE_TO_DEVICE)
         if error:
             raise RuntimeError(f"cudaMemcpy2D between K/V rows failed: CUDA error {error}")
 
-    return copy
+    def wait() -> None:
+        error = synchronize(None)  # the legacy default stream, which the copies went to
+        if error:
+            raise RuntimeError(f"waiting for the copies between K/V rows failed: CUDA error {error}")
+
+    return DeviceCopies(copy_2d, wait)
 
 
 @functools.cache
@@ -257,7 +276,7 @@ class SlotPool:
     @property
     def copies_rows(self) -> bool:
         """Whether copy_columns can run here (always on the CPU provider; under CUDA with the CUDA runtime found)."""
-        return self.arrays is not None or device_copy_2d() is not None
+        return self.arrays is not None or device_copies() is not None
 
     def _moved_bytes(self, columns: int) -> int:
         """Bytes a copy of a row's first `columns` positions moves, every value."""
@@ -274,11 +293,12 @@ class SlotPool:
             for index in range(len(self.arrays)):
                 self._copy_value(index, source, destination, columns)
         else:
-            copy_2d = device_copy_2d()
-            if copy_2d is None:
+            device = device_copies()
+            if device is None:
                 raise RuntimeError("no CUDA runtime to copy K/V between rows (copies_rows is False)")
             for copy in self.pitched_copies(source, destination, columns):
-                copy_2d(*copy)
+                device.copy_2d(*copy)
+            device.wait()
         traffic = self.traffic
         traffic.device_copies += 1
         traffic.device_copy_bytes += self._moved_bytes(columns)
@@ -377,8 +397,8 @@ class SlotPool:
                     array[b, :, start:end] = spare
                 array[a, :, held_a:held_b] = array[b, :, held_a:held_b]  # (H, held_b - held_a, d_k): b's longer part
         else:
-            copy_2d = device_copy_2d()
-            if copy_2d is None:
+            device = device_copies()
+            if device is None:
                 raise RuntimeError("no CUDA runtime to exchange K/V rows (copies_rows is False)")
             if self._spare is None:
                 self._spare = ort.OrtValue.ortvalue_from_shape_and_type(self.shape[1:], self.kv_dtype, "cuda", 0)  # (H, C, d_k)
@@ -389,9 +409,10 @@ class SlotPool:
                 pitch = self.columns[index] * value_bytes
                 a_width, b_width = (self.held_columns(index, n) * value_bytes for n in (a_columns, b_columns))
                 row_a, row_b = value.data_ptr() + a * row_bytes, value.data_ptr() + b * row_bytes
-                copy_2d(spare, row_a, pitch, a_width, heads)
-                copy_2d(row_a, row_b, pitch, b_width, heads)
-                copy_2d(row_b, spare, pitch, a_width, heads)
+                device.copy_2d(spare, row_a, pitch, a_width, heads)
+                device.copy_2d(row_a, row_b, pitch, b_width, heads)
+                device.copy_2d(row_b, spare, pitch, a_width, heads)
+            device.wait()
         traffic = self.traffic
         traffic.device_copies += 1
         copied_columns = sum(2 * self.held_columns(i, a_columns) + self.held_columns(i, b_columns) for i in copied)

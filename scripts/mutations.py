@@ -272,6 +272,20 @@ MUTATIONS = (
         ("tests/service/core/test_kv_rows.py::test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_back_only_what_it_cannot_write",),
     ),
     Mutation(
+        "pool: a prefix copied under CUDA returns before its copies are done (the next step's stream does not wait)",
+        "runtime/pool.py",
+        (("                device.copy_2d(*copy)\n            device.wait()\n", "                device.copy_2d(*copy)\n"),),
+        ("tests/runtime/test_pool.py::test_a_prefix_copied_under_cuda_is_in_place_when_the_copy_returns",
+         "tests/runtime/test_pool.py::test_a_move_under_cuda_is_the_2d_copy_of_the_columns_asked"),
+    ),
+    Mutation(
+        "pool: an exchange under CUDA returns before its copies are done",
+        "runtime/pool.py",
+        (("                device.copy_2d(row_b, spare, pitch, a_width, heads)\n            device.wait()\n",
+          "                device.copy_2d(row_b, spare, pitch, a_width, heads)\n"),),
+        ("tests/runtime/test_pool.py::test_an_exchange_under_cuda_moves_each_heads_columns_through_one_spare_row",),
+    ),
+    Mutation(
         "pool: a discard that keeps a row's first columns gives them back too",
         "runtime/pool.py",
         (("        kept = self.held_columns(index, keep_columns)", "        kept = 0"),),

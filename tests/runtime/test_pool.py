@@ -26,6 +26,35 @@ def filled(pool: SlotPool, seed: int = 0) -> list[np.ndarray]:
     return [array.copy() for array in pool.arrays]
 
 
+class DeferredCopies:
+    """The pool's row copies under CUDA (runtime.pool.DeviceCopies) as the GPU does them: cudaMemcpy2D returns before a
+    device-to-device copy is done, so here each copy is only queued, and runs (as the same 2-D memory copy on the host
+    pool, a memmove per head) when the pool waits for them."""
+
+    def __init__(self):
+        self.queued, self.waits = [], 0
+
+    def copy_2d(self, destination: int, source: int, pitch: int, width: int, height: int) -> None:
+        self.queued.append((destination, source, pitch, width, height))
+
+    def wait(self) -> None:
+        for destination, source, pitch, width, height in self.queued:
+            for head in range(height):
+                ctypes.memmove(destination + head * pitch, source + head * pitch, width)
+        self.queued.clear()
+        self.waits += 1
+
+
+def as_under_cuda(pool: SlotPool, monkeypatch) -> tuple[list[np.ndarray], DeferredCopies]:
+    """pool seen as under CUDA (only addresses: its arrays hidden), its copies deferred: (its arrays, the copies)."""
+    import kvserve.runtime.pool as pool_module
+
+    copies = DeferredCopies()
+    monkeypatch.setattr(pool_module, "device_copies", lambda: copies)
+    arrays, pool.arrays = pool.arrays, None
+    return arrays, copies
+
+
 def test_a_pool_is_every_layers_k_and_v_zeroed_and_a_row_past_the_context_is_scratch():
     pool = host_pool(remap_rows=False)
     assert len(pool.arrays) == len(pool.values) == 2 * 2 and pool.shape == (3, 2, 9, 4)
@@ -82,29 +111,37 @@ def test_row_copies_under_cuda_are_the_2d_copies_of_each_heads_columns():
 
 def test_an_exchange_under_cuda_moves_each_heads_columns_through_one_spare_row(monkeypatch):
     """exchange_rows under CUDA (cudaMemcpy2D through a spare row kept on the device), its copies run as the same 2-D
-    memory copies on the host pool: the rows trade their used columns, the third row is untouched."""
-    import kvserve.runtime.pool as pool_module
-
+    memory copies on the host pool, done by the time it returns: the rows trade their used columns, the third row is
+    untouched."""
     pool = host_pool(rows=3, layers=2, heads=4, columns=257, width=16)
     before = filled(pool, seed=2)
-    arrays, pool.arrays = pool.arrays, None  # as under CUDA: only addresses
+    arrays, copies = as_under_cuda(pool, monkeypatch)
     spare = np.zeros((4, 257, 16), np.float32)  # (H, C, d_k): one row of one layer
 
     class Spare:
         def data_ptr(self):
             return spare.ctypes.data
 
-    def copy_2d(destination, source, pitch, width, height):
-        for head in range(height):
-            ctypes.memmove(destination + head * pitch, source + head * pitch, width)
-
     pool._spare = Spare()
-    monkeypatch.setattr(pool_module, "device_copy_2d", lambda: copy_2d)
     pool.exchange_rows(2, 0, a_columns=7, b_columns=3)
+    assert not copies.queued and copies.waits == 1  # one wait for the exchange's 12 copies, before it returned
     for got, want in zip(arrays, before):
         assert np.array_equal(got[0, :, :7], want[2, :, :7]) and np.array_equal(got[2, :, :3], want[0, :, :3])
         assert np.array_equal(got[1], want[1]) and np.array_equal(got[0, :, 7:], want[0, :, 7:])
     assert pool.traffic.device_copies == 1
+
+
+def test_a_prefix_copied_under_cuda_is_in_place_when_the_copy_returns(monkeypatch):
+    """copy_columns under CUDA (a prompt's prefix taken from another row): its 2-D copies are done, waited for, before it
+    returns, since the next step's stream would not wait for them."""
+    pool = host_pool(rows=3, layers=2, heads=4, columns=257, width=16)
+    before = filled(pool, seed=3)
+    arrays, copies = as_under_cuda(pool, monkeypatch)
+    pool.copy_columns(source=1, destination=0, columns=9)
+    assert not copies.queued and copies.waits == 1
+    for got, want in zip(arrays, before):
+        assert np.array_equal(got[0, :, :9], want[1, :, :9]) and np.array_equal(got[0, :, 9:], want[0, :, 9:])
+        assert np.array_equal(got[1:], want[1:])
 
 
 def resident_bytes() -> int:
@@ -225,19 +262,12 @@ def test_a_remap_the_system_refuses_leaves_the_rows_as_they_were_and_copies_from
 
 def test_a_move_under_cuda_is_the_2d_copy_of_the_columns_asked(monkeypatch):
     """move_row under CUDA (no pages to remap or give back): cudaMemcpy2D of the columns moved, run here as the same 2-D
-    memory copies on the host pool; the source keeps its own K/V, none of it wanted."""
-    import kvserve.runtime.pool as pool_module
-
+    memory copies on the host pool, done when it returns; the source keeps its own K/V, none of it wanted."""
     pool = host_pool(rows=3, layers=2, heads=4, columns=257, width=16, remap_rows=False)
     before = filled(pool, seed=9)
-    arrays, pool.arrays = pool.arrays, None  # as under CUDA: only addresses
-
-    def copy_2d(destination, source, pitch, width, height):
-        for head in range(height):
-            ctypes.memmove(destination + head * pitch, source + head * pitch, width)
-
-    monkeypatch.setattr(pool_module, "device_copy_2d", lambda: copy_2d)
+    arrays, copies = as_under_cuda(pool, monkeypatch)
     assert pool.move_row(source=2, destination=0, columns=7, destination_columns=20, trade=True) == 7
+    assert not copies.queued and copies.waits == 1
     for got, want in zip(arrays, before):
         assert np.array_equal(got[0, :, :7], want[2, :, :7]) and np.array_equal(got[0, :, 7:], want[0, :, 7:])
         assert np.array_equal(got[1:], want[1:])
