@@ -42,7 +42,9 @@ def test_every_finished_rpc_is_counted_once_under_its_real_code(tiny_artifact, m
         counts = live(stub)
         return counts.active_sequences, counts.queued_sequences
 
-    with slowed_server(tiny_artifact, monkeypatch, metrics_port=0, max_batch_size=4, max_queue=64) as (running, stub, channel):
+    # 0.1 s a step: the expiring requests' 200 tokens take 7 steps at least (1 + drafts.MAX_DRAFT_TOKENS a step), so
+    # they outlast their 0.3 s deadline however many drafts the cancelled streams taught the server to take
+    with slowed_server(tiny_artifact, monkeypatch, seconds=0.1, metrics_port=0, max_batch_size=4, max_queue=64) as (running, stub, channel):
         cancelled = [stub.Generate(long_request(200), timeout=60) for _ in range(4)]
         for stream in cancelled:
             next(stream)  # four are running ...
