@@ -76,6 +76,9 @@ for part in $PARTS; do
       export_cuda qwen2.5-0.5b-float16-fused --preset qwen2.5-0.5b --dtype float16 --attention fused --out "$ART/qwen2.5-0.5b-float16-fused"
       step cuda-graph-qwen2.5-0.5b-fp16-fused $PY bench/cuda_graph_decode.py --provider cuda --artifact "$ART/qwen2.5-0.5b-float16-fused"
       step kernels-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/gpt2-float16-fused"
+      # The default model, trained, so its projections have biases (the presets' are zeros): what they add to a step.
+      export_cuda kjv-gpt2-float16-fused --checkpoint checkpoints/kjv-gpt2 --dtype float16 --attention fused --out "$ART/kjv-gpt2-float16-fused"
+      step kernels-kjv-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/kjv-gpt2-float16-fused"
       step torch-peer-gpt2-fp16 timeout 240 $PY bench/torch_graph_decode.py --preset gpt2
       step grpc-cuda-graph-fp16-fused $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" --cuda-graph \
         --levels 1,16,64,256 --max-batch-size 256

@@ -8,7 +8,8 @@ Add before each LayerNorm. The fusions are ONNX Runtime's own (onnxruntime.trans
   FastGelu                   the tanh GELU, its bias Add folded in (BiasGelu)
   SkipLayerNormalization     residual Add + LayerNormalization, the residual sum kept as an output where the next
                              block reads it, and the bias Add of the projection before it folded in
-They match a MatMul with a weight, not a MatMulNBits: the quantizer runs them before it rewrites the weights.
+They match a MatMul with a weight, not a MatMulNBits: the quantizer runs them before it rewrites the weights. A
+Gemm's bias (a linear layer on the slots step's 2-D rows) moves into the fused kernel that reads it (fold_gemm_biases).
 Measured in bench/decode_floor.py (docs/benchmarks.md, "Operator fusions").
 
 A float16 graph first loses the float32 round trip its norms take (the eager model normalises in float32 for
@@ -59,11 +60,54 @@ def fuse_operators(model: onnx.ModelProto, float16: bool = False, plan: WeightPl
             fusion.apply()
     finally:
         logging.disable(logging.NOTSET)
+    fold_gemm_biases(model.graph)
     sort_nodes(model.graph)
     counts = collections.Counter(node.op_type for node in model.graph.node)
     if any(node.domain == MICROSOFT for node in model.graph.node) and not any(o.domain == MICROSOFT for o in model.opset_import):
         model.opset_import.append(onnx.helper.make_opsetid(MICROSOFT, 1))
     return {op: counts[op] for op in FUSED_OPERATORS + (FLOAT16_NORMS if float16 else ())}
+
+
+def fold_gemm_biases(graph: onnx.GraphProto) -> int:
+    """Move the bias of each Gemm(x, W, b) whose one reader is a FastGelu or a SkipLayerNormalization with no bias of
+    its own into that reader's bias input, in place; returns how many moved. A linear layer on the slots step's 2-D rows
+    exports as a Gemm with its bias, which the fusions (they match MatMul + Add) leave there, and ONNX Runtime's CUDA
+    Gemm broadcasts a bias into its output with a cuBLAS GEMM of its own before the product (gemm.cc): GPT-2 launches
+    one more GEMM for each of its four projections a layer. Moved, three of them are added inside kernels that run
+    anyway (the attention and MLP outputs' SkipLayerNormalization, the MLP's FastGelu); Q/K/V's bias (read by a Reshape
+    for the attention operator) and the last layer's (its residual sum is gathered before the final norm) stay."""
+    initializers = {init.name: init for init in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    readers = collections.defaultdict(list)
+    for node in graph.node:
+        for name in _reads(node):
+            readers[name].append(node)
+    moved = 0
+    for gemm in graph.node:
+        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in gemm.attribute}
+        plain = attributes.get("alpha", 1.0) == 1.0 and attributes.get("beta", 1.0) == 1.0 and not attributes.get("transA", 0)
+        if gemm.op_type != "Gemm" or len(gemm.input) < 3 or not gemm.input[2] or not plain:
+            continue
+        bias, product, weight = gemm.input[2], gemm.output[0], initializers.get(gemm.input[1])
+        if bias not in initializers or weight is None or product in outputs or len(readers[product]) != 1:
+            continue
+        if list(initializers[bias].dims) != [weight.dims[0 if attributes.get("transB", 0) else 1]]:
+            continue  # the fused kernels take a bias of the product's width only, not one broadcast from a scalar
+        (reader,) = readers[product]
+        inputs = list(reader.input)
+        if reader.domain != MICROSOFT:
+            continue
+        if reader.op_type == "FastGelu" and inputs[1:2] in ([], [""]) and inputs[0] == product:
+            inputs[1:] = [bias]  # (X, bias)
+        elif reader.op_type == "SkipLayerNormalization" and inputs[4:5] in ([], [""]) and product in inputs[:2]:
+            inputs = (inputs + [""] * 4)[:4] + [bias]  # (input, skip, gamma, beta or none, bias)
+        else:
+            continue
+        del reader.input[:]
+        reader.input.extend(inputs)
+        del gemm.input[2]
+        moved += 1
+    return moved
 
 
 def float16_norms(model: onnx.ModelProto, plan: WeightPlan | None = None) -> int:

@@ -272,6 +272,18 @@ MUTATIONS = (
         ("tests/service/core/test_kv_rows.py::test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_back_only_what_it_cannot_write",),
     ),
     Mutation(
+        "fusions: a Gemm's bias stays in the Gemm (CUDA spends a GEMM on it)",
+        "export/graph_fusions.py",
+        (("    fold_gemm_biases(model.graph)\n", ""),),
+        ("tests/export/test_graph_fusions.py::test_fused_operators_change_no_number_of_the_trained_model[fused]",),
+    ),
+    Mutation(
+        "fusions: a folded bias is dropped from the Gemm but never reaches the SkipLayerNormalization",
+        "export/graph_fusions.py",
+        (("            inputs = (inputs + [\"\"] * 4)[:4] + [bias]", "            inputs = (inputs + [\"\"] * 4)[:4]"),),
+        ("tests/export/test_graph_fusions.py::test_fused_operators_change_no_number_of_the_trained_model[fused]",),
+    ),
+    Mutation(
         "pool: a prefix copied under CUDA returns before its copies are done (the next step's stream does not wait)",
         "runtime/pool.py",
         (("                device.copy_2d(*copy)\n            device.wait()\n", "                device.copy_2d(*copy)\n"),),

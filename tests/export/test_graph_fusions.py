@@ -1,5 +1,5 @@
 """Operator fusions (export/graph_fusions.py): the trained model's graph, fused and not, gives the same numbers from
-real ONNX Runtime sessions, with the GELUs and residual LayerNorms fused and their bias Adds folded in."""
+real ONNX Runtime sessions, with the GELUs and residual LayerNorms fused and the projections' biases folded in."""
 
 from __future__ import annotations
 
@@ -41,6 +41,12 @@ def test_fused_operators_change_no_number_of_the_trained_model(trained_model, tm
     assert counts == {"FastGelu": layers, "SkipLayerNormalization": 2 * layers - 1}
     ops = collections.Counter(n.op_type for n in fused.graph.node)
     assert ops["Tanh"] == ops["Pow"] == 0 and ops["Add"] <= collections.Counter(n.op_type for n in plain.graph.node)["Add"] // 2
+    # the projections' biases are added inside the fused kernels that read them, the fused attention's slots step's
+    # Gemms' included (CUDA's Gemm spends a GEMM of its own on a bias): all but Q/K/V's and the last layer's MLP output's
+    biased = [[n for n in graph.graph.node if n.op_type == "Gemm" and len(n.input) > 2 and n.input[2]] for graph in (plain, fused)]
+    assert (len(biased[0]), len(biased[1])) == ((4 * layers, layers + 1) if attention == io.FUSED else (0, 0))
+    assert all(len(n.input) == 2 for n in fused.graph.node if n.op_type == "FastGelu")
+    assert sum(len(n.input) == 5 and bool(n.input[4]) for n in fused.graph.node if n.op_type == "SkipLayerNormalization") == 2 * layers - 1
     for name, graph in (("plain", plain), ("fused", fused)):
         (tmp_path / name).mkdir()
         save_graph(graph, tmp_path / name)  # onnx's checker passes: the nodes are in order, branches' outer reads included
