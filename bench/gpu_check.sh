@@ -10,7 +10,8 @@
 # ONNX Runtime's profiler finds slow in them, and the same without memory patterns, fused and standard; bounds every
 # float16 export of the suite's configs on CUDA across three seeds against the eager model's own float16 error (the
 # floor the float16 bounds rise to, bench/float16_floor.py), each check's error printed with the bound opened
-# (bench/parity_errors.py), float32 on CUDA (the ring rows' export among them), then Phi-3's crossing;
+# (bench/parity_errors.py), float32 on CUDA (the ring rows' export among them), then Phi-3's crossing (which serving
+# feature it lives in, bench/crossing_bisect.py, then its tests);
 # split a fused float16 artifact's steps through its chunk graph and decode graph against its step graph (its If a layer).
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
@@ -135,6 +136,7 @@ for part in $PARTS; do
         tests/export/test_own_rounding.py
       step bounds-float16-cuda $PY bench/parity_errors.py --provider cuda --dtype float16 --seeds 3
       step bounds-float32-cuda $PY bench/parity_errors.py --provider cuda --only mistral gemma3 phi3
+      step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda
       step tests-cuda-crossing env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
         tests/service/core/test_llama_serving.py -k "crossed or longrope_streams"
       ;;
