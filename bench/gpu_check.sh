@@ -12,7 +12,8 @@
 # floor the float16 bounds rise to, bench/float16_floor.py), each check's error printed with the bound opened
 # (bench/parity_errors.py), float32 on CUDA (the ring rows' export among them), then Phi-3's crossing (which serving
 # feature it lives in, bench/crossing_bisect.py, then its tests);
-# split a fused float16 artifact's steps through its chunk graph and decode graph against its step graph (its If a layer).
+# split a fused float16 artifact's steps through its chunk graph and decode graph against its step graph (its If a layer);
+# next issue 50's open questions, quickest answer first, for a short loan (PARTS=next).
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
 # On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
 #   bash bench/gpu_check.sh
@@ -148,6 +149,22 @@ for part in $PARTS; do
         tests/service/core/test_prompt_cache.py tests/runtime tests/service/core/test_structured.py tests/service/core/test_fixed_decode.py \
         tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py tests/export/test_own_rounding.py
       ;;
+    next)
+      # Issue 50's open questions in one short loan, the quickest answer first (each a step of the parts above): which
+      # serving feature the Phi-3 crossing lives in; the trained model's kernels a step with its biases moved; the
+      # float16 floor on CUDA over one seed; whether split steps and the warmed chunk lengths end the fused server's
+      # stalls; the server at 16 streams against the 6,500 tokens/s target; torch's captured decode beside it.
+      step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda
+      export_cuda kjv-gpt2-float16-fused --checkpoint checkpoints/kjv-gpt2 --dtype float16 --attention fused --out "$ART/kjv-gpt2-float16-fused"
+      step kernels-kjv-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/kjv-gpt2-float16-fused"
+      step bounds-float16-floor-cuda-1-seed $PY bench/float16_floor.py --provider cuda --seeds 1
+      export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
+      step step-kinds-gpt2-fp16-split-on-warmed $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+        --cuda-graph --streams 16 --split-steps on --warm-chunks
+      step grpc-cuda-graph-fp16-split-on $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+        --cuda-graph --levels 1,16,64 --max-batch-size 256 --split-steps on
+      step torch-peer-gpt2-fp16 timeout 240 $PY bench/torch_graph_decode.py --preset gpt2
+      ;;
     bench)
       step bench-decode-cuda-fp32 $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32"
       step bench-decode-cuda-fp16 $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float16"
@@ -166,7 +183,7 @@ for part in $PARTS; do
       step bench-serving-cuda $PY bench/serving_latency.py --provider cuda --new "$ART/gpt2-float32"
       ;;
     *)
-      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, split, bounds, tests, bench)"
+      echo "gpu_check: unknown part '$part' in PARTS (parity, capture, fused, serve, stalls, split, bounds, next, tests, bench)"
       exit 2
       ;;
   esac
