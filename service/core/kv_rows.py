@@ -86,7 +86,9 @@ class KvRows:
         # copied on the device. Then a step computes no idle row: a fused graph's idle row reads its whole width.
         self.compact = device == "cpu" or pool.copies_rows
         self.prefixes = PrefixIndex() if prompt_cache else None  # every row's tokens, in use or cached
-        self.cached: OrderedDict[int, None] = OrderedDict()  # free rows holding K/V, least recently used first
+        # free rows holding K/V, least recently used first, each with the bytes its indexed tokens take: the cache's size
+        # is asked every step (the metrics' gauge) and at every join and leave (the budget), so no row is measured again
+        self.cached: OrderedDict[int, int] = OrderedDict()
         self.copies_from_busy = prompt_cache and pool.copies_rows
         self.commits_as_written = device == "cpu"  # the pool's memory follows what rows hold (runtime/pool.py)
         _, n_kv_head, _, d_head = pool.shape
@@ -162,7 +164,7 @@ class KvRows:
 
     def cached_bytes(self) -> int:
         """Bytes of K/V the prompt cache's rows hold."""
-        return sum(self._holding(len(self.prefixes.tokens(row))) for row in self.cached)
+        return sum(self.cached.values())
 
     def clear(self) -> list[Sequence]:
         """Every sequence leaves its row, the pool's contents being unknown (a step failed): the prompt cache forgets
@@ -319,7 +321,7 @@ class KvRows:
         if self.prefixes is None:
             return
         self.prefixes.swap(a, b)
-        self.cached = OrderedDict((b if row == a else a if row == b else row, None) for row in self.cached)
+        self.cached = OrderedDict((b if row == a else a if row == b else row, held) for row, held in self.cached.items())
 
     def release(self, leaving: list[Sequence]) -> None:
         """Free the rows of sequences that left, each keeping what it wrote for the prompt cache; on CPU keep the rows
@@ -342,7 +344,7 @@ class KvRows:
                         self.prefixes.put(row, written[: seq.long_rope_from], False)
                     else:
                         self.prefixes.put(row, written, seq.long_rope)
-                    self.cached[row] = None
+                    self.cached[row] = self._holding(len(self.prefixes.tokens(row)))
                     self.cached.move_to_end(row)
                     continue
                 self.prefixes.remove(row)
