@@ -5,10 +5,11 @@ concurrency 1, to show what gRPC costs. Bounded: a fixed number of requests per 
 Each gRPC level also reports the server process's CPU time per streamed token (all its threads, from
 /proc): what the host spends per token besides the model, which bounds the tokens/s one server can stream
 however fast its steps run. With a model whose steps cost next to nothing (`--artifact` of the tiny preset)
-the tokens/s column is the serving stack's own ceiling.
+the tokens/s column is the serving stack's own ceiling. With --batch-tokens each level above 1 runs again right after,
+asking for several tokens a message (GenerateRequest.batch_tokens): its row says what fewer messages give.
 
     python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64] [--cuda-graph]
-                              [--requests-per-stream 2] [--levels 1,16,64,256 --max-batch-size 256]
+                              [--requests-per-stream 2] [--levels 1,16,64,256 --max-batch-size 256] [--batch-tokens]
 """
 
 from __future__ import annotations
@@ -46,13 +47,15 @@ def percentile(values, q):
     return float(np.percentile(values, q)) * 1e3 if values else float("nan")
 
 
-async def one_request(stub, ids, new_tokens):
-    """(ttft s, [inter-token gaps s], tokens) of one streamed request."""
-    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=new_tokens, ignore_eos=True)
+async def one_request(stub, ids, new_tokens, batch_tokens: bool = False):
+    """(ttft s, [inter-token gaps s], tokens) of one streamed request; batch_tokens: several tokens a message where the
+    server has them (GenerateRequest.batch_tokens), the tokens of one message arriving together (gaps of 0)."""
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=ids), max_new_tokens=new_tokens, ignore_eos=True, batch_tokens=batch_tokens)
     start = time.perf_counter()
     stamps = []
-    async for _ in stub.Generate(request, timeout=LEVEL_TIME_CAP_S):
-        stamps.append(time.perf_counter())
+    async for response in stub.Generate(request, timeout=LEVEL_TIME_CAP_S):
+        now = time.perf_counter()
+        stamps.extend([now] * (len(response.tokens) if batch_tokens else 1))
     return stamps[0] - start, list(np.diff(stamps)), len(stamps)
 
 
@@ -66,7 +69,8 @@ def process_cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests_per_stream=REQUESTS_PER_STREAM, server_pid=None):
+async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests_per_stream=REQUESTS_PER_STREAM, server_pid=None,
+                    batch_tokens: bool = False):
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await one_request(stub, prompt_ids(0, prompt_len, vocab), 4)  # connection and warm-up
@@ -75,7 +79,7 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
         async def stream(worker):
             nonlocal tokens
             for k in range(requests_per_stream):
-                ttft, gap, n = await one_request(stub, prompt_ids(1000 * worker + k, prompt_len, vocab), new_tokens)
+                ttft, gap, n = await one_request(stub, prompt_ids(1000 * worker + k, prompt_len, vocab), new_tokens, batch_tokens)
                 ttfts.append(ttft)
                 gaps.extend(gap)
                 tokens += n
@@ -208,6 +212,8 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="the server's --max-batch-size (default 16)")
     parser.add_argument("--split-steps", choices=tuple(SPLIT_STEPS), default="auto",
                         help="the server's --split-steps, and the in-process engine's (default auto: on the CUDA provider)")
+    parser.add_argument("--batch-tokens", action="store_true",
+                        help="each level above 1 also with GenerateRequest.batch_tokens (several tokens a message), right after it")
     args = parser.parse_args()
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
@@ -226,9 +232,13 @@ def main() -> None:
                                                    args.requests_per_stream, server_pid=process.pid)))
         engine_result = merged(engine_runs)
         results = {1: merged(grpc_runs)}
+        batched = {}
         for c in levels[1:]:
             results[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size,
                                                args.requests_per_stream, server_pid=process.pid))
+            if args.batch_tokens:
+                batched[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size,
+                                                   args.requests_per_stream, server_pid=process.pid, batch_tokens=True))
     finally:
         process.terminate()
         process.wait(60)
@@ -249,6 +259,8 @@ def main() -> None:
     row("in-process engine", 1, engine_result)
     for c in levels:
         row("gRPC", c, results[c])
+        if c in batched:
+            row("gRPC, batch_tokens", c, batched[c])
     top = 16 if 16 in results else levels[-1]
     scale = results[top]["tokens_per_s"] / results[1]["tokens_per_s"]
     overhead = results[1]["tokens_per_s"] / engine_result["tokens_per_s"]

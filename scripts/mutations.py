@@ -272,6 +272,25 @@ MUTATIONS = (
         ("tests/service/core/test_kv_rows.py::test_a_joiner_writes_over_the_pages_of_the_cached_row_it_takes_and_gives_back_only_what_it_cannot_write",),
     ),
     Mutation(
+        "engine: a batched stream takes one event at a time (no fewer messages)",
+        "service/core/engine.py",
+        (("                    while events[-1].finish is None and not seq.events.empty():", "                    while False:"),),
+        ("tests/service/core/test_engine.py::test_a_batched_stream_takes_every_event_ready_at_once_in_order_and_raises_after_the_tokens_before_an_error",),
+    ),
+    Mutation(
+        "engine: an error queued behind a batch's tokens is dropped",
+        "service/core/engine.py",
+        (("                            waiting = event\n", "                            pass\n"),),
+        ("tests/service/core/test_engine.py::test_a_batched_stream_takes_every_event_ready_at_once_in_order_and_raises_after_the_tokens_before_an_error",),
+    ),
+    Mutation(
+        "gRPC: batch_tokens is ignored (one token a message, in token)",
+        "service/edges/grpc_servicer.py",
+        (("        batched = request.batch_tokens", "        batched = False"),),
+        ("tests/service/edges/test_grpc_servicer.py::test_a_batched_stream_carries_the_one_token_streams_tokens_text_and_finish",
+         "tests/service/edges/test_grpc_servicer.py::test_tokens_a_grammar_forces_in_one_step_come_in_one_message"),
+    ),
+    Mutation(
         "fusions: a Gemm's bias stays in the Gemm (CUDA spends a GEMM on it)",
         "export/graph_fusions.py",
         (("    fold_gemm_biases(model.graph)\n", ""),),

@@ -103,9 +103,11 @@ class Engine:
                 f"the queue is full ({self.limits.max_queue} requests waiting for one of {self.limits.max_batch_size} rows); retry later"
             )
 
-    async def generate(self, request: GenerationRequest):
-        """Stream StepEvents for one request; the last carries the finish. Closing the stream early (client
-        cancelled, disconnected, deadline) frees the sequence's cache within one step."""
+    async def generate(self, request: GenerationRequest, batched: bool = False):
+        """Stream StepEvents for one request; the last carries the finish. batched: lists of them instead, each every
+        event ready when the caller asks (a step's accepted drafts; the steps that ran while the caller was busy), so a
+        caller that writes one message a list writes fewer. Closing the stream early (client cancelled, disconnected,
+        deadline) frees the sequence's cache within one step."""
         if not self._accepting:
             raise Unavailable("the server is shutting down")
         if validates_inline(request):  # cheaper than the round trip to a thread
@@ -115,10 +117,11 @@ class Engine:
         self._admit(1)
         seq.events = asyncio.Queue()
         self.scheduler.submit(seq)
-        finish, failure = None, None
+        finish, failure, waiting = None, None, None
         try:
             while True:
-                event = await seq.events.get()
+                event = waiting if waiting is not None else await seq.events.get()
+                waiting = None
                 if isinstance(event, EngineError):  # ended by the server (see stop_streams): its own status
                     failure = event
                     raise event
@@ -128,9 +131,19 @@ class Engine:
                 if isinstance(event, BaseException):
                     failure = SequenceFailed(f"generation failed: {type(event).__name__}: {event}")
                     raise failure from event
-                if event.finish is not None:  # before the yield: a consumer may stop at the last event without resuming us
-                    finish = event.finish
-                yield event
+                if not batched:
+                    finish = event.finish  # before the yield: a consumer may stop at the last event without resuming us
+                    yield event
+                else:
+                    events = [event]
+                    while events[-1].finish is None and not seq.events.empty():
+                        event = seq.events.get_nowait()
+                        if isinstance(event, BaseException):  # raised once the tokens before it are out
+                            waiting = event
+                            break
+                        events.append(event)
+                    finish = events[-1].finish
+                    yield events
                 if finish is not None:
                     return
         finally:
@@ -148,11 +161,12 @@ class Engine:
             raise Unavailable("the server is shutting down")
         return await asyncio.to_thread(self.validator.render, request)
 
-    async def generate_n(self, request: GenerationRequest, n: int):
+    async def generate_n(self, request: GenerationRequest, n: int, batched: bool = False):
         """n completions of request, each its own sequence (seeds seed, seed + 1, ...): yields (index, StepEvent) as the
-        steps make them, each completion ending with its finish. Every completion has its first token before the first
-        event is yielded, so a refusal of any (a bad request, a full queue) comes before anything was sent; a failure
-        later ends the stream with its error. Closing the stream cancels every sequence still running."""
+        steps make them (batched: (index, list of StepEvents), as generate's), each completion ending with its finish.
+        Every completion has its first token before the first event is yielded, so a refusal of any (a bad request, a
+        full queue) comes before anything was sent; a failure later ends the stream with its error. Closing the stream
+        cancels every sequence still running."""
         if not 1 <= n <= self.limits.max_n:
             raise InvalidArgument("n", f"must be in [1, {self.limits.max_n}], got {n}")
         # All n asked for at once: one at a time, a completion that finished while another was being tokenized would
@@ -163,7 +177,7 @@ class Engine:
             request_span, (parent, state) = self.tracer.start_request(
                 self.tracer.caller_context(request.traceparent, request.tracestate), n, self.model_name)
             request = dataclasses.replace(request, traceparent=parent, tracestate=state)
-        streams = [self.generate(dataclasses.replace(request, sampling=nth_seed(request.sampling, i))) for i in range(n)]
+        streams = [self.generate(dataclasses.replace(request, sampling=nth_seed(request.sampling, i)), batched) for i in range(n)]
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, stream) -> None:
@@ -179,7 +193,8 @@ class Engine:
         pumps = []
         try:
             await asyncio.gather(*firsts)  # every one admitted, or the whole call refused
-            pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if firsts[i].result().finish is None]
+            finished = [(first.result()[-1] if batched else first.result()).finish is not None for first in firsts]
+            pumps = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams) if not finished[i]]
             for index, first in enumerate(firsts):
                 yield index, first.result()
             running = len(pumps)

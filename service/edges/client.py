@@ -85,7 +85,9 @@ def stream_generation(
     """Print the text as it streams, then one summary line; return the summary. chat: the prompt is a user's message
     (after a system message, if given), and the reply the assistant's. response_format: (kind, value) with kind a
     ResponseFormat field: json_schema and lark_grammar name a file, regex is the pattern, json_object any value."""
-    request = pb.GenerateRequest(max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature, seed=seed))
+    # batch_tokens: the text is written as it comes either way, in fewer messages when the server has several tokens
+    request = pb.GenerateRequest(max_new_tokens=max_new_tokens, sampling=pb.SamplingParams(temperature=temperature, seed=seed),
+                                 batch_tokens=True)
     if response_format is not None:
         kind, value = response_format
         if kind == "json_object":
@@ -112,10 +114,10 @@ def stream_generation(
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=timeout, wait_for_ready=False, metadata=metadata):
-                if response.HasField("token"):
-                    tokens += 1
+                if response.tokens:
+                    tokens += len(response.tokens)
                     first = first or time.perf_counter()
-                    out.write(response.token.text_delta)
+                    out.write("".join(token.text_delta for token in response.tokens))
                     out.flush()
                 if response.HasField("finish"):
                     finish = response.finish

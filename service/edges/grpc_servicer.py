@@ -17,7 +17,7 @@ from ..core.engine_errors import InvalidArgument
 from ..core.limits import limit_values
 from ..core.model_info import ModelInfo
 from ..core.sampling import SamplingParams
-from ..core.sequence import FinishReason, GenerationRequest, StepEvent
+from ..core.sequence import Finish, FinishReason, GenerationRequest, StepEvent
 from ..core.structured import FormatKind, ResponseFormat
 from ..core.tool_calls import ToolChoice, ToolRequest
 from .tokenizing import TokenizeProcess
@@ -49,14 +49,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         engine = self.serving.ready_engine()
         domain = _to_domain(request, context.invocation_metadata())
+        batched = request.batch_tokens
         if request.n <= 1:
-            async with contextlib.aclosing(engine.generate(domain)) as events:
+            async with contextlib.aclosing(engine.generate(domain, batched)) as events:
                 async for event in events:
-                    yield _to_proto(event, engine.tokenizer)
+                    yield _batch_proto(event, engine.tokenizer) if batched else _to_proto(event, engine.tokenizer)
             return
-        async with contextlib.aclosing(engine.generate_n(domain, request.n)) as events:
+        async with contextlib.aclosing(engine.generate_n(domain, request.n, batched)) as events:
             async for index, event in events:
-                response = _to_proto(event, engine.tokenizer)
+                response = _batch_proto(event, engine.tokenizer) if batched else _to_proto(event, engine.tokenizer)
                 response.index = index
                 yield response
 
@@ -173,23 +174,37 @@ def _response_format(message: pb.ResponseFormat) -> ResponseFormat:
 
 
 def _to_proto(event: StepEvent, tokenizer) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(token=pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob,
-                                                  tool_call_delta=event.call_text, reasoning_delta=event.reasoning))
+    response = pb.GenerateResponse(token=_token_proto(event, tokenizer))
+    if event.finish is not None:
+        response.finish.CopyFrom(_finish_proto(event.finish))
+    return response
+
+
+def _batch_proto(events: list[StepEvent], tokenizer) -> pb.GenerateResponse:
+    """One response of a batch_tokens stream: the events' tokens, in order, and the last one's finish."""
+    response = pb.GenerateResponse(tokens=[_token_proto(event, tokenizer) for event in events])
+    if events[-1].finish is not None:
+        response.finish.CopyFrom(_finish_proto(events[-1].finish))
+    return response
+
+
+def _token_proto(event: StepEvent, tokenizer) -> pb.Token:
+    token = pb.Token(id=event.token_id, text_delta=event.text, logprob=event.logprob, tool_call_delta=event.call_text,
+                     reasoning_delta=event.reasoning)
     if event.top_logprobs:
         pieces = tokenizer.pieces([token for token, _ in event.top_logprobs])
-        response.token.top_logprobs.extend(
+        token.top_logprobs.extend(
             pb.TopLogprob(id=token, text=piece, logprob=logprob) for (token, logprob), piece in zip(event.top_logprobs, pieces))
-    finish = event.finish
-    if finish is not None:
-        response.finish.CopyFrom(
-            pb.FinishDetails(
-                reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
-                time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
-                cached_prompt_tokens=finish.cached_prompt_tokens, reasoning_tokens=finish.reasoning_tokens,
-                accepted_draft_tokens=finish.accepted_draft_tokens, rejected_draft_tokens=finish.rejected_draft_tokens,
-                tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in finish.tool_calls],
-            )
-        )
-    return response
+    return token
+
+
+def _finish_proto(finish: Finish) -> pb.FinishDetails:
+    return pb.FinishDetails(
+        reason=FINISH_REASONS[finish.reason], prompt_tokens=finish.prompt_tokens, generated_tokens=finish.generated_tokens,
+        time_to_first_token_ns=finish.time_to_first_token_ns, total_ns=finish.total_ns, stop_sequence=finish.stop_sequence,
+        cached_prompt_tokens=finish.cached_prompt_tokens, reasoning_tokens=finish.reasoning_tokens,
+        accepted_draft_tokens=finish.accepted_draft_tokens, rejected_draft_tokens=finish.rejected_draft_tokens,
+        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in finish.tool_calls],
+    )
 
 

@@ -96,6 +96,53 @@ def test_n_completions_are_n_sequences_with_seeds_in_turn_each_ending_once(tiny_
     assert len({tuple(a) for a in alone}) == 3
 
 
+def test_a_batched_stream_takes_every_event_ready_at_once_in_order_and_raises_after_the_tokens_before_an_error(tiny_runtime, monkeypatch):
+    """generate(batched=True): lists of the events ready when the caller asks; a caller busy while the steps run gets
+    them in one list; the lists concatenated are the unbatched stream; an error queued behind tokens comes after them."""
+    request = GenerationRequest(prompt_ids=(9, 8, 7), max_new_tokens=40, ignore_eos=True, speculation=False)
+    runtime, _ = tiny_runtime
+    for name in ("run_slots", "run_decode"):  # 5 ms a step at least: 200 tokens outlast every wait below
+        real = getattr(runtime, name)
+        monkeypatch.setattr(runtime, name, lambda *args, real=real: (time.sleep(0.005), real(*args))[1])
+
+    async def scenario(engine):
+        plain = [event async for event in engine.generate(request)]
+        batches = []
+        async for events in engine.generate(request, batched=True):
+            batches.append(events)
+            if len(batches) == 1:
+                await asyncio.sleep(0.3)  # busy: the steps go on meanwhile
+        stopped = engine.generate(LONG, batched=True)
+        first = await anext(stopped)
+        await asyncio.sleep(0.1)  # tokens queue, then the server ends the stream behind them
+        await engine.stop_streams("going away")
+        before_error = await asyncio.wait_for(anext(stopped), 10)
+        with pytest.raises(Unavailable, match="going away"):
+            await asyncio.wait_for(anext(stopped), 10)
+        return plain, batches, first, before_error
+
+    plain, batches, first, before_error = with_engine(tiny_runtime, scenario)
+    events = [event for batch in batches for event in batch]
+    assert [(e.token_id, e.text) for e in events] == [(e.token_id, e.text) for e in plain]
+    assert (events[-1].finish.reason, events[-1].finish.generated_tokens) == (plain[-1].finish.reason, 40)
+    assert max(len(batch) for batch in batches) > 1 and len(batches) < len(events)
+    assert all(e.finish is None for e in events[:-1]) and events[-1].finish is not None
+    assert len(first) >= 1 and len(before_error) > 1 and all(e.finish is None for e in before_error)
+
+
+def test_batched_n_completions_are_each_the_unbatched_ones(tiny_runtime):
+    request = GenerationRequest(prompt_ids=(5, 6, 7), max_new_tokens=12, ignore_eos=True, sampling=SamplingParams(temperature=1.0, seed=40))
+
+    async def scenario(engine):
+        plain = [(index, event) async for index, event in engine.generate_n(request, 3)]
+        batched = [(index, events) async for index, events in engine.generate_n(request, 3, batched=True)]
+        return plain, batched
+
+    plain, batched = with_engine(tiny_runtime, scenario)
+    for index in range(3):
+        assert [e.token_id for i, batch in batched if i == index for e in batch] == [e.token_id for i, e in plain if i == index]
+
+
 def test_one_bad_completion_refuses_the_whole_request_before_anything_is_sent(tiny_runtime):
     async def scenario(engine):
         stream = engine.generate_n(GenerationRequest(prompt_ids=(1,), max_new_tokens=2), 3)
