@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import statistics
 import sys
 import time
@@ -43,13 +44,21 @@ async def grpc_stream(stub, ids: list[int], new_tokens: int) -> tuple[float, int
 
 
 async def http_stream(client: httpx.AsyncClient, model: str, ids: list[int], new_tokens: int) -> tuple[float, int]:
-    body = {"model": model, "prompt": ids, "max_tokens": new_tokens, "temperature": 0, "stream": True}
-    start, first, tokens = time.perf_counter(), None, 0
+    """(time to first token s, tokens) of one greedy stream: its tokens as its usage chunk counts them (a chunk carries
+    the tokens ready together)."""
+    body = {"model": model, "prompt": ids, "max_tokens": new_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    start, first, tokens, pending = time.perf_counter(), None, 0, b""
     async with client.stream("POST", "/v1/completions", json=body) as response:
-        async for line in response.aiter_lines():
-            if line.startswith("data: {"):
-                first = first or time.perf_counter()
-                tokens += 1
+        async for data in response.aiter_bytes():
+            *events, pending = (pending + data).split(b"\n\n")  # an event ends with a blank line (its text may hold \r)
+            for event in events:
+                if event.startswith(b"data: {"):
+                    chunk = json.loads(event[6:])
+                    if chunk["choices"]:
+                        first = first or time.perf_counter()
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
     return first - start, tokens
 
 
@@ -90,7 +99,7 @@ def main() -> None:
     config = open_artifact(args.artifact).config
     port = 18000 + np.random.default_rng().integers(0, 1000)
     results: dict[tuple[str, int], list[dict]] = {}
-    with Server("http", args.artifact, args.provider, None, ["--http-port", str(port), "--prompt-cache", "off"]) as server:
+    with Server("http", args.artifact, args.provider, sys.executable, ["--http-port", str(port), "--prompt-cache", "off"]) as server:
         model = Path(args.artifact).resolve().name
         base = f"http://127.0.0.1:{port}"
         for round_ in range(args.rounds):

@@ -284,6 +284,18 @@ MUTATIONS = (
         ("tests/service/core/test_engine.py::test_a_batched_stream_takes_every_event_ready_at_once_in_order_and_raises_after_the_tokens_before_an_error",),
     ),
     Mutation(
+        "HTTP: a streamed chunk of several tokens writes only the last one's text",
+        "service/edges/openai_answers.py",
+        (("    text = \"\".join(e.text for e in events)", "    text = last.text"),),
+        ("tests/service/edges/test_http_api.py::test_tokens_ready_together_stream_in_one_chunk_with_the_same_text",),
+    ),
+    Mutation(
+        "HTTP: continuous usage counts a chunk of several tokens as one",
+        "service/edges/http_api.py",
+        (("                generated += len(batch)", "                generated += 1"),),
+        ("tests/service/edges/test_http_api.py::test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk",),
+    ),
+    Mutation(
         "gRPC: batch_tokens is ignored (one token a message, in token)",
         "service/edges/grpc_servicer.py",
         (("        batched = request.batch_tokens", "        batched = False"),),

@@ -240,7 +240,8 @@ class HttpApi(ResponsesEndpoints):
             if "traceparent" in request.headers:  # the caller's W3C trace context, for --otlp-traces-endpoint
                 parsed = dataclasses.replace(parsed, request=dataclasses.replace(
                     parsed.request, traceparent=request.headers["traceparent"], tracestate=request.headers.get("tracestate")))
-            events = engine.generate_n(parsed.request, parsed.n)
+            # streamed: the tokens of a completion ready together go out in one chunk (fewer writes when the loop is busy)
+            events = engine.generate_n(parsed.request, parsed.n, batched=parsed.stream)
             # every completion admitted (or the request refused: bad prompt, full queue) before a response starts
             first = await unless_disconnected(request, anext(events))
         except ApiError as error:
@@ -291,11 +292,12 @@ class HttpApi(ResponsesEndpoints):
         return None
 
     async def _stream(self, events, first, parsed: Parsed, kind: str, method: str, ids: str, pieces):
-        """Server-sent events: a chunk a token (of whichever completion made it), each completion's last with its finish
-        reason, usage if asked, then [DONE]. Closed early (the client went away), every sequence is cancelled."""
+        """Server-sent events: a chunk for the tokens of a completion ready together (one, mostly), each completion's
+        last with its finish reason, usage if asked, then [DONE]. Closed early (the client went away), every sequence is
+        cancelled. events: generate_n's, batched."""
         created, obj = int(time.time()), object_name(kind, True)
 
-        prompt, generated = first[1].prompt_tokens, 0  # the usage so far, for continuous_usage_stats
+        prompt, generated = first[1][0].prompt_tokens, 0  # the usage so far, for continuous_usage_stats
 
         def chunk(choices, usage_body=None) -> str:
             body = {"id": ids, "object": obj, "created": created, "model": self.model_name, "choices": choices}
@@ -314,11 +316,11 @@ class HttpApi(ResponsesEndpoints):
         try:
             if kind == "chat":
                 yield chunk(opening_choices(parsed.n))
-            async for index, event in everything():
-                generated += 1
-                yield chunk([token_choice(kind, index, event, parsed, pieces)])
-                if event.finish is not None:
-                    finishes[index] = event.finish
+            async for index, batch in everything():
+                generated += len(batch)
+                yield chunk([token_choice(kind, index, batch, parsed, pieces)])
+                if batch[-1].finish is not None:
+                    finishes[index] = batch[-1].finish
             if parsed.include_usage:
                 yield chunk([], usage([finishes[i] for i in range(parsed.n)]))
             yield STREAM_END

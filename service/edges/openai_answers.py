@@ -72,18 +72,24 @@ def whole_body(ids: str, kind: str, model: str, created: int, completions: list[
             "usage": usage([c[-1].finish for c in completions])}
 
 
-def token_choice(kind: str, index: int, event: StepEvent, parsed: Parsed, pieces: Callable[[list[int]], list[str]]) -> dict:
-    """One streamed token of completion index, as a chunk's choice (with its finish reason on the last)."""
-    reason = FINISH_REASONS[event.finish.reason] if event.finish is not None else None
-    choice = {"index": index, "logprobs": logprobs_object(kind, [event], pieces) if parsed.logprobs else None, "finish_reason": reason}
+def token_choice(kind: str, index: int, events: list[StepEvent], parsed: Parsed, pieces: Callable[[list[int]], list[str]]) -> dict:
+    """The tokens of completion index ready together (one, or a step's accepted drafts, or the steps that ran while the
+    loop wrote), as one chunk's choice: their text, thinking and tool-call pieces joined, their logprobs in order, the
+    last's finish reason."""
+    last = events[-1]
+    reason = FINISH_REASONS[last.finish.reason] if last.finish is not None else None
+    choice = {"index": index, "logprobs": logprobs_object(kind, events, pieces) if parsed.logprobs else None, "finish_reason": reason}
+    text = "".join(e.text for e in events)
     if kind == "chat":
-        choice["delta"] = {"content": event.text} if event.text or not (event.call_deltas or event.reasoning) else {}
-        if event.reasoning:
-            choice["delta"]["reasoning_content"] = choice["delta"]["reasoning"] = event.reasoning
-        if event.call_deltas:
-            choice["delta"]["tool_calls"] = call_deltas(event.call_deltas)
+        reasoning = "".join(e.reasoning for e in events)
+        deltas = tuple(delta for e in events for delta in e.call_deltas)
+        choice["delta"] = {"content": text} if text or not (deltas or reasoning) else {}
+        if reasoning:
+            choice["delta"]["reasoning_content"] = choice["delta"]["reasoning"] = reasoning
+        if deltas:
+            choice["delta"]["tool_calls"] = call_deltas(deltas)
     else:
-        choice["text"] = event.text
+        choice["text"] = text
     return choice
 
 

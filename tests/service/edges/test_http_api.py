@@ -258,15 +258,30 @@ def test_what_genai_perf_and_aiperf_send_is_served(running, tool):
         assert chunks[-1]["usage"]["completion_tokens"] == 5
 
 
+def test_tokens_ready_together_stream_in_one_chunk_with_the_same_text(client):
+    """A schema that leaves the model no choice: its drafts are taken in a step or two, and their tokens go out in one
+    chunk; the text and usage are the whole answer's."""
+    forced = {"type": "json_schema", "json_schema": {"name": "forced", "schema": {"const": "kvserve sends what it has"}}}
+    whole = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0, response_format=forced)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0, stream=True,
+                                                  response_format=forced, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == whole.choices[0].message.content == '"kvserve sends what it has"'
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens > len(pieces)
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(running):
     import json as json_module
 
-    body = {"model": MODEL, "prompt": "In the beginning", "max_tokens": 6, "temperature": 0, "stream": True,
+    body = {"model": MODEL, "prompt": "In the beginning", "max_tokens": 6, "temperature": 0, "stream": True, "logprobs": 0,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     lines = httpx.post(f"http://127.0.0.1:{running.app.http_port}/v1/completions", json=body, timeout=60).text.splitlines()
     chunks = [json_module.loads(line[6:]) for line in lines if line.startswith("data: {")]
     counted = [c["usage"]["completion_tokens"] for c in chunks]
-    assert counted == list(range(1, 7)) + [6]  # a token a chunk, then the usage chunk (vLLM's continuous_usage_stats)
+    # the tokens so far in each chunk (vLLM's continuous_usage_stats: a chunk carries the tokens ready together, a token
+    # mostly), then the usage chunk
+    assert counted[-2:] == [6, 6] and counted[0] >= 1
+    assert [len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks[:-1]] == [b - a for a, b in zip([0] + counted, counted[:-1])]
     assert all(c["usage"]["prompt_tokens"] == len("In the beginning") for c in chunks)
     assert chunks[-1]["usage"]["total_tokens"] == len("In the beginning") + 6
     body["stream_options"] = {"continuous_usage_stats": True}  # without include_usage: no usage, as vLLM
