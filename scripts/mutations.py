@@ -296,6 +296,12 @@ MUTATIONS = (
         ("tests/service/edges/test_http_api.py::test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk",),
     ),
     Mutation(
+        "client: a server older than batch_tokens (one token a message) prints nothing",
+        "service/edges/client.py",
+        (("pieces = response.tokens or ([response.token] if response.HasField(\"token\") else [])", "pieces = response.tokens"),),
+        ("tests/service/edges/test_client.py::test_the_client_writes_every_token_whether_the_server_batches_them_or_not",),
+    ),
+    Mutation(
         "gRPC: batch_tokens is ignored (one token a message, in token)",
         "service/edges/grpc_servicer.py",
         (("        batched = request.batch_tokens", "        batched = False"),),

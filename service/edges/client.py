@@ -114,10 +114,12 @@ def stream_generation(
         stub = pb_grpc.GenerationServiceStub(channel)
         try:
             for response in stub.Generate(request, timeout=timeout, wait_for_ready=False, metadata=metadata):
-                if response.tokens:
-                    tokens += len(response.tokens)
+                # a server older than batch_tokens ignores it: one token a message, in token
+                pieces = response.tokens or ([response.token] if response.HasField("token") else [])
+                if pieces:
+                    tokens += len(pieces)
                     first = first or time.perf_counter()
-                    out.write("".join(token.text_delta for token in response.tokens))
+                    out.write("".join(token.text_delta for token in pieces))
                     out.flush()
                 if response.HasField("finish"):
                     finish = response.finish
