@@ -302,6 +302,12 @@ MUTATIONS = (
         ("tests/service/edges/test_client.py::test_the_client_writes_every_token_whether_the_server_batches_them_or_not",),
     ),
     Mutation(
+        "Responses: a stream's tokens ready together go out a delta each",
+        "service/edges/openai_responses.py",
+        (("                if piece_kind != kind and text:", "                if text:"),),
+        ("tests/service/edges/test_responses.py::test_a_streams_tokens_ready_together_are_one_delta",),
+    ),
+    Mutation(
         "gRPC: batch_tokens is ignored (one token a message, in token)",
         "service/edges/grpc_servicer.py",
         (("        batched = request.batch_tokens", "        batched = False"),),

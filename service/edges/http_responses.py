@@ -25,7 +25,7 @@ class ResponsesEndpoints:
             engine = self.ready_engine()
             raw = await self._body(request, engine.limits)
             parsed, body, conversation = parse_responses(raw, self.model_name, engine.limits, engine.config.n_ctx, self.stored)
-            events = engine.generate(parsed.request)
+            events = engine.generate(parsed.request, batched=parsed.stream)  # streamed: the tokens ready together in one step()
             first = await unless_disconnected(request, anext(events))
         except ApiError as error:
             return self._refusal(method, error)
@@ -51,11 +51,11 @@ class ResponsesEndpoints:
     async def _response_events(self, events, first, answer: Answer, conversation: list[dict], keep: bool, method: str):
         stream, code = EventStream(answer), "OK"
         try:
-            for line in stream.start() + stream.step(first):
-                yield line
-            async for event in events:
-                for line in stream.step(event):
-                    yield line
+            yield "".join(stream.start() + stream.step(first))
+            async for batch in events:
+                lines = stream.step(batch)
+                if lines:
+                    yield "".join(lines)  # one write for the tokens ready together
             for line in stream.finish():
                 yield line
             if keep:

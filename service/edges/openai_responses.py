@@ -329,18 +329,32 @@ class EventStream:
         body = self.answer.body("in_progress")
         return [self.event("response.created", response=body), self.event("response.in_progress", response=body)]
 
-    def step(self, event: StepEvent) -> list[str]:
-        """The events of one step's text: its thinking's and its answer's deltas, each item opened when first written to."""
-        out = []
-        if event.reasoning:
-            out += self._switch("reasoning")
+    def step(self, events: list[StepEvent]) -> list[str]:
+        """The events of the tokens ready together (a token, mostly): their thinking's and their answer's text, one delta
+        a run of either, in order, each item opened when first written to."""
+        out, kind, text = [], None, ""
+        for event in events:
+            for piece_kind, piece in (("reasoning", event.reasoning), ("message", event.text)):
+                if not piece:
+                    continue
+                if piece_kind != kind and text:
+                    out += self._delta(kind, text)
+                    text = ""
+                kind, text = piece_kind, text + piece
+            self.answer.add(event)
+        if text:
+            out += self._delta(kind, text)
+        return out
+
+    def _delta(self, kind: str, text: str) -> list[str]:
+        """A run of text of one kind ("reasoning" or "message"), its item opened first if it is not the open one."""
+        out = self._switch(kind)
+        if kind == "reasoning":
             out.append(self.event("response.reasoning_text.delta", item_id=self.answer.reasoning_id, output_index=self.index,
-                                  content_index=0, delta=event.reasoning))
-        if event.text:
-            out += self._switch("message")
+                                  content_index=0, delta=text))
+        else:
             out.append(self.event("response.output_text.delta", item_id=self.answer.message_id, output_index=self.index,
-                                  content_index=0, delta=event.text, logprobs=[]))
-        self.answer.add(event)
+                                  content_index=0, delta=text, logprobs=[]))
         return out
 
     def finish(self) -> list[str]:

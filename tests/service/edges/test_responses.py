@@ -118,6 +118,17 @@ def test_function_tools_and_their_outputs_round_trip(long_client):
     assert [i.type for i in final.output if i.type == "function_call"] and final.output[-1].arguments
 
 
+def test_a_streams_tokens_ready_together_are_one_delta(client):
+    """A format that leaves the model no choice: its drafts are taken in a step or two, and their text is one delta each;
+    the deltas make the whole response's text."""
+    forced = {"format": {"type": "json_schema", "name": "forced", "schema": {"const": "kvserve sends what it has"}}}
+    whole = client.responses.create(model=MODEL, input="Say it.", text=forced, max_output_tokens=64, temperature=0, store=False)
+    with client.responses.stream(model=MODEL, input="Say it.", text=forced, max_output_tokens=64, temperature=0, store=False) as stream:
+        deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == whole.output_text == '"kvserve sends what it has"'
+    assert len(deltas) < whole.usage.output_tokens
+
+
 def test_text_format_holds_the_output_to_json(client):
     response = client.responses.create(model=MODEL, input="Answer in JSON.", text={"format": {"type": "json_object"}},
                                        max_output_tokens=200, temperature=0)
