@@ -101,9 +101,14 @@ def test_a_batched_stream_takes_every_event_ready_at_once_in_order_and_raises_af
     them in one list; the lists concatenated are the unbatched stream; an error queued behind tokens comes after them."""
     request = GenerationRequest(prompt_ids=(9, 8, 7), max_new_tokens=40, ignore_eos=True, speculation=False)
     runtime, _ = tiny_runtime
-    for name in ("run_slots", "run_decode"):  # 5 ms a step at least: 200 tokens outlast every wait below
+    for name in ("run_slots", "run_decode"):  # 5 ms a step at least: the 200-token stream still runs when it is ended
         real = getattr(runtime, name)
         monkeypatch.setattr(runtime, name, lambda *args, real=real: (time.sleep(0.005), real(*args))[1])
+
+    async def queued(engine, count: int) -> None:
+        """Until a running stream has count events waiting for its caller (or none runs: every event is queued)."""
+        while (running := engine.scheduler.sequences()) and all(s.events.qsize() < count for s in running if s.events is not None):
+            await asyncio.sleep(0.002)
 
     async def scenario(engine):
         plain = [event async for event in engine.generate(request)]
@@ -111,10 +116,10 @@ def test_a_batched_stream_takes_every_event_ready_at_once_in_order_and_raises_af
         async for events in engine.generate(request, batched=True):
             batches.append(events)
             if len(batches) == 1:
-                await asyncio.sleep(0.3)  # busy: the steps go on meanwhile
+                await asyncio.wait_for(queued(engine, 3), 30)  # busy while the steps go on
         stopped = engine.generate(LONG, batched=True)
         first = await anext(stopped)
-        await asyncio.sleep(0.1)  # tokens queue, then the server ends the stream behind them
+        await asyncio.wait_for(queued(engine, 3), 30)  # tokens queue, then the server ends the stream behind them
         await engine.stop_streams("going away")
         before_error = await asyncio.wait_for(anext(stopped), 10)
         with pytest.raises(Unavailable, match="going away"):
