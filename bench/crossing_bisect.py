@@ -37,7 +37,7 @@ from kvserve.v1 import generation_pb2 as pb  # noqa: E402
 from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
 from tests.conftest import LLAMA_CONFIGS  # noqa: E402
 from tests.hf_reference import hf_greedy  # noqa: E402
-from tests.service.conftest import ServerThread  # noqa: E402
+from tests.service.conftest import start_server  # noqa: E402
 
 CONFIG = next(name for name in LLAMA_CONFIGS if name.startswith("phi3") and "longrope" in name)
 TESTS_SERVER = {"max_batch_size": 4, "max_queue": 64, "step_token_budget": 8}  # test_llama_serving.serve's
@@ -56,16 +56,7 @@ NEW_TOKENS = 20
 def served(artifact: Path, provider: str, overrides: dict, prompts: list[list[int]]) -> list[list[list[int]]]:
     """Each group of prompts' greedy continuations (NEW_TOKENS each) from a server of artifact with the tests' settings
     and overrides: the first group one stream alone, the second all at once."""
-    import dataclasses
-
-    from kvserve.service.core.limits import EngineLimits
-    from kvserve.service.process.options import ServerOptions
-
-    settings = {**TESTS_SERVER, **overrides}
-    limit_names = {f.name for f in dataclasses.fields(EngineLimits)}
-    limits = EngineLimits(**{k: v for k, v in settings.items() if k in limit_names})
-    rest = {k: v for k, v in settings.items() if k not in limit_names}
-    running = ServerThread(ServerOptions(artifact=str(artifact), port=0, provider=provider, limits=limits, **rest))
+    running = start_server(artifact, provider=provider, **{**TESTS_SERVER, **overrides})
     try:
         with grpc.insecure_channel(running.target) as channel:
             stub = pb_grpc.GenerationServiceStub(channel)

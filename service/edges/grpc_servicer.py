@@ -50,14 +50,15 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         engine = self.serving.ready_engine()
         domain = _to_domain(request, context.invocation_metadata())
         batched = request.batch_tokens
+        to_proto = _batch_proto if batched else _to_proto  # a list of events a response, or one
         if request.n <= 1:
             async with contextlib.aclosing(engine.generate(domain, batched)) as events:
                 async for event in events:
-                    yield _batch_proto(event, engine.tokenizer) if batched else _to_proto(event, engine.tokenizer)
+                    yield to_proto(event, engine.tokenizer)
             return
         async with contextlib.aclosing(engine.generate_n(domain, request.n, batched)) as events:
             async for index, event in events:
-                response = _batch_proto(event, engine.tokenizer) if batched else _to_proto(event, engine.tokenizer)
+                response = to_proto(event, engine.tokenizer)
                 response.index = index
                 yield response
 

@@ -40,7 +40,8 @@ class ServerThread:
 
 
 def start_server(artifact, load: bool = True, **overrides) -> ServerThread:
-    """A server for artifact on a free port; overrides are ServerOptions' fields and EngineLimits' (max_batch_size=...)."""
+    """A server for artifact on a free port; overrides are ServerOptions' fields and EngineLimits' (max_batch_size=...),
+    the provider the suite's (KVSERVE_TEST_PROVIDER) unless one is given."""
     import dataclasses
 
     from kvserve.service.core.limits import EngineLimits
@@ -51,7 +52,7 @@ def start_server(artifact, load: bool = True, **overrides) -> ServerThread:
     limit_names = {f.name for f in dataclasses.fields(EngineLimits)}
     limits = EngineLimits(**{k: v for k, v in overrides.items() if k in limit_names})
     rest = {k: v for k, v in overrides.items() if k not in limit_names}
-    return ServerThread(ServerOptions(artifact=str(artifact), port=0, provider=PROVIDER, limits=limits, **rest), load=load)
+    return ServerThread(ServerOptions(**{"artifact": str(artifact), "port": 0, "provider": PROVIDER, "limits": limits, **rest}), load=load)
 
 
 @contextlib.contextmanager
