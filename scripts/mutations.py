@@ -353,6 +353,25 @@ MUTATIONS = (
         ("tests/runtime/test_pool.py::test_an_exchange_longer_than_the_host_spare_moves_its_columns_in_pieces",),
     ),
     Mutation(
+        "step costs: a chunk no cut keeps within the bound is cut to the fewest tokens however little that saves",
+        "service/core/drafts.py",
+        (("        if not self.chunks.cut_pays(MIN_CHUNK_TOKENS, allowance):", "        if False:"),),
+        ("tests/service/core/test_scheduler.py::test_where_no_chunk_keeps_the_bound_it_is_cut_only_if_the_fewest_tokens_halve_what_it_adds",
+         "tests/service/core/test_scheduler.py::test_a_fixed_part_stops_the_cuts_that_learnt_it_and_is_measured_again_after_forget_steps"),
+    ),
+    Mutation(
+        "chunk costs: a fixed part measured once is never forgotten",
+        "service/core/drafts.py",
+        (("if pair is not None and self.steps - pair[2] <= FORGET_STEPS]", "if pair is not None]"),),
+        ("tests/service/core/test_scheduler.py::test_a_fixed_part_stops_the_cuts_that_learnt_it_and_is_measured_again_after_forget_steps",),
+    ),
+    Mutation(
+        "chunk costs: the line's fixed part is read off the long chunks' proportion",
+        "service/core/drafts.py",
+        (("        fixed = small_seconds - per_token * small_tokens\n", "        fixed = 0.0\n"),),
+        ("tests/service/core/test_scheduler.py::test_where_no_chunk_keeps_the_bound_it_is_cut_only_if_the_fewest_tokens_halve_what_it_adds",),
+    ),
+    Mutation(
         "step costs: a chunk cost measured as free stays free",
         "service/core/drafts.py",
         (("            self.chunk_seconds[rows] = self.WEIGHT * added", "            self.chunk_seconds[rows] = 0.0"),),

@@ -49,6 +49,11 @@ OUTLIER = 2.0  # a step timed at more than this many times its running mean coun
 # a spell of 80 slow steps (each 2.5x) cost the copy workload's next three rounds 40-70 of ~690 drafts taken; at 64
 # and 16, 15 in the next round alone (in process, 2-core AMD EPYC Zen 3, by hand).
 FORGET_STEPS, FORGET_EVERY = 64, 16
+# A chunk cut to keep its step within --step-time-bound still takes this many tokens: a prompt always advances.
+MIN_CHUNK_TOKENS = 4
+# Chunks of at most this many tokens and chunks of more are timed apart (ChunkCosts): a line through the two says what a
+# chunk costs whatever its size (a fixed part) and what each token adds.
+SMALL_CHUNK_TOKENS = 2 * MIN_CHUNK_TOKENS
 
 
 def most_drafts(ring: int | None) -> int:
@@ -238,6 +243,57 @@ class DraftState:
 
 
 @dataclass
+class ChunkCosts:
+    """What a prompt chunk adds to a plain decode step, whatever its size and for each of its tokens: running means of
+    the tokens and of the seconds added, one pair for chunks of at most SMALL_CHUNK_TOKENS tokens and one for longer
+    chunks, pooled over row counts (on 2 CPU cores a gpt2 chunk token added 0.78 ms whatever the rows beside it), and the
+    line through the two pairs. On the CPU its fixed part is ~0: a chunk costs its tokens' compute. On CUDA a step with
+    a chunk runs graphs that a decode step's captured replay does not (an H200 step of 16 rows: 0.9 ms decoding, 4.75 ms
+    with a chunk, bench/results/h200.md), whose cost a cut chunk pays again at each of its steps. Until both kinds have
+    run it is taken as proportional to the tokens. A pair not updated in FORGET_STEPS chunk steps is dropped, so a
+    measure taken once (a stall, a load since gone) is taken again."""
+
+    WEIGHT = 0.2
+    LINE_SPAN = 4  # mean sizes at least this many tokens apart before a line through them is read
+    small: tuple[float, float, int] | None = None  # (mean tokens, mean seconds added, chunk steps when last updated)
+    large: tuple[float, float, int] | None = None
+    steps: int = 0  # chunk steps recorded
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        kind = "small" if tokens <= SMALL_CHUNK_TOKENS else "large"
+        seen = getattr(self, kind)
+        if seen is None or self.steps - seen[2] > FORGET_STEPS:
+            setattr(self, kind, (float(tokens), seconds, self.steps))
+            return
+        mean_tokens, mean_seconds, _ = seen
+        fixed, per_token = self.line()
+        if fixed + per_token * tokens > 0:  # a stall counts as OUTLIER chunks at most
+            seconds = min(seconds, OUTLIER * (fixed + per_token * tokens))
+        setattr(self, kind, (mean_tokens + self.WEIGHT * (tokens - mean_tokens), mean_seconds + self.WEIGHT * (seconds - mean_seconds),
+                             self.steps))
+
+    def line(self) -> tuple[float, float]:
+        """(seconds any chunk adds, seconds each of its tokens adds); (0, 0) before any chunk step is recorded."""
+        kept = [pair for pair in (self.small, self.large) if pair is not None and self.steps - pair[2] <= FORGET_STEPS]
+        if not kept:
+            return 0.0, 0.0
+        if len(kept) == 1 or kept[1][0] - kept[0][0] < self.LINE_SPAN:  # one kind run (or two too close): through the origin
+            return 0.0, sum(pair[1] for pair in kept) / sum(pair[0] for pair in kept)
+        (small_tokens, small_seconds, _), (large_tokens, large_seconds, _) = kept
+        per_token = max((large_seconds - small_seconds) / (large_tokens - small_tokens), 0.0)
+        fixed = small_seconds - per_token * small_tokens
+        if fixed < 0:  # no fixed part: the large chunks' own proportion, which more steps measure
+            return 0.0, large_seconds / large_tokens
+        return fixed, per_token
+
+    def cut_pays(self, cut: int, allowance: int) -> bool:
+        """Whether a chunk of `cut` tokens adds at most half what one of `allowance` does."""
+        fixed, per_token = self.line()
+        return 2 * (fixed + per_token * cut) <= fixed + per_token * allowance
+
+
+@dataclass
 class StepCosts:
     """What a decode step costs, learnt from the steps run: a running mean of its time (the model call, and the tokens
     taken from it: a sampled row draws at every draft it checks) for each count of decoding rows and of drafts one of
@@ -245,8 +301,8 @@ class StepCosts:
     chunk part of the graph, another path than a plain step's, so its cost is learnt apart: before a (rows, drafts)
     pair has run, it is taken as the plain step's grown by PRIOR_SLOPE a draft (batch 1 on the CPU measures 10-15% a
     token for the first few, bench/speculation.py), and the pair is tried only where that guess says it pays. And what a
-    prompt chunk's token adds to a plain step of as many rows (record_chunk), by which the scheduler cuts a chunk to keep
-    its step within --step-time-bound (chunk_tokens_within)."""
+    prompt chunk adds to a plain step of as many rows (record_chunk, ChunkCosts), by which the scheduler cuts a chunk to
+    keep its step within --step-time-bound (chunk_cut)."""
 
     PRIOR_SLOPE = 0.1
     WEIGHT = 0.2
@@ -258,6 +314,7 @@ class StepCosts:
     _steps: dict = field(default_factory=dict)  # rows -> steps of as many rows recorded
     _ran: dict = field(default_factory=dict)  # (rows, drafts) -> _steps[rows] when it last ran (0: before any was counted)
     chunk_seconds: dict[int, float] = field(default_factory=dict)  # rows -> running mean seconds a prompt chunk token adds
+    chunks: ChunkCosts = field(default_factory=lambda: ChunkCosts())  # what a chunk adds whatever its size, and a token
     bound: float = 0.0  # the most a step with drafts may cost, as a multiple of a plain one, when other rows wait on it (0: none)
 
     def record(self, rows: int, drafts: int, seconds: float) -> None:
@@ -292,10 +349,11 @@ class StepCosts:
 
     def record_chunk(self, rows: int, tokens: int, seconds: float) -> None:
         """A step of `rows` decoding rows and a prompt chunk of `tokens` took `seconds`: what each chunk token added to a
-        plain step of as many rows."""
+        plain step of as many rows, and (ChunkCosts) what the chunk added."""
         plain = self.seconds.get((rows, 0))
         if plain is None or tokens <= 0:
             return
+        self.chunks.record(tokens, max(seconds - plain, 0.0))
         added = max(seconds - plain, 0.0) / tokens
         seen = self.chunk_seconds.get(rows)
         if seen is None:
@@ -305,13 +363,23 @@ class StepCosts:
         else:  # measured free (a chunk step timed below the plain mean): OUTLIER times zero would cap it there for good
             self.chunk_seconds[rows] = self.WEIGHT * added
 
-    def chunk_tokens_within(self, rows: int, bound: float) -> int | None:
-        """The most prompt-chunk tokens a step of `rows` decoding rows may carry to take at most `bound` times a plain
-        step's time (None: not measured yet, or chunks measured as free)."""
+    def chunk_cut(self, rows: int, bound: float, allowance: int) -> int | None:
+        """The tokens a prompt chunk beside `rows` decoding rows is cut to, from the `allowance` the step token budget
+        gives it, to take at most `bound` times a plain step's time by what a chunk token added beside as many rows.
+        Where no chunk keeps the bound, MIN_CHUNK_TOKENS if so few at least halve what the chunk adds. None: no cut (not
+        measured at this count yet, chunks measured as free, the allowance within the bound, or a fixed part that no
+        cut keeps within it dominating what a chunk adds, which a cut chunk would pay at more steps)."""
         plain, added = self.seconds.get((rows, 0)), self.chunk_seconds.get(rows)
         if plain is None or not added:
             return None
-        return int((bound - 1.0) * plain / added + 1e-9)  # floor, not one short of a whole count by rounding
+        fits = int((bound - 1.0) * plain / added + 1e-9)  # floor, not one short of a whole count by rounding
+        if fits >= allowance:
+            return None
+        if fits >= MIN_CHUNK_TOKENS:
+            return fits
+        if not self.chunks.cut_pays(MIN_CHUNK_TOKENS, allowance):  # never where the allowance is smaller: no saving
+            return None
+        return MIN_CHUNK_TOKENS
 
     def cost(self, rows: int, drafts: int) -> float | None:
         """Seconds for a decode step of `rows` rows, one checking `drafts` drafts (None until a plain step of as many rows

@@ -53,16 +53,8 @@ from .step_plan import StepPlan, StepResults
 
 log = logging.getLogger(__name__)
 
-# A chunk cut to keep its step within --step-time-bound still takes this many tokens: a prompt always advances.
-MIN_CHUNK_TOKENS = 4
 # Steps whose tokens no caller streams reach the loop at least this often: its gauges and metrics stay this fresh.
 UNSTREAMED_HANDOFF_NS = 50_000_000
-
-
-def chunk_allowance(step_token_budget: int, decoding_rows: int) -> tuple[int, int]:
-    """A prompt chunk beside decoding rows (Scheduler.plan, with no step-time bound): (the tokens it takes, the budget
-    less the rows, at least one; the tail a prompt that far from its end finishes with in the same step)."""
-    return max(step_token_budget - decoding_rows, 1), step_token_budget // 4
 
 
 def step_thread() -> ThreadPoolExecutor:
@@ -244,6 +236,12 @@ class Scheduler:
 
     # --- planning ---------------------------------------------------------------------------------------
 
+    def chunk_allowance(self, decoding_rows: int) -> tuple[int, int]:
+        """A prompt chunk beside decoding rows (plan, before the step-time bound cuts it): (the tokens it takes: the
+        budget less the rows, at least one; the tail a prompt that far from its end finishes with in
+        the same step)."""
+        return max(self.step_token_budget - decoding_rows, 1), self.step_token_budget // 4
+
     def plan(self) -> StepPlan:
         """The next step: rows cancelled since the last one leave, a waiting sequence may join (taking its row now),
         and the plan carries the rows as they then stand."""
@@ -277,11 +275,10 @@ class Scheduler:
         remaining = len(chunk.prefill_ids) - kv.held[chunk].cached_tokens
         tokens = remaining
         if decode and self.step_token_budget:
-            allowance, tail = chunk_allowance(self.step_token_budget, len(decode))
-            fits = self.batch.step_costs.chunk_tokens_within(len(decode), self.step_time_bound) if self.step_time_bound else None
-            if fits is not None and fits < allowance:  # the steps measured say a budget's chunk would stall the streams
-                allowance = max(fits, MIN_CHUNK_TOKENS)
-                tail = allowance // 4
+            allowance, tail = self.chunk_allowance(len(decode))
+            cut = self.batch.step_costs.chunk_cut(len(decode), self.step_time_bound, allowance) if self.step_time_bound else None
+            if cut is not None:  # the steps measured say a budget's chunk would stall the streams, and a smaller one less
+                allowance, tail = cut, cut // 4
             if remaining > allowance + tail:
                 tokens = allowance
         return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens, slots=list(kv.slots), held=kv.held)

@@ -19,7 +19,7 @@ from .kv_budget import MIN_BUDGET_TOKENS
 from ..core.limits import EngineLimits
 from ..core.model_info import GateResult
 from ..core.sampling import SamplingParams
-from ..core.scheduler import Scheduler, chunk_allowance
+from ..core.scheduler import Scheduler
 from ..core.sequence import Sequence
 from ..core.text import IncrementalDecoder, StopSequences
 
@@ -115,12 +115,10 @@ WARM_UP_ROWS = 2
 WARM_UP_PROMPT = 2
 
 
-def chunk_warm_up_prompts(step_token_budget: int, most_tokens: int) -> list[int]:
+def chunk_warm_up_prompts(allowance: int, tail: int, most_tokens: int) -> list[int]:
     """The prompt lengths that, joining one after another beside one decoding row, run every chunk length the scheduler
-    gives a chunk beside one row (Scheduler.plan: up to the budget less the row, and a quarter of the budget's tail),
-    first from an empty row, then (the longer prompts' second chunks) after a first chunk of the allowance; none over
-    most_tokens."""
-    allowance, tail = chunk_allowance(step_token_budget, 1)
+    gives a chunk beside one row (Scheduler.chunk_allowance(1): its allowance and tail), first from an empty row, then
+    (the longer prompts' second chunks) after a first chunk of the allowance; none over most_tokens."""
     whole = list(range(1, allowance + tail + 1))  # each one chunk, from column 0
     second = [allowance + length for length in range(tail + 1, allowance + tail + 1)]  # a chunk of the allowance, then this
     return [length for length in whole + second if length <= most_tokens]
@@ -136,11 +134,11 @@ def warm_chunk_lengths(batch, step_token_budget: int, kv_budget: int | None) -> 
     scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)
     held = scheduler.budget_tokens()
     most = config.n_ctx - 1 if held is None else min(config.n_ctx - 1, held // 2)
-    lengths = chunk_warm_up_prompts(step_token_budget, most)
+    allowance, tail = scheduler.chunk_allowance(1)
+    lengths = chunk_warm_up_prompts(allowance, tail, most)
     # The joiners' first tokens differ, so none finds an earlier one's K/V in the prompt cache and skips its chunk.
     joiners = [_greedy_sequence(-10 - i, [(i + 3 + 7 * j) % config.vocab_size for j in range(length)], 1)
                for i, length in enumerate(lengths)]
-    allowance, tail = chunk_allowance(step_token_budget, 1)
     chunks = sum(1 if length <= allowance + tail else 2 for length in lengths)
     companion = _greedy_sequence(-9, [0], max(1, min(most, chunks + 1)))  # decoding beside every joiner's chunks, then done
     failures = [e for _, e in scheduler.drive([companion] + joiners) if isinstance(e, BaseException)]

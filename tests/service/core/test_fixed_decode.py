@@ -340,8 +340,8 @@ def test_the_chunk_length_warm_up_runs_each_chunk_through_the_chunk_graph_and_ch
         Scheduler(batch, step_token_budget=budget).drive(seqs)
         generated[warmed] = [s.generated for s in seqs]
         batch.close()
-    lengths = chunk_warm_up_prompts(budget, model.config.n_ctx - 1)
     allowance, tail = budget - 1, budget // 4
+    lengths = chunk_warm_up_prompts(allowance, tail, model.config.n_ctx - 1)
     chunks = sum(1 if length <= allowance + tail else 2 for length in lengths)  # each beside the decoding row
     assert chunk_graph_runs[True] - chunk_graph_runs[False] == chunks == 9 + 2 * 7
     assert generated[True] == generated[False]

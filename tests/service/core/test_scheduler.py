@@ -12,7 +12,7 @@ from kvserve.contract.config import DecoderConfig, RopeScaling
 from kvserve.model.generate import generate
 from kvserve.runtime import DecoderRuntime
 from kvserve.service.core.batch import SlotBatch
-from kvserve.service.core.drafts import StepCosts
+from kvserve.service.core.drafts import FORGET_STEPS, MIN_CHUNK_TOKENS, StepCosts
 from kvserve.service.process.gate import _greedy_sequence
 from kvserve.service.core.kv_rows import HeldRow
 from kvserve.service.core import scheduler as scheduler_module
@@ -127,12 +127,52 @@ def test_a_chunk_measured_free_once_is_bounded_again_by_the_chunks_after_it():
     times zero capped every later time at zero, so the bound stayed off at that row count for the server's life)."""
     costs = StepCosts({(8, 0): 1.0})
     costs.record_chunk(8, 10, 0.9)
-    assert costs.chunk_tokens_within(8, 1.3) is None  # measured free: the budget's chunk
+    assert costs.chunk_cut(8, 1.3, 30) is None  # measured free: the budget's chunk
     costs.record_chunk(8, 10, 1.5)  # 0.05 a token
     assert costs.chunk_seconds[8] == pytest.approx(StepCosts.WEIGHT * 0.05)
     for _ in range(40):
         costs.record_chunk(8, 10, 1.5)
-    assert costs.chunk_tokens_within(8, 1.3) == 6  # 0.3 / 0.05
+    assert costs.chunk_cut(8, 1.3, 30) == 6  # 0.3 / 0.05
+
+
+@pytest.mark.parametrize("small, large, cut", [
+    ((4, 4.0), (20, 20.0), MIN_CHUNK_TOKENS),  # the CPU's: a token costs a whole step, no fixed part: 4 tokens stall least
+    ((4, 1.4), (20, 3.0), MIN_CHUNK_TOKENS),  # 1.0 any chunk adds, then 0.1 a token: 4 tokens add 1.4 of 30's 4.0
+    ((4, 3.9), (32, 3.95), None),  # CUDA's: ~3.9 any chunk adds (its graphs beside the captured decode step)
+], ids=["per token", "the fewest tokens halve the stall", "a fixed part dominates"])
+def test_where_no_chunk_keeps_the_bound_it_is_cut_only_if_the_fewest_tokens_halve_what_it_adds(small, large, cut):
+    """ChunkCosts splits what a chunk adds into a fixed part and a part a token (a line through chunks of at most
+    SMALL_CHUNK_TOKENS and longer ones); where not even MIN_CHUNK_TOKENS keep a step within the bound, a chunk is cut to
+    them only where that makes the step much shorter."""
+    costs = StepCosts({(16, 0): 1.0})
+    for tokens, seconds in (small, large) * 10:
+        costs.record_chunk(16, tokens, 1.0 + seconds)
+    assert costs.chunk_cut(16, 1.3, 30) == cut
+
+
+def test_a_fixed_part_stops_the_cuts_that_learnt_it_and_is_measured_again_after_forget_steps():
+    """On CUDA (a step with a chunk ~4.75 ms of any size beside a 0.9 ms decode step, bench/results/h200.md) the first
+    chunks' cost looks proportional: one is cut to the fewest tokens, which shows the fixed part, and the chunks after it
+    keep the budget's size (before, every chunk was cut to 4 tokens: a 32-token prompt took 8 such steps). A fixed part
+    not measured again in FORGET_STEPS chunk steps is forgotten and a chunk is cut once more to measure it."""
+    costs = StepCosts({(16, 0): 0.9e-3})
+    costs.record_chunk(16, 32, 0.9e-3 + 3.9e-3)
+    assert costs.chunk_cut(16, 1.3, 32) == MIN_CHUNK_TOKENS  # proportional so far: 0.27 ms of slack fits < 4 tokens
+    costs.record_chunk(16, MIN_CHUNK_TOKENS, 0.9e-3 + 3.85e-3)
+    assert costs.chunk_cut(16, 1.3, 32) is None
+    for _ in range(FORGET_STEPS):
+        costs.record_chunk(16, 32, 0.9e-3 + 3.9e-3)
+        assert costs.chunk_cut(16, 1.3, 32) is None
+    costs.record_chunk(16, 32, 0.9e-3 + 3.9e-3)
+    assert costs.chunk_cut(16, 1.3, 32) == MIN_CHUNK_TOKENS
+
+
+def test_a_cut_never_takes_more_than_the_budget_gives():
+    """Where the decoding rows leave the chunk fewer tokens than MIN_CHUNK_TOKENS, the bound does not raise it."""
+    costs = StepCosts({(30, 0): 1.0})
+    costs.record_chunk(30, 20, 21.0)  # a token costs a whole step: none keeps the bound
+    assert costs.chunk_cut(30, 1.3, 3) is None
+    assert costs.chunk_cut(30, 1.3, 2 * MIN_CHUNK_TOKENS) == MIN_CHUNK_TOKENS
 
 
 def test_a_joiner_starts_past_its_cached_prefix_and_one_joins_at_a_time_while_rows_are_free():

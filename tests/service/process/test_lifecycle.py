@@ -325,8 +325,8 @@ def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_time
 
     budget = EngineLimits.step_token_budget
     allowance, tail = budget - 1, budget // 4
-    assert chunk_warm_up_prompts(budget, 10**6) == list(range(1, allowance + tail + 1)) + [allowance + n for n in range(tail + 1, allowance + tail + 1)]
-    assert max(chunk_warm_up_prompts(budget, 20)) == 20  # none longer than a row may hold
+    assert chunk_warm_up_prompts(allowance, tail, 10**6) == list(range(1, allowance + tail + 1)) + [allowance + n for n in range(tail + 1, allowance + tail + 1)]
+    assert max(chunk_warm_up_prompts(allowance, tail, 20)) == 20  # none longer than a row may hold
     chunks = []
     run_step = Scheduler.run_step
 
@@ -343,7 +343,7 @@ def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_time
         beside_a_row = {(after_a_chunk, tokens) for rows, after_a_chunk, tokens in chunks if rows == 1}
         assert {(False, n) for n in range(1, allowance + tail + 1)} <= beside_a_row
         assert {(True, n) for n in range(tail + 1, allowance + tail + 1)} <= beside_a_row
-        assert not batch.step_costs.seconds and not batch.step_costs.chunk_seconds  # no first run timed into the step costs
+        assert not batch.step_costs.seconds and batch.step_costs.chunks.steps == 0  # no first run timed into the step costs
         prompt = [5, 9, 200, 17, 3, 3, 80]
         seq = _greedy_sequence(1, prompt, 12)
         Scheduler(batch, budget).drive([seq])
