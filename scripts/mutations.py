@@ -372,6 +372,12 @@ MUTATIONS = (
         ("tests/service/core/test_scheduler.py::test_where_no_chunk_keeps_the_bound_it_is_cut_only_if_the_fewest_tokens_halve_what_it_adds",),
     ),
     Mutation(
+        "scheduler: decoding rows take the step token budget on CUDA too",
+        "service/core/scheduler.py",
+        (("        self.budget_counts_rows = runtime.device != \"cuda\"", "        self.budget_counts_rows = True"),),
+        ("tests/service/core/test_scheduler.py::test_a_scheduler_counts_decoding_rows_against_the_budget_on_the_cpu_and_not_on_cuda",),
+    ),
+    Mutation(
         "step costs: a chunk cost measured as free stays free",
         "service/core/drafts.py",
         (("            self.chunk_seconds[rows] = self.WEIGHT * added", "            self.chunk_seconds[rows] = 0.0"),),

@@ -173,6 +173,11 @@ class Scheduler:
         if kv_events is not None and self.kv.prefixes is not None:
             self.kv.prefixes.events = kv_events
         self.step_token_budget = step_token_budget  # 0: no limit
+        # On the CPU a decoding row costs a step about what a chunk token does, so the rows take their share of the
+        # budget. On CUDA a step reads the weights once whatever its rows (an H200's captured gpt2 step: 0.67 ms at 1
+        # row, 0.93 at 16), and rows taking the budget left a prompt a token or two a step once as many rows decoded:
+        # under load the batch stayed near the budget's size (bench/scheduler_emulation.py).
+        self.budget_counts_rows = runtime.device != "cuda"
         self.step_time_bound = step_time_bound / 100  # a step with a chunk or drafts, in plain steps' time (0: no bound)
         batch.step_costs.bound = self.step_time_bound
         self.speculation = speculation  # decoding rows may check drafts (drafts.py) where the step costs say it pays
@@ -238,9 +243,10 @@ class Scheduler:
 
     def chunk_allowance(self, decoding_rows: int) -> tuple[int, int]:
         """A prompt chunk beside decoding rows (plan, before the step-time bound cuts it): (the tokens it takes: the
-        budget less the rows, at least one; the tail a prompt that far from its end finishes with in
+        budget, less the rows where they count, at least one; the tail a prompt that far from its end finishes with in
         the same step)."""
-        return max(self.step_token_budget - decoding_rows, 1), self.step_token_budget // 4
+        counted = decoding_rows if self.budget_counts_rows else 0
+        return max(self.step_token_budget - counted, 1), self.step_token_budget // 4
 
     def plan(self) -> StepPlan:
         """The next step: rows cancelled since the last one leave, a waiting sequence may join (taking its row now),

@@ -74,6 +74,7 @@ def planner(budget: int, rows: list | None = None, max_rows: int = 4, cached_pre
     scheduler.batch, scheduler.step_token_budget = PlannedBatch(config), budget
     scheduler.speculation = False  # drafts are planned by test_drafts.py
     scheduler.step_time_bound = 0  # chunks cut to the measured step times: test_a_chunk_is_cut_to_keep_its_step_within_the_bound
+    scheduler.budget_counts_rows = True  # the CPU's rule: test_on_cuda_decoding_rows_take_none_of_the_budget
     from collections import deque
 
     scheduler.waiting = deque()
@@ -100,6 +101,27 @@ def test_a_chunk_takes_what_the_decoding_rows_leave_of_the_budget(decoders, prom
     scheduler.waiting.append(joining)
     plan = scheduler.plan()
     assert plan.joining == [joining] and plan.chunk is joining and plan.chunk_tokens == chunk and len(plan.decode) == decoders
+
+
+@pytest.mark.parametrize("decoders, chunk", [(1, 32), (3, 32), (40, 32), (200, 32)])
+def test_on_cuda_decoding_rows_take_none_of_the_budget(decoders, chunk):
+    """On CUDA a step reads the weights once whatever its rows: a prompt gets the whole budget beside any number of
+    decoding rows (on the CPU it got one token a step beside 32 or more, and the batch stayed near 32 rows)."""
+    scheduler = planner(32, [decoding(i) for i in range(decoders)], max_rows=256)
+    scheduler.budget_counts_rows = False
+    scheduler.waiting.append(_greedy_sequence(99, list(range(70)), 4))
+    plan = scheduler.plan()
+    assert plan.chunk_tokens == chunk and len(plan.decode) == decoders
+    assert scheduler.chunk_allowance(decoders) == (32, 8)
+
+
+def test_a_scheduler_counts_decoding_rows_against_the_budget_on_the_cpu_and_not_on_cuda(tiny_artifact, monkeypatch):
+    artifact = open_artifact(tiny_artifact)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
+    batch = SlotBatch(runtime, artifact.config, 4)
+    assert Scheduler(batch, step_token_budget=32).chunk_allowance(20) == (12, 8)
+    monkeypatch.setattr(runtime, "device", "cuda")  # what the scheduler reads of where the steps run
+    assert Scheduler(batch, step_token_budget=32).chunk_allowance(20) == (32, 8)
 
 
 @pytest.mark.parametrize("added, chunk", [
@@ -239,7 +261,8 @@ def test_every_row_decodes_every_step_while_a_long_prompt_is_prefilled_in_chunks
         chunks.append(plan.chunk_tokens)
         scheduler.run_step(plan)
         assert [len(s.generated) for s in running] == [n + 1 for n in before]  # nobody waits for the prefill
-    assert sum(chunks) == 70 and max(chunks) == 8 - len(running)  # the budget: 2 decode tokens + a 6-token chunk
+    # the budget: 2 decode tokens + a 6-token chunk; on CUDA the decoding rows take none of it
+    assert sum(chunks) == 70 and max(chunks) == (8 if slots_runtime.device == "cuda" else 8 - len(running))
     for seq in running + [long]:
         while not seq.finished:
             scheduler.run_step(scheduler.plan())
