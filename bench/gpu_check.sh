@@ -153,8 +153,9 @@ for part in $PARTS; do
       # Issue 50's open questions in one short loan, the quickest answer first (each a step of the parts above): which
       # serving feature the Phi-3 crossing lives in; the trained model's kernels a step with its biases moved; the
       # float16 floor on CUDA over one seed; whether split steps and the warmed chunk lengths end the fused server's
-      # stalls; the server at 16 streams against the 6,500 tokens/s target, one token a message and several; torch's
-      # captured decode beside it.
+      # stalls; the server at 16 streams against the 6,500 tokens/s target, one token a message and several, and at 64
+      # and 256 (where bench/scheduler_emulation.py forecasts ~10,000 tokens/s in process since the scheduler's CUDA
+      # rules of 2026-12-07, against ~1,600 before); torch's captured decode beside it.
       step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda
       export_cuda kjv-gpt2-float16-fused --checkpoint checkpoints/kjv-gpt2 --dtype float16 --attention fused --out "$ART/kjv-gpt2-float16-fused"
       step kernels-kjv-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/kjv-gpt2-float16-fused"
@@ -163,7 +164,7 @@ for part in $PARTS; do
       step step-kinds-gpt2-fp16-split-on-warmed $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
         --cuda-graph --streams 16 --split-steps on --warm-chunks
       step grpc-cuda-graph-fp16-split-on $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
-        --cuda-graph --levels 1,16,64 --max-batch-size 256 --split-steps on --batch-tokens
+        --cuda-graph --levels 1,16,64,256 --max-batch-size 256 --split-steps on --batch-tokens
       step torch-peer-gpt2-fp16 timeout 240 $PY bench/torch_graph_decode.py --preset gpt2
       ;;
     bench)

@@ -1,0 +1,149 @@
+"""What the scheduler makes of a device's step costs without the device: the engine in this process (no gRPC) under N
+concurrent streams (prompts of --prompt-tokens, --new-tokens each, greedy, 2 requests a stream), its model calls run on
+a small artifact on the CPU and then held until they take what the device's steps took: a decode step --decode-ms, a
+step with a prompt chunk --chunk-ms plus --chunk-ms-per-token a chunk token. The defaults are the H200's fused gpt2
+float16 steps at 16 streams (bench/results/h200.md, second loan: 0.87 ms decoding at a captured shape, 4.75 ms with a
+chunk through the step graph), so what this prints is a forecast of the scheduling on that GPU, not a measurement of it:
+the host work (the engine, the scheduler, the tiny model's CPU step inside each held call) is this machine's.
+
+Each configuration is a step token budget, a step-time bound (serve's --step-token-budget / --step-time-bound) and
+whether the decoding rows take their share of the budget (`rows`: the CPU's rule; `cuda`: CUDA's, where they take
+none; Scheduler.budget_counts_rows). They take turns, round by round. Per configuration and streams: tokens/s, the
+model steps and those with a chunk, rows in a step (p50 / max), chunk tokens (p50), time to first token and the gaps
+between tokens (p50 / p99).
+
+    python bench/scheduler_emulation.py --artifact DIR (the tiny preset's) [--streams 16,64,256]
+        [--configs 32/130/rows,32/130/cuda,512/130/cuda] [--decode-ms 0.87] [--chunk-ms 4.75] [--chunk-ms-per-token 0]
+        [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from grpc_load import InProcess, percentile, prompt_ids  # noqa: E402
+from machine import describe  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Rules:
+    budget: int
+    bound: int
+    budget_counts_rows: bool
+
+    @classmethod
+    def parse(cls, text: str) -> "Rules":
+        budget, bound, rows = text.split("/")
+        if rows not in ("rows", "cuda"):
+            raise SystemExit(f"--configs: {text!r}: the third part is 'rows' (the CPU's rule) or 'cuda'")
+        return cls(int(budget), int(bound), rows == "rows")
+
+    def __str__(self) -> str:
+        return f"{self.budget} / {self.bound}% / {'rows' if self.budget_counts_rows else 'cuda'}"
+
+
+def hold_steps(runtime, decode_s: float, chunk_s: float, chunk_token_s: float, steps: list) -> None:
+    """Every model call of runtime takes at least the emulated device's time; steps gets (rows, chunk tokens) of each."""
+    run = runtime.run_slots
+
+    def held(pool, input_ids, position_ids, attention_mask, piece, *args, **kwargs):
+        began = time.perf_counter()
+        out = run(pool, input_ids, position_ids, attention_mask, piece, *args, **kwargs)
+        left = (chunk_s + chunk_token_s * len(piece) if len(piece) else decode_s) - (time.perf_counter() - began)
+        if left > 0:
+            time.sleep(left)
+        steps.append((len(input_ids), len(piece)))
+        return out
+
+    runtime.run_slots = held
+
+
+async def load(local: InProcess, rules: Rules, streams: int, prompt_tokens: int, new_tokens: int, first_seed: int) -> dict:
+    from kvserve.contract.tokenizer import ByteTokenizer
+    from kvserve.service.core.engine import Engine
+    from kvserve.service.core.limits import EngineLimits
+
+    limits = EngineLimits(max_batch_size=local.max_batch, max_queue=4 * streams, step_token_budget=rules.budget,
+                          step_time_bound=rules.bound)
+    engine = Engine(local.runtime, local.config, ByteTokenizer(), limits, batch=local.batch, step_thread=local.steps)
+    engine.scheduler.budget_counts_rows = rules.budget_counts_rows
+    engine.start()
+    ttfts, gaps = [], []
+    try:
+        async def stream(k: int) -> None:
+            for r in range(2):  # new prompts every time: nothing comes from the prompt cache
+                stamps = await InProcess.stamps(engine, prompt_ids(first_seed + 2 * k + r, prompt_tokens, local.config.vocab_size),
+                                                new_tokens)
+                ttfts.append(stamps[1] - stamps[0])
+                gaps.extend(np.diff(stamps[1:]))
+
+        began = time.perf_counter()
+        await asyncio.gather(*(stream(k) for k in range(streams)))
+        wall = time.perf_counter() - began
+    finally:
+        await engine.close()
+    return {"tokens_per_s": streams * 2 * new_tokens / wall, "ttft": ttfts, "gaps": gaps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", required=True, help="a small artifact (the tiny preset's): its CPU step sits inside each held call")
+    parser.add_argument("--streams", default="16,64,256")
+    parser.add_argument("--configs", default="32/130/rows,32/130/cuda,512/130/cuda",
+                        help="budget/bound/rule, comma-separated: serve's --step-token-budget and --step-time-bound, and "
+                             "whether decoding rows take their share of the budget ('rows', the CPU's rule) or not ('cuda')")
+    parser.add_argument("--decode-ms", type=float, default=0.87)
+    parser.add_argument("--chunk-ms", type=float, default=4.75)
+    parser.add_argument("--chunk-ms-per-token", type=float, default=0.0)
+    parser.add_argument("--prompt-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--max-batch-size", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    configs = [Rules.parse(text) for text in args.configs.split(",")]
+    levels = [int(n) for n in args.streams.split(",")]
+
+    local = InProcess(args.artifact, "cpu", max_batch=args.max_batch_size)
+    steps: list = []
+    hold_steps(local.runtime, args.decode_ms / 1e3, args.chunk_ms / 1e3, args.chunk_ms_per_token / 1e3, steps)
+    print(f"{args.artifact} on the CPU, model calls held to a decode step of {args.decode_ms} ms and a step with a chunk of "
+          f"{args.chunk_ms} ms + {args.chunk_ms_per_token} ms a chunk token; prompts of {args.prompt_tokens}, "
+          f"{args.new_tokens} new tokens, 2 requests a stream, {args.rounds} rounds alternating, the best round's tokens/s\n")
+    results: dict = {}
+    seed = 10_000
+    for _ in range(args.rounds):
+        for streams in levels:
+            for rules in configs:
+                steps.clear()
+                run = asyncio.run(load(local, rules, streams, args.prompt_tokens, args.new_tokens, seed))
+                seed += 2 * streams
+                rows = np.array([r for r, _ in steps])
+                chunks = np.array([c for _, c in steps if c])
+                run.update(steps=len(steps), chunk_steps=len(chunks), rows_p50=float(np.median(rows)), rows_max=int(rows.max()),
+                           chunk_p50=float(np.median(chunks)) if len(chunks) else 0.0)
+                best = results.get((streams, rules))
+                if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
+                    results[streams, rules] = run
+    print("| streams | budget / bound / rule | tokens/s | steps | with a chunk | rows p50 / max | chunk tokens p50 | "
+          "TTFT p50 / p99 ms | gap p50 / p99 ms |")
+    print("|---:|---|---:|---:|---:|---|---:|---|---|")
+    for streams in levels:
+        for rules in configs:
+            r = results[streams, rules]
+            print(f"| {streams} | {rules} | {r['tokens_per_s']:,.0f} | {r['steps']} | {r['chunk_steps']} | "
+                  f"{r['rows_p50']:.0f} / {r['rows_max']} | {r['chunk_p50']:.0f} | "
+                  f"{percentile(r['ttft'], 50):.1f} / {percentile(r['ttft'], 99):.1f} | "
+                  f"{percentile(r['gaps'], 50):.2f} / {percentile(r['gaps'], 99):.2f} |")
+    print(f"\nmachine: {describe('CPUExecutionProvider')} (the steps' times held to the emulated device's)")
+
+
+if __name__ == "__main__":
+    main()
