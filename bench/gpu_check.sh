@@ -165,6 +165,14 @@ for part in $PARTS; do
         --cuda-graph --streams 16 --split-steps on --warm-chunks
       step grpc-cuda-graph-fp16-split-on $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
         --cuda-graph --levels 1,16,64,256 --max-batch-size 256 --split-steps on --batch-tokens
+      # Longer prompts (180 tokens) at the default step token budget and at 192: bench/scheduler_emulation.py forecasts
+      # 2.4-4.6x from the larger budget on this GPU's step costs, unless each new chunk length's first run stalls (then
+      # chunk lengths want buckets).
+      for budget in 32 192; do
+        step grpc-cuda-graph-fp16-split-on-prompt-180-budget-$budget $PY bench/grpc_load.py --provider cuda \
+          --artifact "$ART/gpt2-float16-fused" --cuda-graph --levels 1,16,64 --max-batch-size 256 --split-steps on \
+          --batch-tokens --prompt-tokens 180 --step-token-budget $budget
+      done
       step torch-peer-gpt2-fp16 timeout 240 $PY bench/torch_graph_decode.py --preset gpt2
       ;;
     bench)

@@ -10,6 +10,7 @@ asking for several tokens a message (GenerateRequest.batch_tokens): its row says
 
     python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64] [--cuda-graph]
                               [--requests-per-stream 2] [--levels 1,16,64,256 --max-batch-size 256] [--batch-tokens]
+                              [--step-token-budget N]
 """
 
 from __future__ import annotations
@@ -97,7 +98,8 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
 class InProcess:
     """The engine without gRPC, in this process: the same requests, one stream."""
 
-    def __init__(self, artifact_dir, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto"):
+    def __init__(self, artifact_dir, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto",
+                 step_token_budget: int | None = None):
         from kvserve.contract.artifact import open_artifact
         from kvserve.service.core.batch import SlotBatch
         from kvserve.runtime.step import DecoderRuntime
@@ -108,6 +110,7 @@ class InProcess:
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider,
                                       cuda_graph=cuda_graph, chunk_graph=SPLIT_STEPS[split_steps])
         self.max_batch = max_batch
+        self.step_token_budget = step_token_budget  # None: the server's default
         self.batch = SlotBatch(self.runtime, self.config, max_batch)  # one batch for every run: its decode shapes captured once
         self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
         if self.batch.fixed_decode:  # on a pool no row uses yet
@@ -121,8 +124,9 @@ class InProcess:
         from kvserve.service.core.limits import EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
+        budget = {} if self.step_token_budget is None else {"step_token_budget": self.step_token_budget}
         engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=self.max_batch, max_queue=64,
-                                                                                     prompt_cache=prompt_cache),
+                                                                                     prompt_cache=prompt_cache, **budget),
                         batch=self.batch if batch is None else batch, step_thread=self.steps, kv_events=kv_events)
         engine.start()
         return engine
@@ -180,11 +184,13 @@ def merged(runs: list[dict]) -> dict:
     }
 
 
-def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto"):
+def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto",
+                 step_token_budget: int | None = None):
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", provider,
          "--max-batch-size", str(max_batch), "--max-queue", str(max(64, 4 * max_batch)), "--split-steps", split_steps]
-        + (["--cuda-graph"] if cuda_graph else []),
+        + (["--cuda-graph"] if cuda_graph else [])
+        + ([] if step_token_budget is None else ["--step-token-budget", str(step_token_budget)]),
         stderr=subprocess.PIPE, text=True,
     )
     port = None
@@ -212,6 +218,8 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=16, help="the server's --max-batch-size (default 16)")
     parser.add_argument("--split-steps", choices=tuple(SPLIT_STEPS), default="auto",
                         help="the server's --split-steps, and the in-process engine's (default auto: on the CUDA provider)")
+    parser.add_argument("--step-token-budget", type=int, help="the server's --step-token-budget, and the in-process engine's "
+                                                                  "(default: serve's)")
     parser.add_argument("--batch-tokens", action="store_true",
                         help="each level above 1 also with GenerateRequest.batch_tokens (several tokens a message), right after it")
     args = parser.parse_args()
@@ -221,9 +229,10 @@ def main() -> None:
 
     config = open_artifact(args.artifact).config
     levels = sorted({1, *(int(c) for c in args.levels.split(","))})
-    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps)
+    local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps, args.step_token_budget)
     provider = local.runtime.provider
-    process, target = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps)
+    process, target = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps,
+                                   args.step_token_budget)
     try:
         engine_runs, grpc_runs = [], []
         for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
@@ -247,7 +256,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens, greedy, {args.requests_per_stream} requests per stream "
           f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= {args.max_batch_size}"
           + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "")
-          + f", steps {'split between the chunk and decode graphs' if local.runtime.splits_steps else 'through the step graph'}\n")
+          + f", steps {'split between the chunk and decode graphs' if local.runtime.splits_steps else 'through the step graph'}"
+          + ("" if args.step_token_budget is None else f", --step-token-budget {args.step_token_budget}") + "\n")
     print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | server CPU µs/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 
