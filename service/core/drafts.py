@@ -314,7 +314,7 @@ class StepCosts:
     _steps: dict = field(default_factory=dict)  # rows -> steps of as many rows recorded
     _ran: dict = field(default_factory=dict)  # (rows, drafts) -> _steps[rows] when it last ran (0: before any was counted)
     chunk_seconds: dict[int, float] = field(default_factory=dict)  # rows -> running mean seconds a prompt chunk token adds
-    chunks: ChunkCosts = field(default_factory=lambda: ChunkCosts())  # what a chunk adds whatever its size, and a token
+    chunks: ChunkCosts = field(default_factory=ChunkCosts)  # what a chunk adds whatever its size, and a token
     bound: float = 0.0  # the most a step with drafts may cost, as a multiple of a plain one, when other rows wait on it (0: none)
 
     def record(self, rows: int, drafts: int, seconds: float) -> None:
@@ -377,7 +377,7 @@ class StepCosts:
             return None
         if fits >= MIN_CHUNK_TOKENS:
             return fits
-        if not self.chunks.cut_pays(MIN_CHUNK_TOKENS, allowance):  # never where the allowance is smaller: no saving
+        if not self.chunks.cut_pays(MIN_CHUNK_TOKENS, allowance):  # (never below an allowance under MIN_CHUNK_TOKENS)
             return None
         return MIN_CHUNK_TOKENS
 
