@@ -186,6 +186,9 @@ def merged(runs: list[dict]) -> dict:
 
 def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 16, split_steps: str = "auto",
                  step_token_budget: int | None = None):
+    """(the server process, its address, seconds from its start to SERVING: the load, the gate and the warm-up, which on
+    CUDA runs a chunk of every length the step token budget gives)."""
+    began = time.perf_counter()
     process = subprocess.Popen(
         [sys.executable, "-m", "kvserve.cli", "serve", "--model", str(artifact), "--port", "0", "--provider", provider,
          "--max-batch-size", str(max_batch), "--max-queue", str(max(64, 4 * max_batch)), "--split-steps", split_steps]
@@ -198,7 +201,7 @@ def start_server(artifact, provider, cuda_graph: bool = False, max_batch: int = 
         match = re.search(r"listening on [\d.]+:(\d+)", line)
         port = match.group(1) if match else port
         if "kvserve.server: SERVING " in line:
-            return process, f"127.0.0.1:{port}"
+            return process, f"127.0.0.1:{port}", time.perf_counter() - began
         if "error" in line.lower():
             break
     process.kill()
@@ -231,8 +234,8 @@ def main() -> None:
     levels = sorted({1, *(int(c) for c in args.levels.split(","))})
     local = InProcess(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps, args.step_token_budget)
     provider = local.runtime.provider
-    process, target = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size, args.split_steps,
-                                   args.step_token_budget)
+    process, target, serving_after = start_server(args.artifact, args.provider, args.cuda_graph, args.max_batch_size,
+                                                  args.split_steps, args.step_token_budget)
     try:
         engine_runs, grpc_runs = [], []
         for _ in range(SINGLE_STREAM_ROUNDS):  # alternate, so drift on a shared machine hits both alike
@@ -257,7 +260,8 @@ def main() -> None:
           f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= {args.max_batch_size}"
           + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "")
           + f", steps {'split between the chunk and decode graphs' if local.runtime.splits_steps else 'through the step graph'}"
-          + ("" if args.step_token_budget is None else f", --step-token-budget {args.step_token_budget}") + "\n")
+          + ("" if args.step_token_budget is None else f", --step-token-budget {args.step_token_budget}")
+          + f"; the server SERVING {serving_after:.1f} s after its start\n")
     print("| path | concurrency | requests | aggregate tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | server CPU µs/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
 

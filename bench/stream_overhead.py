@@ -114,7 +114,7 @@ def main() -> None:
     try:
         bare_process, bare_target = start_bare_server(args.artifact, args.provider)
         servers.append(bare_process)
-        process, target = start_server(args.artifact, args.provider)
+        process, target, _ = start_server(args.artifact, args.provider)
         servers.append(process)
         results = asyncio.run(measure(local, target, bare_target, args.rounds, args.prompt_tokens, args.new_tokens))
     finally:
