@@ -110,23 +110,22 @@ class InProcess:
         self.runtime = DecoderRuntime(artifact.model_path, self.config.n_layer, artifact.dtype, provider,
                                       cuda_graph=cuda_graph, chunk_graph=SPLIT_STEPS[split_steps])
         self.max_batch = max_batch
-        self.step_token_budget = step_token_budget  # None: the server's default
+        self.limits = {} if step_token_budget is None else {"step_token_budget": step_token_budget}  # beside serve's defaults
         self.batch = SlotBatch(self.runtime, self.config, max_batch)  # one batch for every run: its decode shapes captured once
         self.steps = step_thread()  # every run's engine steps on it: CUDA graphs replay on the thread that captured them
         if self.batch.fixed_decode:  # on a pool no row uses yet
             self.steps.submit(self.batch.prepare_decode_shapes).result()
 
-    def engine(self, batch=None, prompt_cache: bool = True, kv_events=None):
-        """A started Engine (max_batch rows, queue 64) over this runtime and step thread, stepping batch (default: the shared
-        one), its prompt cache on or off, its KV events published to kv_events (None: not published); on a running event
-        loop, and the caller closes it."""
+    def engine(self, batch=None, prompt_cache: bool = True, kv_events=None, **limits):
+        """A started Engine (max_batch rows, queue 64, and any other EngineLimits field given) over this runtime and step
+        thread, stepping batch (default: the shared one), its prompt cache on or off, its KV events published to
+        kv_events (None: not published); on a running event loop, and the caller closes it."""
         from kvserve.service.core.engine import Engine
         from kvserve.service.core.limits import EngineLimits
         from kvserve.contract.tokenizer import ByteTokenizer
 
-        budget = {} if self.step_token_budget is None else {"step_token_budget": self.step_token_budget}
-        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(max_batch_size=self.max_batch, max_queue=64,
-                                                                                     prompt_cache=prompt_cache, **budget),
+        limits = {"max_batch_size": self.max_batch, "max_queue": 64, "prompt_cache": prompt_cache, **self.limits, **limits}
+        engine = Engine(self.runtime, self.config, ByteTokenizer(), EngineLimits(**limits),
                         batch=self.batch if batch is None else batch, step_thread=self.steps, kv_events=kv_events)
         engine.start()
         return engine

@@ -41,10 +41,11 @@ class Rules:
 
     @classmethod
     def parse(cls, text: str) -> "Rules":
-        budget, bound, rows = text.split("/")
-        if rows not in ("rows", "cuda"):
-            raise SystemExit(f"--configs: {text!r}: the third part is 'rows' (the CPU's rule) or 'cuda'")
-        return cls(int(budget), int(bound), rows == "rows")
+        """budget/bound/rule, e.g. 32/130/cuda; ValueError naming what is wrong."""
+        parts = text.split("/")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in ("rows", "cuda"):
+            raise ValueError(f"{text!r} is not budget/bound/rule: two whole numbers and 'rows' (the CPU's rule) or 'cuda'")
+        return cls(int(parts[0]), int(parts[1]), parts[2] == "rows")
 
     def __str__(self) -> str:
         return f"{self.budget} / {self.bound}% / {'rows' if self.budget_counts_rows else 'cuda'}"
@@ -67,15 +68,8 @@ def hold_steps(runtime, decode_s: float, chunk_s: float, chunk_token_s: float, s
 
 
 async def load(local: InProcess, rules: Rules, streams: int, prompt_tokens: int, new_tokens: int, first_seed: int) -> dict:
-    from kvserve.contract.tokenizer import ByteTokenizer
-    from kvserve.service.core.engine import Engine
-    from kvserve.service.core.limits import EngineLimits
-
-    limits = EngineLimits(max_batch_size=local.max_batch, max_queue=4 * streams, step_token_budget=rules.budget,
-                          step_time_bound=rules.bound)
-    engine = Engine(local.runtime, local.config, ByteTokenizer(), limits, batch=local.batch, step_thread=local.steps)
-    engine.scheduler.budget_counts_rows = rules.budget_counts_rows
-    engine.start()
+    engine = local.engine(max_queue=4 * streams, step_token_budget=rules.budget, step_time_bound=rules.bound)
+    engine.scheduler.budget_counts_rows = rules.budget_counts_rows  # read as each step is planned: none has been yet
     ttfts, gaps = [], []
     try:
         async def stream(k: int) -> None:
@@ -108,8 +102,11 @@ def main() -> None:
     parser.add_argument("--max-batch-size", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    configs = [Rules.parse(text) for text in args.configs.split(",")]
-    levels = [int(n) for n in args.streams.split(",")]
+    try:
+        configs = [Rules.parse(text) for text in args.configs.split(",")]
+        levels = [int(n) for n in args.streams.split(",")]
+    except ValueError as error:
+        parser.error(f"--configs / --streams: {error}")
 
     local = InProcess(args.artifact, "cpu", max_batch=args.max_batch_size)
     steps: list = []
