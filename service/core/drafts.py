@@ -353,8 +353,9 @@ class StepCosts:
         plain = self.seconds.get((rows, 0))
         if plain is None or tokens <= 0:
             return
-        self.chunks.record(tokens, max(seconds - plain, 0.0))
-        added = max(seconds - plain, 0.0) / tokens
+        chunk_seconds = max(seconds - plain, 0.0)
+        self.chunks.record(tokens, chunk_seconds)
+        added = chunk_seconds / tokens
         seen = self.chunk_seconds.get(rows)
         if seen is None:
             self.chunk_seconds[rows] = added
