@@ -15,6 +15,13 @@ A fused artifact with a chunk graph (export/chunk_graph.py) may serve every step
 steps with a prompt chunk beside decoding rows through the chunk graph, all others through the decode graph (what
 DecoderRuntime does on CUDA: splits_steps).
 
+A fused graph also prefills several fresh prompts (no past) at once, each whole, as rows of one call
+(run_prompts): the operator runs B rows of S tokens from column 0, and only a prompt's first step may have more than
+one row of several tokens (it refuses that once a row has a past). Shorter prompts are padded on the right with
+tokens the operator takes for real ones: a real token never reads them (they come after it), and the row's next
+token overwrites the first of their columns before any step reads it. The batch pads a prompt chunk so too
+(prompt_length, pads_prompts: on CUDA, where each new length's first run stalls a step).
+
 Decode-only steps at fixed shapes (CUDA graphs) are cuda_graphs.py's; the session and its provider providers.py's.
 """
 
@@ -34,6 +41,10 @@ from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
 from .pool import KvTraffic, SlotPool
 from .providers import ModelUnloadable, ProviderUnavailable, open_session, planned_device
 from .sampled import Sampled
+
+# A prompt group's rows (and a prompt chunk) run at least this many tokens each where pads_prompts: with lengths rounded
+# up to powers of two, a budget of 32 gives a CUDA server one group shape (2 x 16) to warm up rather than one a length.
+MIN_PROMPT_BUCKET = 16
 
 # Bindings kept per runtime: a batch's steps alternate between a few row layouts (all rows, the rows up to a joining
 # prompt's, one row checking drafts alone), each bound once rather than at every change.
@@ -120,6 +131,10 @@ class DecoderRuntime:
         # a decode graph exported before its total was bounded by its tables refuses a pool wider than its context
         self.pads_pool = all(io.DECODE_TOTAL_WITHIN_TABLES in session.get_modelmeta().custom_metadata_map
                              for session in (decode_session, self.chunkless_session) if session is not None)
+        # A prompt group's rows, and a fused graph's prompt chunks, run at a length rounded up to a power of two
+        # (prompt_length): on CUDA each new shape's first run costs the step ~50-100 ms (bench/results/h200.md), so the
+        # shapes a server runs stay few and are warmed up; on the CPU padding is compute spent for nothing.
+        self.pads_prompts = self.device == "cuda"
         self.fixed_steps = FixedDecodeSteps(decode_session or self.session, self.attention, self.device, self.kv_dtype, self.vocab_size,
                                             (self._past_names, self._present_names), self.traffic, captures, note, self._uncaptured)
 
@@ -287,6 +302,51 @@ class DecoderRuntime:
             bound.set_input(io.CHUNK_POSITION_IDS, chunk_positions)
         bound.set_input(io.LOGITS_INDEX, graph_index)
         return self._run_sampled(bound, len(logits_index), with_logits, before_run)
+
+    def prompt_length(self, longest: int, most: int) -> int:
+        """The tokens each row of a prompt group whose longest prompt is `longest` runs (run_prompts), or a prompt chunk
+        of `longest` tokens: a power of two of at least MIN_PROMPT_BUCKET where pads_prompts, never past most (the
+        positions left in the row's context)."""
+        if not self.pads_prompts:
+            return longest
+        return max(longest, min(most, max(MIN_PROMPT_BUCKET, 1 << (longest - 1).bit_length())))
+
+    def run_prompts(self, pool: SlotPool, first_row: int, prompts: list, length: int, with_logits: bool = True,
+                    before_run: Callable[[], None] | None = None, long_rope: np.ndarray | None = None) -> Sampled:
+        """Fresh prompts, each whole from column 0, as the pool's rows first_row .. first_row + len(prompts) - 1 of one
+        fused step, every one `length` tokens (prompt_length: the shorter ones' padding is written past their ends and
+        never read); returns each prompt's last token's greedy token and logits, in order. long_rope (B,): the rows that
+        turn long (a longrope graph's). The step graph runs them as its rows, no chunk beside them; a runtime that
+        splits its steps has no step graph open, and its chunk graph always runs a chunk: the last prompt is that
+        chunk there (so it takes two prompts at least). The decode graph cannot: its operators' total is the pool's
+        width, which the operator takes for a past in every row."""
+        if self.attention != io.FUSED:
+            raise ValueError("several prompts prefill as rows of one step in a fused graph only")
+        count = len(prompts)
+        rows = count - 1 if self.splits_steps else count
+        if rows < 1:
+            raise ValueError("a runtime that splits its steps prefills two prompts at least as one step's rows and chunk")
+        tokens = np.zeros((count, length), np.int64)  # (B, S): right-padded with token 0
+        for i, ids in enumerate(prompts):
+            tokens[i, : len(ids)] = ids
+        positions = np.broadcast_to(np.arange(length, dtype=np.int64), (count, length))  # (B, S): each row from column 0
+        logits_index = np.array([i * length + len(ids) - 1 for i, ids in enumerate(prompts)], np.int64)  # (B,) each one's last
+        chunk_row = first_row + rows if self.splits_steps else first_row  # no chunk: its inputs empty, its row passed through
+        bound = self._bound_pool(pool, rows, first_row, chunk_row)
+        turns = np.zeros(count, np.int64) if long_rope is None else np.asarray(long_rope, np.int64)  # (B,)
+        if self.long_rope:
+            bound.set_input(io.LONG_ROPE, turns[:rows])  # (rows,)
+            bound.set_input(io.CHUNK_LONG_ROPE, turns[rows:] if self.splits_steps else np.zeros(1, np.int64))  # (1,)
+        bound.set_input(io.INPUT_IDS, tokens[:rows])  # (rows, S)
+        bound.set_input(io.POSITION_IDS, positions[:rows])  # (rows, S)
+        if self.splits_steps:
+            chunk, chunk_positions = tokens[rows:], positions[rows:]  # (1, S): the last prompt
+        else:
+            chunk = chunk_positions = np.zeros((1, 0), np.int64)  # (1, 0): no chunk
+        bound.set_input(io.CHUNK_IDS, chunk)
+        bound.set_input(io.CHUNK_POSITION_IDS, chunk_positions)
+        bound.set_input(io.LOGITS_INDEX, logits_index)
+        return self._run_sampled(bound, count, with_logits, before_run)
 
     def _run_sampled(self, bound: BoundStep, n_logits: int, with_logits: bool, before_run: Callable[[], None] | None) -> Sampled:
         """Run a slots step whose greedy tokens (K,) and, when asked for, logits (K, V) land in host arrays bound up

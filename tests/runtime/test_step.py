@@ -234,6 +234,51 @@ def assert_same(split: np.ndarray, whole: np.ndarray) -> None:
         assert np.abs(split.astype(np.float32) - whole.astype(np.float32)).max() <= 1e-2 * max(np.abs(whole).max(), 1.0)
 
 
+@pytest.mark.parametrize("graphs", ["step", "split"])
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded"])
+def test_fresh_prompts_prefilled_as_rows_of_one_step_give_each_ones_tokens_logits_and_k_v_alone(graphs, padded, tiny_llama_fused_artifacts):
+    """run_prompts: prompts of different lengths, each whole from column 0 as consecutive rows of one call (through the
+    step graph with no chunk, or, splitting steps, the chunk graph with the last prompt as its chunk), shorter ones
+    padded to the longest or, padded (CUDA's rule), to a power of two; each prompt's greedy token, logits and K/V
+    columns are those of that prompt run alone, and no other row is written."""
+    artifact = open_artifact(tiny_llama_fused_artifacts("float16"))
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, PROVIDER, chunk_graph=graphs == "split",
+                             chunkless_steps=False)
+    runtime.pads_prompts = padded
+    prompts = [[(7 * i + 3 * j) % config.vocab_size for j in range(n)] for i, n in enumerate((5, 3, 9, 1))]
+    length = runtime.prompt_length(9, config.n_ctx)
+    assert length == (16 if padded else 9) and runtime.prompt_length(17, config.n_ctx) == (32 if padded else 17)
+    assert runtime.prompt_length(100, 120) == (120 if padded else 100)  # never past the positions the graph holds
+    alone = runtime.new_pool(7, config.n_kv_head, config.d_head, pool_capacity(config))
+    empty = np.zeros(0, np.int64)
+    expected = [runtime.run_slots(alone, empty, empty, None, np.array(p, np.int64), 0, 2 + i, np.array([len(p) - 1]))
+                for i, p in enumerate(prompts)]
+    grouped = runtime.new_pool(7, config.n_kv_head, config.d_head, pool_capacity(config))
+    sampled = runtime.run_prompts(grouped, 2, prompts, length)
+    session = next(reversed(runtime._bindings.values())).session
+    assert session is runtime.session and session._model_path.endswith(CHUNK_GRAPH_FILE if graphs == "split" else "model.onnx")
+    assert sampled.greedy_tokens.tolist() == [e.greedy_tokens[0] for e in expected]
+    for i, prompt in enumerate(prompts):
+        assert_same(sampled.logits[i], expected[i].logits[0])
+        for a, b in zip(grouped.row_to_host(2 + i, len(prompt)), alone.row_to_host(2 + i, len(prompt))):
+            assert_same(a, b)
+    for row in (0, 1, 6):  # rows outside the group: untouched
+        assert not any(np.abs(array).max() for array in grouped.row_to_host(row, length))
+    tokens_only = runtime.run_prompts(grouped, 2, prompts, length, with_logits=False)
+    assert tokens_only.logits is None and tokens_only.greedy_tokens.tolist() == sampled.greedy_tokens.tolist()
+    if graphs == "split":
+        with pytest.raises(ValueError, match="two prompts at least"):
+            runtime.run_prompts(grouped, 0, prompts[:1], 5)
+
+
+def test_prompts_prefill_as_rows_of_one_step_in_a_fused_graph_only(tiny_standard_artifact):
+    runtime, config = opened(tiny_standard_artifact)
+    pool = runtime.new_pool(2, config.n_kv_head, config.d_head, pool_capacity(config))
+    with pytest.raises(ValueError, match="fused graph only"):
+        runtime.run_prompts(pool, 0, [[1, 2], [3]], 2)
+
+
 def test_a_split_runtime_is_refused_for_an_artifact_without_a_chunk_graph_and_unasked_on_the_cpu(tiny_artifact, tiny_llama_fused_artifacts):
     artifact = open_artifact(tiny_artifact)  # float32: a decode graph (small weights), no chunk graph
     with pytest.raises(ModelUnloadable, match="splitting steps between a chunk graph and a decode graph needs both, and it has no chunk.onnx "):
