@@ -45,6 +45,10 @@ GEMMA2, GEMMA3 = "gemma2 gqa 2:1 head_dim 16 softcaps sliding 5", "gemma3 multi-
 QWEN3, PHI3 = "qwen3 gqa 2:1 head_dim 32 qk-norm yarn tied", "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied"
 MISTRAL_SLIDING, SMOLLM3 = "mistral sliding window 7 head_dim 16", "smollm3 gqa 2:1 head_dim 16 nope every 2nd sliding 5 tied"
 
+GROUPS = "tests/service/core/test_scheduler.py::test_fresh_prompts_join_together_where_steps_split_within_the_allowance_and_stop_at_the_first_that_would_not"
+CUT_WAITS = "tests/service/core/test_scheduler.py::test_a_cut_waits_for_the_fixed_part_of_a_chunks_cost_and_none_is_made_where_that_part_alone_passes_the_bound"
+WARM_GROUPS = "tests/service/core/test_fixed_decode.py::test_the_cuda_warm_up_runs_a_prompt_group_of_every_shape_and_changes_no_token"
+
 MUTATIONS = (
     Mutation(
         "a constrained row samples from its unmasked logits",
@@ -877,6 +881,103 @@ MUTATIONS = (
         "service/process/gate.py",
         (("max(1, min(most, chunks + 1))", "max(1, min(most, chunks + 9))"),),
         ("tests/service/process/test_lifecycle.py::test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_times_none",),
+    ),
+    Mutation(
+        "chunk cut: a cut is weighed against the budget's chunk, not the shorter rest of the prompt",
+        "service/core/scheduler.py",
+        (("self.step_time_bound, min(allowance, remaining))", "self.step_time_bound, allowance)"),),
+        ("tests/service/core/test_scheduler.py::test_a_short_rest_of_a_prompt_is_not_cut_where_cutting_halves_only_a_budgets_chunk",),
+    ),
+    Mutation(
+        "chunk cut: a cost a token read off long chunks alone is trusted (a fixed part passes as tokens' cost for good)",
+        "service/core/drafts.py",
+        (("        if short is None:\n", "        if False:\n"),),
+        (CUT_WAITS,),
+    ),
+    Mutation(
+        "chunk cut: a proportional cut stands where short chunks alone add more than the bound allows",
+        "service/core/drafts.py",
+        (("if fits >= MIN_CHUNK_TOKENS and short[1] <= slack:", "if fits >= MIN_CHUNK_TOKENS:"),),
+        (CUT_WAITS,),
+    ),
+    Mutation(
+        "prompt groups: a prompt the prompt cache holds part of joins a group (and computes it again)",
+        "service/core/scheduler.py",
+        (("            if kv.reusable_prompt_tokens(seq) or not kv.fits(*group, seq) or any(", "            if not kv.fits(*group, seq) or any("),),
+        (GROUPS,),
+    ),
+    Mutation(
+        "prompt groups: a prompt sharing a block with one before it joins the same group",
+        "service/core/scheduler.py",
+        (("and other.prompt_ids[:BLOCK_TOKENS] == block for other in group)", "and False for other in group)"),),
+        (GROUPS,),
+    ),
+    Mutation(
+        "prompt groups: the K/V budget is asked for each prompt alone",
+        "service/core/scheduler.py",
+        (("not kv.fits(*group, seq)", "not kv.fits(seq)"),),
+        (GROUPS,),
+    ),
+    Mutation(
+        "prompt groups: a group's rows times its length may pass the allowance by a row",
+        "service/core/scheduler.py",
+        (("(len(group) + 1) * length > tokens", "len(group) * length > tokens"),),
+        (GROUPS,),
+    ),
+    Mutation(
+        "prompt groups: beside decoding rows a group takes the whole allowance, not what a chunk is cut to",
+        "service/core/scheduler.py",
+        (("                group, _ = self._gather_group(cut)\n", "                pass\n"),),
+        ("tests/service/core/test_scheduler.py::test_a_prompt_group_beside_decoding_rows_takes_what_a_chunk_would_be_cut_to",),
+    ),
+    Mutation(
+        "run_prompts samples each row's padded last token, not its prompt's last",
+        "runtime/step.py",
+        (("[i * length + len(ids) - 1 for i, ids in enumerate(prompts)]", "[i * length + length - 1 for i, ids in enumerate(prompts)]"),),
+        ("tests/runtime/test_step.py::test_fresh_prompts_prefilled_as_rows_of_one_step_give_each_ones_tokens_logits_and_k_v_alone[padded-step]",),
+    ),
+    Mutation(
+        "a prompt group's rows count their padding as their tokens",
+        "service/core/batch.py",
+        (("            row.cached_tokens = len(prompt)\n", "            row.cached_tokens = length\n"),),
+        ("tests/service/core/test_fixed_decode.py::test_prompts_prefilled_together_give_each_sequence_what_a_prompt_a_step_gives_it[llama]",),
+    ),
+    Mutation(
+        "a prompt group's member cancelled once planned still gets its event",
+        "service/core/batch.py",
+        (("live = [i for i, seq in enumerate(prompts) if not seq.cancelled]", "live = list(range(len(prompts)))"),),
+        ("tests/service/core/test_fixed_decode.py::test_prompts_prefilled_together_give_each_sequence_what_a_prompt_a_step_gives_it[llama]",),
+    ),
+    Mutation(
+        "a padded prompt chunk counts its padding as prompt tokens",
+        "service/core/batch.py",
+        (("held[chunk].cached_tokens = start + advanced", "held[chunk].cached_tokens = start + len(piece)"),),
+        ("tests/service/core/test_fixed_decode.py::test_prompt_chunks_padded_to_a_few_lengths_give_every_sequence_the_tokens_exact_lengths_do[split]",),
+    ),
+    Mutation(
+        "a padded prompt chunk is timed by its padded length (a cut chunk never counts as small: every chunk cut again)",
+        "service/core/batch.py",
+        (("self.step_costs.record_chunk(len(decode), advanced, time.perf_counter() - started)",
+          "self.step_costs.record_chunk(len(decode), len(piece), time.perf_counter() - started)"),),
+        ("tests/service/core/test_fixed_decode.py::test_prompt_chunks_padded_to_a_few_lengths_give_every_sequence_the_tokens_exact_lengths_do[split]",),
+    ),
+    Mutation(
+        "the CUDA warm-up runs no prompt group",
+        "service/process/gate.py",
+        (("        warm_prompt_groups(batch, step_token_budget)\n", ""),),
+        (WARM_GROUPS,),
+    ),
+    Mutation(
+        "the CUDA warm-up runs every chunk length where chunks run padded (a prompt for each length, not each padded one)",
+        "service/process/gate.py",
+        (("            if not padded <= ran:", "            if True:"),),
+        (WARM_GROUPS,),
+    ),
+    Mutation(
+        "the gate's replay in a group runs the golden prompt as the chunk graph's chunk (its rows' operator unchecked)",
+        "service/process/gate.py",
+        (("scheduler.drive([seq] + companions if in_a_group else companions + [seq])", "scheduler.drive(companions + [seq])"),),
+        ("tests/export/test_chunk_graph.py::test_a_chunk_graph_whose_rows_prefill_wrongly_fails_the_gates_replay_in_a_group",),
     ),
 )
 

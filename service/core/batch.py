@@ -109,6 +109,8 @@ class SlotBatch:
         decode = [s for s in plan.decode if s in held and not s.cancelled]
         chunk = plan.chunk if plan.chunk is not None and plan.chunk in held and not plan.chunk.cancelled else None
         draft_row = plan.draft_row if plan.draft_row in decode and chunk is None else None
+        if plan.prompts:
+            return self._step_with_prompts(plan.slots, held, decode, plan.prompts, before_model)
         if not (decode or chunk):
             return []
         return self._step(plan.slots, held, decode, chunk, plan.chunk_tokens, before_model, draft_row,
@@ -122,6 +124,12 @@ class SlotBatch:
         longest, second = sorted(decode, key=lambda s: held[s].cached_tokens)[-1:-3:-1]
         far = held[longest].cached_tokens >= SOLO_MIN_RATIO * held[second].cached_tokens + SOLO_MIN_EXTRA
         return longest if far else None
+
+    @property
+    def pads_chunks(self) -> bool:
+        """Whether a prompt chunk runs at a padded length (runtime.prompt_length): where the runtime pads prompts, in a
+        fused graph (a standard graph's ring rows would take the padding into their windows)."""
+        return self.runtime.pads_prompts and self.runtime.attention != STANDARD
 
     def decode_shape(self, used_rows: int, width: int) -> tuple[int, int]:
         """The fixed (rows, width) a decode-only step over the pool's first used_rows rows, reading width columns, runs
@@ -220,6 +228,11 @@ class SlotBatch:
             completes = start + len(piece) == len(chunk.prefill_ids)
             if completes:
                 logits_index.append(rows + len(piece) - 1)  # the prompt's last token: the first new one follows
+            advanced = len(piece)  # the prompt tokens it takes
+            if self.pads_chunks:  # its padding written past its end, where its next tokens overwrite it before any step reads it
+                padded = self.runtime.prompt_length(advanced, self.config.n_ctx - start)
+                piece = np.concatenate([piece, np.zeros(padded - advanced, np.int64)])  # (T',)
+                held[chunk].written_columns = max(held[chunk].written_columns, start + padded)
         chunk_row = solo if solo is not None else chunk
         decoded = decode + ([solo] if solo is not None else [])  # a token each
         sampling = decoded + ([chunk] if completes else [])  # logits_index's order
@@ -239,7 +252,7 @@ class SlotBatch:
             if solo is not None:
                 held[solo].cached_tokens += 1
             if chunk is not None:
-                held[chunk].cached_tokens = start + len(piece)
+                held[chunk].cached_tokens = start + advanced
                 if completes:
                     chunk.refill_ids = None  # a row prefilled again decodes on
             results = advance_each(sampling, sampled.logits, sampled.greedy_tokens, masks=masks)
@@ -249,7 +262,37 @@ class SlotBatch:
         if chunk is None:
             self.step_costs.record(len(decode) + (solo is not None), len(drafts), time.perf_counter() - started)
         elif decode:
-            self.step_costs.record_chunk(len(decode), len(piece), time.perf_counter() - started)
+            # by the prompt tokens it took, as the scheduler cuts chunks: padded, a cut to 4 tokens runs 16, which timed
+            # as 16 would never be the small chunk that tells whether cutting pays (drafts.ChunkCosts), so it is cut again
+            self.step_costs.record_chunk(len(decode), advanced, time.perf_counter() - started)
+        return results
+
+    def _step_with_prompts(self, slots: list[Sequence | None], held: dict[Sequence, HeldRow], decode: list[Sequence],
+                           prompts: list[Sequence], before_model: Callable[[], None] | None) -> StepResults:
+        """A step whose fresh prompts prefill whole as consecutive rows of one call (runtime.run_prompts), after the
+        decoding rows' own call (at its fixed shape where decode steps have one; the prompts' rows, past the decoding
+        ones, run scratch tokens there or are not bound). A prompt cancelled since the plan runs with the others (its
+        row is its own until the next plan) and gets no event."""
+        rows = [held[seq] for seq in prompts]
+        first = rows[0].index
+        if [row.index for row in rows] != list(range(first, first + len(rows))):
+            raise RuntimeError(f"a prompt group's rows are not consecutive: {[row.index for row in rows]}")
+        started = time.perf_counter()
+        results = self._step(slots, held, decode, None, 0, before_model) if decode else []
+        live = [i for i, seq in enumerate(prompts) if not seq.cancelled]
+        sampling = [prompts[i] for i in live]
+        ids = [seq.prefill_ids for seq in prompts]
+        length = self.runtime.prompt_length(max(len(prompt) for prompt in ids), self.config.n_ctx)
+        masks = self._start_masks(sampling)
+        long_rope = np.array([seq.long_rope for seq in prompts], np.int64) if self.runtime.long_rope else None  # (B,)
+        sampled = self.runtime.run_prompts(self.pool, first, ids, length, needs_logits(sampling), None if decode else before_model,
+                                           long_rope)
+        for seq, row, prompt in zip(prompts, rows, ids):
+            row.cached_tokens = len(prompt)
+            row.written_columns = max(row.written_columns, length)  # its padding's columns too, never read
+        results += advance_each(sampling, sampled.logits, sampled.greedy_tokens, live, masks)
+        if decode:  # what the prompts added to the decoding rows' step, as a chunk of all their tokens would
+            self.step_costs.record_chunk(len(decode), len(prompts) * length, time.perf_counter() - started)
         return results
 
     @staticmethod

@@ -273,6 +273,11 @@ class ChunkCosts:
         setattr(self, kind, (mean_tokens + self.WEIGHT * (tokens - mean_tokens), mean_seconds + self.WEIGHT * (seconds - mean_seconds),
                              self.steps))
 
+    def short_chunks(self) -> tuple[float, float] | None:
+        """(mean tokens, mean seconds added) of the chunks of at most SMALL_CHUNK_TOKENS run lately; None: none has."""
+        pair = self.small
+        return None if pair is None or self.steps - pair[2] > FORGET_STEPS else pair[:2]
+
     def line(self) -> tuple[float, float]:
         """(seconds any chunk adds, seconds each of its tokens adds); (0, 0) before any chunk step is recorded."""
         kept = [pair for pair in (self.small, self.large) if pair is not None and self.steps - pair[2] <= FORGET_STEPS]
@@ -366,19 +371,28 @@ class StepCosts:
 
     def chunk_cut(self, rows: int, bound: float, allowance: int) -> int | None:
         """The tokens a prompt chunk beside `rows` decoding rows is cut to, from the `allowance` the step token budget
-        gives it, to take at most `bound` times a plain step's time by what a chunk token added beside as many rows.
-        Where no chunk keeps the bound, MIN_CHUNK_TOKENS if so few at least halve what the chunk adds. None: no cut (not
-        measured at this count yet, chunks measured as free, the allowance within the bound, or a fixed part that no
-        cut keeps within it dominating what a chunk adds, which a cut chunk would pay at more steps)."""
+        gives it (or the rest of its prompt, if shorter), to take at most `bound` times a plain step's time by what a
+        chunk token added beside as many rows. That reads a chunk's cost as its tokens', which a short chunk's time
+        checks: until one has run lately, a chunk over the bound is cut to MIN_CHUNK_TOKENS to learn it; where short
+        chunks alone add more than the bound allows, no cut keeps the bound (a fixed part: a cut chunk pays it at more
+        steps), and a chunk is cut to MIN_CHUNK_TOKENS only where so few at least halve what it adds (ChunkCosts.line).
+        None: no cut (not measured at this count yet, chunks measured as free, the allowance within the bound or at
+        most MIN_CHUNK_TOKENS, or a fixed part dominating what a chunk adds)."""
         plain, added = self.seconds.get((rows, 0)), self.chunk_seconds.get(rows)
         if plain is None or not added:
             return None
-        fits = int((bound - 1.0) * plain / added + 1e-9)  # floor, not one short of a whole count by rounding
-        if fits >= allowance:
+        slack = (bound - 1.0) * plain  # what a chunk may add
+        fits = int(slack / added + 1e-9)  # floor, not one short of a whole count by rounding
+        if fits >= allowance or allowance <= MIN_CHUNK_TOKENS:
             return None
-        if fits >= MIN_CHUNK_TOKENS:
+        short = self.chunks.short_chunks()
+        if short is None:
+            # A cost a token read off long chunks alone would pass a fixed part off as tokens' cost, and a cut to
+            # `fits` (a long chunk too, where that part is large: a GPU's 180-token chunk said 12 fit) would keep hiding it.
+            return MIN_CHUNK_TOKENS
+        if fits >= MIN_CHUNK_TOKENS and short[1] <= slack:
             return fits
-        if not self.chunks.cut_pays(MIN_CHUNK_TOKENS, allowance):  # (never below an allowance under MIN_CHUNK_TOKENS)
+        if not self.chunks.cut_pays(MIN_CHUNK_TOKENS, allowance):
             return None
         return MIN_CHUNK_TOKENS
 

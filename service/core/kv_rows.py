@@ -139,9 +139,9 @@ class KvRows:
     def reserved_bytes(self) -> int:
         return self._reserved
 
-    def fits(self, seq: Sequence) -> bool:
-        """Whether seq may take a row now under the budget (cached rows give way to it)."""
-        return self.budget_bytes is None or self._reserved + self.reservation(seq) <= self.budget_bytes
+    def fits(self, *seqs: Sequence) -> bool:
+        """Whether seqs may take rows now under the budget (cached rows give way to them)."""
+        return self.budget_bytes is None or self._reserved + sum(self.reservation(seq) for seq in seqs) <= self.budget_bytes
 
     def budget_tokens(self) -> int | None:
         """Tokens of K/V one row may hold under the budget (None: no budget); a model whose every layer is a ring holds

@@ -41,7 +41,9 @@ class EngineLimits:
     # Smaller keeps the running streams' gaps even; larger gets a new prompt its first token sooner
     # (docs/benchmarks.md, "Chunked prefill").
     step_token_budget: int = declared(32, "tokens one step runs while streams decode: theirs (on the CPU; on CUDA none "
-                                      "of them count), then a chunk of a new prompt; 0: no limit (a prompt is prefilled whole)", 0, INT_MAX)
+                                      "of them count), then a chunk of a new prompt, or where steps split new prompts "
+                                      "prefilled together (rows x padded length); 0: no limit (a prompt is prefilled whole, "
+                                      "alone)", 0, INT_MAX)
     # A prompt chunk beside decoding rows costs them a longer step: the chunk is cut to what keeps its step within this
     # share of a decode-only step, by the step times the server measures (service/core/drafts.py StepCosts).
     step_time_bound: int = declared(130, "percent of a decode-only step's time a step with a prompt chunk or drafts may take "

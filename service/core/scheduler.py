@@ -1,7 +1,7 @@
 """The scheduler loop: decides what each model step runs, hands it to the batch on the step thread, and
 delivers every sequence's event to its caller on the event loop.
 
-One step (step_plan.StepPlan) is one model call over the batch:
+One step (step_plan.StepPlan) is one model call over the batch (two where prompts prefill together, below):
   - every row whose prompt is in the cache decodes one token (decode never waits for a prefill); in a step with no
     chunk, one of them may also check drafts of its next tokens (drafts.py: its grammar's forced tokens or prompt
     lookup, as many as the step times measured say pay), through the chunk part of the graph;
@@ -18,7 +18,12 @@ One step (step_plan.StepPlan) is one model call over the batch:
   - a waiting request joins when no other prompt is being prefilled and a row is free, so no row sits in
     the batch idle while it waits for its turn; it takes its row as the step is planned (kv_rows.KvRows.join), its
     prompt starting past what the prompt cache held of it, so requests sharing a prefix with one still being
-    prefilled wait for it and then take it instead of each computing it again.
+    prefilled wait for it and then take it instead of each computing it again;
+  - where the runtime splits its steps (CUDA), the requests at the head of the queue that share nothing with the
+    prompt cache or each other join together instead and prefill whole as rows of one call beside the decoding rows'
+    own (prompt_group; the step's two model calls): a step with prompt tokens costs there mostly a fixed part (an
+    H200's gpt2 step: 4.75 ms with a chunk of any size against 0.87 ms without), so one prompt a step held the batch
+    near as many rows as a request has new tokens (bench/scheduler_emulation.py).
 The scheduler owns the rows (kv_rows.KvRows): every join, release, refill and long-rope turn is made here, and the
 plan hands the batch the rows as they stand; the batch assembles one model call's arrays and hands results back.
 Cancelled sequences leave as the next step is planned, finished ones at the end of theirs.
@@ -48,10 +53,15 @@ from dataclasses import dataclass
 from .drafts import DraftState, PromptLookup, SuffixCache, most_drafts
 from .kv_rows import KvRows
 from .model_info import LiveCounts, SequenceKv
+from .prompt_cache import BLOCK_TOKENS
 from .sequence import Sequence, StepEvent
 from .step_plan import StepPlan, StepResults
 
 log = logging.getLogger(__name__)
+
+# The most fresh prompts one step prefills together (prompt_group): each (rows, length) a group runs is a shape a CUDA
+# server warms up (service/process/gate.py), so rows and the lengths' buckets stay few.
+MAX_PROMPT_GROUP = 16
 
 # Steps whose tokens no caller streams reach the loop at least this often: its gauges and metrics stay this fresh.
 UNSTREAMED_HANDOFF_NS = 50_000_000
@@ -178,6 +188,9 @@ class Scheduler:
         # row, 0.93 at 16), and rows taking the budget left a prompt a token or two a step once as many rows decoded:
         # under load the batch stayed near the budget's size (bench/scheduler_emulation.py).
         self.budget_counts_rows = runtime.device != "cuda"
+        # Fresh prompts prefill together as rows of one call where the runtime splits its steps anyway and joins keep
+        # rows dense, so that joiners' rows are consecutive (the call binds them as one block); 1: a prompt a step.
+        self.prompt_group_rows = MAX_PROMPT_GROUP if runtime.splits_steps and self.kv.compact else 1
         self.step_time_bound = step_time_bound / 100  # a step with a chunk or drafts, in plain steps' time (0: no bound)
         batch.step_costs.bound = self.step_time_bound
         self.speculation = speculation  # decoding rows may check drafts (drafts.py) where the step costs say it pays
@@ -267,6 +280,12 @@ class Scheduler:
         decode = [s for s in rows if not s.prefilling]
         prefilling = [s for s in rows if s.prefilling]
         joining = []
+        if not prefilling and (group := self.prompt_group(decode)):
+            for seq in group:  # the queue's head, in order: each takes the row after the last (rows stay dense)
+                self.waiting.popleft()
+                seq.admitted_ns = time.monotonic_ns()
+                kv.join(seq)
+            return StepPlan(joining=group, decode=decode, prompts=group, slots=list(kv.slots), held=kv.held)
         if not prefilling and self.waiting and kv.free_rows() > 0 and kv.fits(self.waiting[0]):  # in order: none overtakes
             joining = [self.waiting.popleft()]
             joining[0].admitted_ns = time.monotonic_ns()
@@ -282,12 +301,59 @@ class Scheduler:
         tokens = remaining
         if decode and self.step_token_budget:
             allowance, tail = self.chunk_allowance(len(decode))
-            cut = self.batch.step_costs.chunk_cut(len(decode), self.step_time_bound, allowance) if self.step_time_bound else None
+            # measured against the chunk it would be: a cut that halves what a budget's chunk adds may not halve a short
+            # prompt's, and where a chunk's cost is mostly fixed (CUDA) each cut step pays that part again
+            cut = None
+            if self.step_time_bound:
+                cut = self.batch.step_costs.chunk_cut(len(decode), self.step_time_bound, min(allowance, remaining))
             if cut is not None:  # the steps measured say a budget's chunk would stall the streams, and a smaller one less
                 allowance, tail = cut, cut // 4
             if remaining > allowance + tail:
                 tokens = allowance
         return StepPlan(joining=joining, decode=decode, chunk=chunk, chunk_tokens=tokens, slots=list(kv.slots), held=kv.held)
+
+    def prompt_group(self, decode: list[Sequence]) -> list[Sequence]:
+        """The waiting sequences at the head of the queue that join this step together and prefill whole as rows of one
+        call (runtime.DecoderRuntime.run_prompts), none if fewer than two would: while each finds nothing in the prompt
+        cache and shares no index block with an earlier one (it waits for that one's row instead), a row is free, the
+        K/V budget holds them all, and rows x their padded length (runtime.prompt_length: each row runs the longest's
+        tokens) stay within what a chunk beside these decoding rows may take (chunk_allowance, cut by the step-time
+        bound as a chunk would be; under a K/V budget, every row's padding within the most it may write). Not where the
+        step token budget is 0 (no limit): a step's size would have no bound."""
+        if self.prompt_group_rows < 2 or len(self.waiting) < 2 or not self.step_token_budget:
+            return []
+        tokens, _ = self.chunk_allowance(len(decode))
+        group, ran = self._gather_group(tokens)
+        if group and decode and self.step_time_bound:  # cut as a chunk of the group's tokens would be
+            cut = self.batch.step_costs.chunk_cut(len(decode), self.step_time_bound, ran)
+            if cut is not None:
+                group, _ = self._gather_group(cut)
+        return group
+
+    def _gather_group(self, tokens: int) -> tuple[list[Sequence], int]:
+        """prompt_group's sequences within `tokens` (rows x padded length), and the tokens they run; none if fewer than
+        two."""
+        kv, runtime, config = self.kv, self.batch.runtime, self.batch.config
+        most_rows = min(self.prompt_group_rows, kv.free_rows())
+        long_after = config.long_rope_after
+        group: list[Sequence] = []
+        longest, least_reserved = 0, config.n_ctx
+        for seq in self.waiting:
+            prompt = seq.prompt_ids
+            length = runtime.prompt_length(max(longest, len(prompt)), config.n_ctx)
+            reserved = min(least_reserved, kv.reservation_tokens(seq))
+            if len(group) == most_rows or (len(group) + 1) * length > tokens or (kv.budget_bytes is not None and reserved < length):
+                break
+            seq.long_rope = long_after is not None and len(prompt) > long_after  # as it joins with (the cache keeps kinds apart)
+            block = prompt[:BLOCK_TOKENS]
+            if kv.reusable_prompt_tokens(seq) or not kv.fits(*group, seq) or any(
+                    len(prompt) > BLOCK_TOKENS < len(other.prompt_ids) and other.prompt_ids[:BLOCK_TOKENS] == block for other in group):
+                break
+            group.append(seq)
+            longest, least_reserved = max(longest, len(prompt)), reserved
+        if len(group) < 2:
+            return [], 0
+        return group, len(group) * runtime.prompt_length(longest, config.n_ctx)
 
     def _with_drafts(self, decode: list[Sequence]) -> StepPlan:
         """A decode step in which the row with the most worth drafting (drafts.py) checks its drafts: from its grammar
@@ -357,7 +423,7 @@ class Scheduler:
         results: StepResults = []
         while self.waiting or self.kv.rows:
             plan = self.plan()
-            if not (plan.decode or plan.chunk):
+            if not (plan.decode or plan.chunk or plan.prompts):
                 raise RuntimeError(f"the K/V budget ({self.kv.budget_bytes} bytes) holds none of the waiting sequences")
             results += self.run_step(plan)
         return results

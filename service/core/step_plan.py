@@ -19,6 +19,9 @@ class StepPlan:
     decode: list[Sequence] = field(default_factory=list)  # rows that decode one token
     chunk: Sequence | None = None  # the row whose prompt advances this step
     chunk_tokens: int = 0  # by this many tokens
+    # fresh prompts that prefill whole as consecutive rows of one call beside the decoding rows' (no chunk then):
+    # runtime.DecoderRuntime.run_prompts, Scheduler.prompt_group
+    prompts: list[Sequence] = field(default_factory=list)
     draft_row: Sequence | None = None  # a row of decode that also checks drafts this step (drafts.py), with no chunk
     drafts: list[int] = field(default_factory=list)  # its guesses at its next tokens
     grammar_drafts: bool = False  # whether they came from its grammar (else from prompt lookup)

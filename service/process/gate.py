@@ -47,22 +47,39 @@ def _scheduler(runtime: DecoderRuntime, artifact: Artifact, rows: int, budget: i
 
 
 def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget,
-                  beside_a_row: bool = False) -> GateResult:
+                  beside_a_row: bool = False, in_a_group: bool = False) -> GateResult:
     """Greedy-decode the golden prompt through the serving batch and scheduler (prefill from an empty cache, then
     cached decode steps), taking each token from the graph's greedy_tokens as serving does and reading the logits
     beside it: the tokens must be the eager reference's (where the precision requires it) and each its own logits'
     argmax; the logits must be within the precision's bound of the reference's. beside_a_row: a row admitted first
-    decodes the whole time, so the golden prompt's chunks run beside a decoding row (a chunk graph's steps)."""
+    decodes the whole time, so the golden prompt's chunks run beside a decoding row (a chunk graph's steps), one
+    prompt a step; in_a_group: the golden prompt joins with that row's, the two prefilled together as rows of one call
+    (Scheduler.prompt_group), the budget raised to hold them."""
     golden = artifact.golden()
     tolerance = artifact.tolerance
     steps, prompt = len(golden.tokens), golden.prompt_ids.tolist()
     seq = _greedy_sequence(0, prompt, steps, capture_logits=True)
-    companions = [_greedy_sequence(1, prompt[:1], len(prompt) + steps - 1)] if beside_a_row else []
-    scheduler = _scheduler(runtime, artifact, 1 + len(companions), step_token_budget, len(prompt) + steps + 1)
-    try:
-        results = scheduler.drive(companions + [seq])
+    companions = [_greedy_sequence(1, prompt[:1], len(prompt) + steps - 1)] if beside_a_row or in_a_group else []
+    tokens = len(prompt) + steps + 1
+    budget = max(step_token_budget, 2 * runtime.prompt_length(len(prompt), tokens)) if in_a_group else step_token_budget
+    scheduler = _scheduler(runtime, artifact, 1 + len(companions), budget, tokens)
+    if not in_a_group:
+        scheduler.prompt_group_rows = 1
+    grouped = []  # each step's prompts prefilled together
+    planned = scheduler.plan
+
+    def plan():
+        made = planned()
+        grouped.append(len(made.prompts))
+        return made
+
+    scheduler.plan = plan
+    try:  # in a group the golden prompt is the first row: the chunk graph's rows' operator runs it (the chunk, the other)
+        results = scheduler.drive([seq] + companions if in_a_group else companions + [seq])
     finally:
         scheduler.batch.close()  # its bound steps (and CUDA graphs) are the replay's alone
+    if in_a_group and 2 not in grouped:
+        return GateResult(False, "golden replay in a group: the golden prompt did not join one")
     for _, event in results:
         if isinstance(event, BaseException):
             return GateResult(False, f"golden replay failed: {type(event).__name__}: {event}")
@@ -96,8 +113,10 @@ def run_gate(runtime: DecoderRuntime, artifact: Artifact, step_token_budget: int
     if runtime.chunkless_session is None or not served.passed:
         return served
     if runtime.splits_steps:  # the one row ran the decode graph alone: the chunk graph runs chunks beside decoding rows
-        rows = replay_golden(runtime, artifact, step_token_budget, beside_a_row=True)
-        return GateResult(rows.passed, f"{served.summary}; beside a decoding row, through the chunk graph: {rows.summary}")
+        rows = replay_golden(runtime, artifact, step_token_budget, beside_a_row=True)  # and prompts prefilled together
+        group = replay_golden(runtime, artifact, step_token_budget, in_a_group=True)
+        return GateResult(rows.passed and group.passed, f"{served.summary}; beside a decoding row, through the chunk graph: "
+                                                        f"{rows.summary}; prefilled in a group of two: {group.summary}")
     with runtime.step_graph_only():  # what steps of several rows run
         rows = replay_golden(runtime, artifact, step_token_budget)
     return GateResult(rows.passed, f"{served.summary}; through the step graph: {rows.summary}")
@@ -125,17 +144,28 @@ def chunk_warm_up_prompts(allowance: int, tail: int, most_tokens: int) -> list[i
 
 
 def warm_chunk_lengths(batch, step_token_budget: int, kv_budget: int | None) -> None:
-    """Run a prompt chunk of every length chunk_warm_up_prompts makes beside a decoding row, on the serving path: on
+    """Run a prompt chunk of every length chunk_warm_up_prompts makes beside a decoding row (where chunks run padded,
+    of every length they run at: batch.pads_chunks), on the serving path: on
     CUDA each new chunk length's first run through the chunk (or step) graph cost ~50-100 ms (bench/results/h200.md,
     third loan: the GroupQueryAttention of the chunk, and the If's set-up), which every stream then waited for. Its
     decoding row ends with the last chunk, so no step without a chunk runs: none of these first runs is timed into the
     step costs (drafts.StepCosts measures a chunk against a plain step of as many rows)."""
     config = batch.config
     scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)
+    scheduler.prompt_group_rows = 1  # one after another (warm_prompt_groups runs the groups' shapes)
     held = scheduler.budget_tokens()
     most = config.n_ctx - 1 if held is None else min(config.n_ctx - 1, held // 2)
     allowance, tail = scheduler.chunk_allowance(1)
     lengths = chunk_warm_up_prompts(allowance, tail, most)
+    if batch.pads_chunks:  # chunks run at a few lengths: a prompt for each length they run at
+        ran, kept = set(), []
+        for length in lengths:
+            chunks = [(0, length)] if length <= allowance + tail else [(0, allowance), (allowance, length - allowance)]
+            padded = {batch.runtime.prompt_length(tokens, config.n_ctx - start) for start, tokens in chunks}
+            if not padded <= ran:
+                kept.append(length)
+                ran |= padded
+        lengths = kept
     # The joiners' first tokens differ, so none finds an earlier one's K/V in the prompt cache and skips its chunk.
     joiners = [_greedy_sequence(-10 - i, [(i + 3 + 7 * j) % config.vocab_size for j in range(length)], 1)
                for i, length in enumerate(lengths)]
@@ -147,18 +177,43 @@ def warm_chunk_lengths(batch, step_token_budget: int, kv_budget: int | None) -> 
     scheduler.forget_cached()
 
 
+def prompt_group_shapes(scheduler: Scheduler) -> list[tuple[int, int]]:
+    """Every (rows, length) a prompt group of scheduler's may run (Scheduler.prompt_group) where its runtime pads a
+    group's length to a few sizes (pads_prompts), smallest first; none where it groups no prompts or pads none."""
+    runtime, config = scheduler.batch.runtime, scheduler.batch.config
+    if scheduler.prompt_group_rows < 2 or not scheduler.step_token_budget or not runtime.pads_prompts:
+        return []
+    tokens, _ = scheduler.chunk_allowance(0)  # the most a group takes: beside no decoding row
+    most_rows = min(scheduler.prompt_group_rows, scheduler.batch.max_rows)
+    lengths = sorted({runtime.prompt_length(n, config.n_ctx) for n in range(1, min(tokens // 2, config.n_ctx - 1) + 1)})
+    return [(rows, length) for length in lengths for rows in range(2, min(most_rows, tokens // length) + 1)]
+
+
+def warm_prompt_groups(batch, step_token_budget: int) -> None:
+    """Run a prompt group of every shape prompt_group_shapes gives, in the empty pool's first rows (given back after):
+    each shape's first run through the chunk graph on CUDA costs what a new chunk length's does."""
+    shapes = prompt_group_shapes(Scheduler(batch, step_token_budget))
+    vocab = batch.config.vocab_size
+    for rows, length in shapes:
+        batch.runtime.run_prompts(batch.pool, 0, [[(i + 3) % vocab] for i in range(rows)], length, with_logits=False)
+    for row in range(max((rows for rows, _ in shapes), default=0)):
+        batch.pool.discard(row)
+
+
 def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.step_token_budget, kv_budget: int | None = None,
             chunk_lengths: bool | None = None) -> None:
     """Run each kind of step the serving loop runs once through the serving path (WARM_UP_ROWS rows with short prompts),
     so the first requests pay no first-run costs; the batch is empty afterwards. A batch of fixed-shape decode steps
     then binds (and captures) every shape it may run, at every row count. The prompt cache forgets the warm-up's rows:
     no request should find their made-up tokens. chunk_lengths: also a chunk of every length beside a decoding row
-    (warm_chunk_lengths); None: on CUDA, where a new chunk length's first run stalls the streams (on the CPU it costs
-    nothing a step shows, and an 8 B model's warm-up would spend seconds on it)."""
+    (warm_chunk_lengths) and a prompt group of every shape (warm_prompt_groups); None: on CUDA, where a new chunk
+    length's first run stalls the streams (on the CPU it costs nothing a step shows, and an 8 B model's warm-up would
+    spend seconds on it)."""
     config = batch.config  # as served: its context may be cut (serve --max-context)
     prompt_len = max(1, min(WARM_UP_PROMPT, config.n_ctx // 2))
     new_tokens = max(1, min(WARM_UP_NEW_TOKENS, config.n_ctx - prompt_len))
     scheduler = Scheduler(batch, step_token_budget, kv_budget=kv_budget)  # the warm-up's rows: the server's are made after it
+    scheduler.prompt_group_rows = 1  # the rows join one after the other, for each kind of step (and groups' below)
     held = scheduler.budget_tokens()
     if held is not None and held < MIN_BUDGET_TOKENS:
         raise UserError(f"--kv-cache-memory {kv_budget} holds {held} tokens of this model's K/V ({scheduler.token_bytes} bytes each); "
@@ -173,5 +228,6 @@ def warm_up(batch, artifact: Artifact, step_token_budget: int = EngineLimits.ste
     scheduler.forget_cached()
     if (batch.runtime.device == "cuda" if chunk_lengths is None else chunk_lengths) and batch.max_rows > 1:
         warm_chunk_lengths(batch, step_token_budget, kv_budget)
+        warm_prompt_groups(batch, step_token_budget)
     if batch.fixed_decode:
         scheduler.prepare_decode_shapes()

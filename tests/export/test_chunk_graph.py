@@ -100,3 +100,29 @@ def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_lla
     good = open_artifact(tiny_llama_fused_artifacts("float16"))
     gate = run_gate(DecoderRuntime(good.model_path, good.config.n_layer, good.dtype, PROVIDER, chunk_graph=True), good)
     assert gate.passed and "beside a decoding row, through the chunk graph" in gate.summary
+    assert "prefilled in a group of two: golden replay" in gate.summary
+
+
+def test_a_chunk_graph_whose_rows_prefill_wrongly_fails_the_gates_replay_in_a_group(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path):
+    """Its rows' operator scaled wrongly where the rows take several tokens each (their scores doubled when a row's
+    prompt is prefilled, as a group's are; a decoding row's single token softmaxes over one column at its first step
+    alone, so the replay beside a row misses it): the gate of a runtime that splits its steps fails on its replay of
+    the golden prompt prefilled in a group."""
+    bad = tmp_path / "bad-rows"
+    shutil.copytree(tiny_llama_fused_artifacts("float16"), bad)
+    graph = onnx.load(str(bad / CHUNK_GRAPH_FILE), load_external_data=False)
+    d_head = tiny_llama_model.config.d_head
+    rows_ops = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and "rows_y" in n.output[0]]
+    assert len(rows_ops) == tiny_llama_model.config.n_layer
+    for node in rows_ops:
+        kept = [a for a in node.attribute if a.name != "scale"]
+        del node.attribute[:]
+        node.attribute.extend(kept + [onnx.helper.make_attribute("scale", 2.0 / d_head**0.5)])
+    onnx.save(graph, str(bad / CHUNK_GRAPH_FILE))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["files"][CHUNK_GRAPH_FILE] = sha256_file(bad / CHUNK_GRAPH_FILE)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    artifact = open_artifact(bad)
+    gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=True), artifact)
+    beside, grouped = gate.summary.split("prefilled in a group of two: ")
+    assert not gate.passed and "DIFFER" not in beside and "greedy tokens DIFFER" in grouped, gate.summary

@@ -13,7 +13,7 @@ from kvserve.model.generate import generate
 from kvserve.runtime import MIN_DECODE_WIDTH, DecoderRuntime
 from kvserve.service.core.batch import SlotBatch
 from kvserve.service.process.gate import _greedy_sequence, warm_up
-from kvserve.service.core.scheduler import Scheduler
+from kvserve.service.core.scheduler import MAX_PROMPT_GROUP, Scheduler
 
 from ...conftest import PROVIDER
 from ..conftest import hole_between_rows, sequence
@@ -143,20 +143,23 @@ def test_a_fused_step_graph_without_a_decode_graph_takes_no_fixed_shape_decode(t
     assert fused.decodes_fixed
 
 
+@pytest.fixture(scope="module")
+def float16_fused(tmp_path_factory, tiny_model, tiny_llama_model, tiny_llama_fused_artifacts):
+    """family -> (the tiny or tiny-llama preset exported float16 with fused attention: a decode graph and a chunk graph
+    beside its step graph, what CUDA serves; its eager model)."""
+    from kvserve.export.pipeline import export_artifact
+
+    artifact = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16-decode"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, artifact, dtype="float16", provider=PROVIDER, attention="fused")
+    return {"gpt2": (artifact, tiny_model), "llama": (tiny_llama_fused_artifacts("float16"), tiny_llama_model)}
+
+
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(family, tmp_path_factory, tiny_model, tiny_llama_model,
-                                                                         tiny_llama_fused_artifacts):
+def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(family, float16_fused):
     """The decode graph (what `serve --cuda-graph` captures for a fused artifact): fixed-shape decode steps, a shape per
     row count, give each sequence the tokens the step graph gives it, across joins, leaves, holes and chunks; and so do
     steps split as CUDA serves them, every step with a prompt chunk beside decoding rows through the chunk graph."""
-    from kvserve.export.pipeline import export_artifact
-
-    if family == "gpt2":
-        artifact = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16-decode"
-        export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, artifact, dtype="float16", provider=PROVIDER, attention="fused")
-        model = tiny_model
-    else:
-        artifact, model = tiny_llama_fused_artifacts("float16"), tiny_llama_model
+    artifact, model = float16_fused[family]
     exact = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, chunkless_steps=False)  # the step graph alone
     fixed = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", decode_graph=True)
     split = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", chunk_graph=True)
@@ -176,6 +179,112 @@ def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(famil
         batch.close()
     assert generated["fixed"] == generated["exact"] == generated["split"]
     assert len({tuple(g) for g in generated["fixed"]}) == 12 and len(chunk_graph_runs) >= 5
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_prompts_prefilled_together_give_each_sequence_what_a_prompt_a_step_gives_it(family, float16_fused):
+    """Steps split as CUDA serves them, with its rules (decoding rows take none of the budget, a group's length padded
+    to a power of two): fresh prompts joining together as rows of one call (Scheduler.prompt_group) give every sequence,
+    greedy or sampled with a seed and log-probabilities, the tokens and log-probabilities a prompt a step gives it,
+    across groups of several sizes beside decoding rows; a member cancelled once planned gets no event, the others
+    theirs."""
+    artifact, model = float16_fused[family]
+    outcome = {}
+    for grouped in (False, True):
+        runtime = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", chunk_graph=True)
+        runtime.pads_prompts = True
+        batch = SlotBatch(runtime, model.config, 8, fixed_decode=True)
+        scheduler = Scheduler(batch, step_token_budget=64)
+        scheduler.budget_counts_rows = False
+        scheduler.prompt_group_rows = MAX_PROMPT_GROUP if grouped else 1
+        seqs = [sequence(i, prompt(1200 + i, 2 + (5 * i) % 24), 3 + (7 * i) % 19, return_logprobs=i % 3 == 0,
+                         **({"temperature": 0.9, "seed": 40 + i} if i % 2 else {})) for i in range(14)]
+        cancelled, groups = seqs[5], []
+        planned = scheduler.plan
+
+        def plan():
+            made = planned()
+            groups.append(len(made.prompts))
+            if cancelled in made.joining:
+                cancelled.cancelled = True
+            return made
+
+        scheduler.plan = plan
+        results = scheduler.drive(seqs)
+        outcome[grouped] = ([s.generated for s in seqs], [[e.logprob for s, e in results if s is q] for q in seqs if q.return_logprobs])
+        assert not cancelled.generated and all(s is not cancelled for s, _ in results)
+        assert all(len(s.generated) == s.max_new_tokens for s in seqs if s is not cancelled)
+        if grouped:
+            assert len({n for n in groups if n}) >= 2, groups  # groups of several sizes formed
+        else:
+            assert not any(groups)
+        batch.close()
+    assert outcome[True][0] == outcome[False][0]
+    for with_groups, alone in zip(outcome[True][1], outcome[False][1]):
+        assert np.allclose(with_groups, alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("graphs", ["split", "step"])
+def test_prompt_chunks_padded_to_a_few_lengths_give_every_sequence_the_tokens_exact_lengths_do(graphs, float16_fused):
+    """pads_prompts (CUDA's rule): each prompt chunk runs at a power-of-two length, its padding written past its end;
+    whole prompts, chunks beside decoding rows and after a first chunk, a prompt taking a cached prefix: every
+    sequence's tokens are the unpadded runtime's, and the chunks did run padded, timed by their prompt tokens."""
+    artifact, model = float16_fused["llama"]
+    generated, lengths = {}, {}
+    for padded in (False, True):
+        runtime = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda",
+                                 chunk_graph=graphs == "split", chunkless_steps=False)
+        runtime.pads_prompts = padded
+        ran, run = [], runtime.run_slots
+        runtime.run_slots = lambda pool, ids, positions, mask, piece, *args, **kwargs: ran.append(len(piece)) or run(
+            pool, ids, positions, mask, piece, *args, **kwargs)
+        batch = SlotBatch(runtime, model.config, 4, fixed_decode=graphs == "split")
+        scheduler = Scheduler(batch, step_token_budget=12)
+        shared = prompt(1400, 20)
+        seqs = [_greedy_sequence(i, p, 10) for i, p in enumerate(
+            [prompt(1401, 5), shared, prompt(1402, 30), [7, 8, 9] * 6, shared + prompt(1403, 3), prompt(1404, 9)])]
+        scheduler.drive(seqs)
+        generated[padded], lengths[padded] = [s.generated for s in seqs], set(ran)
+        # timed by the prompt tokens taken, as chunks are cut: the small ones (a cut's) are known as small though run as 16
+        assert batch.step_costs.chunks.small is not None
+        batch.close()
+    assert generated[True] == generated[False]
+    assert lengths[True] - {0} == {16}  # every chunk (at most 12 + a tail of 3) at 16; decode steps run none (0)
+    assert len(lengths[False] - {0}) > 3
+
+
+def test_the_cuda_warm_up_runs_a_prompt_group_of_every_shape_and_changes_no_token(float16_fused):
+    """warm_up (chunk_lengths, as on CUDA, where chunks and groups run padded) runs a group of every (rows, length)
+    prompt_group_shapes gives, each once, in rows it gives back, and a chunk of each length chunks run at, a prompt for
+    each rather than one for every length the budget gives; the sequences after it get the tokens they get without it."""
+    from kvserve.service.process.gate import prompt_group_shapes
+
+    artifact, model = float16_fused["llama"]
+    generated, shapes, chunks = {}, {}, {}
+    for warmed in (False, True):
+        runtime = DecoderRuntime(artifact / "model.onnx", model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", chunk_graph=True)
+        runtime.pads_prompts = True
+        ran, run = [], runtime.run_prompts
+        runtime.run_prompts = lambda pool, first, prompts, length, *args, **kwargs: ran.append((len(prompts), length)) or run(
+            pool, first, prompts, length, *args, **kwargs)
+        pieces, run_slots = [], runtime.run_slots
+        runtime.run_slots = lambda pool, ids, positions, mask, piece, *args, **kwargs: pieces.append(len(piece)) or run_slots(
+            pool, ids, positions, mask, piece, *args, **kwargs)
+        batch = SlotBatch(runtime, model.config, 4, fixed_decode=True)
+        warm_up(batch, open_artifact(artifact), step_token_budget=64, chunk_lengths=warmed)
+        shapes[warmed], chunks[warmed] = ran[:], [n for n in pieces if n]
+        seqs = [_greedy_sequence(i, prompt(1300 + i, 4 + 3 * i), 6) for i in range(6)]
+        Scheduler(batch, step_token_budget=64).drive(seqs)
+        generated[warmed] = [s.generated for s in seqs]
+        batch.close()
+    expected = prompt_group_shapes(Scheduler(SlotBatch(runtime, model.config, 4, fixed_decode=True), 64))
+    assert expected == [(2, 16), (3, 16), (4, 16), (2, 32)]  # 64 tokens, at most the pool's 4 rows
+    assert shapes[True] == expected and shapes[False] == []
+    # the two warm-up rows' prompts (2 tokens: 16 padded); then the decoding row's own (1) and prompts of 1, 17, 33 and 65
+    # tokens beside it, one chunk each (at most 63, the budget less the row, and a tail of 16): 16, 32, 64 and 128, where
+    # every length to 79 ran before, and the longer prompts' second chunks (17 to 79 tokens) too
+    assert chunks[False] == [16, 16] and chunks[True] == [16, 16, 16, 16, 32, 64, 128], str(chunks[True])
+    assert generated[True] == generated[False]
 
 
 def test_cuda_graphs_asked_for_where_they_cannot_run_say_why(tiny_standard_artifact):
@@ -330,6 +439,7 @@ def test_the_chunk_length_warm_up_runs_each_chunk_through_the_chunk_graph_and_ch
     generated, chunk_graph_runs = {}, {}
     for warmed in (False, True):
         split = DecoderRuntime(artifact.model_path, model.config.n_layer, "float16", PROVIDER, cuda_graph=PROVIDER == "cuda", chunk_graph=True)
+        split.pads_prompts = False  # every chunk length, as on the CPU (padded: test_the_cuda_warm_up_runs_a_prompt_group_...)
         runs = []
         run = split.session.run_with_iobinding
         split.session.run_with_iobinding = lambda *args, run=run, runs=runs: runs.append(1) or run(*args)

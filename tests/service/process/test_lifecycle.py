@@ -337,6 +337,8 @@ def test_the_cuda_warm_up_runs_every_chunk_length_beside_a_decoding_row_and_time
         return run_step(self, plan, before_model)
 
     monkeypatch.setattr(Scheduler, "run_step", recording)
+    # chunks at their own lengths, as on the CPU (CUDA's run padded to a few: test_fixed_decode.py's warm-up test)
+    monkeypatch.setattr(server.app.runtime, "pads_prompts", False)
     batch = SlotBatch(server.app.runtime, server.app.artifact.config, 4)
     try:
         warm_up(batch, server.app.artifact, chunk_lengths=True)
