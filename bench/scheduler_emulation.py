@@ -7,10 +7,14 @@ chunk through the step graph), so what this prints is a forecast of the scheduli
 the host work (the engine, the scheduler, the tiny model's CPU step inside each held call) is this machine's.
 
 Each configuration is a step token budget, a step-time bound (serve's --step-token-budget / --step-time-bound) and
-whether the decoding rows take their share of the budget (`rows`: the CPU's rule; `cuda`: CUDA's, where they take
-none; Scheduler.budget_counts_rows). They take turns, round by round. Per configuration and streams: tokens/s, the
-model steps and those with a chunk, rows in a step (p50 / max), chunk tokens (p50), time to first token and the gaps
-between tokens (p50 / p99).
+a rule: `rows`, the CPU's (the decoding rows take their share of the budget, Scheduler.budget_counts_rows; one prompt
+joins a step); `cuda`, CUDA's one prompt a step (the rows take none of the budget); `groups`, CUDA's as a server that
+splits its steps runs it (Scheduler.prompt_group: fresh prompts join together and prefill as rows of one call, held
+to --chunk-ms and --chunk-ms-per-token a token of every row's padded length, beside the decoding rows' own call, held
+to --decode-ms). Group lengths are padded as on CUDA (DecoderRuntime.pads_prompts) in every configuration. They take
+turns, round by round. Per configuration and streams: tokens/s, the model calls and those with prompt tokens, rows in
+a call (p50 / max), prompt tokens in a call that has some (p50), time to first token and the gaps between tokens
+(p50 / p99).
 
     python bench/scheduler_emulation.py --artifact DIR (the tiny preset's) [--streams 16,64,256]
         [--configs 32/130/rows,32/130/cuda,512/130/cuda] [--decode-ms 0.87] [--chunk-ms 4.75] [--chunk-ms-per-token 0]
@@ -32,44 +36,62 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from grpc_load import InProcess, percentile, prompt_ids  # noqa: E402
 from machine import describe  # noqa: E402
 
+from kvserve.service.core.scheduler import MAX_PROMPT_GROUP  # noqa: E402
+
+
+RULES = ("rows", "cuda", "groups")
+
 
 @dataclass(frozen=True)
 class Rules:
     budget: int
     bound: int
-    budget_counts_rows: bool
+    rule: str  # one of RULES
 
     @classmethod
     def parse(cls, text: str) -> "Rules":
         """budget/bound/rule, e.g. 32/130/cuda; ValueError naming what is wrong."""
         parts = text.split("/")
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in ("rows", "cuda"):
-            raise ValueError(f"{text!r} is not budget/bound/rule: two whole numbers and 'rows' (the CPU's rule) or 'cuda'")
-        return cls(int(parts[0]), int(parts[1]), parts[2] == "rows")
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in RULES:
+            raise ValueError(f"{text!r} is not budget/bound/rule: two whole numbers and one of {', '.join(RULES)}")
+        return cls(int(parts[0]), int(parts[1]), parts[2])
 
     def __str__(self) -> str:
-        return f"{self.budget} / {self.bound}% / {'rows' if self.budget_counts_rows else 'cuda'}"
+        return f"{self.budget} / {self.bound}% / {self.rule}"
 
 
 def hold_steps(runtime, decode_s: float, chunk_s: float, chunk_token_s: float, steps: list) -> None:
-    """Every model call of runtime takes at least the emulated device's time; steps gets (rows, chunk tokens) of each."""
-    run = runtime.run_slots
+    """Every model call of runtime takes at least the emulated device's time; steps gets (rows, prompt tokens) of each."""
+    run_slots, run_prompts = runtime.run_slots, runtime.run_prompts
 
-    def held(pool, input_ids, position_ids, attention_mask, piece, *args, **kwargs):
-        began = time.perf_counter()
-        out = run(pool, input_ids, position_ids, attention_mask, piece, *args, **kwargs)
-        left = (chunk_s + chunk_token_s * len(piece) if len(piece) else decode_s) - (time.perf_counter() - began)
+    def hold(began: float, seconds: float) -> None:
+        left = seconds - (time.perf_counter() - began)
         if left > 0:
             time.sleep(left)
+
+    def held_slots(pool, input_ids, position_ids, attention_mask, piece, *args, **kwargs):
+        began = time.perf_counter()
+        out = run_slots(pool, input_ids, position_ids, attention_mask, piece, *args, **kwargs)
+        hold(began, chunk_s + chunk_token_s * len(piece) if len(piece) else decode_s)
         steps.append((len(input_ids), len(piece)))
         return out
 
-    runtime.run_slots = held
+    def held_prompts(pool, first_row, prompts, length, *args, **kwargs):
+        began = time.perf_counter()
+        out = run_prompts(pool, first_row, prompts, length, *args, **kwargs)
+        hold(began, chunk_s + chunk_token_s * len(prompts) * length)
+        steps.append((len(prompts), len(prompts) * length))
+        return out
+
+    runtime.run_slots, runtime.run_prompts = held_slots, held_prompts
+    runtime.pads_prompts = True  # a group's rows run the lengths a CUDA server's do
 
 
 async def load(local: InProcess, rules: Rules, streams: int, prompt_tokens: int, new_tokens: int, first_seed: int) -> dict:
     engine = local.engine(max_queue=4 * streams, step_token_budget=rules.budget, step_time_bound=rules.bound)
-    engine.scheduler.budget_counts_rows = rules.budget_counts_rows  # read as each step is planned: none has been yet
+    scheduler = engine.scheduler  # each read as a step is planned: none has been yet
+    scheduler.budget_counts_rows = rules.rule == "rows"
+    scheduler.prompt_group_rows = MAX_PROMPT_GROUP if rules.rule == "groups" else 1
     ttfts, gaps = [], []
     try:
         async def stream(k: int) -> None:
@@ -93,7 +115,8 @@ def main() -> None:
     parser.add_argument("--streams", default="16,64,256")
     parser.add_argument("--configs", default="32/130/rows,32/130/cuda,512/130/cuda",
                         help="budget/bound/rule, comma-separated: serve's --step-token-budget and --step-time-bound, and "
-                             "whether decoding rows take their share of the budget ('rows', the CPU's rule) or not ('cuda')")
+                             "'rows' (the CPU's rule), 'cuda' (CUDA's, a prompt a step) or 'groups' (CUDA's, prompts "
+                             "prefilled together)")
     parser.add_argument("--decode-ms", type=float, default=0.87)
     parser.add_argument("--chunk-ms", type=float, default=4.75)
     parser.add_argument("--chunk-ms-per-token", type=float, default=0.0)
@@ -129,7 +152,7 @@ def main() -> None:
                 best = results.get((streams, rules))
                 if best is None or run["tokens_per_s"] > best["tokens_per_s"]:
                     results[streams, rules] = run
-    print("| streams | budget / bound / rule | tokens/s | steps | with a chunk | rows p50 / max | chunk tokens p50 | "
+    print("| streams | budget / bound / rule | tokens/s | model calls | with prompt tokens | rows p50 / max | prompt tokens p50 | "
           "TTFT p50 / p99 ms | gap p50 / p99 ms |")
     print("|---:|---|---:|---:|---:|---|---:|---|---|")
     for streams in levels:

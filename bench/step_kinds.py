@@ -1,12 +1,13 @@
 """Where a loaded server's step time goes, by kind of step: the engine in this process (no gRPC) under N concurrent
 streams (prompt 32, 64 new tokens, greedy, 2 requests a stream), every model step timed with what it ran: decode
 only at a fixed shape (captured under --cuda-graph), decode only at its own shape, decode rows beside a prompt chunk,
-a chunk alone; and the rows the batch held then.
+a chunk alone, fresh prompts prefilled together (beside decoding rows or alone: Scheduler.prompt_group, where steps
+split); and the rows the batch held then.
 
 Per kind: steps, their share of the run's step time, p50 / p99 / max ms, rows (p50 / max); for the first load (every
 shape new to the sessions) and the second (each seen once), so what a shape's first run costs shows apart from what a
-step costs. Then the first load's slowest steps, each with its shape (rows, decode rows, chunk tokens) and whether that
-shape had run before. --no-mem-pattern opens the sessions without ONNX Runtime's memory patterns (planned per set of
+step costs. Then the first load's slowest steps, each with its shape (rows, decode rows, chunk tokens, or for prompts
+prefilled together how many and the longest) and whether that shape had run before. --no-mem-pattern opens the sessions without ONNX Runtime's memory patterns (planned per set of
 input shapes), to tell whether planning them is what a new shape costs; --ort-profile DIR profiles every session
 (ONNX Runtime's own profiler) and names the nodes that make its slowest runs slow: each node's time in the runs over
 3x the session's median run against its median in the others. --warm-chunks runs the server's CUDA warm-up of every
@@ -85,12 +86,17 @@ def main() -> None:
     def timed(plan, before_model=None):
         chunk = plan.chunk is not None
         decode = bool(plan.decode)
-        kind = ("decode + chunk" if decode else "chunk alone") if chunk else ("decode, fixed shape" if batch.fixed_decode else "decode")
+        if plan.prompts:  # fresh prompts prefilled together (Scheduler.prompt_group): (how many, the longest) is its shape
+            kind = "decode + prompts" if decode else "prompts alone"
+            prompt_tokens = (len(plan.prompts), max(len(seq.prompt_ids) for seq in plan.prompts))
+        else:
+            kind = ("decode + chunk" if decode else "chunk alone") if chunk else ("decode, fixed shape" if batch.fixed_decode else "decode")
+            prompt_tokens = plan.chunk_tokens if chunk else 0
         start = time.perf_counter()
         results = run(plan, before_model)
         seconds = time.perf_counter() - start
         rows = len(plan.slots)
-        shape = (kind, rows, len(plan.decode), plan.chunk_tokens if chunk else 0)
+        shape = (kind, rows, len(plan.decode), prompt_tokens)
         steps.append((seconds, kind, shape, shape not in seen))
         seen.add(shape)
         timings[kind].append((seconds, rows))
@@ -131,7 +137,7 @@ def main() -> None:
                   f"{np.percentile(seconds, 99):.2f} | {seconds.max():.2f} | {int(np.median(rows))} | {rows.max()} |")
         print()
     print("### the first load's slowest steps\n")
-    print("| ms | step | rows held | decode rows | chunk tokens | shape new |")
+    print("| ms | step | rows held | decode rows | chunk tokens (prompts, longest) | shape new |")
     print("|---:|---|---:|---:|---:|:-:|")
     for seconds, kind, (_, rows, decode_rows, chunk_tokens), new in sorted(first_steps, key=lambda s: s[0], reverse=True)[:args.slowest]:
         print(f"| {seconds * 1e3:.2f} | {kind} | {rows} | {decode_rows} | {chunk_tokens} | {'yes' if new else 'no'} |")
