@@ -72,17 +72,16 @@ def test_a_float16_fused_export_writes_its_chunk_graph_and_verify_holds_both_spl
     assert not any(c["name"].startswith("split steps") for c in json.loads((tiny_artifact / "parity.json").read_text())["checks"])
 
 
-def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path):
-    """Its chunk's operator scaled wrongly (the scores of every chunk token doubled): the step graph's checks pass, the
-    split steps' beside-a-chunk check fails, and so does the gate of a runtime that splits its steps, which replays the
-    golden prompt beside a decoding row."""
-    bad = tmp_path / "bad-chunk"
-    shutil.copytree(tiny_llama_fused_artifacts("float16"), bad)
+def scaled_wrongly(artifact_dir, model, tmp_path, operator: str):
+    """A copy of artifact_dir whose chunk graph's GroupQueryAttention named by operator ("chunk_y": the chunk's,
+    "rows_y": the rows') scores every token at twice the scale, its manifest's hash updated."""
+    bad = tmp_path / f"bad-{operator}"
+    shutil.copytree(artifact_dir, bad)
     graph = onnx.load(str(bad / CHUNK_GRAPH_FILE), load_external_data=False)
-    d_head = tiny_llama_model.config.d_head
-    chunk_ops = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and "chunk_y" in n.output[0]]
-    assert len(chunk_ops) == tiny_llama_model.config.n_layer
-    for node in chunk_ops:
+    d_head = model.config.d_head
+    ops = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and operator in n.output[0]]
+    assert len(ops) == model.config.n_layer
+    for node in ops:
         kept = [a for a in node.attribute if a.name != "scale"]  # the model's own scale, where it sets one
         del node.attribute[:]
         node.attribute.extend(kept + [onnx.helper.make_attribute("scale", 2.0 / d_head**0.5)])
@@ -90,6 +89,14 @@ def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_lla
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["files"][CHUNK_GRAPH_FILE] = sha256_file(bad / CHUNK_GRAPH_FILE)
     (bad / "manifest.json").write_text(json.dumps(manifest))
+    return bad
+
+
+def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path):
+    """Its chunk's operator scaled wrongly (the scores of every chunk token doubled): the step graph's checks pass, the
+    split steps' beside-a-chunk check fails, and so does the gate of a runtime that splits its steps, which replays the
+    golden prompt beside a decoding row."""
+    bad = scaled_wrongly(tiny_llama_fused_artifacts("float16"), tiny_llama_model, tmp_path, "chunk_y")
     report = verify(bad, tiny_llama_model, provider=PROVIDER)
     failed = [c.name for c in report.checks if not c.passed]
     assert failed == [SPLIT_CHECKS[2]], failed
@@ -104,25 +111,11 @@ def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_lla
 
 
 def test_a_chunk_graph_whose_rows_prefill_wrongly_fails_the_gates_replay_in_a_group(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path):
-    """Its rows' operator scaled wrongly where the rows take several tokens each (their scores doubled when a row's
-    prompt is prefilled, as a group's are; a decoding row's single token softmaxes over one column at its first step
-    alone, so the replay beside a row misses it): the gate of a runtime that splits its steps fails on its replay of
-    the golden prompt prefilled in a group."""
-    bad = tmp_path / "bad-rows"
-    shutil.copytree(tiny_llama_fused_artifacts("float16"), bad)
-    graph = onnx.load(str(bad / CHUNK_GRAPH_FILE), load_external_data=False)
-    d_head = tiny_llama_model.config.d_head
-    rows_ops = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and "rows_y" in n.output[0]]
-    assert len(rows_ops) == tiny_llama_model.config.n_layer
-    for node in rows_ops:
-        kept = [a for a in node.attribute if a.name != "scale"]
-        del node.attribute[:]
-        node.attribute.extend(kept + [onnx.helper.make_attribute("scale", 2.0 / d_head**0.5)])
-    onnx.save(graph, str(bad / CHUNK_GRAPH_FILE))
-    manifest = json.loads((bad / "manifest.json").read_text())
-    manifest["files"][CHUNK_GRAPH_FILE] = sha256_file(bad / CHUNK_GRAPH_FILE)
-    (bad / "manifest.json").write_text(json.dumps(manifest))
-    artifact = open_artifact(bad)
+    """Its rows' operator scaled wrongly (the scores of every row token doubled): the replay beside a decoding row runs
+    the golden prompt as the chunk graph's chunk and decodes it through the decode graph, so it never meets that
+    operator; the replay in a group prefills it as the chunk graph's first row, and the gate of a runtime that splits
+    its steps fails there."""
+    artifact = open_artifact(scaled_wrongly(tiny_llama_fused_artifacts("float16"), tiny_llama_model, tmp_path, "rows_y"))
     gate = run_gate(DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=True), artifact)
     beside, grouped = gate.summary.split("prefilled in a group of two: ")
     assert not gate.passed and "DIFFER" not in beside and "greedy tokens DIFFER" in grouped, gate.summary
