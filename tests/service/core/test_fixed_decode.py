@@ -245,12 +245,23 @@ def test_prompt_chunks_padded_to_a_few_lengths_give_every_sequence_the_tokens_ex
             [prompt(1401, 5), shared, prompt(1402, 30), [7, 8, 9] * 6, shared + prompt(1403, 3), prompt(1404, 9)])]
         scheduler.drive(seqs)
         generated[padded], lengths[padded] = [s.generated for s in seqs], set(ran)
-        # timed by the prompt tokens taken, as chunks are cut: the small ones (a cut's) are known as small though run as 16
-        assert batch.step_costs.chunks.small is not None
         batch.close()
     assert generated[True] == generated[False]
     assert lengths[True] - {0} == {16}  # every chunk (at most 12 + a tail of 3) at 16; decode steps run none (0)
     assert len(lengths[False] - {0}) > 3
+    # A padded chunk is timed by the prompt tokens it took, as the scheduler cuts them: a 3-token chunk run as 16 is a
+    # short chunk (drafts.ChunkCosts), else a cut to 4 tokens would never show what a short chunk adds
+    batch = SlotBatch(runtime, model.config, 4, fixed_decode=graphs == "split")
+    scheduler = Scheduler(batch, step_token_budget=12)
+    scheduler.waiting.append(_greedy_sequence(20, prompt(1410, 3), 10))
+    for _ in range(4):  # its prompt, then decode steps of one row (the first of a shape is not timed)
+        scheduler.run_step(scheduler.plan())
+    scheduler.waiting.append(_greedy_sequence(21, prompt(1411, 3), 2))
+    plan = scheduler.plan()
+    assert plan.chunk_tokens == 3 and len(plan.decode) == 1
+    scheduler.run_step(plan)
+    assert batch.step_costs.chunks.small[0] == 3
+    batch.close()
 
 
 def test_the_cuda_warm_up_runs_a_prompt_group_of_every_shape_and_changes_no_token(float16_fused):

@@ -189,6 +189,7 @@ def test_a_fixed_part_stops_the_cuts_that_learnt_it_and_is_measured_again_after_
         costs.record_chunk(16, 32, 0.9e-3 + 3.9e-3)
         assert costs.chunk_cut(16, 1.3, 32) is None
     costs.record_chunk(16, 32, 0.9e-3 + 3.9e-3)
+    assert costs.chunks.line() == (0.0, pytest.approx(3.9e-3 / 32))  # the short chunks forgotten: long ones alone
     assert costs.chunk_cut(16, 1.3, 32) == MIN_CHUNK_TOKENS
 
 
