@@ -166,7 +166,7 @@ for part in $PARTS; do
       step grpc-cuda-graph-fp16-split-on $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
         --cuda-graph --levels 1,16,64,256 --max-batch-size 256 --split-steps on --batch-tokens
       # Fresh prompts prefilled together (Scheduler.prompt_group): at a budget of 192 the 32-token prompts join six a
-      # step, which bench/scheduler_emulation.py forecasts at 1.5-2.2x the default budget's tokens/s on this GPU's step
+      # step, which bench/scheduler_emulation.py forecasts at 1.6-2.3x the default budget's tokens/s on this GPU's step
       # costs; the server's time to SERVING in the title includes the warm-up of every chunk and group shape.
       step grpc-cuda-graph-fp16-split-on-budget-192 $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
         --cuda-graph --levels 16,64,256 --max-batch-size 256 --split-steps on --batch-tokens --step-token-budget 192
