@@ -931,6 +931,12 @@ MUTATIONS = (
         ("tests/service/core/test_scheduler.py::test_a_prompt_group_beside_decoding_rows_takes_what_a_chunk_would_be_cut_to",),
     ),
     Mutation(
+        "a step with prompts prefilled together runs its decoding rows at a shape that counts the joiners' rows",
+        "service/core/batch.py",
+        (("results = self._step(slots[:first], held, decode, None, 0, before_model)", "results = self._step(slots, held, decode, None, 0, before_model)"),),
+        ("tests/service/core/test_scheduler.py::test_a_prompt_group_beside_decoding_rows_takes_what_a_chunk_would_be_cut_to",),
+    ),
+    Mutation(
         "run_prompts samples each row's padded last token, not its prompt's last",
         "runtime/step.py",
         (("[i * length + len(ids) - 1 for i, ids in enumerate(prompts)]", "[i * length + length - 1 for i, ids in enumerate(prompts)]"),),

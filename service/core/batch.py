@@ -270,15 +270,15 @@ class SlotBatch:
     def _step_with_prompts(self, slots: list[Sequence | None], held: dict[Sequence, HeldRow], decode: list[Sequence],
                            prompts: list[Sequence], before_model: Callable[[], None] | None) -> StepResults:
         """A step whose fresh prompts prefill whole as consecutive rows of one call (runtime.run_prompts), after the
-        decoding rows' own call (at its fixed shape where decode steps have one; the prompts' rows, past the decoding
-        ones, run scratch tokens there or are not bound). A prompt cancelled since the plan runs with the others (its
-        row is its own until the next plan) and gets no event."""
+        decoding rows' own call over the rows below theirs (they joined last: the decode step's shape is the decoding
+        rows' alone). A prompt cancelled since the plan runs with the others (its row is its own until the next plan)
+        and gets no event."""
         rows = [held[seq] for seq in prompts]
         first = rows[0].index
         if [row.index for row in rows] != list(range(first, first + len(rows))):
             raise RuntimeError(f"a prompt group's rows are not consecutive: {[row.index for row in rows]}")
         started = time.perf_counter()
-        results = self._step(slots, held, decode, None, 0, before_model) if decode else []
+        results = self._step(slots[:first], held, decode, None, 0, before_model) if decode else []
         live = [i for i, seq in enumerate(prompts) if not seq.cancelled]
         sampling = [prompts[i] for i in live]
         ids = [seq.prefill_ids for seq in prompts]

@@ -579,3 +579,4 @@ def test_a_prompt_group_beside_decoding_rows_takes_what_a_chunk_would_be_cut_to(
     assert plan.decode == [first] and plan.prompts == seqs[:2]  # 2 x 10 <= 25 < 3 x 10
     scheduler.run_step(plan)
     assert [len(s.generated) for s in [first, *seqs[:2]]] == [2, 1, 1]
+    assert runtime.fixed_shapes(batch.pool) == [(1, 0)]  # the decoding row's step: its own shape, not the joiners' rows too
