@@ -63,6 +63,9 @@ def replay_golden(runtime: DecoderRuntime, artifact: Artifact, step_token_budget
     tokens = len(prompt) + steps + 1
     budget = max(step_token_budget, 2 * runtime.prompt_length(len(prompt), tokens)) if in_a_group else step_token_budget
     scheduler = _scheduler(runtime, artifact, 1 + len(companions), budget, tokens)
+    if in_a_group and scheduler.prompt_group_rows < 2:  # rows not kept dense (no CUDA runtime to copy them): never grouped
+        scheduler.batch.close()
+        return GateResult(True, "not run: this server prefills no prompts together (its rows are not kept dense)")
     if not in_a_group:
         scheduler.prompt_group_rows = 1
     grouped = []  # each step's prompts prefilled together

@@ -92,7 +92,8 @@ def scaled_wrongly(artifact_dir, model, tmp_path, operator: str):
     return bad
 
 
-def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path):
+def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path,
+                                                                        monkeypatch):
     """Its chunk's operator scaled wrongly (the scores of every chunk token doubled): the step graph's checks pass, the
     split steps' beside-a-chunk check fails, and so does the gate of a runtime that splits its steps, which replays the
     golden prompt beside a decoding row."""
@@ -108,6 +109,13 @@ def test_a_chunk_graph_computing_wrongly_fails_verify_and_the_load_gate(tiny_lla
     gate = run_gate(DecoderRuntime(good.model_path, good.config.n_layer, good.dtype, PROVIDER, chunk_graph=True), good)
     assert gate.passed and "beside a decoding row, through the chunk graph" in gate.summary
     assert "prefilled in a group of two: golden replay" in gate.summary
+    # a server that groups no prompts (its rows not kept dense: no CUDA runtime to copy them) is not held to that replay
+    from kvserve.service.core import scheduler as scheduler_module
+
+    monkeypatch.setattr(scheduler_module, "MAX_PROMPT_GROUP", 1)
+    gate = run_gate(DecoderRuntime(good.model_path, good.config.n_layer, good.dtype, PROVIDER, chunk_graph=True), good)
+    assert gate.passed and gate.summary.endswith("prefilled in a group of two: not run: this server prefills no prompts together "
+                                                 "(its rows are not kept dense)")
 
 
 def test_a_chunk_graph_whose_rows_prefill_wrongly_fails_the_gates_replay_in_a_group(tiny_llama_fused_artifacts, tiny_llama_model, tmp_path):
