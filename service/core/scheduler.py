@@ -284,12 +284,13 @@ class Scheduler:
             for seq in group:  # the queue's head, in order: each takes the row after the last (rows stay dense)
                 self.waiting.popleft()
                 seq.admitted_ns = time.monotonic_ns()
+                seq.long_rope = self._starts_long(seq)
                 kv.join(seq)
             return StepPlan(joining=group, decode=decode, prompts=group, slots=list(kv.slots), held=kv.held)
         if not prefilling and self.waiting and kv.free_rows() > 0 and kv.fits(self.waiting[0]):  # in order: none overtakes
             joining = [self.waiting.popleft()]
             joining[0].admitted_ns = time.monotonic_ns()
-            joining[0].long_rope = long_after is not None and len(joining[0].prompt_ids) > long_after
+            joining[0].long_rope = self._starts_long(joining[0])
             kv.join(joining[0])  # past what the prompt cache held of its prompt
             prefilling = joining
         if not prefilling:
@@ -323,6 +324,10 @@ class Scheduler:
         if self.prompt_group_rows < 2 or len(self.waiting) < 2 or not self.step_token_budget:
             return []
         tokens, _ = self.chunk_allowance(len(decode))
+        runtime, n_ctx = self.batch.runtime, self.batch.config.n_ctx
+        first, second = self.waiting[0].prompt_ids, self.waiting[1].prompt_ids
+        if 2 * runtime.prompt_length(max(len(first), len(second)), n_ctx) > tokens:  # no pair fits: ask the cache nothing
+            return []
         group, ran = self._gather_group(tokens)
         if group and decode and self.step_time_bound:  # cut as a chunk of the group's tokens would be
             cut = self.batch.step_costs.chunk_cut(len(decode), self.step_time_bound, ran)
@@ -330,12 +335,16 @@ class Scheduler:
                 group, _ = self._gather_group(cut)
         return group
 
+    def _starts_long(self, seq: Sequence) -> bool:
+        """Whether seq's prompt is past a longrope model's original context, so it turns long from its first token."""
+        long_after = self.batch.config.long_rope_after
+        return long_after is not None and len(seq.prompt_ids) > long_after
+
     def _gather_group(self, tokens: int) -> tuple[list[Sequence], int]:
         """prompt_group's sequences within `tokens` (rows x padded length), and the tokens they run; none if fewer than
         two."""
         kv, runtime, config = self.kv, self.batch.runtime, self.batch.config
         most_rows = min(self.prompt_group_rows, kv.free_rows())
-        long_after = config.long_rope_after
         group: list[Sequence] = []
         longest, least_reserved = 0, config.n_ctx
         for seq in self.waiting:
@@ -344,7 +353,7 @@ class Scheduler:
             reserved = min(least_reserved, kv.reservation_tokens(seq))
             if len(group) == most_rows or (len(group) + 1) * length > tokens or (kv.budget_bytes is not None and reserved < length):
                 break
-            seq.long_rope = long_after is not None and len(prompt) > long_after  # as it joins with (the cache keeps kinds apart)
+            seq.long_rope = self._starts_long(seq)  # as it would join: the prompt cache keeps the two kinds apart
             block = prompt[:BLOCK_TOKENS]
             if kv.reusable_prompt_tokens(seq) or not kv.fits(*group, seq) or any(
                     len(prompt) > BLOCK_TOKENS < len(other.prompt_ids) and other.prompt_ids[:BLOCK_TOKENS] == block for other in group):
