@@ -15,6 +15,10 @@ every device tensor a kernel wants in host memory (GroupQueryAttention's total l
 it also names operators whose CUDA kernels read their inputs back to the host themselves (Range copies start,
 limit and delta off the device) and control flow (the fused graph's If over an empty chunk), which a capture cannot
 hold either. Checked on the exported graph: ONNX Runtime's own optimizations only fold shape arithmetic further.
+
+empty_reductions reads what a graph's run on the CPU provider handed each reduction (ONNX Runtime's profile of it) and
+names those the CUDA kernels would refuse: a reduction of an empty tensor, which a step without a prompt chunk makes
+of every chunk tensor.
 """
 
 from __future__ import annotations
@@ -88,3 +92,29 @@ def capture_blockers(model: onnx.ModelProto) -> list[str]:
             if i not in host_inputs:
                 problems.append(f"{node.op_type} {node.name}: reads host tensor {node.input[i]} as data (a Memcpy to the device)")
     return problems
+
+
+# Reductions whose CUDA kernels refuse a zero-length axis unless keepdims is set ("Can't reduce on dim with value of 0",
+# reduction_ops.cc in onnxruntime-gpu 1.31), and with it answer an empty tensor where the CPU kernels answer the
+# reduction's identity (a sum of nothing is 0 on the CPU, a failed step on the GPU).
+EMPTY_REFUSED = {"ReduceSum", "ReduceMean", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2", "ReduceLogSum",
+                 "ReduceLogSumExp", "ReduceSumSquare", "ArgMax", "ArgMin"}
+
+
+def empty_reductions(profile: list[dict]) -> list[str]:
+    """The reductions a run made values from nothing in (an empty input, an output that is not), read from ONNX
+    Runtime's profile of it on any provider (each node's input and output shapes): what the CPU provider computes and
+    the CUDA provider refuses or leaves empty. One line per node, however many runs. (A reduction of an empty input to
+    an empty output is not named: both providers give nothing, though CUDA refuses it where a reduced axis is the
+    empty one and keepdims is 0.)"""
+    found = {}
+    for event in profile:
+        args = event.get("args", {})
+        if event.get("cat") != "Node" or args.get("op_name") not in EMPTY_REFUSED or not args.get("input_type_shape"):
+            continue
+        (read,) = args["input_type_shape"][0].values()  # the data input: {element type: dims}
+        (made,) = args["output_type_shape"][0].values()
+        if 0 in read and 0 not in made:
+            node = event["name"].removesuffix("_kernel_time")
+            found.setdefault(node, f"{args['op_name']} {node}: reduces an empty input {read} to {made or 'a scalar'}, which the CUDA provider refuses")
+    return list(found.values())

@@ -202,7 +202,9 @@ class SlotStep:
         column holds is the latest one up to the row's own that falls in it. The chunk reads its row's ring as it was
         before this step (its later tokens overwrite what its earlier ones see) and its own new K/V beside it."""
         chunk_index = counting(chunk_positions)  # (T,)
-        chunk_length = (chunk_positions * 0 + 1).sum()  # (): T, counted
+        # (): T, counted over one element more: ONNX Runtime's CUDA ReduceSum refuses an empty input (a step without
+        # a chunk) where its CPU kernel answers 0
+        chunk_length = torch.cat([chunk_positions * 0 + 1, chunk_positions.new_zeros(1)]).sum()
         overwritten = torch.cat([decode_positions < 0, chunk_index + ring < chunk_length])  # (N,): the chunk's first T - R
         columns = torch.where((self.positions >= scratch) | overwritten, ring, self.positions % ring)  # (N,)
         self.ring_write_index = [rows[:, None].expand(shape), heads[None, :].expand(shape), columns[:, None].expand(shape)]  # 3 x (N, H_kv)

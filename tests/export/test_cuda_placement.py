@@ -1,18 +1,33 @@
 """What keeps a step from being captured as a CUDA graph (export/cuda_placement.py), read from the graph without a GPU:
 every family's standard slots graph computes nothing from shapes that a CUDA kernel reads as data, and the check names
 the patterns ONNX Runtime's CUDA provider would copy to the device (an arange of a shape used as indices, shape
-arithmetic mixed with a graph input) or cannot hold (a Range kernel, control flow)."""
+arithmetic mixed with a graph input) or cannot hold (a Range kernel, control flow). And what would fail a step on the
+CUDA provider alone, read from a profiled run on the CPU: no step of any graph the server runs hands a reduction an
+empty input."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import onnx
+import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
 from kvserve.contract import io_contract as io
-from kvserve.export.cuda_placement import capture_blockers
-from kvserve.export.onnx_export import trace_graph
+from kvserve.contract.artifact import open_artifact
+from kvserve.export.cuda_placement import capture_blockers, empty_reductions
+from kvserve.export.onnx_export import IR_VERSION, trace_graph
 from kvserve.model.decoders import build
+from kvserve.runtime import DecoderRuntime, providers, step
+from kvserve.service.core.batch import SlotBatch
+from kvserve.service.core.scheduler import Scheduler
+from kvserve.service.process.gate import _greedy_sequence
+
+from ..conftest import PROVIDER
+from ..service.conftest import random_prompt
 
 from .test_streamed_export import FAMILIES
 
@@ -76,3 +91,77 @@ def test_a_device_value_a_kernel_reads_from_host_memory_is_named():
              helper.make_node("Reshape", ["x", "total"], ["y"], name="host_input")]
     model = _model(nodes, [X, lengths], [Y], [helper.make_tensor("one", TensorProto.INT32, [], [1])])
     assert capture_blockers(model) == ["Reshape host_input: reads device tensor total from host memory (a Memcpy to the host)"]
+
+
+@pytest.fixture
+def profiled(monkeypatch, tmp_path):
+    """Every session opened while the test runs is profiled by ONNX Runtime; returns what ends them: their events."""
+    opened = []
+
+    def options(threads: int = 0) -> ort.SessionOptions:
+        made = session_options(threads)
+        made.enable_profiling, made.profile_file_prefix = True, str(tmp_path / "session")
+        return made
+
+    def recording(*args, **kwargs):
+        result = open_session(*args, **kwargs)
+        opened.append(result.session)
+        return result
+
+    session_options, open_session = providers.session_options, step.open_session
+    monkeypatch.setattr(providers, "session_options", options)
+    monkeypatch.setattr(step, "open_session", recording)
+    return lambda: [event for session in opened for event in json.loads(Path(session.end_profiling()).read_text())]
+
+
+def test_a_reduction_of_an_empty_input_is_named(tmp_path):
+    """A sum of nothing: 0 on the CPU provider (ONNX's identity), a failed step on the CUDA provider; an arg-max over the
+    rows of no rows is nothing on either."""
+    nodes = [helper.make_node("ReduceSum", ["x"], ["y"], keepdims=0, name="count"), helper.make_node("ArgMax", ["x"], ["z"], axis=1, name="best")]
+    model = _model(nodes, [X], [Y, helper.make_tensor_value_info("z", TensorProto.INT64, None)])
+    model.ir_version = IR_VERSION
+    onnx.save(model, tmp_path / "m.onnx")
+
+    def profile(rows: int) -> list[dict]:
+        options = providers.session_options()
+        options.enable_profiling, options.profile_file_prefix = True, str(tmp_path / f"rows-{rows}")
+        session = ort.InferenceSession(str(tmp_path / "m.onnx"), options, providers=["CPUExecutionProvider"])
+        total, _ = session.run(None, {"x": np.ones((rows, 4), np.float32)})
+        session.run(None, {"x": np.ones((rows, 4), np.float32)})
+        assert total == 4 * rows
+        return json.loads(Path(session.end_profiling()).read_text())
+
+    assert empty_reductions(profile(2)) == []
+    assert empty_reductions(profile(0)) == ["ReduceSum count: reduces an empty input [0, 4] to a scalar, which the CUDA provider refuses"]
+
+
+RINGS = ["mistral sliding window 7 head_dim 16", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"]
+
+
+@pytest.mark.parametrize("graph", ["standard", "fused", "split", *RINGS])
+def test_no_step_the_server_runs_hands_a_reduction_an_empty_input(graph, profiled, request, llama_artifact):
+    """Prompts alone, rows decoding alone and beside a chunk (split: through the chunk and decode graphs, prompts
+    prefilled together), on the CPU provider, each node's inputs as ONNX Runtime's profile records them: nothing the
+    CUDA provider would refuse. (A ring graph counted its chunk with a sum that was empty in every step without one.)"""
+    if graph == "standard":
+        artifact_dir = request.getfixturevalue("tiny_standard_artifact")
+    elif graph == "fused":
+        artifact_dir = request.getfixturevalue("tiny_fused_artifact")
+    elif graph == "split":
+        artifact_dir = request.getfixturevalue("tiny_llama_fused_artifacts")("float16")
+    else:
+        artifact_dir = llama_artifact(graph, attention="standard")[2]
+    artifact = open_artifact(artifact_dir)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=graph == "split" or None)
+    batch = SlotBatch(runtime, artifact.config, 3)
+    scheduler = Scheduler(batch, step_token_budget=8)
+    scheduler.waiting.extend(_greedy_sequence(i, random_prompt(700 + i, 2 + 7 * i), 12) for i in range(5))
+    kinds = set()
+    while scheduler.waiting or scheduler.kv.rows:
+        plan = scheduler.plan()
+        kinds.add((bool(plan.decode), bool(plan.chunk or plan.prompts)))
+        scheduler.run_step(plan)
+    assert kinds == {(False, True), (True, False), (True, True)}  # prompts alone, rows decoding alone and beside one
+    events = profiled()
+    assert sum(e.get("cat") == "Node" and e["args"].get("op_name", "").startswith("Reduce") for e in events)  # seen, and none empty:
+    assert empty_reductions(events) == []
