@@ -440,6 +440,19 @@ MUTATIONS = (
         ("tests/model/test_llama.py::test_ring_rows_hold_the_window_and_give_the_whole_rows_logits",),
     ),
     Mutation(
+        "rings: a step without a chunk counts the chunk's tokens with a sum of nothing (CUDA refuses it)",
+        "model/attention.py",
+        (("chunk_length = torch.cat([chunk_positions * 0 + 1, chunk_positions.new_zeros(1)]).sum()",
+          "chunk_length = (chunk_positions * 0 + 1).sum()"),),
+        (f"tests/export/test_cuda_placement.py::test_no_step_the_server_runs_hands_a_reduction_an_empty_input[{MISTRAL_SLIDING}]",),
+    ),
+    Mutation(
+        "empty reductions: a reduction of an empty input to a scalar passes unnamed",
+        "export/cuda_placement.py",
+        (("if 0 in read and 0 not in made:", "if 0 in read and 0 not in made and made:"),),
+        ("tests/export/test_cuda_placement.py::test_a_reduction_of_an_empty_input_is_named",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),
