@@ -154,14 +154,16 @@ def test_no_step_the_server_runs_hands_a_reduction_an_empty_input(graph, profile
     artifact = open_artifact(artifact_dir)
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=graph == "split" or None)
     batch = SlotBatch(runtime, artifact.config, 3)
-    scheduler = Scheduler(batch, step_token_budget=8)
+    scheduler = Scheduler(batch, step_token_budget=24)  # chunks of up to 24 tokens: longer than a ring (7 + 16)
     scheduler.waiting.extend(_greedy_sequence(i, random_prompt(700 + i, 2 + 7 * i), 12) for i in range(5))
-    kinds = set()
+    kinds, groups = set(), 0
     while scheduler.waiting or scheduler.kv.rows:
         plan = scheduler.plan()
         kinds.add((bool(plan.decode), bool(plan.chunk or plan.prompts)))
+        groups += len(plan.prompts) > 1
         scheduler.run_step(plan)
     assert kinds == {(False, True), (True, False), (True, True)}  # prompts alone, rows decoding alone and beside one
+    assert bool(groups) == (graph == "split")
     events = profiled()
     assert sum(e.get("cat") == "Node" and e["args"].get("op_name", "").startswith("Reduce") for e in events)  # seen, and none empty:
     assert empty_reductions(events) == []
