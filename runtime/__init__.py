@@ -11,11 +11,11 @@ export's parity driver and the benchmarks may reach the modules themselves.
 from .cuda_graphs import MIN_DECODE_WIDTH, decode_shape, decode_shapes
 from .machine_memory import memory_limit
 from .pool import KvTraffic, SlotPool, pool_capacity
-from .providers import PROVIDER_CHOICES, ModelUnloadable, ProviderUnavailable, cuda_available
+from .providers import PROVIDER_CHOICES, ModelUnloadable, ProviderUnavailable, StepRunFailed, cuda_available
 from .sampled import Sampled
 from .step import DecoderRuntime
 
 __all__ = [
     "DecoderRuntime", "KvTraffic", "MIN_DECODE_WIDTH", "ModelUnloadable", "PROVIDER_CHOICES", "ProviderUnavailable", "Sampled",
-    "SlotPool", "cuda_available", "decode_shape", "decode_shapes", "memory_limit", "pool_capacity",
+    "SlotPool", "StepRunFailed", "cuda_available", "decode_shape", "decode_shapes", "memory_limit", "pool_capacity",
 ]

@@ -25,7 +25,7 @@ import onnxruntime as ort
 from kvserve.contract import io_contract as io
 
 from .pool import KvTraffic, SlotPool
-from .providers import first_line
+from .providers import first_line, run_bound
 from .sampled import Sampled
 
 log = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ class FixedDecodeSteps:
         if step.graph_id is not None and not step.captured:
             self._capture(step)
         else:
-            self.session.run_with_iobinding(step.binding, step.run_options)
+            run_bound(self.session, step.binding, step.run_options)
         tokens = step.greedy_tokens.numpy()  # CUDA: a copy to the host; CPU: the buffer
         logits = None
         if with_logits:
@@ -128,7 +128,7 @@ class FixedDecodeSteps:
         """Run a step whose graph is not captured yet (ONNX Runtime captures it in this run). If capture fails, no step
         is captured from then on: the failure is noted (cuda_graph_note) and the step reruns uncaptured, which writes
         the same K/V at the same columns."""
-        try:
+        try:  # ONNX Runtime's own error: the note quotes it
             self.session.run_with_iobinding(step.binding, step.run_options)
             step.captured = True
             return
@@ -140,7 +140,7 @@ class FixedDecodeSteps:
             if fixed.captured:
                 self.session.release_captured_graph(fixed.graph_id)
             fixed.graph_id, fixed.run_options, fixed.captured = None, self._uncaptured, False
-        self.session.run_with_iobinding(step.binding, step.run_options)
+        run_bound(self.session, step.binding, step.run_options)
 
     def _bind_fixed(self, pool: SlotPool, rows: int, width: int) -> FixedDecode:
         """A shape's buffers and binding; the graph's kind is checked here, once a shape, not at every step."""

@@ -34,6 +34,21 @@ class ModelUnloadable(UserError):
     """ONNX Runtime refused the graph file (corrupt, truncated, or not ONNX); the message names the file."""
 
 
+class StepRunFailed(RuntimeError):
+    """ONNX Runtime failed a step of the graph on its provider (a kernel refused its inputs); the message names the
+    node and the provider."""
+
+
+def run_bound(session: ort.InferenceSession, binding: ort.IOBinding, run_options: ort.RunOptions) -> None:
+    """One run of session with its inputs and outputs bound; a failure of the run itself ("Error in execution",
+    a RuntimeError) is raised as StepRunFailed."""
+    try:
+        session.run_with_iobinding(binding, run_options)
+    except RuntimeError as exc:
+        reason = first_line(exc).removeprefix("Error in execution: ")
+        raise StepRunFailed(f"ONNX Runtime failed a step on {session.get_providers()[0]}: {reason}") from exc
+
+
 def _cuda_missing_reason() -> str | None:
     """Why the CUDA provider cannot start here, or None when it may. Checked up front so a CPU host gets
     one clear sentence instead of onnxruntime's error log about a library it failed to load."""

@@ -39,7 +39,7 @@ from kvserve.contract.artifact import CHUNK_GRAPH_FILE, CHUNKLESS_MAX_WEIGHT_BYT
 
 from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
 from .pool import KvTraffic, SlotPool
-from .providers import ModelUnloadable, ProviderUnavailable, open_session, planned_device
+from .providers import ModelUnloadable, ProviderUnavailable, open_session, planned_device, run_bound
 from .sampled import Sampled
 
 # A prompt group's rows (and a prompt chunk) run at least this many tokens each where pads_prompts: with lengths rounded
@@ -378,7 +378,7 @@ class DecoderRuntime:
                 bound.unread_logits = (scratch, n_logits)  # holds the array it is bound to: a larger one may replace it
         if before_run is not None:
             before_run()
-        bound.session.run_with_iobinding(bound.binding, self._uncaptured)
+        run_bound(bound.session, bound.binding, self._uncaptured)
         return Sampled(logits, tokens.copy())
 
 

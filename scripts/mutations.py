@@ -453,6 +453,18 @@ MUTATIONS = (
         ("tests/export/test_cuda_placement.py::test_a_reduction_of_an_empty_input_is_named",),
     ),
     Mutation(
+        "load: a graph failing its steps at the gate ends the server with a traceback",
+        "service/process/loading.py",
+        (("    except StepRunFailed as exc:  # a graph this provider cannot run", "    except ZeroDivisionError as exc:  # a graph this provider cannot run"),),
+        ("tests/service/process/test_lifecycle.py::test_an_artifact_whose_graph_fails_its_steps_is_refused_in_one_line",),
+    ),
+    Mutation(
+        "runtime: ONNX Runtime's failure of a step passes unnamed",
+        "runtime/providers.py",
+        (("    except RuntimeError as exc:\n        reason", "    except ZeroDivisionError as exc:\n        reason"),),
+        ("tests/runtime/test_step.py::test_a_step_the_graph_fails_is_a_step_run_failure_naming_the_node_and_the_provider",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),

@@ -18,7 +18,7 @@ from kvserve.contract.config import DecoderConfig
 from kvserve.contract.io_contract import SLOTS
 from kvserve.contract.tokenizer import Tokenizer, load_tokenizer
 from kvserve.errors import JobFailed, UserError
-from kvserve.runtime import DecoderRuntime, ModelUnloadable
+from kvserve.runtime import DecoderRuntime, ModelUnloadable, StepRunFailed
 
 from ..core.batch import SlotBatch
 from .gate import run_gate, warm_up
@@ -106,6 +106,10 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
         kv_budget = options.kv_cache_memory if options.kv_cache_memory is not None else default_budget()
         batch = await loop.run_in_executor(steps, SlotBatch, runtime, config, options.limits.max_batch_size)  # its K/V's address space
         await loop.run_in_executor(steps, warm_up, batch, artifact, budget, kv_budget)
+    except StepRunFailed as exc:  # a graph this provider cannot run (a kernel refusing its inputs): the artifact's fault
+        steps.shutdown(wait=False)
+        raise ModelUnloadable(f"{options.artifact}: its graph does not run here ({exc}); export it again with this kvserve, "
+                              f"or serve it on another provider") from None
     except BaseException:
         steps.shutdown(wait=False)  # a failed load leaves no thread behind
         raise

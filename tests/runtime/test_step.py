@@ -8,7 +8,7 @@ import pytest
 from kvserve.contract import io_contract as io
 from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, graph_bytes, open_artifact
 from kvserve.runtime import DecoderRuntime, SlotPool, pool_capacity
-from kvserve.runtime.providers import ModelUnloadable
+from kvserve.runtime.providers import ModelUnloadable, StepRunFailed
 
 from ..conftest import PROVIDER
 
@@ -41,6 +41,21 @@ def test_a_step_writes_its_rows_k_v_in_place_and_returns_the_graphs_greedy_token
     tokens_only = prefill(runtime, again, 2, 1, [5, 6, 7], with_logits=False)
     assert tokens_only.logits is None and tokens_only.greedy_tokens.tolist() == sampled.greedy_tokens.tolist()
     assert runtime.traffic.logits_bytes == sampled.logits.nbytes  # greedy tokens alone: no logits read back
+
+
+def test_a_step_the_graph_fails_is_a_step_run_failure_naming_the_node_and_the_provider(tiny_standard_artifact):
+    """ONNX Runtime's own failure of a run (a kernel refusing its inputs: here a chunk for a row past the rows bound)
+    comes out as StepRunFailed, which the server's load turns into one line (tests/service/process/test_lifecycle.py).
+    On the CPU provider whatever the suite's: CUDA's ScatterND clamps an index past the rows instead of refusing it."""
+    artifact = open_artifact(tiny_standard_artifact)
+    config = artifact.config
+    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cpu")
+    pool = runtime.new_pool(2, config.n_kv_head, config.d_head, pool_capacity(config))
+    scratch = pool.capacity - 1
+    with pytest.raises(StepRunFailed, match="^ONNX Runtime failed a step on CPUExecutionProvider: .*ScatterND node"):
+        runtime.run_slots(pool, np.zeros(1, np.int64), np.full(1, scratch, np.int64), np.ones((1, 1), np.int64), np.array([5, 6, 7]),
+                          0, 1, np.array([3]))
+    assert prefill(runtime, pool, 2, 1, [5, 6, 7]).greedy_tokens.shape == (1,)  # the runtime steps on
 
 
 def unpadded_pool(runtime: DecoderRuntime, rows: int, config) -> SlotPool:

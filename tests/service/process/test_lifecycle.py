@@ -196,6 +196,39 @@ def test_an_artifact_failing_the_parity_gate_is_refused(tiny_artifact, tmp_path)
     assert "Traceback" not in log + remaining
 
 
+def unrunnable_copy(artifact, destination):
+    """The artifact with graphs that load and then fail every step: they read the rows to sample far past the step's
+    tokens, as a kernel refusing its inputs on one provider would (a ring graph's empty sum under CUDA)."""
+    import onnx
+
+    from kvserve.contract.artifact import sha256_file
+
+    shutil.copytree(artifact, destination)
+    manifest = json.loads((destination / "manifest.json").read_text())
+    for name in ("model.onnx", "decode.onnx"):
+        graph = onnx.load(destination / name)
+        for node in graph.graph.node:  # every read of the rows to sample goes past the last token
+            node.input[:] = ["far_index" if value == "logits_index" else value for value in node.input]
+        graph.graph.initializer.append(onnx.numpy_helper.from_array(np.array(10**6, np.int64), "far"))
+        graph.graph.node.insert(0, onnx.helper.make_node("Add", ["logits_index", "far"], ["far_index"]))
+        onnx.save(graph, destination / name)
+        manifest["files"][name] = sha256_file(destination / name)
+    (destination / "manifest.json").write_text(json.dumps(manifest))
+    return destination
+
+
+def test_an_artifact_whose_graph_fails_its_steps_is_refused_in_one_line(tiny_artifact, tmp_path):
+    bad = unrunnable_copy(tiny_artifact, tmp_path / "bad")
+    process, _, log = start_process(bad)
+    process.wait(30)
+    remaining = process.stderr.read()
+    assert process.returncode == 2, log + remaining
+    error = next(line for line in (log + remaining).splitlines() if line.startswith("kvserve serve: error: "))
+    assert f"{bad}: its graph does not run here (ONNX Runtime failed a step on CPUExecutionProvider: " in error
+    assert "Gather node" in error and error.endswith("export it again with this kvserve, or serve it on another provider")
+    assert "Traceback" not in log + remaining
+
+
 def test_the_override_serves_a_failing_artifact_and_says_so(tiny_artifact, tmp_path):
     running = start_server(tampered_copy(tiny_artifact, tmp_path / "bad"), allow_parity_failure=True)
     try:
