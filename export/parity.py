@@ -31,12 +31,12 @@ import torch
 from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, OWN_ROUNDING_KEY, ArtifactError, contract_problems, open_artifact
 from kvserve.contract.tokenizer import load_tokenizer
 from kvserve.contract.tolerances import with_own_rounding
-from kvserve.errors import UserError
+from kvserve.errors import JobFailed, UserError
 from kvserve.model.decoders import Decoder
 from kvserve.model.generate import generate, left_pad, position_ids_from_mask
 from kvserve.model.kv_storage import kv_stored_as
 from kvserve.progress import stage
-from kvserve.runtime import DecoderRuntime
+from kvserve.runtime import DecoderRuntime, StepRunFailed
 
 from .own_rounding import OwnRounding, own_rounding
 from .parity_drivers import DRIVEN_COLUMNS, SlotsDriver, artifact_greedy, driver_for
@@ -60,6 +60,10 @@ __all__ = ["ParityReport", "VerifyRefused", "artifact_greedy", "format_report", 
 
 class VerifyRefused(UserError):
     """verify was asked for something this artifact cannot be checked with; nothing ran."""
+
+
+class StepsFailed(JobFailed):
+    """verify ran the artifact's graph and ONNX Runtime failed one of its steps on the provider."""
 
 
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
@@ -291,7 +295,15 @@ class _Verification:
 
 @torch.no_grad()
 def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto", steps: int = 8) -> ParityReport:
-    """Run every check; return the report (see format_report). Never raises on a parity failure."""
+    """Run every check; return the report (see format_report). Never raises on a parity failure; a graph whose steps
+    ONNX Runtime fails on the provider (a kernel refusing its inputs) raises StepsFailed, the node named."""
+    try:
+        return _verify(artifact_dir, reference, provider, steps)
+    except StepRunFailed as exc:
+        raise StepsFailed(f"{artifact_dir}: its graph fails a step ({exc})") from None
+
+
+def _verify(artifact_dir: str | Path, reference: Decoder, provider: str, steps: int) -> ParityReport:
     artifact = open_artifact(artifact_dir)
     config = artifact.config
     if reference.config != config:

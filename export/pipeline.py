@@ -38,7 +38,7 @@ from .decode_graph import save_decode_graph, writes_decode_graph
 from .graph_fusions import fuse_operators
 from .kv_calibration import calibrate_int8_scales, calibration_windows
 from .onnx_export import fused_attention_refusal, inplace_write_problems, save_graph, trace_streamed
-from .parity import format_report, verify, write_report
+from .parity import StepsFailed, format_report, verify, write_report
 from .quantize import SCHEMES, QuantizeError, quantize_model
 from .weight_plan import WeightPlan
 
@@ -295,7 +295,10 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
         "created_unix": int(time.time()),
     }
     (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
-    report = verify(staging, model, provider=provider)
+    try:
+        report = verify(staging, model, provider=provider)
+    except StepsFailed as exc:  # named for the staging directory, which goes with the failure
+        raise StepsFailed(f"{out}: nothing written: {str(exc).removeprefix(f'{staging}: ')}") from None
     if report.own_rounding is not None:  # the floor verify held the graph to: the load gate holds the served graph to it too
         manifest[art.OWN_ROUNDING_KEY] = report.own_rounding
         (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

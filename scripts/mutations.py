@@ -465,6 +465,12 @@ MUTATIONS = (
         ("tests/runtime/test_step.py::test_a_step_the_graph_fails_is_a_step_run_failure_naming_the_node_and_the_provider",),
     ),
     Mutation(
+        "verify: a graph whose steps ONNX Runtime fails ends in a traceback",
+        "export/parity.py",
+        (("    except StepRunFailed as exc:\n        raise StepsFailed", "    except ZeroDivisionError as exc:\n        raise StepsFailed"),),
+        ("tests/export/test_parity.py::test_verify_of_a_graph_whose_steps_fail_ends_in_one_line_naming_the_node",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),

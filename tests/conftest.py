@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import subprocess
 import sys
@@ -144,6 +145,28 @@ def kv_dtype_artifacts(tmp_path_factory, tiny_model, tiny_llama_model):
         return built[key]
 
     return make
+
+
+def unrunnable_copy(artifact, destination):
+    """The artifact with graphs that load and then fail every step: they read the rows to sample far past the step's
+    tokens, as a kernel refusing its inputs on one provider would (a ring graph's empty sum under CUDA)."""
+    import numpy as np
+    import onnx
+
+    from kvserve.contract.artifact import sha256_file
+
+    shutil.copytree(artifact, destination)
+    manifest = json.loads((destination / "manifest.json").read_text())
+    for name in ("model.onnx", "decode.onnx"):  # the tiny artifacts' graphs: the step graph and the one-row steps' graph
+        graph = onnx.load(destination / name)
+        for node in graph.graph.node:  # every read of the rows to sample goes past the last token
+            node.input[:] = ["far_index" if value == "logits_index" else value for value in node.input]
+        graph.graph.initializer.append(onnx.numpy_helper.from_array(np.array(10**6, np.int64), "far"))
+        graph.graph.node.insert(0, onnx.helper.make_node("Add", ["logits_index", "far"], ["far_index"]))
+        onnx.save(graph, destination / name)
+        manifest["files"][name] = sha256_file(destination / name)
+    (destination / "manifest.json").write_text(json.dumps(manifest))
+    return destination
 
 
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "kjv-gpt2"  # the trained default model (model/train.py)

@@ -269,3 +269,23 @@ def test_an_export_removes_the_staging_a_killed_export_left_and_keeps_a_live_one
     finally:
         live.kill()
         live.wait()
+
+
+def test_an_export_whose_graph_fails_a_step_in_its_verification_names_the_node_and_writes_nothing(tmp_path, tiny_model, monkeypatch):
+    """ONNX Runtime failing a step of the new graph on the provider (as CUDA's ReduceSum refused a ring graph's empty sum)
+    ends the export as a failed job in one line naming the node, under the artifact's name: no artifact, no staging."""
+    from kvserve.export import pipeline
+    from kvserve.export.parity import StepsFailed
+    from kvserve.runtime import StepRunFailed, step
+
+    def refused(session, binding, run_options):
+        raise StepRunFailed("ONNX Runtime failed a step on CPUExecutionProvider: Non-zero status code returned while running "
+                            "ReduceSum node. Name:'node_sum_2'")
+
+    monkeypatch.setattr(step, "run_bound", refused)
+    out = tmp_path / "artifact"
+    with pytest.raises(StepsFailed) as failed:
+        pipeline.export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, provider="cpu")
+    assert str(failed.value) == (f"{out}: nothing written: its graph fails a step (ONNX Runtime failed a step on CPUExecutionProvider: "
+                                 "Non-zero status code returned while running ReduceSum node. Name:'node_sum_2')")
+    assert failed.value.exit_code == 1 and list(tmp_path.iterdir()) == []

@@ -9,7 +9,7 @@ import torch
 
 from kvserve.export.parity import format_report, verify
 
-from ..conftest import PROVIDER, PROVIDER_NAMES, run_cli
+from ..conftest import PROVIDER, PROVIDER_NAMES, run_cli, unrunnable_copy
 
 
 def test_verify_passes_the_exported_artifact_with_float32_tolerances(tiny_artifact, tiny_model):
@@ -89,6 +89,17 @@ def test_verify_cli_fails_against_other_weights(tiny_artifact, tmp_path):
     result = run_cli("verify", str(tiny_artifact), "--provider", "cpu", "--checkpoint", str(tmp_path / "other"), "--report", str(tmp_path / "r.json"))
     assert result.returncode == 1
     assert "result: FAIL" in result.stdout and "first (layer, head) over tolerance: layer 0" in result.stdout
+
+
+def test_verify_of_a_graph_whose_steps_fail_ends_in_one_line_naming_the_node(tiny_artifact, tmp_path):
+    """A graph ONNX Runtime fails to run on the provider (here: it reads the rows to sample past the step's tokens) is a
+    failed verification (exit 1) in one line, not a traceback; no report is written."""
+    bad = unrunnable_copy(tiny_artifact, tmp_path / "bad")
+    result = run_cli("verify", str(bad), "--provider", "cpu", "--report", str(tmp_path / "r.json"))
+    assert result.returncode == 1, result.stderr
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"kvserve verify: error: {bad}: its graph fails a step (ONNX Runtime failed a step on CPUExecutionProvider: ")
+    assert "Gather node" in error and "Traceback" not in result.stderr and not (tmp_path / "r.json").exists()
 
 
 def test_verify_cli_rejects_a_missing_artifact_and_cuda_without_a_gpu(tmp_path, tiny_artifact):

@@ -20,7 +20,7 @@ from kvserve.model.generate import generate
 from kvserve.v1 import generation_pb2 as pb
 from kvserve.v1 import generation_pb2_grpc as pb_grpc
 
-from ...conftest import REPO
+from ...conftest import REPO, unrunnable_copy
 from ..conftest import live, long_request, slow_down, slowed_server, start_server, wait_for
 
 
@@ -194,27 +194,6 @@ def test_an_artifact_failing_the_parity_gate_is_refused(tiny_artifact, tmp_path)
     assert process.returncode == 1
     assert "parity gate failed, refusing to serve" in log + remaining and "max abs logit diff 1.00e-02" in log + remaining
     assert "Traceback" not in log + remaining
-
-
-def unrunnable_copy(artifact, destination):
-    """The artifact with graphs that load and then fail every step: they read the rows to sample far past the step's
-    tokens, as a kernel refusing its inputs on one provider would (a ring graph's empty sum under CUDA)."""
-    import onnx
-
-    from kvserve.contract.artifact import sha256_file
-
-    shutil.copytree(artifact, destination)
-    manifest = json.loads((destination / "manifest.json").read_text())
-    for name in ("model.onnx", "decode.onnx"):
-        graph = onnx.load(destination / name)
-        for node in graph.graph.node:  # every read of the rows to sample goes past the last token
-            node.input[:] = ["far_index" if value == "logits_index" else value for value in node.input]
-        graph.graph.initializer.append(onnx.numpy_helper.from_array(np.array(10**6, np.int64), "far"))
-        graph.graph.node.insert(0, onnx.helper.make_node("Add", ["logits_index", "far"], ["far_index"]))
-        onnx.save(graph, destination / name)
-        manifest["files"][name] = sha256_file(destination / name)
-    (destination / "manifest.json").write_text(json.dumps(manifest))
-    return destination
 
 
 def test_an_artifact_whose_graph_fails_its_steps_is_refused_in_one_line(tiny_artifact, tmp_path):
