@@ -31,7 +31,8 @@ class ProviderUnavailable(UserError):
 
 
 class ModelUnloadable(UserError):
-    """ONNX Runtime refused the graph file (corrupt, truncated, or not ONNX); the message names the file."""
+    """ONNX Runtime refused the graph file (corrupt, truncated, or not ONNX), or the server's load found its steps
+    failing on the provider (service/process/loading.py); the message names the file."""
 
 
 class StepRunFailed(RuntimeError):
