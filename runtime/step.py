@@ -115,6 +115,7 @@ class DecoderRuntime:
         self._unread_views: dict[int, ort.OrtValue] = {}  # rows -> an OrtValue over _unread_logits' first rows
         self._uncaptured = ort.RunOptions()
         self._uncaptured.add_run_config_entry(GRAPH_ID, "-1")  # other steps' shapes vary: never captured
+        self._uncaptured.log_severity_level = 4  # a failed run is raised with ONNX Runtime's message (run_bound), not logged twice
         captures, note, decode_session = opened.captures_decode, opened.cuda_graph_note, None
         if self.attention == io.FUSED:
             if fused_decode:

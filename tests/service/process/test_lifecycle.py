@@ -205,7 +205,7 @@ def test_an_artifact_whose_graph_fails_its_steps_is_refused_in_one_line(tiny_art
     error = next(line for line in (log + remaining).splitlines() if line.startswith("kvserve serve: error: "))
     assert f"{bad}: its graph does not run here (ONNX Runtime failed a step on CPUExecutionProvider: " in error
     assert "Gather node" in error and error.endswith("export it again with this kvserve, or serve it on another provider")
-    assert "Traceback" not in log + remaining
+    assert "Traceback" not in log + remaining and "ExecuteKernel" not in log + remaining  # ONNX Runtime's own log line: not again
 
 
 def test_the_override_serves_a_failing_artifact_and_says_so(tiny_artifact, tmp_path):
