@@ -156,7 +156,10 @@ for part in $PARTS; do
       # stalls; the server at 16 streams against the 6,500 tokens/s target, one token a message and several, and at 64
       # and 256 (where bench/scheduler_emulation.py forecasts ~10,000 tokens/s in process since the scheduler's CUDA
       # rules of 2026-12-07, against ~1,600 before); torch's captured decode beside it.
-      step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda
+      step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda --work "$ART/crossing"
+      # Where no serving feature holds it, the graph's kernels do: the same artifact's steps on both providers side by
+      # side, the row refilled (long) at its 5th decode step.
+      step provider-diff-phi3-crossing $PY bench/provider_diff.py --artifact "$ART/crossing/artifact" --prompt 60 --chunk 8 --steps 8
       # The ring rows, which failed every test on the third loan; their likely cause, a sum of nothing in each step
       # without a chunk that CUDA's ReduceSum refuses, is mended since (docs/kv-contract.md).
       step tests-cuda-rings env KVSERVE_TEST_PROVIDER=cuda timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short \
