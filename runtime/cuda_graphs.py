@@ -24,7 +24,7 @@ import onnxruntime as ort
 
 from kvserve.contract import io_contract as io
 
-from .pool import KvTraffic, SlotPool
+from .pool import KvTraffic, SlotPool, settle_uploads
 from .providers import first_line, run_bound
 from .sampled import Sampled
 
@@ -113,6 +113,7 @@ class FixedDecodeSteps:
             step.long_rope.update_inplace(np.zeros(rows, np.int64) if long_rope is None else np.ascontiguousarray(long_rope, dtype=np.int64))
         if before_run is not None:
             before_run()
+        settle_uploads(self.device)  # the inputs just copied to the device land before the step (or its replay) reads them
         if step.graph_id is not None and not step.captured:
             self._capture(step)
         else:

@@ -96,6 +96,15 @@ def device_copies() -> DeviceCopies | None:
     return DeviceCopies(copy_2d, wait)
 
 
+def settle_uploads(device: str) -> None:
+    """Wait until what the host wrote into device buffers has landed, before a step reads them: OrtValue.update_inplace
+    and ortvalue_from_numpy copy with cudaMemcpy from pageable memory, which CUDA may return from before the DMA to the
+    device is done, on the legacy default stream that ONNX Runtime's stream does not wait for (as with DeviceCopies).
+    Nothing to wait for on the CPU, or where no CUDA runtime loads (then no CUDA session runs either)."""
+    if device != "cpu" and (copies := device_copies()) is not None:
+        copies.wait()
+
+
 @functools.cache
 def page_remap() -> Callable[[int, int, int], None] | None:
     """move(source, destination, length): a span of whole pages moved to another address by remapping them, no byte

@@ -38,7 +38,7 @@ from kvserve.contract import io_contract as io
 from kvserve.contract.artifact import CHUNK_GRAPH_FILE, CHUNKLESS_MAX_WEIGHT_BYTES, DECODE_GRAPH_FILE, graph_bytes
 
 from .cuda_graphs import GRAPH_ID, FixedDecodeSteps
-from .pool import KvTraffic, SlotPool
+from .pool import KvTraffic, SlotPool, settle_uploads
 from .providers import ModelUnloadable, ProviderUnavailable, open_session, planned_device, run_bound
 from .sampled import Sampled
 
@@ -379,6 +379,9 @@ class DecoderRuntime:
                 bound.unread_logits = (scratch, n_logits)  # holds the array it is bound to: a larger one may replace it
         if before_run is not None:
             before_run()
+        if bound.uploaded:  # its inputs went to the device: they land before the step reads them
+            settle_uploads(bound.device)
+            bound.uploaded = False
         run_bound(bound.session, bound.binding, self._uncaptured)
         return Sampled(logits, tokens.copy())
 
@@ -402,6 +405,7 @@ class BoundStep:
         self.greedy_tokens: np.ndarray | None = None  # the one bound now
         self.chunk_row: int | None = None  # the pool row bound as a fused graph's chunk
         self.unread_logits: tuple | None = None  # (scratch array or None, rows) that logits not asked for are bound to
+        self.uploaded = False  # inputs copied to the device since the last run (pool.settle_uploads before the next)
 
     def set_input(self, name: str, values: np.ndarray) -> None:
         """Bind values (int64, any shape) to input name: written into the buffer of that shape made before, if any
@@ -422,6 +426,7 @@ class BoundStep:
         buffer[...] = values
         if self.device != "cpu":  # bound as a device copy, which a write into the host buffer alone never reaches
             value.update_inplace(buffer)
+            self.uploaded = True
         if rebind:
             self.binding.bind_ortvalue_input(name, value)
 

@@ -471,6 +471,12 @@ MUTATIONS = (
         ("tests/export/test_parity.py::test_verify_of_a_graph_whose_steps_fail_ends_in_one_line_naming_the_node",),
     ),
     Mutation(
+        "CUDA: a step runs before the inputs copied to the device have landed",
+        "runtime/step.py",
+        (("            settle_uploads(bound.device)\n", "            pass\n"),),
+        ("tests/runtime/test_step.py::test_inputs_copied_to_the_device_land_before_the_step_reads_them",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),
