@@ -379,9 +379,7 @@ class DecoderRuntime:
                 bound.unread_logits = (scratch, n_logits)  # holds the array it is bound to: a larger one may replace it
         if before_run is not None:
             before_run()
-        if bound.uploaded:  # its inputs went to the device: they land before the step reads them
-            settle_uploads(bound.device)
-            bound.uploaded = False
+        settle_uploads(bound.device)  # inputs copied to the device land before the step reads them
         run_bound(bound.session, bound.binding, self._uncaptured)
         return Sampled(logits, tokens.copy())
 
@@ -405,7 +403,6 @@ class BoundStep:
         self.greedy_tokens: np.ndarray | None = None  # the one bound now
         self.chunk_row: int | None = None  # the pool row bound as a fused graph's chunk
         self.unread_logits: tuple | None = None  # (scratch array or None, rows) that logits not asked for are bound to
-        self.uploaded = False  # inputs copied to the device since the last run (pool.settle_uploads before the next)
 
     def set_input(self, name: str, values: np.ndarray) -> None:
         """Bind values (int64, any shape) to input name: written into the buffer of that shape made before, if any
@@ -426,7 +423,6 @@ class BoundStep:
         buffer[...] = values
         if self.device != "cpu":  # bound as a device copy, which a write into the host buffer alone never reaches
             value.update_inplace(buffer)
-            self.uploaded = True
         if rebind:
             self.binding.bind_ortvalue_input(name, value)
 

@@ -473,7 +473,7 @@ MUTATIONS = (
     Mutation(
         "CUDA: a step runs before the inputs copied to the device have landed",
         "runtime/step.py",
-        (("            settle_uploads(bound.device)\n", "            pass\n"),),
+        (("        settle_uploads(bound.device)  # inputs copied", "        pass  # inputs copied"),),
         ("tests/runtime/test_step.py::test_inputs_copied_to_the_device_land_before_the_step_reads_them",),
     ),
     Mutation(
