@@ -63,7 +63,11 @@ class VerifyRefused(UserError):
 
 
 class StepsFailed(JobFailed):
-    """verify ran the artifact's graph and ONNX Runtime failed one of its steps on the provider."""
+    """verify ran the artifact's graph and ONNX Runtime failed one of its steps on the provider (reason: its message)."""
+
+    def __init__(self, where: str | Path, reason: str):
+        super().__init__(f"{where}: its graph fails a step ({reason})")
+        self.reason = reason
 
 
 PREFILL_CASES = ((1,), (17,), (5, 12), (1, 8, 16, 33))  # prompt lengths, one per batch row
@@ -300,7 +304,7 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
     try:
         return _verify(artifact_dir, reference, provider, steps)
     except StepRunFailed as exc:
-        raise StepsFailed(f"{artifact_dir}: its graph fails a step ({exc})") from None
+        raise StepsFailed(artifact_dir, str(exc)) from None
 
 
 def _verify(artifact_dir: str | Path, reference: Decoder, provider: str, steps: int) -> ParityReport:

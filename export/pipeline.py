@@ -297,8 +297,8 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
     (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")
     try:
         report = verify(staging, model, provider=provider)
-    except StepsFailed as exc:  # named for the staging directory, which goes with the failure
-        raise StepsFailed(f"{out}: nothing written: {str(exc).removeprefix(f'{staging}: ')}") from None
+    except StepsFailed as exc:  # named for the artifact, not the staging directory that goes with the failure
+        raise StepsFailed(f"{out}: nothing written", exc.reason) from None
     if report.own_rounding is not None:  # the floor verify held the graph to: the load gate holds the served graph to it too
         manifest[art.OWN_ROUNDING_KEY] = report.own_rounding
         (staging / art.MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n")

@@ -106,12 +106,11 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
         kv_budget = options.kv_cache_memory if options.kv_cache_memory is not None else default_budget()
         batch = await loop.run_in_executor(steps, SlotBatch, runtime, config, options.limits.max_batch_size)  # its K/V's address space
         await loop.run_in_executor(steps, warm_up, batch, artifact, budget, kv_budget)
-    except StepRunFailed as exc:  # a graph this provider cannot run (a kernel refusing its inputs): the artifact's fault
-        steps.shutdown(wait=False)
-        raise ModelUnloadable(f"{options.artifact}: its graph does not run here ({exc}); export it again with this kvserve, "
-                              f"or serve it on another provider") from None
-    except BaseException:
+    except BaseException as exc:
         steps.shutdown(wait=False)  # a failed load leaves no thread behind
+        if isinstance(exc, StepRunFailed):  # a graph this provider cannot run (a kernel refusing its inputs): the artifact's fault
+            raise ModelUnloadable(f"{options.artifact}: its graph does not run here ({exc}); export it again with this kvserve, "
+                                  f"or serve it on another provider") from None
         raise
     if runtime.captures_decode:
         log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.pool)))
