@@ -15,7 +15,8 @@
 # split a fused float16 artifact's steps through its chunk graph and decode graph against its step graph (its If a layer);
 # next issue 50's open questions, quickest answer first, for a short loan (PARTS=next), the ring rows' tests among them.
 # LOG, where set, also gets every step's whole output as it goes (one file to bring back from a lent machine).
-# On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first.
+# On a host without a package index, bench/gpu_wheels.sh installs what the image lacks first. tests/test_gpu_check.py runs
+# every part here without a GPU, its Python replaced by a recorder, and holds each call to what its callee accepts.
 #   bash bench/gpu_check.sh
 #   PARTS="parity tests" bash bench/gpu_check.sh
 #   PARTS=capture LOG=$OUT/gpu-check.log bash bench/gpu_check.sh
@@ -41,6 +42,11 @@ step() {
   [ -n "${LOG:-}" ] && { echo "== $name ($((SECONDS - started)) s): $*"; cat "$RESULTS/$name.txt"; } >>"$LOG"
 }
 export_cuda() { step "parity-$1" $PY -m kvserve.cli export --provider cuda --overwrite "${@:2}"; }
+# cuda_tests NAME SECONDS PYTEST_ARGS...: tests on the CUDA provider, each named with its result as it ends (-v), so a
+# run cut at SECONDS (or with the loan) still says which failed; pytest's short summary of failures closes a whole run.
+cuda_tests() {
+  step "$1" env KVSERVE_TEST_PROVIDER=cuda timeout "$2" $PY -m pytest -v -rfE -p no:cacheprovider --tb=short "${@:3}"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$RESULTS/gpu.txt"
 for part in $PARTS; do
   case $part in
@@ -99,7 +105,7 @@ for part in $PARTS; do
       step step-kinds-gpt2-fp16-standard $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph
       step grpc-cuda-graph-fp16-standard $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-standard" --cuda-graph \
         --levels 16,64 --max-batch-size 256
-      step tests-cuda-fixed-decode env KVSERVE_TEST_PROVIDER=cuda timeout 200 $PY -m pytest -q -p no:cacheprovider \
+      cuda_tests tests-cuda-fixed-decode 200 \
         tests/service/core/test_fixed_decode.py tests/export/test_decode_graph.py tests/runtime/test_pool.py
       ;;
     stalls)
@@ -128,23 +134,21 @@ for part in $PARTS; do
         step grpc-cuda-graph-fp16-split-$split $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
           --cuda-graph --levels 1,16,64,256 --max-batch-size 256 --split-steps $split
       done
-      step tests-cuda-split env KVSERVE_TEST_PROVIDER=cuda timeout 240 $PY -m pytest -q -p no:cacheprovider --tb=short \
+      cuda_tests tests-cuda-split 240 \
         tests/export/test_chunk_graph.py tests/runtime/test_step.py tests/service/core/test_fixed_decode.py -k "split or chunk_graph or step_graph_does"
       ;;
     bounds)
       step bounds-float16-floor-cuda $PY bench/float16_floor.py --provider cuda --seeds 3
-      step tests-cuda-own-rounding env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
-        tests/export/test_own_rounding.py
+      cuda_tests tests-cuda-own-rounding 600 tests/export/test_own_rounding.py
       step bounds-float16-cuda $PY bench/parity_errors.py --provider cuda --dtype float16 --seeds 3
       step bounds-float32-cuda $PY bench/parity_errors.py --provider cuda --only mistral gemma3 phi3
       step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda
-      step tests-cuda-crossing env KVSERVE_TEST_PROVIDER=cuda $PY -m pytest -q -p no:cacheprovider --tb=short \
+      cuda_tests tests-cuda-crossing 600 \
         tests/service/core/test_llama_serving.py -k "crossed or longrope_streams"
       ;;
     tests)
-      # PYTEST_ARGS: e.g. "-n 8 -v" (pytest-xdist on the GPU image) so a short loan reaches every test; TESTS_TIMEOUT bounds it.
-      step tests-cuda env KVSERVE_TEST_PROVIDER=cuda timeout "${TESTS_TIMEOUT:-3600}" $PY -m pytest -q -p no:cacheprovider \
-        ${PYTEST_ARGS:-} tests/service/core/test_generation.py \
+      # PYTEST_ARGS: e.g. "-n 8" (pytest-xdist on the GPU image) so a short loan reaches every test; TESTS_TIMEOUT bounds it.
+      cuda_tests tests-cuda "${TESTS_TIMEOUT:-3600}" ${PYTEST_ARGS:-} tests/service/core/test_generation.py \
         tests/service/core/test_batch.py tests/service/core/test_scheduler.py tests/service/core/test_kv_rows.py tests/service/core/test_engine.py \
         tests/service/core/test_prompt_cache.py tests/runtime tests/service/core/test_structured.py tests/service/core/test_fixed_decode.py \
         tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py tests/export/test_own_rounding.py tests/export/test_cuda_placement.py
@@ -162,7 +166,7 @@ for part in $PARTS; do
       step provider-diff-phi3-crossing $PY bench/provider_diff.py --artifact "$ART/crossing/artifact" --prompt 60 --chunk 8 --steps 8
       # The ring rows, which failed every test on the third loan; their likely cause, a sum of nothing in each step
       # without a chunk that CUDA's ReduceSum refuses, is mended since (docs/kv-contract.md).
-      step tests-cuda-rings env KVSERVE_TEST_PROVIDER=cuda timeout 300 $PY -m pytest -q -p no:cacheprovider --tb=short \
+      cuda_tests tests-cuda-rings 300 \
         tests/export/test_cuda_placement.py tests/service/core/test_llama_serving.py tests/service/core/test_fixed_decode.py -k "ring or empty"
       export_cuda kjv-gpt2-float16-fused --checkpoint checkpoints/kjv-gpt2 --dtype float16 --attention fused --out "$ART/kjv-gpt2-float16-fused"
       step kernels-kjv-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/kjv-gpt2-float16-fused"

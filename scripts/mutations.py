@@ -47,6 +47,7 @@ MISTRAL_SLIDING, SMOLLM3 = "mistral sliding window 7 head_dim 16", "smollm3 gqa 
 
 GROUPS = "tests/service/core/test_scheduler.py::test_fresh_prompts_join_together_where_steps_split_within_the_allowance_and_stop_at_the_first_that_would_not"
 CUT_WAITS = "tests/service/core/test_scheduler.py::test_a_cut_waits_for_the_fixed_part_of_a_chunks_cost_and_none_is_made_where_that_part_alone_passes_the_bound"
+GPU_CHECK = "tests/test_gpu_check.py"
 WARM_GROUPS = "tests/service/core/test_fixed_decode.py::test_the_cuda_warm_up_runs_a_prompt_group_of_every_shape_and_changes_no_token"
 
 MUTATIONS = (
@@ -475,6 +476,31 @@ MUTATIONS = (
         "runtime/step.py",
         (("        settle_uploads(bound.device)  # inputs copied", "        pass  # inputs copied"),),
         ("tests/runtime/test_step.py::test_inputs_copied_to_the_device_land_before_the_step_reads_them",),
+    ),
+    Mutation(
+        "gpu_check: a script is given a flag it does not take",
+        "bench/gpu_check.sh",
+        (("--split-steps on --batch-tokens --step-token-budget 192", "--split-steps on --batch-tokens --step-budget 192"),),
+        (f"{GPU_CHECK}::test_every_bench_script_it_runs_takes_its_arguments",),
+    ),
+    Mutation(
+        "gpu_check: a test run names a file that is not there",
+        "bench/gpu_check.sh",
+        (("tests/export/test_cuda_placement.py tests/service/core/test_llama_serving.py", "tests/export/test_cuda_placements.py tests/service/core/test_llama_serving.py"),),
+        (f"{GPU_CHECK}::test_every_test_run_is_on_cuda_and_selects_tests",),
+    ),
+    Mutation(
+        "gpu_check: its tests run on the CPU provider",
+        "bench/gpu_check.sh",
+        (('step "$1" env KVSERVE_TEST_PROVIDER=cuda timeout', 'step "$1" env timeout'),),
+        (f"{GPU_CHECK}::test_every_test_run_is_on_cuda_and_selects_tests",),
+    ),
+    Mutation(
+        "gpu_check: a part reads an artifact it never exported",
+        "bench/gpu_check.sh",
+        (('export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"\n      step step-kinds-gpt2-fp16-split-on-warmed',
+          "step step-kinds-gpt2-fp16-split-on-warmed"),),
+        (f"{GPU_CHECK}::test_every_artifact_a_call_reads_an_earlier_call_wrote",),
     ),
     Mutation(
         "prompt cache: eviction takes the most recently used row",
