@@ -478,6 +478,12 @@ MUTATIONS = (
         ("tests/runtime/test_step.py::test_inputs_copied_to_the_device_land_before_the_step_reads_them",),
     ),
     Mutation(
+        "CUDA: a fixed-shape step or its replay runs before its inputs copied to the device have landed",
+        "runtime/cuda_graphs.py",
+        (("        settle_uploads(self.device)  # the inputs just copied", "        pass  # the inputs just copied"),),
+        ("tests/runtime/test_cuda_graphs.py::test_inputs_copied_to_the_device_land_before_a_fixed_shape_step_or_its_replay_reads_them",),
+    ),
+    Mutation(
         "gpu_check: a script is given a flag it does not take",
         "bench/gpu_check.sh",
         (("--split-steps on --batch-tokens --step-token-budget 192", "--split-steps on --batch-tokens --step-budget 192"),),

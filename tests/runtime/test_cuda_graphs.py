@@ -68,3 +68,41 @@ def test_graph_ids_are_never_shared_and_a_released_pool_releases_its_graphs(tiny
     assert len(set(ids[pool] + ids[other])) == 4
     runtime.release_pool(pool)
     assert sorted(released) == sorted(ids[pool]) and runtime.fixed_shapes(other) and not runtime.fixed_shapes(pool)
+
+
+def test_inputs_copied_to_the_device_land_before_a_fixed_shape_step_or_its_replay_reads_them(tiny_standard_artifact, tiny_model,
+                                                                                             late_uploads, monkeypatch):
+    """The fixed-shape steps write their inputs into device buffers bound once (a captured graph replays their
+    addresses), by the same copies that may land after the call returns. Emulated on the CPU provider: each shape's
+    input buffers bound as device values whose writes land only at the CUDA runtime's wait; rows joining, decoding at
+    several shapes beside prompt chunks, then give the eager model's tokens."""
+    from kvserve.contract import io_contract as io
+    from kvserve.model.generate import generate
+    from kvserve.runtime import step as step_module
+    from kvserve.service.core.batch import SlotBatch
+    from kvserve.service.core.scheduler import Scheduler
+    from kvserve.service.process.gate import _greedy_sequence
+
+    inputs = {"input_ids": io.INPUT_IDS, "position_ids": io.POSITION_IDS, "attention_mask": io.ATTENTION_MASK, "long_rope": io.LONG_ROPE}
+
+    class DeviceInputs(step_module.FixedDecodeSteps):
+        def _bind_fixed(self, pool, rows, width):
+            self.device = "cpu"  # the pool, the logits and the tokens stay the CPU provider's
+            step = super()._bind_fixed(pool, rows, width)
+            self.device = "cuda"  # the inputs are the device's
+            for field, name in inputs.items():
+                if (host := getattr(step, field)) is not None:
+                    setattr(step, field, late_uploads.value(host.numpy()))
+                    step.binding.bind_ortvalue_input(name, getattr(step, field))
+            return step
+
+    monkeypatch.setattr(step_module, "FixedDecodeSteps", DeviceInputs)
+    artifact = open_artifact(tiny_standard_artifact)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
+    batch = SlotBatch(runtime, artifact.config, 3, fixed_decode=True)
+    seqs = [_greedy_sequence(i, list(range(5 + i, 5 + i + 3 + 7 * i)), 5 + 30 * (i == 0)) for i in range(4)]
+    Scheduler(batch, step_token_budget=8).drive(seqs)
+    for seq in seqs:
+        assert seq.generated == generate(tiny_model, [seq.prompt_ids], seq.max_new_tokens).tokens[0].tolist(), seq.id
+    assert len(runtime.fixed_shapes(batch.pool)) >= 3  # rows joined and left: several shapes, each bound once
+    assert late_uploads.waits and not late_uploads.on_the_way

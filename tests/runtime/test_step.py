@@ -3,7 +3,6 @@ what sampling reads brought to the host, bindings kept per row layout and reused
 tools run it (run_feeds)."""
 
 import numpy as np
-import onnxruntime as ort
 import pytest
 
 from kvserve.contract import io_contract as io
@@ -59,49 +58,22 @@ def test_a_step_the_graph_fails_is_a_step_run_failure_naming_the_node_and_the_pr
     assert prefill(runtime, pool, 2, 1, [5, 6, 7]).greedy_tokens.shape == (1,)  # the runtime steps on
 
 
-def test_inputs_copied_to_the_device_land_before_the_step_reads_them(tiny_standard_artifact, tiny_model, monkeypatch):
+def test_inputs_copied_to_the_device_land_before_the_step_reads_them(tiny_standard_artifact, tiny_model, late_uploads, monkeypatch):
     """Under CUDA a step's inputs reach the device by copies CUDA may still be making when the call returns (cudaMemcpy
     from pageable memory, on the legacy stream, which ONNX Runtime's stream does not wait for). Emulated on the CPU
     provider: the steps' inputs bound as device values whose writes land only at the CUDA runtime's wait. Prompts in
     chunks and rows decoding beside them then give the eager model's tokens, as they do where writes land at once."""
     from kvserve.model.generate import generate
-    from kvserve.runtime import pool as pool_module
     from kvserve.runtime import step as step_module
     from kvserve.service.core.batch import SlotBatch
     from kvserve.service.core.scheduler import Scheduler
     from kvserve.service.process.gate import _greedy_sequence
-
-    on_the_way: list[tuple[ort.OrtValue, np.ndarray]] = []
-
-    class DeviceValue(ort.OrtValue):
-        def update_inplace(self, data) -> None:
-            on_the_way.append((self, np.array(data)))  # still being copied when the call returns
-
-    host_value = ort.OrtValue.ortvalue_from_numpy
-
-    def device_value(array, device_type="cpu", device_id=0, *rest):
-        if device_type == "cpu":
-            return host_value(array, device_type, device_id, *rest)
-        memory = np.array(array)  # the device's copy: what the host buffer held when the value was made
-        return DeviceValue(host_value(memory)._ortvalue, memory)
-
-    class Copies:
-        waits = 0
-
-        @classmethod
-        def wait(cls) -> None:
-            cls.waits += 1
-            for value, data in on_the_way:
-                ort.OrtValue.update_inplace(value, data)
-            on_the_way.clear()
 
     class DeviceInputs(step_module.BoundStep):
         def __init__(self, session, device):
             super().__init__(session, device)
             self.device = "cuda"  # the inputs go to the device; the pool and the logits stay the CPU provider's
 
-    monkeypatch.setattr(ort.OrtValue, "ortvalue_from_numpy", staticmethod(device_value))
-    monkeypatch.setattr(pool_module, "device_copies", lambda: Copies)
     monkeypatch.setattr(step_module, "BoundStep", DeviceInputs)
     artifact = open_artifact(tiny_standard_artifact)
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
@@ -109,7 +81,7 @@ def test_inputs_copied_to_the_device_land_before_the_step_reads_them(tiny_standa
     Scheduler(SlotBatch(runtime, artifact.config, 2), step_token_budget=8).drive(seqs)
     for seq in seqs:
         assert seq.generated == generate(tiny_model, [seq.prompt_ids], 6).tokens[0].tolist(), seq.id
-    assert Copies.waits and not on_the_way  # every step waited once, nothing left on its way
+    assert late_uploads.waits and not late_uploads.on_the_way  # every step waited, nothing left on its way
 
 
 def unpadded_pool(runtime: DecoderRuntime, rows: int, config) -> SlotPool:
