@@ -20,6 +20,7 @@
 #   bash bench/gpu_check.sh
 #   PARTS="parity tests" bash bench/gpu_check.sh
 #   PARTS=capture LOG=$OUT/gpu-check.log bash bench/gpu_check.sh
+#   PARTS=next RESUME=1 LOG=$OUT/gpu-check.log bash bench/gpu_check.sh   (again, after a call cut at its limit)
 set -uo pipefail
 RESULTS=${RESULTS:-gpu-results}
 ART=${ART:-/tmp/kvserve-gpu-artifacts}
@@ -31,13 +32,20 @@ PY=${PYTHON:-python3}
 $PY -c "import kvserve.runtime, jsonschema, openai, onnxruntime as o; assert 'CUDAExecutionProvider' in o.get_available_providers()" 2>/dev/null \
   || { echo "gpu_check: $PY lacks the installed project, its test extras or onnxruntime-gpu's CUDA provider (make setup, or on a host without a package index bench/gpu_wheels.sh)"; exit 2; }
 status=0
+# $RESULTS/finished lists each step that ended, with how ("NAME ok" or "NAME failed"). RESUME=1 skips the steps an
+# earlier run on this machine finished (a failed one still fails this run), so a run cut at a call's time limit goes on
+# in the next call where it stopped; the artifacts under $ART are still there while the machine is.
+if [ -n "${RESUME:-}" ]; then finished_before=$(cat "$RESULTS/finished" 2>/dev/null); else finished_before="" && : >"$RESULTS/finished"; fi
 # step NAME COMMAND...: COMMAND's output to $RESULTS/NAME.txt, its last lines shown; a failure marks the run failed.
 step() {
   local name=$1
   shift
+  if grep -qx "$name ok" <<<"$finished_before"; then echo "== $name: finished in an earlier run"; return; fi
+  if grep -qx "$name failed" <<<"$finished_before"; then echo "!! failed in an earlier run: $name"; status=1; return; fi
   echo "== $name: $*"
-  local started=$SECONDS
-  "$@" >"$RESULTS/$name.txt" 2>&1 || { echo "!! failed: $name"; status=1; }
+  local started=$SECONDS outcome=ok
+  "$@" >"$RESULTS/$name.txt" 2>&1 || { echo "!! failed: $name"; status=1; outcome=failed; }
+  echo "$name $outcome" >>"$RESULTS/finished"
   grep -v -e "ScatterND with reduction" -e "^Loading" "$RESULTS/$name.txt" | tail -12
   [ -n "${LOG:-}" ] && { echo "== $name ($((SECONDS - started)) s): $*"; cat "$RESULTS/$name.txt"; } >>"$LOG"
 }

@@ -509,6 +509,12 @@ MUTATIONS = (
         (f"{GPU_CHECK}::test_every_artifact_a_call_reads_an_earlier_call_wrote",),
     ),
     Mutation(
+        "gpu_check: a resumed run repeats the steps an earlier run finished",
+        "bench/gpu_check.sh",
+        (('  if grep -qx "$name ok" <<<"$finished_before"; then echo "== $name: finished in an earlier run"; return; fi\n', ""),),
+        (f"{GPU_CHECK}::test_a_resumed_run_goes_on_from_the_first_step_an_earlier_run_did_not_finish",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),

@@ -1,8 +1,9 @@
 """bench/gpu_check.sh, what a lent GPU machine runs, held without a GPU: every part runs to its end here with the Python
 it calls replaced by a recorder, and every call it would make is checked as its callee would check it (the CLI's and each
 bench script's own argument parser, pytest's collection of the tests it names under each -k), and each artifact a call
-reads comes from an earlier call of the same run. A flag renamed in a script, a test renamed, or a part that reads what
-only another part writes would otherwise cost minutes of a 15-minute loan to find."""
+reads comes from an earlier call of the same run; a run resumed after a cut (RESUME=1) makes only the calls its earlier
+run did not finish. A flag renamed in a script, a test renamed, or a part that reads what only another part writes
+would otherwise cost minutes of a 15-minute loan to find."""
 
 import argparse
 import os
@@ -10,6 +11,7 @@ import re
 import runpy
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -28,35 +30,50 @@ def parts() -> list[str]:
     return re.findall(r"^    (\w+)\)$", SCRIPT.read_text(), re.M)
 
 
+@dataclass
+class GpuCheckRun:
+    returncode: int
+    stdout: str
+    calls: list[tuple[str, list[str]]]  # (KVSERVE_TEST_PROVIDER, argv after the interpreter) of each call
+
+
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("gpu-check")
+    """A scratch folder with a recorder for Python and a stand-in nvidia-smi under bin/; artifacts go under art/."""
+    work = tmp_path_factory.mktemp("gpu-check")
+    (work / "bin").mkdir()
+    recorder = work / "bin" / "python-recorder"
+    recorder.write_text('#!/usr/bin/env bash\n{ printf "%s\\x1f" "${KVSERVE_TEST_PROVIDER:-}" "$@"; printf "\\n"; } >>"$CALLS"\n')
+    smi = work / "bin" / "nvidia-smi"
+    smi.write_text("#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.00'\n")
+    for tool in (recorder, smi):
+        tool.chmod(0o755)
+    return work
+
+
+def run_gpu_check(work: Path, parts_value: str | None, results: str = "results", **env_vars: str) -> GpuCheckRun:
+    """bench/gpu_check.sh with PARTS=parts_value (None: its default), its Python the recorder, results under work/results."""
+    calls = work / f"calls-{len(list(work.glob('calls-*')))}"
+    env = {name: value for name, value in os.environ.items() if name not in ("LOG", "RESUME", "PARTS")}
+    env.update(PATH=f"{work / 'bin'}:{os.environ['PATH']}", PYTHON=str(work / "bin" / "python-recorder"), CALLS=str(calls),
+               RESULTS=str(work / results), ART=str(work / "art"), **env_vars)
+    if parts_value is not None:
+        env["PARTS"] = parts_value
+    done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return GpuCheckRun(done.returncode, done.stdout + done.stderr,
+                       [(fields[0], fields[1:-1]) for fields in (line.split(FIELD) for line in lines)])
 
 
 @pytest.fixture(scope="module")
 def recorded(work) -> dict[str, list[tuple[str, list[str]]]]:
-    """{PARTS value: [(KVSERVE_TEST_PROVIDER, argv after the interpreter), ...]} for the default run and each part alone
-    (bench reads what parity writes: the default runs them in order), its artifacts under work/art."""
-    bin_dir = work / "bin"
-    bin_dir.mkdir()
-    recorder = bin_dir / "python-recorder"
-    recorder.write_text('#!/usr/bin/env bash\n{ printf "%s\\x1f" "${KVSERVE_TEST_PROVIDER:-}" "$@"; printf "\\n"; } >>"$CALLS"\n')
-    smi = bin_dir / "nvidia-smi"
-    smi.write_text("#!/usr/bin/env bash\necho 'NVIDIA H100 80GB HBM3, 81559 MiB, 580.00'\n")
-    for tool in (recorder, smi):
-        tool.chmod(0o755)
+    """{PARTS value: its calls} for the default run and each part alone (bench reads what parity writes: the default
+    runs them in order)."""
     runs = {}
-    for parts_value in ["", *[part for part in parts() if part != "bench"]]:
-        calls = work / f"calls-{parts_value or 'default'}"
-        env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHON": str(recorder), "CALLS": str(calls),
-               "RESULTS": str(work / "results"), "ART": str(work / "art"), "PARTS": parts_value}
-        if not parts_value:
-            del env["PARTS"]
-        env.pop("LOG", None)
-        done = subprocess.run(["bash", str(SCRIPT)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0 and "!! failed" not in done.stdout, (parts_value, done.stdout[-2000:], done.stderr[-2000:])
-        lines = calls.read_text().splitlines()
-        runs[parts_value or "default"] = [(fields[0], fields[1:-1]) for fields in (line.split(FIELD) for line in lines)]
+    for parts_value in [None, *[part for part in parts() if part != "bench"]]:
+        run = run_gpu_check(work, parts_value)
+        assert run.returncode == 0 and "!! failed" not in run.stdout, (parts_value, run.stdout[-2000:])
+        runs[parts_value or "default"] = run.calls
     return runs
 
 
@@ -149,3 +166,18 @@ def test_every_artifact_a_call_reads_an_earlier_call_wrote(recorded, work):
                     read += 1
             written.extend(outputs)
     assert read >= 20
+
+
+def test_a_resumed_run_goes_on_from_the_first_step_an_earlier_run_did_not_finish(work):
+    whole = run_gpu_check(work, "next", results="resumed")
+    steps = (work / "resumed" / "finished").read_text().splitlines()
+    assert whole.returncode == 0 and len(steps) == len(whole.calls) - 1 >= 10  # the check, then a call a step
+    kept = steps[:3]
+    kept[1] = kept[1].replace(" ok", " failed")
+    (work / "resumed" / "finished").write_text("".join(f"{line}\n" for line in kept))  # as if cut in its 4th step
+    resumed = run_gpu_check(work, "next", results="resumed", RESUME="1")
+    assert resumed.calls == whole.calls[:1] + whole.calls[4:]
+    assert resumed.returncode == 1 and f"failed in an earlier run: {kept[1].split()[0]}" in resumed.stdout
+    assert (work / "resumed" / "finished").read_text().splitlines() == kept + steps[3:]
+    again = run_gpu_check(work, "next", results="resumed")  # without RESUME a run starts over
+    assert again.calls == whole.calls and again.returncode == 0
