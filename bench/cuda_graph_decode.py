@@ -18,7 +18,13 @@ replaced by a no-op, so what is left is kvserve's own work per step (inputs, bin
 stop rules), which no CUDA graph removes: at batch 1 it must stay well under the 1 ms/step goal. Prints markdown
 tables and the machine.
 
+With --attention-kernels (a fused artifact on CUDA) each choice after the first adds captured fixed-shape steps from
+a runtime opened under that choice of GroupQueryAttention's decode kernel (bench/attention_kernels.py: XQA, cuDNN's
+SDPA or FlashAttention's decode path), in the same rounds; their tokens may part from the others' after a few dozen
+(another kernel's float16 rounding).
+
     python bench/cuda_graph_decode.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--rounds 3]
+                                      [--attention-kernels default,flash]
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_kernels  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import DECODE_GRAPH_FILE, open_artifact  # noqa: E402
@@ -134,6 +141,9 @@ def main() -> None:
                         "(float16); the gpt2 preset is exported there if missing")
     parser.add_argument("--provider", default="auto", choices=("auto", "cpu", "cuda"))
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attention-kernels", type=attention_kernels.parse, default=["default"],
+                        help=f"comma-separated, among {', '.join(attention_kernels.CHOICES)}: the first opens every runtime, each other "
+                        "adds captured steps of its own")
     args = parser.parse_args()
 
     artifact_dir = Path(args.artifact)
@@ -145,15 +155,21 @@ def main() -> None:
         raise SystemExit(f"{artifact_dir}: need a slots artifact with standard attention, or a fused float16 one with its decode graph")
     config = artifact.config
     rows_needed = max(SOLO[0], CROWD[0])
-    variants = {name: warm_batch(artifact, args.provider, cuda_graph, rows_needed)
-                for name, cuda_graph in (("uncaptured", False), ("fixed shapes", True))}
-    if variants["fixed shapes"][0].captures_decode:
-        variants["fixed, uncaptured"] = warm_batch(artifact, args.provider, False, rows_needed, fixed=True)
+    first, *others = args.attention_kernels
+    with attention_kernels.opened_under(first):
+        variants = {name: warm_batch(artifact, args.provider, cuda_graph, rows_needed)
+                    for name, cuda_graph in (("uncaptured", False), ("fixed shapes", True))}
+        if variants["fixed shapes"][0].captures_decode:
+            variants["fixed, uncaptured"] = warm_batch(artifact, args.provider, False, rows_needed, fixed=True)
+    for choice in others:
+        with attention_kernels.opened_under(choice):
+            variants[f"fixed shapes, {choice} attention"] = warm_batch(artifact, args.provider, True, rows_needed)
     best, generated = alternate(variants, args.rounds, config.vocab_size)
     runtime = variants["fixed shapes"][0]
     captured = capture_state(runtime)
     print(f"{artifact_dir} ({config.n_layer} layers, d_model {config.d_model}, {artifact.dtype}, {artifact.attention} attention), {runtime.provider}, greedy, "
-          f"best of {args.rounds} rounds, alternating; fixed shapes: {captured}\n")
+          f"best of {args.rounds} rounds, alternating; fixed shapes: {captured}; attention kernels: {first} "
+          f"({attention_kernels.CHOICES[first] or 'ONNX Runtime as it chooses'})\n")
     print("| decode steps | batch 1 ms/step | batch 1 tokens/s | batch 16 ms/step | batch 16 tokens/s | same tokens as uncaptured "
           "| same tokens as fixed, uncaptured |")
     print("|---|---:|---:|---:|---:|:-:|:-:|")

@@ -162,12 +162,13 @@ for part in $PARTS; do
         tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py tests/export/test_own_rounding.py tests/export/test_cuda_placement.py
       ;;
     next)
-      # Issue 50's open questions in one short loan, the quickest answer first (each a step of the parts above): which
-      # serving feature the Phi-3 crossing lives in; the trained model's kernels a step with its biases moved; the
-      # float16 floor on CUDA over one seed; whether split steps and the warmed chunk lengths end the fused server's
-      # stalls; the server at 16 streams against the 6,500 tokens/s target, one token a message and several, and at 64
-      # and 256 (where bench/scheduler_emulation.py forecasts ~10,000 tokens/s in process since the scheduler's CUDA
-      # rules of 2026-12-07, against ~1,600 before); torch's captured decode beside it.
+      # Issue 50's open questions in one short loan, the quickest answer first (each a step of the parts above, or its
+      # own): which serving feature the Phi-3 crossing lives in; the ring rows' tests; the trained model's kernels a step
+      # with its biases moved; the float16 floor on CUDA over one seed; GroupQueryAttention's decode kernels at batch 1;
+      # whether split steps and the warmed chunk lengths end the fused server's stalls; the server at 16 streams against
+      # the 6,500 tokens/s target, one token a message and several, and at 64 and 256 (where
+      # bench/scheduler_emulation.py forecasts ~10,000 tokens/s in process since the scheduler's CUDA rules of
+      # 2026-12-07, against ~1,600 before); torch's captured decode beside it. A call cut at its limit: RESUME=1.
       step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda --work "$ART/crossing"
       # Where no serving feature holds it, the graph's kernels do: the same artifact's steps on both providers side by
       # side, the row refilled (long) at its 5th decode step.
@@ -180,6 +181,12 @@ for part in $PARTS; do
       step kernels-kjv-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/kjv-gpt2-float16-fused"
       step bounds-float16-floor-cuda-1-seed $PY bench/float16_floor.py --provider cuda --seeds 1
       export_cuda gpt2-float16-fused --preset gpt2 --dtype float16 --attention fused --out "$ART/gpt2-float16-fused"
+      # The batch-1 step against torch's (0.73x): GroupQueryAttention's decode kernel. XQA (kernel_mha, ONNX Runtime's
+      # choice on the last loans) launches the K/V append, the lengths and a memset beside it each layer, FlashAttention's
+      # decode path appends inside its own kernel (bench/attention_kernels.py); each one's kernels, then each captured.
+      step kernels-gpt2-fp16-fused-flash $PY bench/kernel_profile.py --artifact "$ART/gpt2-float16-fused" --attention-kernels flash
+      step cuda-graph-gpt2-fp16-fused-attention-kernels $PY bench/cuda_graph_decode.py --provider cuda \
+        --artifact "$ART/gpt2-float16-fused" --attention-kernels default,flash,cudnn
       step step-kinds-gpt2-fp16-split-on-warmed $PY bench/step_kinds.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
         --cuda-graph --streams 16 --split-steps on --warm-chunks
       step grpc-cuda-graph-fp16-split-on $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \

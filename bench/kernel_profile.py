@@ -5,8 +5,10 @@ included), from a session that does not capture, so each kernel is its own recor
 Per step: kernels launched, the sum of their GPU time, and the kernels grouped by name (the top --top), batch 1
 at a 128-token context. Against the captured step's wall time (bench/cuda_graph_decode.py) the sum says how much of
 a replayed step is kernel work and how much the gaps between kernels. Prints markdown tables and the machine.
+--attention-kernels opens the runtime under another choice of GroupQueryAttention's decode kernel
+(bench/attention_kernels.py), whose kernels the table then names.
 
-    python bench/kernel_profile.py --artifact DIR [--steps 20] [--top 15]
+    python bench/kernel_profile.py --artifact DIR [--steps 20] [--top 15] [--attention-kernels default|flash|cudnn]
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import attention_kernels  # noqa: E402
 from machine import describe  # noqa: E402
 
 from kvserve.contract.artifact import open_artifact  # noqa: E402
@@ -32,10 +35,12 @@ def main() -> None:
     parser.add_argument("--artifact", required=True)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--attention-kernels", choices=tuple(attention_kernels.CHOICES), default="default")
     args = parser.parse_args()
     artifact = open_artifact(args.artifact)
     config = artifact.config
-    runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cuda", decode_graph=True)
+    with attention_kernels.opened_under(args.attention_kernels):
+        runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, "cuda", decode_graph=True)
     pool = runtime.new_pool(1, config.n_kv_head, config.d_head, min(config.n_ctx, 1024) + 1)
     fused = runtime.attention == "fused"
 
@@ -56,7 +61,8 @@ def main() -> None:
     for event in kernels:
         by_name[event.name][0] += 1
         by_name[event.name][1] += event.time_range.elapsed_us()
-    print(f"{args.artifact} ({artifact.attention} attention, {artifact.dtype}), batch 1, {args.steps} decode steps, uncaptured\n")
+    print(f"{args.artifact} ({artifact.attention} attention, {artifact.dtype}; attention kernels: {args.attention_kernels} "
+          f"{attention_kernels.CHOICES[args.attention_kernels] or ''}), batch 1, {args.steps} decode steps, uncaptured\n")
     print("| kernels a step | GPU time a step, µs |")
     print("|---:|---:|")
     print(f"| {len(kernels) / args.steps:.1f} | {total_us / args.steps:.1f} |\n")
