@@ -515,6 +515,12 @@ MUTATIONS = (
         (f"{GPU_CHECK}::test_a_resumed_run_goes_on_from_the_first_step_an_earlier_run_did_not_finish",),
     ),
     Mutation(
+        "gpu_wheels: a carried wheel is not the version kvserve pins",
+        "bench/gpu_wheels.sh",
+        (("grpcio==1.85.1 grpcio-health-checking", "grpcio==1.85.0 grpcio-health-checking"),),
+        (f"{GPU_CHECK}::test_the_wheels_carried_to_a_gpu_host_are_the_versions_kvserve_pins",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),

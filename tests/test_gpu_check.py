@@ -181,3 +181,16 @@ def test_a_resumed_run_goes_on_from_the_first_step_an_earlier_run_did_not_finish
     assert (work / "resumed" / "finished").read_text().splitlines() == kept + steps[3:]
     again = run_gpu_check(work, "next", results="resumed")  # without RESUME a run starts over
     assert again.calls == whole.calls and again.returncode == 0
+
+
+def test_the_wheels_carried_to_a_gpu_host_are_the_versions_kvserve_pins():
+    """bench/gpu_wheels.sh carries what the GPU image lacks; a pin moved in constraints.txt and not there would put
+    another version beside the generated protobuf code or the server on the loan."""
+    script = (REPO / "bench" / "gpu_wheels.sh").read_text()
+    carried = re.search(r"^WHEELS=\((.*?)\)$", script, re.M | re.S).group(1).split()
+    pins = dict(line.split("==") for line in (REPO / "constraints.txt").read_text().splitlines() if "==" in line and not line.startswith("#"))
+    pins = {re.sub(r"[-_.]+", "-", name).lower(): version for name, version in pins.items()}
+    assert len(carried) >= 20
+    for wheel in carried:
+        name, version = wheel.split("==")
+        assert pins.get(re.sub(r"[-_.]+", "-", name).lower()) == version, wheel
