@@ -18,12 +18,15 @@ hold either. Checked on the exported graph: ONNX Runtime's own optimizations onl
 
 empty_reductions reads what a graph's run on the CPU provider handed each reduction (ONNX Runtime's profile of it) and
 names those the CUDA kernels would refuse: a reduction of an empty tensor, which a step without a prompt chunk makes
-of every chunk tensor.
+of every chunk tensor. scatter_probe and repeated_writes do the same for the K/V scatters: a step that writes a cell
+twice is the CPU's last write there, and any of them on CUDA.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import onnx
+from onnx import TensorProto, helper
 
 # Outputs the CUDA provider's kernels leave in host memory.
 HOST_OUTPUTS = {"Shape": {0}, "Size": {0}}
@@ -118,3 +121,34 @@ def empty_reductions(profile: list[dict]) -> list[str]:
             node = event["name"].removesuffix("_kernel_time")
             found.setdefault(node, f"{args['op_name']} {node}: reduces an empty input {read} to {made or 'a scalar'}, which the CUDA provider refuses")
     return list(found.values())
+
+
+def scatter_probe(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[tuple[str, str, str]]]:
+    """model with each ScatterND's indices and its data's shape as outputs too, so a run shows where each step writes:
+    (the probe, [(node name, its indices' output, its data shape's output)]). The model is changed in place."""
+    probes = []
+    for node in [n for n in model.graph.node if n.op_type == "ScatterND"]:
+        shape = f"{node.name}_probe_data_shape"
+        model.graph.node.append(helper.make_node("Shape", [node.input[0]], [shape], name=f"{node.name}_probe_shape"))
+        model.graph.output.extend([helper.make_tensor_value_info(node.input[1], TensorProto.INT64, None),
+                                   helper.make_tensor_value_info(shape, TensorProto.INT64, None)])
+        probes.append((node.name, node.input[1], shape))
+    return model, probes
+
+
+def repeated_writes(node: str, indices: np.ndarray, data_shape) -> str | None:
+    """Where one ScatterND writes a cell more than once (indices (..., k) into data of data_shape), outside the last
+    column of a K/V pool (dimension 2 of (rows, heads, columns, d_k), the scratch column, which nothing reads): the CPU
+    provider keeps the last write and the CUDA provider any of them ("ScatterND with reduction=='none' only guarantees
+    to be correct if indices are not duplicated", its kernel says). None where every such cell is written once."""
+    cells = indices.reshape(-1, indices.shape[-1])  # (M, k)
+    if len(cells) < 2:
+        return None
+    unique, counts = np.unique(cells, axis=0, return_counts=True)
+    repeated = unique[counts > 1]
+    if cells.shape[1] >= 3:
+        repeated = repeated[repeated[:, 2] != data_shape[2] - 1]
+    if not len(repeated):
+        return None
+    return (f"ScatterND {node}: writes {len(repeated)} cell(s) of data {[int(d) for d in data_shape]} more than once, e.g. "
+            f"{repeated[0].tolist()}, whose value the CUDA provider leaves to chance")

@@ -484,6 +484,14 @@ MUTATIONS = (
         ("tests/runtime/test_cuda_graphs.py::test_inputs_copied_to_the_device_land_before_a_fixed_shape_step_or_its_replay_reads_them",),
     ),
     Mutation(
+        "CUDA: a ring's chunk longer than the ring writes its overwritten tokens' cells twice in one scatter",
+        "model/attention.py",
+        (("columns = torch.where((self.positions >= scratch) | overwritten, ring, self.positions % ring)",
+          "columns = torch.where(self.positions >= scratch, ring, self.positions % ring)"),),
+        tuple(f"tests/export/test_cuda_placement.py::test_no_step_the_server_runs_writes_a_kv_cell_twice[{ring}]"
+              for ring in ("mistral sliding window 7 head_dim 16", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6")),
+    ),
+    Mutation(
         "gpu_check: a script is given a flag it does not take",
         "bench/gpu_check.sh",
         (("--split-steps on --batch-tokens --step-token-budget 192", "--split-steps on --batch-tokens --step-budget 192"),),

@@ -2,8 +2,8 @@
 every family's standard slots graph computes nothing from shapes that a CUDA kernel reads as data, and the check names
 the patterns ONNX Runtime's CUDA provider would copy to the device (an arange of a shape used as indices, shape
 arithmetic mixed with a graph input) or cannot hold (a Range kernel, control flow). And what would fail a step on the
-CUDA provider alone, read from a profiled run on the CPU: no step of any graph the server runs hands a reduction an
-empty input."""
+CUDA provider alone, read from runs on the CPU: no step of any graph the server runs hands a reduction an empty input,
+and none writes a K/V cell twice in one scatter (which write wins is the CPU's last, CUDA's any)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from onnx import TensorProto, helper
 
 from kvserve.contract import io_contract as io
 from kvserve.contract.artifact import open_artifact
-from kvserve.export.cuda_placement import capture_blockers, empty_reductions
+from kvserve.export.cuda_placement import capture_blockers, empty_reductions, repeated_writes, scatter_probe
 from kvserve.export.onnx_export import IR_VERSION, trace_graph
 from kvserve.model.decoders import build
 from kvserve.runtime import DecoderRuntime, providers, step
@@ -136,6 +136,25 @@ def test_a_reduction_of_an_empty_input_is_named(tmp_path):
 
 
 RINGS = ["mistral sliding window 7 head_dim 16", "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6"]
+PHI3_LONGROPE = "phi3 gqa 2:1 head_dim 64 longrope partial 0.75 untied"
+
+
+def run_every_step_kind(runtime: DecoderRuntime, config, crossing: bool = False) -> int:
+    """Prompts alone, rows decoding alone and beside a chunk, through a batch of 3 rows, chunks of up to 30 tokens (longer
+    than a ring of 7 + 16); crossing: a stream crosses the original context of a longrope model too (its row prefilled
+    again, long, beside the others). Returns how many steps prefilled prompts together."""
+    scheduler = Scheduler(SlotBatch(runtime, config, 3), step_token_budget=32)
+    scheduler.waiting.extend(_greedy_sequence(i, random_prompt(700 + i, 2 + 7 * i), 12) for i in range(5))
+    if crossing:
+        scheduler.waiting.append(_greedy_sequence(5, random_prompt(705, config.long_rope_after - 4), 10))
+    kinds, groups = set(), 0
+    while scheduler.waiting or scheduler.kv.rows:
+        plan = scheduler.plan()
+        kinds.add((bool(plan.decode), bool(plan.chunk or plan.prompts)))
+        groups += len(plan.prompts) > 1
+        scheduler.run_step(plan)
+    assert kinds == {(False, True), (True, False), (True, True)}  # prompts alone, rows decoding alone and beside one
+    return groups
 
 
 @pytest.mark.parametrize("graph", ["standard", "fused", "split", *RINGS])
@@ -153,17 +172,65 @@ def test_no_step_the_server_runs_hands_a_reduction_an_empty_input(graph, profile
         artifact_dir = llama_artifact(graph, attention="standard")[2]
     artifact = open_artifact(artifact_dir)
     runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, PROVIDER, chunk_graph=graph == "split" or None)
-    batch = SlotBatch(runtime, artifact.config, 3)
-    scheduler = Scheduler(batch, step_token_budget=24)  # chunks of up to 24 tokens: longer than a ring (7 + 16)
-    scheduler.waiting.extend(_greedy_sequence(i, random_prompt(700 + i, 2 + 7 * i), 12) for i in range(5))
-    kinds, groups = set(), 0
-    while scheduler.waiting or scheduler.kv.rows:
-        plan = scheduler.plan()
-        kinds.add((bool(plan.decode), bool(plan.chunk or plan.prompts)))
-        groups += len(plan.prompts) > 1
-        scheduler.run_step(plan)
-    assert kinds == {(False, True), (True, False), (True, True)}  # prompts alone, rows decoding alone and beside one
+    groups = run_every_step_kind(runtime, artifact.config)
     assert groups or graph != "split"  # (under CUDA the fused graph's steps split too)
     events = profiled()
     assert sum(e.get("cat") == "Node" and e["args"].get("op_name", "").startswith("Reduce") for e in events)  # seen, and none empty:
     assert empty_reductions(events) == []
+
+
+@pytest.fixture
+def recorded_steps(monkeypatch):
+    """Each standard step run while the test runs, as the graph sees it: (its session, its bound inputs and the shape of
+    each past K/V it binds, copied when it runs)."""
+    steps, pasts = [], {}
+    bind_rows, run_sampled = DecoderRuntime._bind_rows, DecoderRuntime._run_sampled
+
+    def binding_rows(self, bound, pool, past_names, present_names, row, count):
+        pasts.setdefault(id(bound), {}).update({name: pool.value_shape(i, count) for i, name in enumerate(past_names)})
+        return bind_rows(self, bound, pool, past_names, present_names, row, count)
+
+    def running(self, bound, *args, **kwargs):
+        steps.append((bound.session, {name: buffer.copy() for name, (buffer, _) in bound.inputs.items()}, dict(pasts[id(bound)])))
+        return run_sampled(self, bound, *args, **kwargs)
+
+    monkeypatch.setattr(DecoderRuntime, "_bind_rows", binding_rows)
+    monkeypatch.setattr(DecoderRuntime, "_run_sampled", running)
+    return steps
+
+
+def test_a_cell_written_twice_by_one_scatter_is_named_unless_it_is_the_scratch_column():
+    indices = np.array([[[0, 1, 3]], [[1, 1, 3]], [[0, 1, 3]], [[0, 0, 7]], [[0, 0, 7]]])  # (N, H_kv, 3)
+    named = repeated_writes("write", indices, (2, 2, 8, 4))
+    assert named == ("ScatterND write: writes 1 cell(s) of data [2, 2, 8, 4] more than once, e.g. [0, 1, 3], whose value the "
+                     "CUDA provider leaves to chance")
+    assert repeated_writes("write", indices[1:4], (2, 2, 8, 4)) is None and repeated_writes("write", indices[3:], (2, 2, 8, 4)) is None
+
+
+@pytest.mark.parametrize("graph", ["standard", *RINGS, PHI3_LONGROPE])
+def test_no_step_the_server_runs_writes_a_kv_cell_twice(graph, recorded_steps, request, llama_artifact, tmp_path):
+    """Every step of every kind (and a longrope row prefilled again where it crosses its original context), its inputs
+    replayed through the graph with each K/V scatter's indices as outputs: no cell but a row's scratch column written
+    twice in one step. (The CPU provider keeps a scatter's last write to a cell, the CUDA provider any: a ring's chunk
+    longer than the ring sends its overwritten tokens to the scratch column for that reason.)"""
+    artifact_dir = request.getfixturevalue("tiny_standard_artifact") if graph == "standard" else llama_artifact(graph, attention="standard")[2]
+    artifact = open_artifact(artifact_dir)
+    runtime = DecoderRuntime(artifact.model_path, artifact.config.n_layer, artifact.dtype, "cpu")
+    run_every_step_kind(runtime, artifact.config, crossing=graph == PHI3_LONGROPE)
+    probe, scatters = scatter_probe(onnx.load(artifact.model_path))
+    assert len(scatters) >= 2 * artifact.config.n_layer  # every layer's K and V
+    onnx.save(probe, tmp_path / "probe.onnx", save_as_external_data=True)
+    session = ort.InferenceSession(str(tmp_path / "probe.onnx"), providers.session_options(), providers=["CPUExecutionProvider"])
+    wanted = [name for _, indices, shape in scatters for name in (indices, shape)]
+    steps = [(inputs, pasts) for ran, inputs, pasts in recorded_steps if ran is runtime.session]
+    assert len(steps) >= 20
+    refilled = [inputs for inputs, _ in steps if inputs.get(io.CHUNK_LONG_ROPE, [0])[0] and inputs[io.CHUNK_POSITION_IDS].flat[0] == 0]
+    assert bool(refilled) == (graph == PHI3_LONGROPE)  # the crossing row's prefill again, long, from its first column
+    if graph in RINGS:  # a chunk longer than its ring: its first tokens are overwritten by its later ones
+        assert max(inputs[io.CHUNK_IDS].size for inputs, _ in steps) > artifact.config.kv_ring
+    problems = set()
+    for inputs, pasts in steps:
+        feeds = {**inputs, **{name: np.zeros(shape, runtime.kv_dtype) for name, shape in pasts.items()}}
+        values = dict(zip(wanted, session.run(wanted, feeds)))
+        problems |= {repeated_writes(node, values[indices], values[shape]) for node, indices, shape in scatters} - {None}
+    assert not problems, sorted(problems)
