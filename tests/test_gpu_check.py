@@ -52,7 +52,8 @@ def work(tmp_path_factory) -> Path:
 
 
 def run_gpu_check(work: Path, parts_value: str | None, results: str = "results", **env_vars: str) -> GpuCheckRun:
-    """bench/gpu_check.sh with PARTS=parts_value (None: its default), its Python the recorder, results under work/results."""
+    """bench/gpu_check.sh with PARTS=parts_value (None: its default), its Python the recorder, its results under
+    work/results (a folder of that name), its artifacts under work/art."""
     calls = work / f"calls-{len(list(work.glob('calls-*')))}"
     env = {name: value for name, value in os.environ.items() if name not in ("LOG", "RESUME", "PARTS")}
     env.update(PATH=f"{work / 'bin'}:{os.environ['PATH']}", PYTHON=str(work / "bin" / "python-recorder"), CALLS=str(calls),
@@ -80,7 +81,7 @@ def recorded(work) -> dict[str, list[tuple[str, list[str]]]]:
 def calls_of(recorded, kind: str) -> list[list[str]]:
     seen, unique = set(), []
     for calls in recorded.values():
-        for provider, argv in calls:
+        for _, argv in calls:
             if call_kind(argv) == kind and tuple(argv) not in seen:
                 seen.add(tuple(argv))
                 unique.append(argv)
