@@ -40,8 +40,8 @@ if [ -n "${RESUME:-}" ]; then finished_before=$(cat "$RESULTS/finished" 2>/dev/n
 step() {
   local name=$1
   shift
-  if grep -qx "$name ok" <<<"$finished_before"; then echo "== $name: finished in an earlier run"; return; fi
-  if grep -qx "$name failed" <<<"$finished_before"; then echo "!! failed in an earlier run: $name"; status=1; return; fi
+  if grep -qxF "$name ok" <<<"$finished_before"; then echo "== $name: finished in an earlier run"; return; fi
+  if grep -qxF "$name failed" <<<"$finished_before"; then echo "!! failed in an earlier run: $name"; status=1; return; fi
   echo "== $name: $*"
   local started=$SECONDS outcome=ok
   "$@" >"$RESULTS/$name.txt" 2>&1 || { echo "!! failed: $name"; status=1; outcome=failed; }

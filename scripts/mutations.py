@@ -519,7 +519,7 @@ MUTATIONS = (
     Mutation(
         "gpu_check: a resumed run repeats the steps an earlier run finished",
         "bench/gpu_check.sh",
-        (('  if grep -qx "$name ok" <<<"$finished_before"; then echo "== $name: finished in an earlier run"; return; fi\n', ""),),
+        (('  if grep -qxF "$name ok" <<<"$finished_before"; then echo "== $name: finished in an earlier run"; return; fi\n', ""),),
         (f"{GPU_CHECK}::test_a_resumed_run_goes_on_from_the_first_step_an_earlier_run_did_not_finish",),
     ),
     Mutation(
