@@ -168,7 +168,8 @@ for part in $PARTS; do
       # whether split steps and the warmed chunk lengths end the fused server's stalls; the server at 16 streams against
       # the 6,500 tokens/s target, one token a message and several, and at 64 and 256 (where
       # bench/scheduler_emulation.py forecasts ~10,000 tokens/s in process since the scheduler's CUDA rules of
-      # 2026-12-07, against ~1,600 before); torch's captured decode beside it. A call cut at its limit: RESUME=1.
+      # 2026-12-07, against ~1,600 before); torch's captured decode beside it, and both on one mixed load (continuous
+      # batching against static batches). A call cut at its limit: RESUME=1.
       step crossing-bisect-cuda $PY bench/crossing_bisect.py --provider cuda --work "$ART/crossing"
       # Where no serving feature holds it, the graph's kernels do: the same artifact's steps on both providers side by
       # side, the row refilled (long) at its 5th decode step.
@@ -205,6 +206,12 @@ for part in $PARTS; do
           --batch-tokens --prompt-tokens 180 --step-token-budget $budget
       done
       step torch-peer-gpt2-fp16 timeout 240 $PY bench/torch_graph_decode.py --preset gpt2
+      # Continuous batching against a static batch on the same mixed requests (bench/workload.py: 64 streams of 2, 16 to
+      # 128 new tokens each): the server at 64 streams, then torch's captured step serving them in static batches.
+      step grpc-cuda-graph-fp16-split-on-mixed-64 $PY bench/grpc_load.py --provider cuda --artifact "$ART/gpt2-float16-fused" \
+        --cuda-graph --levels 64 --max-batch-size 256 --split-steps on --batch-tokens --step-token-budget 192 --new-tokens-range 16,128
+      step torch-peer-gpt2-fp16-static-batches timeout 240 $PY bench/torch_graph_decode.py --preset gpt2 --static-batches 64x2 \
+        --new-tokens-range 16,128
       ;;
     bench)
       step bench-decode-cuda-fp32 $PY bench/decode_latency.py --provider cuda --artifact "$ART/gpt2-float32"

@@ -6,11 +6,14 @@ Each gRPC level also reports the server process's CPU time per streamed token (a
 /proc): what the host spends per token besides the model, which bounds the tokens/s one server can stream
 however fast its steps run. With a model whose steps cost next to nothing (`--artifact` of the tiny preset)
 the tokens/s column is the serving stack's own ceiling. With --batch-tokens each level above 1 runs again right after,
-asking for several tokens a message (GenerateRequest.batch_tokens): its row says what fewer messages give.
+asking for several tokens a message (GenerateRequest.batch_tokens): its row says what fewer messages give. With
+--new-tokens-range LOW,HIGH each request's new tokens are drawn from that range (bench/workload.py, the same requests
+bench/torch_graph_decode.py --static-batches serves as a static batch would), at every level above 1 (concurrency 1
+keeps --new-tokens: its row is held to the in-process engine's).
 
     python bench/grpc_load.py [--artifact artifacts/gpt2] [--provider auto|cpu|cuda] [--new-tokens 64] [--cuda-graph]
                               [--requests-per-stream 2] [--levels 1,16,64,256 --max-batch-size 256] [--batch-tokens]
-                              [--step-token-budget N]
+                              [--step-token-budget N] [--new-tokens-range 16,128]
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe  # noqa: E402
+from workload import new_token_counts, token_range  # noqa: E402
 
 from kvserve.v1 import generation_pb2 as pb  # noqa: E402
 from kvserve.v1 import generation_pb2_grpc as pb_grpc  # noqa: E402
@@ -71,7 +75,10 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests_per_stream=REQUESTS_PER_STREAM, server_pid=None,
-                    batch_tokens: bool = False):
+                    batch_tokens: bool = False, new_tokens_range: tuple[int, int] | None = None):
+    """One level's load; new_tokens_range: each request's new tokens from bench/workload.py instead of new_tokens."""
+    counts = [new_tokens] * (concurrency * requests_per_stream) if new_tokens_range is None \
+        else new_token_counts(concurrency * requests_per_stream, *new_tokens_range)
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationServiceStub(channel)
         await one_request(stub, prompt_ids(0, prompt_len, vocab), 4)  # connection and warm-up
@@ -80,7 +87,8 @@ async def run_level(target, concurrency, prompt_len, new_tokens, vocab, requests
         async def stream(worker):
             nonlocal tokens
             for k in range(requests_per_stream):
-                ttft, gap, n = await one_request(stub, prompt_ids(1000 * worker + k, prompt_len, vocab), new_tokens, batch_tokens)
+                ttft, gap, n = await one_request(stub, prompt_ids(1000 * worker + k, prompt_len, vocab), counts[worker * requests_per_stream + k],
+                                                 batch_tokens)
                 ttfts.append(ttft)
                 gaps.extend(gap)
                 tokens += n
@@ -224,6 +232,8 @@ def main() -> None:
                                                                   "(default: serve's)")
     parser.add_argument("--batch-tokens", action="store_true",
                         help="each level above 1 also with GenerateRequest.batch_tokens (several tokens a message), right after it")
+    parser.add_argument("--new-tokens-range", type=token_range, default=None, metavar="LOW,HIGH",
+                        help="each gRPC request's new tokens drawn from LOW..HIGH (bench/workload.py) instead of --new-tokens")
     args = parser.parse_args()
     if args.requests_per_stream < 1:
         parser.error(f"--requests-per-stream must be >= 1, got {args.requests_per_stream}")
@@ -246,16 +256,19 @@ def main() -> None:
         batched = {}
         for c in levels[1:]:
             results[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size,
-                                               args.requests_per_stream, server_pid=process.pid))
+                                               args.requests_per_stream, server_pid=process.pid, new_tokens_range=args.new_tokens_range))
             if args.batch_tokens:
                 batched[c] = asyncio.run(run_level(target, c, args.prompt_tokens, args.new_tokens, config.vocab_size,
-                                                   args.requests_per_stream, server_pid=process.pid, batch_tokens=True))
+                                                   args.requests_per_stream, server_pid=process.pid, batch_tokens=True,
+                                                   new_tokens_range=args.new_tokens_range))
     finally:
         process.terminate()
         process.wait(60)
 
     print(f"## gRPC load, {args.artifact} ({config.n_layer} layers, d_model {config.d_model}), prompt {args.prompt_tokens}, "
-          f"{args.new_tokens} new tokens, greedy, {args.requests_per_stream} requests per stream "
+          f"{args.new_tokens} new tokens"
+          + ("" if args.new_tokens_range is None else " at concurrency 1, above it {}-{} each (bench/workload.py)".format(*args.new_tokens_range))
+          + f", greedy, {args.requests_per_stream} requests per stream "
           f"(x{SINGLE_STREAM_ROUNDS} rounds at concurrency 1, alternating with the in-process engine), server batch <= {args.max_batch_size}"
           + (f", --cuda-graph ({'captured' if local.runtime.captures_decode else local.runtime.cuda_graph_note})" if args.cuda_graph else "")
           + f", steps {'split between the chunk and decode graphs' if local.runtime.splits_steps else 'through the step graph'}"
