@@ -22,6 +22,8 @@ from .conftest import REPO
 
 SCRIPT = REPO / "bench" / "gpu_check.sh"
 FIELD = "\x1f"
+# The variables the script reads from its caller: none leaks in from the environment the tests run in.
+SCRIPT_VARIABLES = ("LOG", "RESUME", "PARTS", "PYTEST_ARGS", "TESTS_TIMEOUT", "RESULTS", "ART", "PYTHON")
 # What a call writes, by flag: an export's artifact, a script's working folder (everything under it is its own).
 WRITES = ("--out", "--work")
 
@@ -33,7 +35,7 @@ def parts() -> list[str]:
 @dataclass
 class GpuCheckRun:
     returncode: int
-    stdout: str
+    output: str  # its stdout, then its stderr
     calls: list[tuple[str, list[str]]]  # (KVSERVE_TEST_PROVIDER, argv after the interpreter) of each call
 
 
@@ -55,7 +57,7 @@ def run_gpu_check(work: Path, parts_value: str | None, results: str = "results",
     """bench/gpu_check.sh with PARTS=parts_value (None: its default), its Python the recorder, its results under
     work/results (a folder of that name), its artifacts under work/art."""
     calls = work / f"calls-{len(list(work.glob('calls-*')))}"
-    env = {name: value for name, value in os.environ.items() if name not in ("LOG", "RESUME", "PARTS")}
+    env = {name: value for name, value in os.environ.items() if name not in SCRIPT_VARIABLES}
     env.update(PATH=f"{work / 'bin'}:{os.environ['PATH']}", PYTHON=str(work / "bin" / "python-recorder"), CALLS=str(calls),
                RESULTS=str(work / results), ART=str(work / "art"), **env_vars)
     if parts_value is not None:
@@ -73,7 +75,7 @@ def recorded(work) -> dict[str, list[tuple[str, list[str]]]]:
     runs = {}
     for parts_value in [None, *[part for part in parts() if part != "bench"]]:
         run = run_gpu_check(work, parts_value)
-        assert run.returncode == 0 and "!! failed" not in run.stdout, (parts_value, run.stdout[-2000:])
+        assert run.returncode == 0 and "!! failed" not in run.output, (parts_value, run.output[-2000:])
         runs[parts_value or "default"] = run.calls
     return runs
 
@@ -178,7 +180,7 @@ def test_a_resumed_run_goes_on_from_the_first_step_an_earlier_run_did_not_finish
     (work / "resumed" / "finished").write_text("".join(f"{line}\n" for line in kept))  # as if cut in its 4th step
     resumed = run_gpu_check(work, "next", results="resumed", RESUME="1")
     assert resumed.calls == whole.calls[:1] + whole.calls[4:]
-    assert resumed.returncode == 1 and f"failed in an earlier run: {kept[1].split()[0]}" in resumed.stdout
+    assert resumed.returncode == 1 and f"failed in an earlier run: {kept[1].split()[0]}" in resumed.output
     assert (work / "resumed" / "finished").read_text().splitlines() == kept + steps[3:]
     again = run_gpu_check(work, "next", results="resumed")  # without RESUME a run starts over
     assert again.calls == whole.calls and again.returncode == 0
