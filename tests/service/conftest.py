@@ -12,6 +12,8 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kvserve.service.core.drafts import PromptLookup, StepCosts
+
 from ..conftest import FUSED_DTYPES
 
 
@@ -293,3 +295,54 @@ def slots_runtime(slots_graph):
 @pytest.fixture(scope="module")
 def slots_model(slots_graph):
     return slots_graph.model
+
+
+@pytest.fixture(scope="session")
+def float16_fused(tmp_path_factory, tiny_model, tiny_llama_model, tiny_llama_fused_artifacts):
+    """family -> (the tiny or tiny-llama preset exported float16 with fused attention: a decode graph and a chunk graph
+    beside its step graph, what CUDA serves; its eager model)."""
+    from kvserve.export.pipeline import export_artifact
+
+    from ..conftest import PROVIDER
+
+    artifact = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16-decode"
+    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, artifact, dtype="float16", provider=PROVIDER, attention="fused")
+    return {"gpt2": (artifact, tiny_model), "llama": (tiny_llama_fused_artifacts("float16"), tiny_llama_model)}
+
+
+class FlatCosts(StepCosts):
+    """Step costs that say every draft pays (a step costs one, drafts or not), whatever this machine measures: which rows
+    draft then depends on the drafts alone, never on timing."""
+
+    def record(self, rows: int, drafts: int, seconds: float) -> None:
+        pass
+
+    def cost(self, rows: int, drafts: int) -> float:
+        return 1.0
+
+    def may_pay(self, rows: int) -> bool:
+        return True
+
+
+@pytest.fixture
+def oracle(monkeypatch):
+    """Prompt lookup replaced by drafts that are each row's true next tokens (from a run without drafts), every third
+    offer with one of them wrong: drafts accepted whole, cut short, refused at once, all in one run. Returns the dict
+    to fill: {prompt: the tokens it generates without drafts}; a row whose tokens begin with several is offered the
+    longest's."""
+    truth: dict[tuple, list[int]] = {}
+
+    def propose(self, k: int) -> list[int]:
+        for prompt, generated in sorted(truth.items(), key=lambda item: -len(item[0])):  # the longest that matches
+            if tuple(self.tokens[: len(prompt)]) == prompt:
+                done = len(self.tokens) - len(prompt)
+                drafts = list(generated[done: done + k])
+                self.offers = getattr(self, "offers", 0) + 1
+                if drafts and self.offers % 3 == 0:
+                    wrong = done % len(drafts)
+                    drafts[wrong] = (drafts[wrong] + 1) % 250
+                return drafts
+        return []
+
+    monkeypatch.setattr(PromptLookup, "propose", propose)
+    return truth

@@ -16,7 +16,7 @@ from kvserve.service.core.scheduler import Scheduler
 from kvserve.service.core.structured import FormatCompiler, FormatKind, ResponseFormat
 from kvserve.service.core.text import StopSequences
 
-from ..conftest import random_prompt, sequence
+from ..conftest import FlatCosts, random_prompt, sequence
 
 # --- the draft sources and the cost model --------------------------------------------------------------------
 
@@ -186,43 +186,6 @@ def test_a_sampled_row_takes_a_draft_exactly_when_its_own_draw_is_the_draft():
 
 
 # --- the batch: the same tokens, the K/V of a row that never drafted ---------------------------------------------
-
-
-class FlatCosts(StepCosts):
-    """Step costs that say every draft pays (a step costs one, drafts or not), whatever this machine measures: which rows
-    draft then depends on the drafts alone, never on timing."""
-
-    def record(self, rows: int, drafts: int, seconds: float) -> None:
-        pass
-
-    def cost(self, rows: int, drafts: int) -> float:
-        return 1.0
-
-    def may_pay(self, rows: int) -> bool:
-        return True
-
-
-@pytest.fixture
-def oracle(monkeypatch):
-    """Prompt lookup replaced by drafts that are each row's true next tokens (from a run without drafts), every third
-    offer with one of them wrong: drafts accepted whole, cut short, refused at once, all in one run. Returns the dict
-    to fill: {prompt: the tokens it generates without drafts}."""
-    truth: dict[tuple, list[int]] = {}
-
-    def propose(self, k: int) -> list[int]:
-        for prompt, generated in truth.items():
-            if tuple(self.tokens[: len(prompt)]) == prompt:
-                done = len(self.tokens) - len(prompt)
-                drafts = list(generated[done: done + k])
-                self.offers = getattr(self, "offers", 0) + 1
-                if drafts and self.offers % 3 == 0:
-                    wrong = done % len(drafts)
-                    drafts[wrong] = (drafts[wrong] + 1) % 250
-                return drafts
-        return []
-
-    monkeypatch.setattr(PromptLookup, "propose", propose)
-    return truth
 
 
 def workload(max_new: int = 24):

@@ -143,17 +143,6 @@ def test_a_fused_step_graph_without_a_decode_graph_takes_no_fixed_shape_decode(t
     assert fused.decodes_fixed
 
 
-@pytest.fixture(scope="module")
-def float16_fused(tmp_path_factory, tiny_model, tiny_llama_model, tiny_llama_fused_artifacts):
-    """family -> (the tiny or tiny-llama preset exported float16 with fused attention: a decode graph and a chunk graph
-    beside its step graph, what CUDA serves; its eager model)."""
-    from kvserve.export.pipeline import export_artifact
-
-    artifact = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16-decode"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, artifact, dtype="float16", provider=PROVIDER, attention="fused")
-    return {"gpt2": (artifact, tiny_model), "llama": (tiny_llama_fused_artifacts("float16"), tiny_llama_model)}
-
-
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_a_fused_artifacts_decode_graph_generates_what_its_step_graph_does(family, float16_fused):
     """The decode graph (what `serve --cuda-graph` captures for a fused artifact): fixed-shape decode steps, a shape per
