@@ -159,7 +159,8 @@ for part in $PARTS; do
       cuda_tests tests-cuda "${TESTS_TIMEOUT:-3600}" ${PYTEST_ARGS:-} tests/service/core/test_generation.py \
         tests/service/core/test_batch.py tests/service/core/test_scheduler.py tests/service/core/test_kv_rows.py tests/service/core/test_engine.py \
         tests/service/core/test_prompt_cache.py tests/runtime tests/service/core/test_structured.py tests/service/core/test_fixed_decode.py \
-        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py tests/export/test_own_rounding.py tests/export/test_cuda_placement.py
+        tests/service/core/test_llama_serving.py tests/export/test_fused_graph.py tests/export/test_parity.py tests/export/test_chunk_graph.py tests/export/test_own_rounding.py tests/export/test_cuda_placement.py \
+        tests/service/core/test_random_schedules.py
       ;;
     next)
       # Issue 50's open questions in one short loan, the quickest answer first (each a step of the parts above, or its
@@ -178,6 +179,10 @@ for part in $PARTS; do
       # without a chunk that CUDA's ReduceSum refuses, is mended since (docs/kv-contract.md).
       cuda_tests tests-cuda-rings 300 \
         tests/export/test_cuda_placement.py tests/service/core/test_llama_serving.py tests/service/core/test_fixed_decode.py -k "ring or empty"
+      # Random schedules (tests/service/core/test_random_schedules.py): CUDA's rules with the float16 artifacts' own tokens
+      # alone as the reference, and float32 with transformers' beside the Phi-3 crossing: any other config or schedule
+      # that parts on the GPU is named.
+      cuda_tests tests-cuda-random-schedules 300 tests/service/core/test_random_schedules.py
       export_cuda kjv-gpt2-float16-fused --checkpoint checkpoints/kjv-gpt2 --dtype float16 --attention fused --out "$ART/kjv-gpt2-float16-fused"
       step kernels-kjv-gpt2-fp16-fused $PY bench/kernel_profile.py --artifact "$ART/kjv-gpt2-float16-fused"
       step bounds-float16-floor-cuda-1-seed $PY bench/float16_floor.py --provider cuda --seeds 1
