@@ -164,7 +164,8 @@ class Sequence:
         are the model's, before any mask. draft: the token guessed for this position (drafts.py), taken when it is the
         token chosen: a sampled row draws as it would without it (its seed's draws in the same order), so the draft is
         taken with probability p(draft), and otherwise the token is p's with the draft left out (speculative sampling's
-        rule for a single guessed token), and the row's tokens are the ones it makes with drafts off."""
+        rule for a single guessed token), and the row's tokens are the ones it makes with drafts off, to the rounding of
+        its logits (a draft check computes its positions together: docs/serving.md, "Speculation")."""
         now = time.monotonic_ns()
         if self.needs_logits and logits is None:
             raise ValueError(f"sequence {self.id} reads its logits, but the step returned only greedy tokens")
