@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 GEN = "tests/service/core/test_generation.py"
 PC = "tests/service/core/test_prompt_cache.py"
+RANDOM = "tests/service/core/test_random_schedules.py"
 LAYOUTS = f"{GEN}::test_batched_streams_equal_the_eager_reference_across_joins_leaves_cancels_and_chunks"
 
 
@@ -527,6 +528,14 @@ MUTATIONS = (
         "bench/gpu_wheels.sh",
         (("grpcio==1.85.1 grpcio-health-checking", "grpcio==1.85.0 grpcio-health-checking"),),
         (f"{GPU_CHECK}::test_the_wheels_carried_to_a_gpu_host_are_the_versions_kvserve_pins",),
+    ),
+    Mutation(
+        "prompt cache: a prefix copied from a row in use loses its last column",
+        "service/core/kv_rows.py",
+        (("pool.copy_columns(busy, row, reused)", "pool.copy_columns(busy, row, reused - 1)"),),
+        # random schedules meet it unasked: prompts beginning like the text of a sequence still decoding
+        (f"{RANDOM}::test_random_schedules_under_cudas_rules_give_each_sequence_its_tokens_alone",
+         f"{RANDOM}::test_random_schedules_give_each_sequence_transformers_tokens"),
     ),
     Mutation(
         "prompt cache: eviction takes the most recently used row",
