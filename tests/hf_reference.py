@@ -37,3 +37,11 @@ def hf_greedy(hf, prompts: list[list[int]], steps: int) -> np.ndarray:
     input_ids, attention_mask = left_pad(prompts)
     out = hf.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=steps, do_sample=False, pad_token_id=0, eos_token_id=None)
     return out[:, input_ids.shape[1]:].numpy()
+
+
+@torch.no_grad()
+def hf_greedy_logits(hf, prompt: list[int], steps: int) -> tuple[list[int], list[np.ndarray]]:
+    """transformers' own generate on one prompt, never stopping early: its tokens and the logits behind each."""
+    out = hf.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), max_new_tokens=steps,
+                      do_sample=False, pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), [logits[0].numpy() for logits in out.logits]
