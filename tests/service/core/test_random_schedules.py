@@ -2,12 +2,13 @@
 and output (the prompt cache, prefixes copied from rows in use) or repeating themselves, drafts offered from each
 sequence's true continuation (every third offer with one token wrong: kept whole, cut short, refused), under random row
 counts, step token budgets, step-time bounds and K/V budgets, with the prompt cache on or off. However they meet, each
-sequence gets the tokens it gets alone: on the CPU's rules, transformers' own generate; on CUDA's (steps split between
-the chunk and decode graphs, prompts padded and prefilled together, decode steps at fixed shapes, rows left as holes or
-kept dense), the same float16 artifact's, one sequence at a time, greedy or sampled with a seed. The fixed tests
-beside this file each hold one way of meeting; these hold the ways nobody wrote down. Measured step times steer the
-step-time bound and, in half the schedules, which rows draft, so a schedule is not replayed exactly from its seed: a
-sequence that parts is reported whole (its schedule's limits, its prompt and both continuations)."""
+sequence gets the tokens it gets alone, to the rounding of the logits (Schedule.parted): on the CPU's rules,
+transformers' own generate; on CUDA's (steps split between the chunk and decode graphs, prompts padded and prefilled
+together, decode steps at fixed shapes, rows left as holes or kept dense), the same float16 artifact's, one sequence at
+a time, greedy or sampled with a seed. The fixed tests beside this file each hold one way of meeting; these hold the
+ways nobody wrote down. Measured step times steer the step-time bound and, where costs are measured, which rows draft,
+so a schedule is not replayed exactly from its seed: a sequence that parts is reported whole (its schedule's limits,
+its prompt and both continuations)."""
 
 from __future__ import annotations
 
@@ -201,7 +202,7 @@ RANDOM_CONFIGS = [("gemma3 multi-query head_dim 32 qk-norm two bases linear-rope
 
 def test_random_schedules_give_each_sequence_transformers_tokens(llama_artifact, oracle):
     """float32 on the provider's own rules (on the CPU: a prompt a step, decoding rows counted against the budget, rows
-    kept dense, and in half the schedules a K/V budget of 1 to 2.5 whole contexts, so sequences wait for memory and
+    kept dense, and in one schedule of three a K/V budget of 1 to 2.5 whole contexts, so sequences wait for memory and
     cached rows give way), speculation on as serve's default, the prompt cache off in one schedule of three; greedy;
     3 seeds for each of RANDOM_CONFIGS, every config's parted sequences reported together."""
     seen, parted = Counter(), []
