@@ -94,16 +94,23 @@ def tiny_standard_artifact(tmp_path_factory, tiny_model) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_fused_artifact(tmp_path_factory, tiny_model, tiny_artifact) -> Path:
-    """The tiny preset with fused attention in the first of FUSED_DTYPES: the default export on the CPU (tiny_artifact,
-    float32), float16 under CUDA, whose GroupQueryAttention kernel has no float32 (there `auto` keeps float32 standard)."""
+def tiny_fused_float16_artifact(tmp_path_factory, tiny_model) -> Path:
+    """The tiny preset exported float16 with fused attention: a decode graph and a chunk graph beside its step graph,
+    what CUDA serves."""
     from kvserve.export.pipeline import export_artifact
 
-    if FUSED_DTYPES[0] == "float32":
-        return tiny_artifact
     out = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16"
     export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, out, dtype="float16", provider=PROVIDER, attention="fused")
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_fused_artifact(request, tiny_artifact) -> Path:
+    """The tiny preset with fused attention in the first of FUSED_DTYPES: the default export on the CPU (tiny_artifact,
+    float32), float16 under CUDA, whose GroupQueryAttention kernel has no float32 (there `auto` keeps float32 standard)."""
+    if FUSED_DTYPES[0] == "float32":
+        return tiny_artifact
+    return request.getfixturevalue("tiny_fused_float16_artifact")
 
 
 @pytest.fixture(scope="session")

@@ -298,16 +298,10 @@ def slots_model(slots_graph):
 
 
 @pytest.fixture(scope="session")
-def float16_fused(tmp_path_factory, tiny_model, tiny_llama_model, tiny_llama_fused_artifacts):
+def float16_fused(tiny_fused_float16_artifact, tiny_model, tiny_llama_model, tiny_llama_fused_artifacts):
     """family -> (the tiny or tiny-llama preset exported float16 with fused attention: a decode graph and a chunk graph
     beside its step graph, what CUDA serves; its eager model)."""
-    from kvserve.export.pipeline import export_artifact
-
-    from ..conftest import PROVIDER
-
-    artifact = tmp_path_factory.mktemp("artifacts") / "tiny-fused-float16-decode"
-    export_artifact(tiny_model, {"kind": "preset", "name": "tiny", "seed": 0}, artifact, dtype="float16", provider=PROVIDER, attention="fused")
-    return {"gpt2": (artifact, tiny_model), "llama": (tiny_llama_fused_artifacts("float16"), tiny_llama_model)}
+    return {"gpt2": (tiny_fused_float16_artifact, tiny_model), "llama": (tiny_llama_fused_artifacts("float16"), tiny_llama_model)}
 
 
 class FlatCosts(StepCosts):
