@@ -83,7 +83,7 @@ class Schedule:
         return all(np.abs(got - alone).max() <= self.rounding(alone) for got, alone in zip(seq.captured_logits[: at + 1], reference))
 
 
-def random_prompt(rng: random.Random, vocab: int, earlier: list) -> list[int]:
+def arriving_prompt(rng: random.Random, vocab: int, earlier: list) -> list[int]:
     """A fresh prompt of 1 to 120 tokens, a third of the long ones repeating their start; or, two times in five, an
     earlier sequence's prompt and output so far, whole (as a conversation's next turn begins) or cut anywhere, and a few
     tokens of its own."""
@@ -115,7 +115,7 @@ def run_schedule(scheduler: Scheduler, rng: random.Random, count: int, sampled_s
         idle = not (scheduler.waiting or kv.rows)
         if len(schedule.sequences) < count and (idle or rng.random() < 0.35):
             for _ in range(min(rng.choice([1, 1, 2, 3, 6]), count - len(schedule.sequences))):
-                prompt = random_prompt(rng, config.vocab_size, schedule.sequences)[: config.n_ctx - 3]
+                prompt = arriving_prompt(rng, config.vocab_size, schedule.sequences)[: config.n_ctx - 3]
                 sampling = {"temperature": 0.8, "seed": rng.randrange(1 << 20)} if rng.random() < sampled_share else {}
                 seq = sequence(len(schedule.sequences), prompt, rng.randint(1, min(30, config.n_ctx - len(prompt) - 1)), **sampling)
                 if sampling:
@@ -211,6 +211,7 @@ def test_random_schedules_give_each_sequence_transformers_tokens(llama_artifact,
         artifact = open_artifact(artifact_dir)
         config = artifact.config
         runtime = DecoderRuntime(artifact.model_path, config.n_layer, artifact.dtype, PROVIDER)
+        oracle.clear()  # the configs draw the same prompts: each offers only its own model's continuations
 
         def transformers_alone(prompt: list[int], max_new_tokens: int, sampling: dict) -> tuple[list[int], list]:
             return hf_greedy_logits(hf, prompt, max_new_tokens)
