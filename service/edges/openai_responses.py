@@ -169,7 +169,7 @@ def _input_messages(items) -> list[dict]:
     for index, item in enumerate(items):
         where = f"input[{index}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
-        if kind == "message" and item.get("role") in ROLES:
+        if kind == "message" and isinstance(item.get("role"), str) and item["role"] in ROLES:
             messages.append({"role": ROLES[item["role"]], "content": _content(item.get("content"), where)})
         elif kind == "function_call" and all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
             call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}

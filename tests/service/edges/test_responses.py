@@ -144,6 +144,7 @@ def test_text_format_holds_the_output_to_json(client):
     ({"model": MODEL, "input": []}, 400, "input"),
     ({"model": MODEL, "input": "x", "max_output_tokens": 0}, 400, "max_output_tokens"),
     ({"model": MODEL, "input": [{"type": "image", "url": "x"}]}, 400, "input[0]"),
+    ({"model": MODEL, "input": [{"role": ["user"], "content": "x"}]}, 400, "input[0]"),  # a role that is no string (was a 500)
     ({"model": MODEL, "input": "x", "previous_response_id": "resp_nope"}, 404, "previous_response_id"),
     ({"model": "another", "input": "x"}, 404, "model"),
     ({"model": MODEL, "input": "x" * 300}, 400, "input"),  # past the tiny model's 256-token context: the engine's refusal, renamed
