@@ -80,6 +80,10 @@ class HttpApi(ResponsesEndpoints):
             Route("/v1/responses/{response_id}", self.stored_response, methods=["GET", "DELETE"]),
             Route("/v1/responses/{response_id}/input_items", self.response_input_items, methods=["GET"]),
         ], exception_handlers={HTTPException: self._unrouted})
+        # A path with a slash too many is refused as any unrouted path is (its 404 names the path meant), not redirected:
+        # a redirect is no OpenAI error, and its Location is built from the Host header a gateway may have rewritten.
+        self.asgi.router.redirect_slashes = False
+        self.paths = [route.path for route in self.asgi.routes]
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
 
@@ -144,8 +148,10 @@ class HttpApi(ResponsesEndpoints):
         if exc.status_code == 405:
             error = ApiError(405, f"{request.method} is not allowed on {request.url.path}", code="method_not_allowed")
         else:
-            error = ApiError(404, f"no route {request.url.path}: this server serves /v1/models, /v1/completions, "
-                             "/v1/chat/completions and /health", code="not_found")
+            path = request.url.path
+            meant = path.rstrip("/") if path.rstrip("/") in self.paths else None
+            error = ApiError(404, f"no route {path}: " + (f"without the trailing slash, {meant}" if meant else
+                             "this server serves " + ", ".join(self.paths)), code="not_found")
         return JSONResponse(error.body(), status_code=error.status, headers=getattr(exc, "headers", None))
 
     async def health(self, request: Request) -> Response:

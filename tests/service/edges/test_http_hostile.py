@@ -98,6 +98,10 @@ def test_unrouted_paths_and_wrong_methods_are_openai_errors(hostile):
     base = f"http://127.0.0.1:{hostile.app.http_port}"
     assert refused(httpx.get(f"{base}/v1/nowhere"), 404)["code"] == "not_found"
     assert refused(httpx.get(f"{base}/v1/chat/completions"), 405)["code"] == "method_not_allowed"
+    # a slash too many: no redirect (a 307 is no OpenAI error, and its Location comes from the Host header) but the path meant
+    slashed = refused(httpx.post(f"{base}/v1/chat/completions/", json=CHAT), 404)
+    assert slashed["code"] == "not_found" and slashed["message"].endswith("without the trailing slash, /v1/chat/completions")
+    assert "/v1/responses" in refused(httpx.get(f"{base}/v1/nowhere"), 404)["message"]  # every route named
 
 
 def open_fds() -> int:
