@@ -97,7 +97,7 @@ def _serve(args) -> int:
     prefetch_checksums(args.model or ".")  # the graph checked before anything listens, the weights before the gate
     from kvserve.service.process.app import serve
     from kvserve.service.core.limits import EngineLimits, declarations, out_of_bounds
-    from kvserve.service.process.options import TRACE_PROTOCOLS, ServerOptions, TraceExport
+    from kvserve.service.process.options import MAX_DRAIN_SECONDS, TRACE_PROTOCOLS, ServerOptions, TraceExport
 
     def _trace_export(endpoint: str | None, protocol: str):
         if not endpoint:
@@ -119,6 +119,8 @@ def _serve(args) -> int:
     problem = out_of_bounds(limits)  # a KVSERVE_* value is not checked by argparse, which checks the flags
     if problem is not None:
         raise UserError(problem)
+    if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:  # NaN too
+        raise UserError(f"--drain-seconds must be in [0, {MAX_DRAIN_SECONDS:g}], got {args.drain_seconds:g}")
     options = ServerOptions(
         artifact=args.model, host=args.host, port=args.port, limits=limits, provider=args.provider, drain_seconds=args.drain_seconds,
         allow_parity_failure=args.allow_parity_failure, metrics_port=args.metrics_port,
@@ -136,8 +138,9 @@ def _serve(args) -> int:
         raise UserError("--kv-events publishes the prompt cache's blocks: it needs --prompt-cache on")
     ports = {"--port": options.port, "--metrics-port": options.metrics_port, "--gateway-metrics-port": options.gateway_metrics_port,
              "--health-port": options.health_port, "--http-port": options.http_port}
-    if not all(p is None or 0 <= p < 65536 for p in ports.values()):
-        raise UserError(f"{', '.join(ports)} must be in [0, 65535]")
+    for flag, port in ports.items():
+        if port is not None and not 0 <= port < 65536:
+            raise UserError(f"{flag} must be in [0, 65535], got {port}")
     taken: dict[int, str] = {}
     for flag, port in ports.items():
         if port:  # 0 picks a free port, so zeros never collide
@@ -372,7 +375,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run a fused float16 artifact's steps through its chunk graph (a prompt chunk beside decoding rows) and its "
                        "decode graph (every other step) instead of its step graph, whose If a layer CUDA pays for; auto: on the "
                        "CUDA provider [KVSERVE_SPLIT_STEPS] (default auto)")
-    serve.add_argument("--drain-seconds", type=float, default=FromEnv("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM [KVSERVE_DRAIN_SECONDS] (default 30)")
+    serve.add_argument("--drain-seconds", type=float, default=FromEnv("DRAIN_SECONDS", 30.0, float), help="grace period for in-flight streams on SIGTERM, 0 to 86400 [KVSERVE_DRAIN_SECONDS] (default 30)")
     serve.add_argument("--allow-parity-failure", action="store_true", default=FromEnv("ALLOW_PARITY_FAILURE", False, bool), help="serve even if the load-time parity gate fails (loudly) [KVSERVE_ALLOW_PARITY_FAILURE]")
     serve.add_argument("--metrics-port", type=int, default=FromEnv("METRICS_PORT", None, int), help="serve Prometheus metrics on HOST:PORT/metrics [KVSERVE_METRICS_PORT] (default off)")
     serve.add_argument("--gateway-metrics-port", type=int, default=FromEnv("GATEWAY_METRICS_PORT", None, int),

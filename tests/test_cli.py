@@ -124,8 +124,7 @@ def test_serve_refuses_a_concat_artifact_in_one_line_saying_how_to_re_export(tin
                                            ("--gateway-metrics-port", "cannot serve the gateway's gauges on")])
 def test_a_metrics_port_equal_to_the_grpc_port_out_of_range_or_taken(flag, refusal, tiny_artifact):
     one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "50999", flag, "50999"), f"--port and {flag} are both 50999")
-    one_line_error(run_cli("serve", "--model", str(tiny_artifact), flag, "70000"),
-                   "--port, --metrics-port, --gateway-metrics-port, --health-port, --http-port must be in [0, 65535]")
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), flag, "70000"), f"{flag} must be in [0, 65535], got 70000")
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -133,6 +132,27 @@ def test_a_metrics_port_equal_to_the_grpc_port_out_of_range_or_taken(flag, refus
         result = run_cli("serve", "--model", str(tiny_artifact), "--port", "0", flag, str(port), "--provider", "cpu")
     one_line_error(result, f"{refusal} 127.0.0.1:{port}")
     assert "listening" not in result.stderr
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "inf", "1e999"])
+def test_a_drain_period_that_is_no_period_is_refused_in_one_line(value, tiny_artifact, monkeypatch):
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", "--drain-seconds", value, timeout=60),
+                   "--drain-seconds must be in [0, 86400]")
+    monkeypatch.setenv("KVSERVE_DRAIN_SECONDS", value)  # a container's variable: the same refusal, not a server that never stops
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", timeout=60), "--drain-seconds must be in [0, 86400]")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--auth-tokens", ""], "--auth-tokens is empty: give a file's path"),  # never read as "no tokens": a server open to anyone
+    (["--tls-cert", "", "--tls-key", ""], "--tls-key is empty: give a file's path"),
+    (["--auth-tokens", "/nonexistent/tokens"], "--auth-tokens /nonexistent/tokens: No such file or directory"),
+    (["--auth-tokens", "COMMENTS"], "no tokens in the file"),
+    (["--tls-cert", "COMMENTS"], "--tls-cert and --tls-key go together"),
+], ids=["empty tokens path", "empty TLS paths", "missing tokens file", "comments only", "cert alone"])
+def test_a_security_file_that_cannot_be_used_is_refused_in_one_line(flags, message, tiny_artifact, tmp_path):
+    (tmp_path / "comments").write_text("# no token yet\n\n")
+    flags = [str(tmp_path / "comments") if flag == "COMMENTS" else flag for flag in flags]
+    one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", *flags, timeout=60), message)
 
 
 def test_a_health_port_equal_to_the_grpc_port(tiny_artifact):

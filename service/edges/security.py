@@ -28,6 +28,8 @@ class SecurityConfigError(UserError):
 
 
 def _read(path: str, flag: str) -> bytes:
+    if not path.strip():  # an empty KVSERVE_ variable, say: refused, never read as "off" (a server open to anyone)
+        raise SecurityConfigError(f"{flag} is empty: give a file's path, or leave out the flag and its KVSERVE_ variable")
     try:
         data = Path(path).read_bytes()
     except OSError as exc:

@@ -120,7 +120,7 @@ class App:
         served = served_config(self.artifact.config, self.options.max_context)
         self.metrics.set_cache_config(BLOCK_TOKENS, self.options.limits.max_batch_size * served.n_ctx // BLOCK_TOKENS)
         credentials = server_credentials(self.options.tls_cert, self.options.tls_key, self.options.tls_client_ca)
-        self.tokens = TokenFile(self.options.auth_tokens) if self.options.auth_tokens else None
+        self.tokens = TokenFile(self.options.auth_tokens) if self.options.auth_tokens is not None else None
         if self.options.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve_http(self.options.host, self.options.metrics_port, self.options.limits.header_timeout_seconds,

@@ -21,6 +21,9 @@ class TraceExport:
     service_name: str = "kvserve"
 
 
+MAX_DRAIN_SECONDS = 86_400.0  # a day: past that a drain is a server that will not stop (Kubernetes kills it first anyway)
+
+
 @dataclass(frozen=True)
 class ServerOptions:
     artifact: str
