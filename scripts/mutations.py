@@ -538,6 +538,19 @@ MUTATIONS = (
          f"{RANDOM}::test_random_schedules_give_each_sequence_transformers_tokens"),
     ),
     Mutation(
+        "prompt cache: a ring row that left holding refused drafts still hands on a prefix",
+        "service/core/kv_rows.py",
+        (("if hold.cached_tokens and not (self.pool.ring is not None and hold.overshoot):", "if hold.cached_tokens:"),),
+        # random schedules never met it: it bites only where a later prompt stops within the drafts' reach of the row's end
+        ("tests/service/core/test_kv_rows.py::test_a_ring_rows_refused_drafts_count_as_written_when_it_hands_on_a_prefix",),
+    ),
+    Mutation(
+        "prompt cache: a ring row in use hands on a prefix its refused drafts overwrote",
+        "service/core/kv_rows.py",
+        (("written = max(written, self.held[holder].written_columns)", "written = written"),),
+        ("tests/service/core/test_kv_rows.py::test_a_ring_rows_refused_drafts_count_as_written_when_it_hands_on_a_prefix",),
+    ),
+    Mutation(
         "prompt cache: eviction takes the most recently used row",
         "service/core/kv_rows.py",
         (("return empty if empty is not None else next(iter(self.cached))", "return empty if empty is not None else next(reversed(self.cached))"),),

@@ -301,3 +301,26 @@ def test_ring_rows_count_at_most_their_ring_and_hand_on_only_prefixes_their_ring
     assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:32] + [7, 7], 4)) == 32  # 48 - 32 = 16: within 16 of its end
     assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:31] + [7, 7], 4)) == 0  # 17 short: not taken
     assert rows.reusable_prompt_tokens(_greedy_sequence(9, short[:16] + [7, 7], 4)) == 16  # never wrapped: any prefix
+
+
+def test_a_ring_rows_refused_drafts_count_as_written_when_it_hands_on_a_prefix():
+    """Drafts a ring row wrote and did not keep overwrote its ring's earliest columns as far as they reached: a prefix
+    whose window they reached is never handed on, from a row still in use or from one that left holding them (the same
+    pool as above: layer 1 a ring of 20, RING_SLACK 16)."""
+    pool = SlotPool(4, 1, 1, 64, 2, np.float32, "cpu", KvTraffic(), rings={1: 21}, scratch_position=63)
+    rows = KvRows(pool, "cpu", 2)
+    assert rows.copies_from_busy
+    long = prompt(1, 64)[:48]
+    busy = _greedy_sequence(1, long, 20)
+    rows.join(busy)
+    hold = rows.held[busy]
+    hold.cached_tokens = hold.written_columns = 48
+    asked = _greedy_sequence(9, long[:36] + [7, 7], 4)
+    assert rows.reusable_prompt_tokens(asked) == 36  # 48 - 36 = 12: its window still in the ring
+    hold.written_columns = 60  # its first step checked 12 drafts and kept none: positions 48-59 wrote over 28-39
+    assert rows.reusable_prompt_tokens(asked) == 0  # the window of 36 (29-35) is gone
+    hold.cached_tokens = 49
+    busy.finished = True
+    rows.release([busy])  # it ends holding 11 columns of refused drafts (a stop sequence inside accepted drafts, say)
+    assert rows.reusable_prompt_tokens(asked) == 0
+    assert rows.reusable_prompt_tokens(_greedy_sequence(9, long[:30] + [7, 7], 4)) == 0
