@@ -29,8 +29,12 @@ roles = st.sampled_from(["user", "system", "assistant"])
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2)
 messages = st.lists(st.fixed_dictionaries({"role": roles, "content": st.one_of(texts, parts)}), min_size=1, max_size=3)
 input_parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": texts}), max_size=2)
-input_items = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
-                                              "content": st.one_of(texts, input_parts)}), min_size=1, max_size=3)
+input_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
+                                       "content": st.one_of(texts, input_parts)})
+function_call = st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.sampled_from(["c1", "c2"]), "name": st.just("look"),
+                                       "arguments": st.sampled_from(['{"b": "x"}', "{}", "not json"])})
+call_output = st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.sampled_from(["c1", "c2"]), "output": texts})
+input_items = st.lists(st.one_of(input_message, function_call, call_output), min_size=1, max_size=4)
 tool = st.fixed_dictionaries({"type": st.just("function"), "function": st.fixed_dictionaries({
     "name": st.sampled_from(["look", "", "a b", "x" * 70]), "parameters": st.one_of(
         st.just({"type": "object", "properties": {"b": {"type": "string", "maxLength": 4}}, "required": ["b"]}), any_json)})})
@@ -86,7 +90,7 @@ RESPONSES = {
     "temperature": (st.sampled_from([0, 0.7]), any_json),
     "top_p": (st.sampled_from([1, 0.9]), any_json),
     "store": (st.booleans(), any_json),
-    "previous_response_id": (st.none(), st.one_of(texts, any_json)),
+    "previous_response_id": (st.sampled_from([None, STORED]), st.one_of(texts, any_json)),
     "text": (st.just({"format": {"type": "text"}}), st.one_of(st.fixed_dictionaries({"format": formats}), any_json)),
     "tools": (st.lists(flat_tool, max_size=1), any_json),
     "tool_choice": (st.sampled_from(["auto", "none"]), any_json),
@@ -161,6 +165,8 @@ def test_any_body_gets_a_whole_answer_or_a_4xx_and_the_server_serves_on(fuzzed):
     @given(bodies())
     def one(case):
         path, body, read_back = case
+        if isinstance(body, dict) and body.get("previous_response_id") is STORED:  # the latest stored response, if any
+            body["previous_response_id"] = stored_ids[-1] if stored_ids else None
         content = json.dumps(body, allow_nan=True)
         response = http.post(path, content=content, headers={"content-type": "application/json"})
         if response.status_code != 200:
