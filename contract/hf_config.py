@@ -270,6 +270,11 @@ def _gemma_from_hf(hf: dict) -> dict:
         value = hf.get(cap, defaults[cap])
         fields[cap] = None if value is None else float(value)
     if model_type == "gemma3_text":
+        # Gemma 3 keeps the field but caps no attention scores: transformers' Gemma3Attention never hands it to its
+        # attention (Gemma 3 bounds its scores with Q/K norms instead), so a checkpoint that sets it was trained and
+        # evaluated uncapped. Its final logit cap is applied, as there.
+        fields["attn_logit_softcapping"] = None
+    if model_type == "gemma3_text":
         local = ((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"unsupported rope_type {local['rope_type']!r} for sliding_attention layers (kvserve turns them by 'default')")

@@ -285,9 +285,10 @@ LLAMA_CONFIGS = {
         head_dim=16, max_position_embeddings=128, sliding_window=5, query_pre_attn_scalar=24, attn_logit_softcapping=8.0,
         final_logit_softcapping=12.0,
     )),
+    # its attention cap set and low: transformers' Gemma 3 applies none (the field is kept, never handed to attention)
     "gemma3 multi-query head_dim 32 qk-norm two bases linear-rope sliding 6": ("gemma3_text", dict(initializer_range=0.08,
         vocab_size=320, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=32, max_position_embeddings=160, sliding_window=6, query_pre_attn_scalar=32,
+        head_dim=32, max_position_embeddings=160, sliding_window=6, query_pre_attn_scalar=32, attn_logit_softcapping=2.0,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
