@@ -1,10 +1,12 @@
 """Property-based fuzzing of the OpenAI HTTP bodies (hypothesis), as test_request_fuzz.py does gRPC's: whatever JSON a
 client posts to chat completions, completions, responses or the render endpoints, streamed or whole, up to three fields
-wild, the answer is a whole answer (a stream of JSON events to its end) or a 4xx OpenAI error with its message, never a
+wild (conversations with tool calls and their results among them, under a plain template and one that renders tools),
+the answer is a whole answer (a stream of JSON events to its end) or a 4xx OpenAI error with its message, never a
 5xx, a traceback or a hang; stored responses read back or deleted by any id likewise; after the run the server still
 serves, the same tokens for the same request as before it."""
 
 import json
+import shutil
 from collections import Counter
 from urllib.parse import quote
 
@@ -13,11 +15,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ...conftest import TOOL_TEMPLATES
 from ..conftest import serving
 
 MODEL = "tiny-chat"
 STORED = object()
-EXAMPLES = 300
+EXAMPLES = 250
 BIG = 2**70
 
 leaves = st.one_of(st.none(), st.booleans(), st.integers(-BIG, BIG), st.integers(-3, 300),
@@ -27,7 +30,13 @@ any_json = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.d
 texts = st.text(max_size=24)
 roles = st.sampled_from(["user", "system", "assistant"])
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2)
-messages = st.lists(st.fixed_dictionaries({"role": roles, "content": st.one_of(texts, parts)}), min_size=1, max_size=3)
+call_turn = st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from([None, ""]), "tool_calls": st.lists(
+    st.fixed_dictionaries({"id": st.sampled_from(["c1", "c2"]), "type": st.just("function"), "function": st.fixed_dictionaries(
+        {"name": st.sampled_from(["look", "other"]), "arguments": st.sampled_from(['{"b": "x"}', "{}", "not json", '{"b": [1, {"c": null}]}'])})}),
+    min_size=1, max_size=2)})
+tool_turn = st.fixed_dictionaries({"role": st.just("tool"), "tool_call_id": st.sampled_from(["c1", "c2"]), "content": texts})
+messages = st.lists(st.one_of(st.fixed_dictionaries({"role": roles, "content": st.one_of(texts, parts)}), call_turn, tool_turn),
+                    min_size=1, max_size=4)
 input_parts = st.lists(st.fixed_dictionaries({"type": st.sampled_from(["input_text", "output_text"]), "text": texts}), max_size=2)
 input_message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "developer", "assistant"]),
                                        "content": st.one_of(texts, input_parts)})
@@ -145,9 +154,17 @@ def check_stream(path: str, text: str) -> str:
     return "error" if any("error" in chunk for chunk in chunks) else "done"
 
 
-@pytest.fixture(scope="module")
-def fuzzed(tiny_chat_artifact):
-    with serving(tiny_chat_artifact, http_port=0, max_batch_size=4) as server:
+@pytest.fixture(scope="module", params=["default template", "hermes tools template"])
+def fuzzed(request, tiny_chat_artifact, tmp_path_factory):
+    """The tiny chat model served with the default model's chat template, or with a template that renders tools and
+    calls (tests/conftest.py TOOL_TEMPLATES), under the same name."""
+    directory = tiny_chat_artifact
+    if request.param.startswith("hermes"):
+        directory = tmp_path_factory.mktemp("tools") / MODEL
+        shutil.copytree(tiny_chat_artifact, directory)
+        (directory / "chat_template.jinja").write_text(TOOL_TEMPLATES["hermes"])
+        (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with serving(directory, http_port=0, max_batch_size=4) as server:
         yield server
 
 
