@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also serve the health service alone, plaintext, on HOST:PORT: for probes that cannot speak TLS "
                        "(Kubernetes' gRPC probes) [KVSERVE_HEALTH_PORT] (default off)")
     serve.add_argument("--http-port", type=int, default=FromEnv("HTTP_PORT", None, int),
-                       help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models) on "
+                       help="also serve the OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/responses, /v1/models) on "
                        "HOST:PORT, with the same tokens, TLS and limits [KVSERVE_HTTP_PORT] (default off)")
     serve.add_argument("--no-reflection", action="store_true", default=FromEnv("NO_REFLECTION", False, bool),
                        help="do not serve gRPC reflection [KVSERVE_NO_REFLECTION]")

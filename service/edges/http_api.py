@@ -1,9 +1,15 @@
 """The OpenAI-compatible API's HTTP transport, served beside gRPC by the same process, event loop and engine.
 
-    GET  /v1/models              the one model this server serves (its artifact directory's name)
-    POST /v1/completions         text or token-id prompt
-    POST /v1/chat/completions    a conversation, rendered by the model's chat template
-    GET  /health                 200 when serving, 503 while loading or draining (no token needed)
+    GET  /v1/models                          the one model this server serves (its artifact directory's name)
+    POST /v1/completions                     text or token-id prompt
+    POST /v1/chat/completions                a conversation, rendered by the model's chat template
+    POST /v1/completions/render, /v1/chat/completions/render
+                                             the token ids a request would be prefilled with (vLLM's, for llm-d's router)
+    POST /v1/responses                       OpenAI's Responses API (http_responses.py), through the chat request it amounts to
+    GET  /v1/responses/{id}[/input_items], DELETE /v1/responses/{id}
+                                             a stored response, its input, its deletion
+    GET  /health                             200 when serving, 503 while loading or draining (no token needed)
+    GET  /metrics                            the inference gateway's gauges (no token needed)
 
 `stream: true` answers with server-sent events ending in `data: [DONE]`; otherwise one JSON body; both report
 `usage`. The same bearer tokens (security.TokenFile, the check gRPC makes), TLS certificate and key, and limits as
