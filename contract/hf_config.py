@@ -244,7 +244,7 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
         head_dim=int(hf.get("head_dim") or d_model // n_head),
         rope_theta=theta,
         rope_scaling=scaling,
-        # Qwen2 always biases Q, K and V (not O); Llama, Qwen3 and Gemma bias all four when attention_bias; Mistral none.
+        # Qwen2 always biases Q, K and V (not O); Llama, Qwen3, SmolLM3 and Gemma all four when attention_bias; Mistral and Phi-3 none.
         qkv_bias=model_type == "qwen2" or (model_type in ("llama", "qwen3", "smollm3", *GEMMA_TYPES) and attention_bias),
         o_bias=model_type in ("llama", "qwen3", "smollm3", *GEMMA_TYPES) and attention_bias,
         mlp_bias=model_type in ("llama", "smollm3") and bool(hf.get("mlp_bias", False)),

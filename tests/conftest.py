@@ -315,7 +315,7 @@ LLAMA_CONFIGS = {
 
 @pytest.fixture(scope="session")
 def make_hf_llama(tmp_path_factory):
-    """Factory: a transformers Llama-family model (Llama, Qwen2, Mistral, Qwen3, Gemma 2 and Gemma 3 ForCausalLM) with random
+    """Factory: a transformers Llama-family model (Llama, Qwen2, Mistral, Qwen3, Gemma 2, Gemma 3, Phi-3 and SmolLM3 ForCausalLM) with random
     weights from a config, saved locally as save_pretrained writes it: optionally in bfloat16, optionally sharded.
     Returns the model in float32 (the reference: exactly the saved weights) and the directory."""
     import torch
