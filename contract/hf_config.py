@@ -260,7 +260,7 @@ def _llama_from_hf(hf: dict, common: dict) -> DecoderConfig:
 
 def _gemma_from_hf(hf: dict) -> dict:
     """What Gemma 2 and 3 add to the Llama family: (1 + weight) norms, scaled embeddings, a norm after each branch too,
-    their own attention scale, soft caps (Gemma 2) and the sliding layers' RoPE base (Gemma 3)."""
+    their own attention scale, soft caps (both of Gemma 2's, Gemma 3's final one) and the sliding layers' RoPE base (Gemma 3)."""
     model_type, defaults = hf["model_type"], _GEMMA_DEFAULTS[hf["model_type"]]
     if hf.get("use_bidirectional_attention"):
         raise ValueError("unsupported use_bidirectional_attention: true (kvserve implements causal decoders)")
@@ -274,7 +274,6 @@ def _gemma_from_hf(hf: dict) -> dict:
         # attention (Gemma 3 bounds its scores with Q/K norms instead), so a checkpoint that sets it was trained and
         # evaluated uncapped. Its final logit cap is applied, as there.
         fields["attn_logit_softcapping"] = None
-    if model_type == "gemma3_text":
         local = ((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"unsupported rope_type {local['rope_type']!r} for sliding_attention layers (kvserve turns them by 'default')")
