@@ -227,6 +227,13 @@ def test_a_checkpoint_without_a_tokenizer_is_refused_unless_asked_for(tmp_path, 
     assert "== parity: " in result.stderr  # its stages, one line each, though no terminal reads them
 
 
+@pytest.mark.parametrize("flags", [["--tls-ca", ""], ["--tls-cert", " ", "--tls-key", "k"], ["--token-file", ""]],
+                         ids=["tls-ca", "tls-cert", "token-file"])
+def test_a_client_security_flag_given_empty_is_refused_not_read_as_plaintext(flags):
+    for command in (["generate", "x"], ["health"]):
+        one_line_error(run_cli(*command, "--target", "127.0.0.1:1", *flags), f"{flags[0]} is empty: give a file's path")
+
+
 def test_generate_and_health_against_nothing_or_the_wrong_port_say_so():
     import http.server
     import threading

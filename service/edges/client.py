@@ -24,6 +24,14 @@ class ClientSecurity:
     tls_key: str | None = None
     token_file: str | None = None  # its first non-empty line is the token
 
+    def __post_init__(self):
+        # An empty path (a script's unset variable, say) is refused: read as "not given", --tls-ca '' would talk
+        # plaintext and send the token in the clear.
+        paths = {"--tls-ca": self.tls_ca, "--tls-cert": self.tls_cert, "--tls-key": self.tls_key, "--token-file": self.token_file}
+        for flag, path in paths.items():
+            if path is not None and not path.strip():
+                raise UserError(f"{flag} is empty: give a file's path, or leave the flag out")
+
     @property
     def tls(self) -> bool:
         return any((self.tls_ca, self.tls_cert, self.tls_key))
