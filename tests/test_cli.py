@@ -148,10 +148,12 @@ def test_a_drain_period_that_is_no_period_is_refused_in_one_line(value, tiny_art
     (["--auth-tokens", "/nonexistent/tokens"], "--auth-tokens /nonexistent/tokens: No such file or directory"),
     (["--auth-tokens", "COMMENTS"], "no tokens in the file"),
     (["--tls-cert", "COMMENTS"], "--tls-cert and --tls-key go together"),
-], ids=["empty tokens path", "empty TLS paths", "missing tokens file", "comments only", "cert alone"])
+    (["--auth-tokens", "UNSENDABLE"], "line 3 holds a space or a character that is not printable ASCII"),
+], ids=["empty tokens path", "empty TLS paths", "missing tokens file", "comments only", "cert alone", "unsendable token"])
 def test_a_security_file_that_cannot_be_used_is_refused_in_one_line(flags, message, tiny_artifact, tmp_path):
     (tmp_path / "comments").write_text("# no token yet\n\n")
-    flags = [str(tmp_path / "comments") if flag == "COMMENTS" else flag for flag in flags]
+    (tmp_path / "unsendable").write_text("# tokens\ns3cret\nünï\n", encoding="utf-8")  # no header can carry it
+    flags = [str(tmp_path / flag.lower()) if flag in ("COMMENTS", "UNSENDABLE") else flag for flag in flags]
     one_line_error(run_cli("serve", "--model", str(tiny_artifact), "--port", "0", *flags, timeout=60), message)
 
 

@@ -62,7 +62,17 @@ class TokenFile:
 
     def reload(self) -> None:
         lines = _read(self.path, "--auth-tokens").decode("utf-8", errors="replace").splitlines()
-        tokens = tuple(t.strip().encode() for t in lines if t.strip() and not t.strip().startswith("#"))
+        tokens = []
+        for number, line in enumerate(lines, 1):
+            token = line.strip().encode()
+            if not token or token.startswith(b"#"):
+                continue
+            # gRPC metadata and HTTP headers carry printable ASCII alone: any other token could never be presented
+            if not all(0x21 <= byte <= 0x7E for byte in token):
+                raise SecurityConfigError(f"--auth-tokens {self.path}: line {number} holds a space or a character that is not "
+                                          "printable ASCII, which no client can send as a bearer token")
+            tokens.append(token)
+        tokens = tuple(tokens)
         if not tokens:
             raise SecurityConfigError(f"--auth-tokens {self.path}: no tokens in the file")
         self._tokens = tokens
