@@ -56,6 +56,26 @@ class ArtifactError(UserError, ValueError):
     """An artifact directory that is missing, incomplete or inconsistent; the message names the file."""
 
 
+def replace_refusal(out: str | Path, overwrite: bool) -> str | None:
+    """Why an export must not write to out, or None: out exists and overwrite was not asked for, or overwrite would
+    delete what is not an artifact (a file, or a directory holding something else: --out ~ --overwrite, say). An empty
+    directory, and an artifact of any kvserve format (a re-export), are replaced."""
+    out = Path(out)
+    if not out.exists():
+        return None
+    if not overwrite:
+        return f"{out} already exists; pass --overwrite to replace it"
+    if out.is_dir() and not any(out.iterdir()):
+        return None
+    try:
+        is_artifact = out.is_dir() and str(json.loads((out / MANIFEST_FILE).read_text()).get("format", "")).startswith("kvserve-artifact/")
+    except (OSError, ValueError, AttributeError):
+        is_artifact = False
+    if not is_artifact:
+        return f"{out} is not a kvserve artifact (no {MANIFEST_FILE} of its format): --overwrite replaces artifacts only; move it away or choose another --out"
+    return None
+
+
 def graph_bytes(directory: str | Path) -> int:
     """The bytes of an artifact's graph and weights files (MODEL_FILE and, where it has one, MODEL_DATA_FILE)."""
     return sum(path.stat().st_size for path in (Path(directory) / MODEL_FILE, Path(directory) / MODEL_DATA_FILE) if path.exists())

@@ -207,11 +207,14 @@ def export_artifact(
     attention = choose_attention(model, kv_cache, dtype, provider, attention, kv_dtype)
     if (refusal := cpu_float16_refusal(model, dtype, kv_cache, attention, provider)) is not None:
         raise ExportError(refusal)
-    if out.exists() and not overwrite:
-        raise ExportError(f"{out} already exists; pass --overwrite to replace it")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned_staging(out)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    if (refusal := art.replace_refusal(out, overwrite)) is not None:
+        raise ExportError(refusal)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_abandoned_staging(out)
+        staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=out.parent))
+    except OSError as exc:
+        raise ExportError(f"{out}: cannot write there ({exc.strerror or exc})") from None
     try:
         model = model.float().eval()
         kv_scales, kv_quantization = None, None

@@ -26,7 +26,10 @@ BYTE_VOCABULARY = 257  # 256 bytes and an end-of-sequence id: what an artifact w
 
 def _check_export_paths(args) -> None:
     """What export can refuse before torch loads (a second or more): a missing checkpoint, a checkpoint whose text would be
-    read one byte a token, an existing --out, a --quantize-block, --attention-bits or --kv-dtype that cannot be."""
+    read one byte a token, an existing --out (without --overwrite, or one it must not delete: not an artifact), a
+    --quantize-block, --attention-bits or --kv-dtype that cannot be."""
+    from kvserve.contract.artifact import replace_refusal
+
     if quantize_block_refusal(args.quantize, args.quantize_block):
         raise UserError(quantize_block_refusal(args.quantize, args.quantize_block))
     if attention_bits_refusal(args.quantize, args.attention_bits):
@@ -49,8 +52,10 @@ def _check_export_paths(args) -> None:
             raise UserError(f"{checkpoint} has no tokenizer.json: served, its {vocab_size:,}-token model would read text one byte "
                             "a token and answer garbage; copy the checkpoint's tokenizer.json there, or pass --no-tokenizer to "
                             "export it for token-id requests only")
-    if Path(args.out).exists() and not args.overwrite:
-        raise UserError(f"{args.out} already exists; pass --overwrite to replace it")
+    if not args.out.strip():
+        raise UserError("--out is empty: give the artifact directory to write")
+    if (refusal := replace_refusal(args.out, args.overwrite)) is not None:
+        raise UserError(refusal)
 
 
 def _export(args) -> int:
@@ -345,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoint, random ids for a preset); verified against the eager model storing K/V the same way, int8 "
                         "also against float K/V on real text (docs/parity.md, \"K/V dtypes\")")
     export.add_argument("--seed", type=int, default=0, help="weight seed for --preset (default 0)")
-    export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory")
+    export.add_argument("--overwrite", action="store_true", help="replace an existing artifact directory (only an artifact, or an empty directory: anything else is refused)")
     export.add_argument("--no-tokenizer", action="store_true",
                         help="export a checkpoint that has no tokenizer.json anyway: its artifact takes token ids, and reads "
                         "text one byte a token")

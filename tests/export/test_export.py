@@ -124,6 +124,32 @@ def test_export_refuses_to_clobber_without_overwrite(tiny_artifact):
     assert (tiny_artifact / "manifest.json").read_bytes() == before
 
 
+@pytest.mark.parametrize("kind", ["directory", "file", "older artifact"])
+def test_overwrite_replaces_artifacts_alone(kind, tmp_path, tiny_model):
+    """--overwrite on a directory of other things (`--out ~`, say) or a file is refused before anything is touched, by
+    the CLI and by export_artifact alike; an artifact of another kvserve format is replaced, as an empty directory is."""
+    from kvserve.export.pipeline import ExportError, export_artifact
+
+    out = tmp_path / "out"
+    if kind == "file":
+        out.write_text("someone's notes")
+    else:
+        out.mkdir()
+        (out / "manifest.json").write_text(json.dumps({"format": "kvserve-artifact/1"}) if kind == "older artifact" else "{}")
+        (out / "notes.txt").write_text("someone's notes")
+    before = sorted(p.name for p in out.iterdir()) if out.is_dir() else out.read_text()
+    source = {"kind": "preset", "name": "tiny", "seed": 0}
+    if kind == "older artifact":
+        export_artifact(tiny_model, source, out, provider="cpu", overwrite=True)
+        assert (out / "model.onnx").is_file() and not (out / "notes.txt").exists()
+        return
+    result = run_cli("export", "--preset", "tiny", "--out", str(out), "--overwrite")
+    assert result.returncode == 2 and "is not a kvserve artifact" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    with pytest.raises(ExportError, match="--overwrite replaces artifacts only"):
+        export_artifact(tiny_model, source, out, provider="cpu", overwrite=True)
+    assert (sorted(p.name for p in out.iterdir()) if out.is_dir() else out.read_text()) == before
+
+
 def test_export_failure_midway_leaves_nothing(tmp_path, tiny_model, monkeypatch):
     from kvserve.export import pipeline
 
