@@ -2,8 +2,8 @@
 # The export image's job: export (unless an artifact from the same source is already there), then verify.
 # Fails (non-zero) when the export or the parity check fails, so dependent services never start.
 #   KVSERVE_MODEL              where the artifact goes (default /artifacts/model)
-#   KVSERVE_EXPORT_CHECKPOINT  a transformers checkpoint directory (GPT-2, Llama, Qwen2, Mistral) to export, or
-#   KVSERVE_EXPORT_PRESET      a preset (tiny, gpt2, tiny-llama, llama-135m) when no checkpoint is given (default gpt2)
+#   KVSERVE_EXPORT_CHECKPOINT  a transformers checkpoint directory of a model type kvserve exports (kvserve export --help), or
+#   KVSERVE_EXPORT_PRESET      a preset (kvserve export --help lists them) when no checkpoint is given (default gpt2)
 #   KVSERVE_EXPORT_DTYPE       float32 or float16 (default float32)
 #   KVSERVE_EXPORT_KV_CACHE    slots or concat (default slots, the one kvserve serves; docs/kv-contract.md)
 #   KVSERVE_EXPORT_QUANTIZE    int8 for 8-bit weights (docs/parity.md, "Int8"); empty for float weights (default)
