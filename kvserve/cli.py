@@ -80,14 +80,26 @@ def _verify(args) -> int:
     open_artifact(args.artifact, check_files=False)  # a wrong path is refused before torch loads
     if args.checkpoint is not None and not Path(args.checkpoint).is_dir():
         raise UserError(f"{args.checkpoint}: checkpoint directory not found")
+    if args.report is not None:  # a report that cannot be written is refused before the run, not after it
+        if not args.report.strip():
+            raise UserError("--report is empty: give the file to write the report to, or leave it out (the artifact's own)")
+        if Path(args.report).is_dir() or not Path(args.report).parent.is_dir():
+            raise UserError(f"--report {args.report}: not a file in an existing directory")
     from kvserve.export.parity import format_report, verify, write_report
     from kvserve.export.pipeline import reference_for
 
     report = verify(args.artifact, reference_for(args.artifact, args.checkpoint), provider=args.provider, steps=args.steps)
     print(format_report(report))
     report_path = Path(args.report) if args.report else Path(args.artifact) / PARITY_FILE
-    write_report(report, report_path)
-    print(f"report written to {report_path}")
+    try:
+        write_report(report, report_path)
+        print(f"report written to {report_path}")
+    except OSError as exc:
+        if args.report:
+            raise UserError(f"--report {report_path}: {exc.strerror or exc}") from None
+        # the artifact's own report, on a read-only volume say: the verdict stands, the file is not rewritten
+        print(f"kvserve verify: the report was not written to {report_path} ({exc.strerror or exc}); --report FILE writes it "
+              "elsewhere", file=sys.stderr)
     return 0 if report.passed else JobFailed.exit_code
 
 

@@ -48,6 +48,26 @@ def test_verify_steps_out_of_range(tiny_artifact, tmp_path, steps, message):
     assert not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize("report, message", [("", "--report is empty"), ("DIR", "not a file in an existing directory"),
+                                             ("DIR/nowhere/r.json", "not a file in an existing directory")])
+def test_a_report_that_cannot_be_written_is_refused_before_the_run(tiny_artifact, tmp_path, report, message):
+    one_line_error(run_cli("verify", str(tiny_artifact), "--report", report.replace("DIR", str(tmp_path))), message)
+
+
+def test_an_artifact_whose_own_report_cannot_be_rewritten_keeps_the_verdict(tiny_artifact, tmp_path):
+    """A read-only artifact volume, say (here its parity.json is a directory, which no user writes over; a read-only mode
+    would not stop root): verify's exit says what the checks found, and a line says where the report did not go."""
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(tiny_artifact, copy)
+    (copy / "parity.json").unlink()
+    (copy / "parity.json").mkdir()
+    result = run_cli("verify", str(copy))
+    assert result.returncode == 0 and "result: PASS" in result.stdout, result.stderr
+    assert "the report was not written to" in result.stderr and "Traceback" not in result.stderr
+
+
 def _sha256(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
