@@ -166,8 +166,9 @@ def read_config(directory: Path) -> DecoderConfig:
         raise CheckpointError(f"{path}: missing")
     generation_path = directory / "generation_config.json"
     generation = _read_json(generation_path) if generation_path.exists() else None
+    hf = _read_json(path)  # its refusals name the file already
     try:
-        return config_from_hf(_read_json(path), generation)
+        return config_from_hf(hf, generation)
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 
