@@ -213,7 +213,8 @@ def test_any_body_gets_a_whole_answer_or_a_4xx_and_the_server_serves_on(fuzzed):
     one()
     print("\n".join(f"{n:4d} {k}" for k, n in sorted(outcomes.items(), key=str)))
     served = sum(n for (path, outcome, *_), n in outcomes.items() if outcome in ("answered", "streamed"))
-    assert served >= EXAMPLES // 4 and outcomes[("/v1/responses/{id}", "read")], outcomes  # the fuzz reached past the checks
+    # the fuzz reached past the checks: 65-116 of 250 bodies served over 12 runs here, so a tenth leaves room for chance
+    assert served >= EXAMPLES // 10 and outcomes[("/v1/responses/{id}", "read")], outcomes
     assert http.get("/health").status_code == 200
     after = http.post("/v1/chat/completions", json=REFERENCE).json()["choices"][0]["message"]["content"]
     assert after == before
