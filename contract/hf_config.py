@@ -16,7 +16,7 @@ GEMMA_TYPES = ("gemma2", "gemma3_text")
 # transformers' defaults where a Gemma config.json leaves a field out.
 _GEMMA_DEFAULTS = {
     "gemma2": {"rope_theta": 10000.0, "window_pattern": 2, "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0},
-    "gemma3_text": {"rope_theta": 1000000.0, "window_pattern": 6, "final_logit_softcapping": None, "attn_logit_softcapping": None},
+    "gemma3_text": {"rope_theta": 1000000.0, "window_pattern": 6, "final_logit_softcapping": None},
 }
 # The rope_scaling fields each type reads, beside rope_type and factor (written back as read).
 _ROPE_FIELDS = {
@@ -266,14 +266,14 @@ def _gemma_from_hf(hf: dict) -> dict:
         raise ValueError("unsupported use_bidirectional_attention: true (kvserve implements causal decoders)")
     fields = dict(hidden_act="gelu_pytorch_tanh", norm_weight_offset=1.0, embed_scale=True, sandwich_norms=True,
                   query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)))
-    for cap in ("final_logit_softcapping", "attn_logit_softcapping"):
+    # Gemma 3 keeps attn_logit_softcapping in its config but caps no attention scores: transformers' Gemma3Attention
+    # never hands it to its attention (Q/K norms bound them), so a checkpoint that sets it was trained and evaluated
+    # uncapped. Its final logit cap is applied, as there.
+    caps = ("final_logit_softcapping", "attn_logit_softcapping") if model_type == "gemma2" else ("final_logit_softcapping",)
+    for cap in caps:
         value = hf.get(cap, defaults[cap])
         fields[cap] = None if value is None else float(value)
     if model_type == "gemma3_text":
-        # Gemma 3 keeps the field but caps no attention scores: transformers' Gemma3Attention never hands it to its
-        # attention (Gemma 3 bounds its scores with Q/K norms instead), so a checkpoint that sets it was trained and
-        # evaluated uncapped. Its final logit cap is applied, as there.
-        fields["attn_logit_softcapping"] = None
         local = ((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"unsupported rope_type {local['rope_type']!r} for sliding_attention layers (kvserve turns them by 'default')")
