@@ -62,7 +62,7 @@ class TokenFile:
 
     def reload(self) -> None:
         lines = _read(self.path, "--auth-tokens").decode("utf-8", errors="replace").splitlines()
-        tokens = []
+        tokens: list[bytes] = []
         for number, line in enumerate(lines, 1):
             token = line.strip().encode()
             if not token or token.startswith(b"#"):
@@ -72,10 +72,9 @@ class TokenFile:
                 raise SecurityConfigError(f"--auth-tokens {self.path}: line {number} holds a space or a character that is not "
                                           "printable ASCII, which no client can send as a bearer token")
             tokens.append(token)
-        tokens = tuple(tokens)
         if not tokens:
             raise SecurityConfigError(f"--auth-tokens {self.path}: no tokens in the file")
-        self._tokens = tokens
+        self._tokens = tuple(tokens)
         log.info("auth tokens loaded from %s: %d", self.path, len(tokens))  # how many, never which
 
     def refusal(self, authorization: str) -> str | None:
