@@ -68,11 +68,12 @@ def replace_refusal(out: str | Path, overwrite: bool) -> str | None:
     if out.is_dir() and not any(out.iterdir()):
         return None
     try:
-        is_artifact = out.is_dir() and str(json.loads((out / MANIFEST_FILE).read_text()).get("format", "")).startswith("kvserve-artifact/")
-    except (OSError, ValueError, AttributeError):
-        is_artifact = False
-    if not is_artifact:
-        return f"{out} is not a kvserve artifact (no {MANIFEST_FILE} of its format): --overwrite replaces artifacts only; move it away or choose another --out"
+        format_name = str(json.loads((out / MANIFEST_FILE).read_text()).get("format", ""))
+    except (OSError, ValueError, AttributeError):  # no manifest, not JSON, not an object: a file or someone's directory
+        format_name = ""
+    if not format_name.startswith(FORMAT.split("/")[0] + "/"):  # an artifact of any kvserve format, this one or older
+        return (f"{out} is not a kvserve artifact (no {MANIFEST_FILE} of its format): --overwrite replaces artifacts only; "
+                "move it away or choose another --out")
     return None
 
 
