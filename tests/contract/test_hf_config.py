@@ -108,6 +108,6 @@ def test_sliding_windows_are_read_as_transformers_reads_them(edit, layers):
 def test_gemma_soft_caps_are_those_transformers_applies(model_type, attention_cap):
     """Gemma 2 caps its attention scores and its logits; Gemma 3 keeps attn_logit_softcapping in its config but
     transformers' Gemma3Attention never applies it (Q/K norms bound its scores), so kvserve applies none either."""
-    hidden_act = {"hidden_act": "gelu_pytorch_tanh"}
-    config = config_from_hf({**LLAMA, **hidden_act, "model_type": model_type, "attn_logit_softcapping": 7.0, "final_logit_softcapping": 9.0})
+    config = config_from_hf({**LLAMA, "model_type": model_type, "hidden_act": "gelu_pytorch_tanh", "attn_logit_softcapping": 7.0,
+                             "final_logit_softcapping": 9.0})
     assert (config.attn_logit_softcapping, config.final_logit_softcapping) == (attention_cap, 9.0)

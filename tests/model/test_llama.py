@@ -1,5 +1,6 @@
 """The Llama-family eager reference against transformers' own ForCausalLM of each family (Llama, Qwen2, Mistral, Qwen3,
-Gemma 2, Gemma 3, Phi-3, SmolLM3; tests/conftest.py LLAMA_CONFIGS): same weights (saved by save_pretrained, loaded by kvserve), same logits, same tokens, every cache layout."""
+Gemma 2, Gemma 3, Phi-3, SmolLM3; tests/conftest.py LLAMA_CONFIGS): same weights (saved by save_pretrained, loaded by
+kvserve), same logits, same tokens, every cache layout."""
 
 from dataclasses import replace
 
