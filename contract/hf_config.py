@@ -7,6 +7,8 @@ activation, a bidirectional Gemma), never silently approximated.
 
 from __future__ import annotations
 
+import json
+
 from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, RopeScaling
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
@@ -28,11 +30,23 @@ _ROPE_FIELDS = {
 }
 
 
+# The numeric fields read from a config.json: one that holds anything but a number is named (int("x") would not say which).
+NUMBER_FIELDS = ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_ctx", "n_inner", "layer_norm_epsilon", "hidden_size",
+                 "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
+                 "head_dim", "rms_norm_eps", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", "sliding_window",
+                 "max_window_layers", "sliding_window_pattern", "query_pre_attn_scalar", "attn_logit_softcapping",
+                 "final_logit_softcapping", "rope_local_base_freq", "no_rope_layer_interval", "initializer_range")
+
+
 def config_from_hf(hf: dict, generation: dict | None = None) -> DecoderConfig:
     """A config.json (and, when given, generation_config.json, whose eos_token_id wins) as a DecoderConfig."""
     model_type = hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unsupported architecture: model_type {model_type!r} (kvserve implements {', '.join(MODEL_TYPES)})")
+    for key in NUMBER_FIELDS:
+        value = hf.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise ValueError(f"{key} must be a number, got {json.dumps(value)[:40]}")
     eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
     eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
     vocab_size = _required(hf, "vocab_size")

@@ -52,6 +52,9 @@ def test_a_llama_config_maps_its_fields_and_generation_configs_eos_list_wins():
     ({"sliding_window": 0, "model_type": "mistral"}, "sliding_window must be a positive integer, got 0"),
     ({"sliding_window": 8, "model_type": "qwen2", "use_sliding_window": True, "layer_types": ["sliding_attention"]},
      "layer_types must name each of the 2 layers"),
+    ({"vocab_size": "x"}, 'vocab_size must be a number, got "x"'),  # int("x") would name no field
+    ({"rms_norm_eps": [1e-5]}, r"rms_norm_eps must be a number, got \[1e-05\]"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a number, got true"),
 ])
 def test_what_kvserve_does_not_implement_is_refused_by_name(edit, message):
     with pytest.raises(ValueError, match=message):
