@@ -38,6 +38,18 @@ NUMBER_FIELDS = ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_
                  "final_logit_softcapping", "rope_local_base_freq", "no_rope_layer_interval", "initializer_range")
 
 
+class GenerationConfigError(ValueError):
+    """A generation_config.json field that cannot be read (its reader names that file, not config.json)."""
+
+
+def _token_ids(value) -> tuple[int, ...]:
+    """An eos_token_id field (an id, a list of them, or null) as ids; a float or a string is refused, not rounded."""
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {json.dumps(value)[:40]}")
+    return tuple(ids)
+
+
 def config_from_hf(hf: dict, generation: dict | None = None) -> DecoderConfig:
     """A config.json (and, when given, generation_config.json, whose eos_token_id wins) as a DecoderConfig."""
     model_type = hf.get("model_type")
@@ -47,8 +59,13 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> DecoderConfig:
         value = hf.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
             raise ValueError(f"{key} must be a number, got {json.dumps(value)[:40]}")
-    eos = (generation or {}).get("eos_token_id", hf.get("eos_token_id"))
-    eos_ids = tuple(int(i) for i in (eos if isinstance(eos, list) else [] if eos is None else [eos]))
+    if generation is not None and "eos_token_id" in generation:
+        try:
+            eos_ids = _token_ids(generation["eos_token_id"])
+        except ValueError as exc:
+            raise GenerationConfigError(str(exc)) from None
+    else:
+        eos_ids = _token_ids(hf.get("eos_token_id"))
     vocab_size = _required(hf, "vocab_size")
     # An id the model can never emit: transformers tolerates it, and so do we.
     eos_ids = tuple(dict.fromkeys(i for i in eos_ids if 0 <= i < vocab_size))

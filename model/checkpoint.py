@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from kvserve.contract.config import GPT2_ARCH, DecoderConfig
-from kvserve.contract.hf_config import config_from_hf, config_to_hf
+from kvserve.contract.hf_config import GenerationConfigError, config_from_hf, config_to_hf
 from kvserve.errors import UserError
 
 from .decoders import Decoder
@@ -56,8 +56,9 @@ class _StoredTensor:
     """Where one checkpoint tensor lies: a safetensors file's byte range (mapped only while rows of it are read, so what
     was read leaves no trace in the process's memory), or a tensor torch.load mapped from a .bin file."""
 
-    def __init__(self, path: Path, dtype: torch.dtype, shape: tuple[int, ...], begin: int = 0, loaded: torch.Tensor | None = None):
-        self.path, self.dtype, self.shape, self.begin, self.loaded = path, dtype, shape, begin, loaded
+    def __init__(self, path: Path, name: str, dtype: torch.dtype, shape: tuple[int, ...], begin: int = 0,
+                 loaded: torch.Tensor | None = None):
+        self.path, self.name, self.dtype, self.shape, self.begin, self.loaded = path, name, dtype, shape, begin, loaded
 
     @property
     def is_floating_point(self) -> bool:
@@ -75,6 +76,7 @@ class _StoredTensor:
         shard in the page cache, 11 ms against 51-58, timed by hand on the 2-core EPYC Zen 4 VM)."""
         if self.loaded is not None:
             out.copy_(self.loaded[start:stop])
+            self._check_finite(out, start)
             return
         count = (stop - start) * math.prod(self.shape[1:])
         if count == 0:
@@ -94,14 +96,35 @@ class _StoredTensor:
             del values
         finally:
             mapped.close()
+        self._check_finite(out, start)
+
+    def _check_finite(self, rows: torch.Tensor, start: int) -> None:
+        """Refuse rows holding a NaN or an infinity (a damaged file): exported, they would fail parity with no word of why.
+        A sum finds one at memory speed (1.5 ms a 64 MB block against 3.5 for the bfloat16 copy, by hand on the Intel Xeon
+        AVX-512 VM); only then is the row looked for."""
+        if math.isfinite(rows.sum()):
+            return
+        bad = (~torch.isfinite(rows)).reshape(len(rows), -1).any(1).nonzero()  # (rows at fault, 1)
+        if len(bad):  # else finite values whose sum overflowed
+            raise CheckpointError(f"{self.path}: tensor {self.name!r} holds NaN or infinite values (row {start + int(bad[0])}): "
+                                  "the file is damaged, or was saved from a model that diverged")
+
+
+# safetensors' own reader refuses a longer header; a larger length is a damaged file, not a header to allocate
+SAFETENSORS_HEADER_LIMIT = 100 * 2**20
 
 
 def _index_file(path: Path) -> dict[str, _StoredTensor]:
     """Every tensor of one weights file, located but not read."""
+    if not path.is_file():  # a FIFO would block the read forever, a directory say nothing useful
+        raise CheckpointError(f"{path}: not a regular file")
     try:
         if path.suffix == ".safetensors":
+            size = path.stat().st_size
             with open(path, "rb") as file:
                 (length,) = struct.unpack("<Q", file.read(8))
+                if length > min(SAFETENSORS_HEADER_LIMIT, size - 8):
+                    raise ValueError(f"its header length {length} is past the file's {size} bytes or safetensors' limit")
                 header = json.loads(file.read(length))
             base = 8 + length
             tensors = {}
@@ -113,12 +136,16 @@ def _index_file(path: Path) -> dict[str, _StoredTensor]:
                     raise ValueError(f"tensor {name!r} has dtype {entry['dtype']}, which kvserve does not read")
                 begin, end = entry["data_offsets"]
                 shape = tuple(entry["shape"])
-                tensors[name] = _StoredTensor(path, dtype, shape, base + begin)
+                if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape):
+                    raise ValueError(f"tensor {name!r} has shape {shape}, not a list of sizes")
+                if not all(isinstance(n, int) and not isinstance(n, bool) for n in (begin, end)) or not 0 <= begin <= end <= size - base:
+                    raise ValueError(f"tensor {name!r}: its bytes {begin}..{end} lie outside the file's {size - base}-byte data section")
                 if end - begin != math.prod(shape) * torch.empty((), dtype=dtype).element_size():
                     raise ValueError(f"tensor {name!r}: its byte range does not fit its shape {shape}")
+                tensors[name] = _StoredTensor(path, name, dtype, shape, base + begin)
             return tensors
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        return {name: _StoredTensor(path, t.dtype, tuple(t.shape), loaded=t) for name, t in loaded.items()}
+        return {name: _StoredTensor(path, name, t.dtype, tuple(t.shape), loaded=t) for name, t in loaded.items()}
     except Exception as exc:  # the libraries' own errors name no file; ours does
         raise CheckpointError(f"{path}: cannot read weights ({type(exc).__name__}: {exc})") from None
 
@@ -134,6 +161,9 @@ def _index_tensors(directory: Path) -> tuple[dict[str, _StoredTensor], Path]:
             raise CheckpointError(f"{index}: not a shard index with a weight_map ({exc})") from None
         tensors = {}
         for shard in shards:
+            # A shard is a file of this directory (a link there, as the hub's cache makes, may point anywhere)
+            if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise CheckpointError(f"{index}: lists shard {shard!r}, which is not a file name inside the checkpoint directory")
             if not (directory / shard).exists():
                 raise CheckpointError(f"{index}: lists shard {shard}, which is missing")
             tensors.update(_index_file(directory / shard))
@@ -149,8 +179,8 @@ def _index_tensors(directory: Path) -> tuple[dict[str, _StoredTensor], Path]:
 
 def _read_json(path: Path) -> dict:
     try:
-        value = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise CheckpointError(f"{path}: not a JSON object")
@@ -169,6 +199,8 @@ def read_config(directory: Path) -> DecoderConfig:
     hf = _read_json(path)  # its refusals name the file already
     try:
         return config_from_hf(hf, generation)
+    except GenerationConfigError as exc:
+        raise CheckpointError(f"{generation_path}: {exc}") from None
     except (ValueError, TypeError) as exc:
         raise CheckpointError(f"{path}: {exc}") from None
 

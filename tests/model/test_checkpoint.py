@@ -1,6 +1,9 @@
 """Checkpoint loading: round trips, both GPT-2 layouts, and a clear error for every malformed input."""
 
 import json
+import os
+import signal
+import struct
 
 import pytest
 import torch
@@ -54,6 +57,37 @@ def _rewrite(checkpoint, edit):
     save_file(tensors, checkpoint / "model.safetensors")
 
 
+def _set_value(checkpoint, name, index, value):
+    _rewrite(checkpoint, lambda tensors: tensors[name].__setitem__(index, value))
+
+
+def _rewrite_header(checkpoint, edit):
+    """model.safetensors with its JSON header changed by edit (the tensors' bytes as they were)."""
+    path = checkpoint / "model.safetensors"
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length :])
+
+
+def _first_tensor_moved(offset):
+    def edit(header):
+        entry = header["transformer.h.0.attn.c_attn.bias"]
+        begin, end = entry["data_offsets"]
+        entry["data_offsets"] = [begin + offset, end + offset]
+
+    return edit
+
+
+def _pytorch_bin_with_nan(checkpoint):
+    tensors = load_file(checkpoint / "model.safetensors")
+    tensors["transformer.h.1.attn.c_proj.weight"][5, 2] = float("nan")
+    torch.save(tensors, checkpoint / "pytorch_model.bin")
+    (checkpoint / "model.safetensors").unlink()
+
+
 @pytest.mark.parametrize(
     "breakage, message",
     [
@@ -67,8 +101,29 @@ def _rewrite(checkpoint, edit):
          "'transformer.h.0.attn.c_attn.weight' has shape (64, 100), expected (64, 192)"),
         (lambda d: _rewrite(d, lambda t: t.update({"transformer.h.9.ln_1.weight": torch.zeros(64)})), "unexpected tensor 'transformer.h.9.ln_1.weight'"),
         (lambda d: _rewrite(d, lambda t: t.update({"lm_head.weight": torch.zeros(257, 64)})), "untied heads are unsupported"),
+        # a tensor placed before the data section read the header's own bytes as weights, and exported them
+        (lambda d: _rewrite_header(d, _first_tensor_moved(-8)), "'transformer.h.0.attn.c_attn.bias': its bytes -8..760 lie outside"),
+        (lambda d: _rewrite_header(d, _first_tensor_moved(10**9)), "lie outside the file's"),
+        (lambda d: _rewrite_header(d, lambda h: h["transformer.wte.weight"].update(shape=[257, 64.0])), "has shape (257, 64.0), not a list"),
+        (lambda d: (d / "model.safetensors").write_bytes(struct.pack("<Q", 2**40) + b"{}"), "its header length 1099511627776 is past"),
+        (lambda d: ((d / "model.safetensors").unlink(), (d / "model.safetensors").mkdir()), "model.safetensors: not a regular file"),
+        # damaged weights failed parity with no word of why
+        (lambda d: _set_value(d, "transformer.h.0.mlp.c_fc.weight", (3, 7), float("nan")),
+         "tensor 'transformer.h.0.mlp.c_fc.weight' holds NaN or infinite values (row 3)"),
+        (lambda d: _set_value(d, "transformer.wte.weight", (200, 0), float("-inf")), "'transformer.wte.weight' holds NaN or infinite values (row 200)"),
+        (_pytorch_bin_with_nan, "pytorch_model.bin: tensor 'transformer.h.1.attn.c_proj.weight' holds NaN or infinite values (row 5)"),
+        (lambda d: (d / "config.json").write_bytes(b"\xff\xfe{}"), "config.json: not valid JSON ('utf-8' codec"),
+        (lambda d: (d / "generation_config.json").write_bytes(b"\xff\xfe{}"), "generation_config.json: not valid JSON"),
+        # a float was rounded to another id, a string named config.json
+        (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": 2.5}'),
+         "generation_config.json: eos_token_id must be a token id or a list of them, got 2.5"),
+        (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [1, "2"]}'), "generation_config.json: eos_token_id must be"),
+        (lambda d: _edit_config(d, eos_token_id=True), "config.json: eos_token_id must be a token id or a list of them, got true"),
     ],
-    ids=["no config", "no weights", "bad json", "json list", "corrupt weights", "missing tensor", "misshaped tensor", "extra tensor", "untied head"],
+    ids=["no config", "no weights", "bad json", "json list", "corrupt weights", "missing tensor", "misshaped tensor", "extra tensor", "untied head",
+         "offsets before the data", "offsets past the end", "shape of floats", "header past the end", "weights a directory",
+         "nan weight", "infinite embedding", "nan in a .bin", "config not utf-8", "generation config not utf-8", "float eos",
+         "string eos in a list", "boolean eos"],
 )
 def test_malformed_checkpoints_are_named(checkpoint, breakage, message):
     breakage(checkpoint)
@@ -87,6 +142,11 @@ def test_malformed_checkpoints_are_named(checkpoint, breakage, message):
 )
 def test_unsupported_configs_are_named(checkpoint, edit, message):
     assert message in _refusal_after_editing_config(checkpoint, edit)
+
+
+def _edit_config(directory, **fields):
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps(config | fields))
 
 
 def _refusal_after_editing_config(directory, edit: dict) -> str:
@@ -204,5 +264,54 @@ def test_a_shard_index_naming_a_missing_shard_is_named(make_hf_llama):
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"lists shard {shard.name}, which is missing"):
         load_checkpoint(directory)
+
+
+def _shard_listed_as(directory, name: str) -> None:
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = name
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize(
+    "shard, message",
+    [
+        ("../elsewhere.safetensors", "lists shard '../elsewhere.safetensors', which is not a file name inside the checkpoint directory"),
+        ("/dev/zero", "lists shard '/dev/zero', which is not a file name inside the checkpoint directory"),
+        ("", "lists shard '', which is not a file name inside"),
+        ("queue.safetensors", "queue.safetensors: not a regular file"),  # a FIFO: reading it blocked the export forever
+    ],
+    ids=["parent", "absolute", "empty", "fifo"],
+)
+def test_a_shard_index_may_name_only_files_of_its_directory(make_hf_llama, tmp_path, shard, message):
+    import shutil
+
+    _, made = _llama(make_hf_llama, max_shard_size="40KB")
+    directory = tmp_path / "checkpoint"
+    shutil.copytree(made, directory)
+    shutil.copy(next(made.glob("model-*.safetensors")), tmp_path / "elsewhere.safetensors")  # the real tensors, outside
+    os.mkfifo(directory / "queue.safetensors")
+    _shard_listed_as(directory, shard)
+    signal.signal(signal.SIGALRM, lambda *_: pytest.fail("loading blocked"))
+    signal.alarm(30)
+    try:
+        with pytest.raises(CheckpointError) as error:
+            load_checkpoint(directory)
+    finally:
+        signal.alarm(0)
+    assert message in str(error.value)
+
+
+def test_a_shard_that_links_outside_its_directory_loads(make_hf_llama, tmp_path):
+    """The hub's cache keeps a snapshot's files as links into a blobs/ directory beside it."""
+    import shutil
+
+    hf, made = _llama(make_hf_llama, max_shard_size="40KB")
+    blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshot"
+    shutil.copytree(made, blobs)
+    snapshot.mkdir()
+    for path in blobs.iterdir():
+        (snapshot / path.name).symlink_to(path)
+    assert weights_checksum(load_checkpoint(snapshot)) == weights_checksum(load_checkpoint(made))
 
 
