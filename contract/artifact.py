@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+import zipfile
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,10 +26,12 @@ import numpy as np
 
 from kvserve.errors import UserError
 
+from .chat import load_chat_template
 from .config import DecoderConfig
 from .hf_config import config_from_hf
 from .io_contract import ATTENTIONS, DTYPES, KV_CACHES, QUANTIZATIONS, SLOTS, STANDARD, io_spec, kv_dtype_refusal
 from .tolerances import Tolerance, tolerance_for, with_own_rounding
+from .tokenizer import load_tokenizer
 
 MODEL_FILE = "model.onnx"
 MODEL_DATA_FILE = "model.onnx.data"
@@ -75,6 +78,16 @@ def replace_refusal(out: str | Path, overwrite: bool) -> str | None:
         return (f"{out} is not a kvserve artifact (no {MANIFEST_FILE} of its format): --overwrite replaces artifacts only; "
                 "move it away or choose another --out")
     return None
+
+
+def check_tokenizer_files(directory: str | Path) -> None:
+    """Read a checkpoint's tokenizer.json and chat template as the server reads an artifact's copies, raising a UserError
+    that names the file that cannot be read: before an export spends minutes on the weights, and ships an artifact no
+    server would start."""
+    path = Path(directory) / TOKENIZER_FILE
+    if path.exists():
+        load_tokenizer(path)
+    load_chat_template(directory)
 
 
 def graph_bytes(directory: str | Path) -> int:
@@ -132,8 +145,16 @@ class GoldenRecord:
 
     @classmethod
     def load(cls, path: Path) -> "GoldenRecord":
-        with np.load(path) as data:
-            return cls(prompt_ids=data["prompt_ids"], tokens=data["tokens"], logits=data["logits"])
+        try:
+            with np.load(path) as data:
+                record = cls(prompt_ids=data["prompt_ids"], tokens=data["tokens"], logits=data["logits"])
+        except (ValueError, KeyError, OSError, EOFError, zipfile.BadZipFile) as exc:  # numpy's errors name no file
+            raise ArtifactError(f"{path}: not a golden record this kvserve reads ({type(exc).__name__}: {exc})") from None
+        if not (record.prompt_ids.ndim == record.tokens.ndim == 1 and record.logits.ndim == 2 and len(record.prompt_ids)
+                and len(record.logits) == len(record.tokens)):
+            raise ArtifactError(f"{path}: its prompt ids {record.prompt_ids.shape}, tokens {record.tokens.shape} and logits "
+                                f"{record.logits.shape} are not a golden record's (T,), (N,) and (N, V)")
+        return record
 
 
 def golden_prompt(vocab_size: int, length: int = 12) -> list[int]:
@@ -254,7 +275,10 @@ def open_artifact(directory: str | Path, check_files: bool = True, weights_later
             raise ArtifactError(f"{directory / name}: missing (is this a kvserve export?)")
     try:
         manifest = json.loads((directory / MANIFEST_FILE).read_text())
-        config = config_from_hf(json.loads((directory / CONFIG_FILE).read_text()))
+        hf_config = json.loads((directory / CONFIG_FILE).read_text())
+        if not isinstance(hf_config, dict):
+            raise ValueError(f"{CONFIG_FILE} is not a JSON object")
+        config = config_from_hf(hf_config)
     except (json.JSONDecodeError, ValueError, TypeError) as exc:
         raise ArtifactError(f"{directory}: unreadable manifest or config ({exc})") from None
     where = directory / MANIFEST_FILE

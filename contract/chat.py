@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from kvserve.errors import UserError
+
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
@@ -26,6 +28,11 @@ RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "add_generation_prompt", "t
 
 class TemplateError(ValueError):
     """A conversation the template refuses (its raise_exception), or a template that fails to render it."""
+
+
+class ChatTemplateFileError(UserError):
+    """A tokenizer_config.json or chat_template.jinja that cannot be read, or a template that does not compile; the message
+    names the file."""
 
 
 @dataclass(frozen=True)
@@ -120,12 +127,36 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
     """The chat template in an artifact (or checkpoint) directory, with its special tokens; None when it has none."""
     directory = Path(directory)
     config_path = directory / TOKENIZER_CONFIG_FILE
-    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.exists() else {}
+    config = _read_tokenizer_config(config_path) if config_path.exists() else {}
     template_path = directory / CHAT_TEMPLATE_FILE
-    source = template_path.read_text(encoding="utf-8") if template_path.exists() else config.get("chat_template")
+    if template_path.exists():
+        source, origin = _read_text(template_path), template_path
+    else:
+        source, origin = config.get("chat_template"), config_path
     if isinstance(source, list):  # named templates: the one named "default" is the chat template
         source = next((t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None)
     if not isinstance(source, str) or not source.strip():
         return None
     special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
-    return ChatTemplate(source, special)
+    try:
+        return ChatTemplate(source, special)
+    except Exception as exc:  # jinja's syntax errors name a line of no file
+        line = f"line {exc.lineno}: " if getattr(exc, "lineno", None) else ""
+        raise ChatTemplateFileError(f"{origin}: its chat template does not compile ({line}{type(exc).__name__}: {exc})") from None
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ChatTemplateFileError(f"{path}: not UTF-8 text ({exc})") from None
+
+
+def _read_tokenizer_config(path: Path) -> dict:
+    try:
+        config = json.loads(_read_text(path))
+    except json.JSONDecodeError as exc:
+        raise ChatTemplateFileError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise ChatTemplateFileError(f"{path}: not a JSON object")
+    return config

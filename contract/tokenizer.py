@@ -6,6 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Protocol
 
+from kvserve.errors import UserError
+
+
+class TokenizerFileError(UserError):
+    """A tokenizer.json the tokenizers library cannot read; the message names the file."""
+
 
 class Tokenizer(Protocol):
     name: str
@@ -49,7 +55,10 @@ class HFTokenizer:
     def __init__(self, path: Path):
         from tokenizers import Tokenizer as _Tokenizer
 
-        self._tokenizer = _Tokenizer.from_file(str(path))
+        try:
+            self._tokenizer = _Tokenizer.from_file(str(path))
+        except Exception as exc:  # the library's errors name no file
+            raise TokenizerFileError(f"{path}: not a tokenizer.json the tokenizers library reads ({exc})") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         # With the tokenizer's own special tokens, as transformers encodes by default: a Llama-family tokenizer.json

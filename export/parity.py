@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvserve.contract.artifact import CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, OWN_ROUNDING_KEY, ArtifactError, contract_problems, open_artifact
+from kvserve.contract.artifact import (CHUNK_GRAPH_FILE, DECODE_GRAPH_FILE, OWN_ROUNDING_KEY, ArtifactError, check_tokenizer_files,
+                                      contract_problems, open_artifact)
 from kvserve.contract.tokenizer import load_tokenizer
 from kvserve.contract.tolerances import with_own_rounding
 from kvserve.errors import JobFailed, UserError
@@ -309,6 +310,8 @@ def verify(artifact_dir: str | Path, reference: Decoder, provider: str = "auto",
 
 def _verify(artifact_dir: str | Path, reference: Decoder, provider: str, steps: int) -> ParityReport:
     artifact = open_artifact(artifact_dir)
+    artifact.golden()  # what the server's gate replays and the text files it reads: a verdict on an artifact no server starts misleads
+    check_tokenizer_files(artifact.directory)
     config = artifact.config
     if reference.config != config:
         raise ArtifactError(f"{artifact.directory}: the reference checkpoint's config differs from the artifact's config.json")

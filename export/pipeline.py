@@ -209,6 +209,8 @@ def export_artifact(
         raise ExportError(refusal)
     if (refusal := art.replace_refusal(out, overwrite)) is not None:
         raise ExportError(refusal)
+    if tokenizer_dir is not None:
+        art.check_tokenizer_files(tokenizer_dir)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         remove_abandoned_staging(out)
@@ -261,7 +263,7 @@ def _export_verified(model: Decoder, source: dict, out: Path, staging: Path, dty
     (staging / art.CONFIG_FILE).write_text(json.dumps(config_to_hf(model.config), indent=2) + "\n")
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
-            if (Path(tokenizer_dir) / name).exists():
+            if (Path(tokenizer_dir) / name).is_file():
                 shutil.copy2(Path(tokenizer_dir) / name, staging / name)
     elif source.get("kind") == "preset":
         write_preset_tokenizer(source["name"], staging)  # gpt2: GPT-2's BPE; tiny: none (bytes)

@@ -90,6 +90,9 @@ class DecoderRuntime:
         self.fallback_reason = opened.fallback_reason
         self.n_layer = n_layer
         inputs = {i.name: i for i in self.session.get_inputs()}
+        if (held := next((layer for layer in range(n_layer) if io.past_names(layer)[0] not in inputs), n_layer)) < n_layer:
+            raise ModelUnloadable(f"{model_path}: its graph takes the K/V of {held} layers where config.json says {n_layer}: the "
+                                  "graph and config of different exports")
         self.kv_dtype = NUMPY_DTYPES[ORT_TYPES[inputs[io.past_names(0)[0]].type]]  # what the pool holds: the graph says (KV_DTYPES)
         # a ring layer's rows are fixed in width (io_contract): {layer: columns}, as the graph says
         self.rings = {layer: inputs[io.past_names(layer)[0]].shape[2] for layer in range(n_layer)

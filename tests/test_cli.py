@@ -100,8 +100,35 @@ def _weights_cut_short(manifest, directory):
     path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # the session cannot load it; the checksum is the cause
 
 
+def _signed(name: str, content: bytes):
+    """An edit writing content to the artifact's file name and its checksum to the manifest: a file changed on purpose,
+    which only reading it can refuse."""
+    def edit(manifest, directory):
+        (directory / name).write_bytes(content)
+        manifest["files"][name] = _sha256(directory / name)
+
+    return edit
+
+
+def _golden_without_logits(manifest, directory):
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.savez(buffer, prompt_ids=np.arange(4), tokens=np.arange(2))
+    _signed("golden.npz", buffer.getvalue())(manifest, directory)
+
+
+def _config_with_another_layer(manifest, directory):
+    config = json.loads((directory / "config.json").read_text())
+    _signed("config.json", json.dumps(config | {"n_layer": config["n_layer"] + 1}).encode())(manifest, directory)
+
+
 WEIGHTS_CHANGED = "model.onnx.data: checksum mismatch (the file changed after export)"
-FOUND_AFTER_LISTENING = ("corrupt model.onnx", "changed weights", "weights cut short")  # the weights are checked as the session opens
+# the weights are checked as the session opens; the tokenizer, chat template and golden record are read by the load
+FOUND_AFTER_LISTENING = ("corrupt model.onnx", "changed weights", "weights cut short", "unreadable golden record", "golden record without logits",
+                         "unreadable tokenizer.json", "template that does not compile", "config.json with a layer more than the graph")
 
 BROKEN_ARTIFACTS = {
     "no files": (lambda m, d: m.pop("files"), "manifest.json: 'files' must map each file name to its sha256"),
@@ -114,6 +141,15 @@ BROKEN_ARTIFACTS = {
     "unknown attention": (lambda m, d: m.update(attention="flash"), "manifest.json: attention 'flash' is not one of standard, fused"),
     "an older format": (lambda m, d: m.update(format="kvserve-artifact/1"),
                         "manifest.json: format 'kvserve-artifact/1'; this kvserve reads 'kvserve-artifact/2': re-export with kvserve export"),
+    # each of these was a traceback from serve (and verify called the artifact a PASS)
+    "unreadable golden record": (_signed("golden.npz", b"garbage"), "golden.npz: not a golden record this kvserve reads"),
+    "golden record without logits": (_golden_without_logits, "golden.npz: not a golden record this kvserve reads (KeyError"),
+    "unreadable tokenizer.json": (_signed("tokenizer.json", b"{}"), "tokenizer.json: not a tokenizer.json the tokenizers library reads"),
+    "template that does not compile": (_signed("chat_template.jinja", b"{% for %}"), "chat_template.jinja: its chat template does not compile"),
+    "config.json not an object": (_signed("config.json", b"[]"), "unreadable manifest or config (config.json is not a JSON object)"),
+    "config.json with a layer more than the graph": (_config_with_another_layer, {
+        "serve": "model.onnx: its graph takes the K/V of 2 layers where config.json says 3: the graph and config of different exports",
+        "verify": "the reference checkpoint's config differs from the artifact's config.json"}),
 }
 
 
@@ -128,7 +164,7 @@ def test_a_broken_artifact_is_refused_in_one_line(tiny_artifact, tmp_path, case,
     (broken / "manifest.json").write_text(json.dumps(manifest))
     args = ["verify", str(broken)] if command == "verify" else ["serve", "--model", str(broken), "--port", "0", "--provider", "cpu"]
     result = run_cli(*args)
-    one_line_error(result, message)
+    one_line_error(result, message if isinstance(message, str) else message[command])
     if case not in FOUND_AFTER_LISTENING:  # a manifest problem is found before anything listens
         assert "listening" not in result.stderr
 

@@ -74,6 +74,8 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
     """Open the session for artifact, run the parity gate, then allocate the serving batch and warm it up.
     on_session(runtime) is told the session as soon as it is open (the server reports its provider)."""
     config = served_config(artifact.config, options.max_context)
+    # Read first: a tokenizer or chat template that cannot be read is named before the minutes a large session takes
+    tokenizer, chat_template = load_tokenizer(artifact.tokenizer_path), load_chat_template(artifact.directory)
     try:  # the weights file's hash (prefetch_checksums' thread) runs beside the session's repacking of the same bytes
         runtime = await asyncio.to_thread(DecoderRuntime, artifact.model_path, config.n_layer, artifact.dtype, options.provider,
                                           cuda_graph=options.cuda_graph, chunk_graph=options.split_steps)
@@ -114,5 +116,4 @@ async def load_model(options: ServerOptions, artifact: Artifact, on_session=lamb
         raise
     if runtime.captures_decode:
         log.info("decode steps run as CUDA graphs: %d shapes captured", len(runtime.fixed_shapes(batch.pool)))
-    return LoadedModel(config, runtime, gate, batch, kv_budget, load_tokenizer(artifact.tokenizer_path), steps,
-                       load_chat_template(artifact.directory))
+    return LoadedModel(config, runtime, gate, batch, kv_budget, tokenizer, steps, chat_template)

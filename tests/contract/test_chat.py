@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvserve.contract.chat import ChatMessage, TemplateError, ToolCall, load_chat_template
+from kvserve.contract.chat import ChatMessage, ChatTemplateFileError, TemplateError, ToolCall, load_chat_template
 from kvserve.contract.tokenizer import HFTokenizer
 
 # Written in the style of the Llama 3 and Qwen2 templates: special tokens, header markers, a default system message,
@@ -166,6 +166,28 @@ def test_no_template_is_none_and_named_templates_give_the_default(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({  # special tokens as older configs write them
         "chat_template": "{{ bos_token }}{{ eos_token }}", "bos_token": {"__type": "AddedToken", "content": "<s>"}, "eos_token": "</s>"}))
     assert load_chat_template(tmp_path).render([ChatMessage("user", "x")]) == "<s></s>"
+
+
+@pytest.mark.parametrize(
+    "files, message",
+    [
+        ({"chat_template.jinja": b"{% for %}"}, "chat_template.jinja: its chat template does not compile (line 1: TemplateSyntaxError"),
+        ({"chat_template.jinja": b"ok\n{{ messages[0] "}, "chat_template.jinja: its chat template does not compile (line 2:"),
+        ({"tokenizer_config.json": json.dumps({"chat_template": "{% if %}"}).encode()},
+         "tokenizer_config.json: its chat template does not compile"),
+        ({"chat_template.jinja": b"\xff\xfe"}, "chat_template.jinja: not UTF-8 text"),
+        ({"tokenizer_config.json": b"{nope"}, "tokenizer_config.json: not valid JSON"),
+        ({"tokenizer_config.json": b"[]"}, "tokenizer_config.json: not a JSON object"),
+    ],
+    ids=["jinja file", "second line", "in tokenizer_config", "jinja not utf-8", "config not json", "config a list"],
+)
+def test_a_template_that_does_not_compile_or_read_is_named_with_its_file(tmp_path, files, message):
+    """jinja's and json's errors name no file: the server printed a traceback at start, export shipped the file."""
+    for name, content in files.items():
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(ChatTemplateFileError) as error:
+        load_chat_template(tmp_path)
+    assert str(error.value).startswith(str(tmp_path)) and message in str(error.value)
 
 
 def test_the_default_models_template_is_documented_plain_text():

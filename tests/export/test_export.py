@@ -78,9 +78,17 @@ def test_float16_export_passes_with_float16_tolerances(tmp_path, tiny_model):
     assert manifest["outputs"]["logits"]["dtype"] == "float32"
 
 
+def _small_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "in": 1, "the": 2, "beginning": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return tokenizer
+
+
 def test_export_cli_from_a_transformers_checkpoint_copies_the_tokenizer(tmp_path, make_hf_checkpoint):
     _, checkpoint = make_hf_checkpoint(vocab_size=200, n_positions=64, n_embd=32, n_head=2, n_layer=1)
-    (checkpoint / "tokenizer.json").write_text("{}")
+    _small_tokenizer().save(str(checkpoint / "tokenizer.json"))
     result = run_cli("export", "--checkpoint", str(checkpoint), "--out", str(tmp_path / "a"), "--provider", "cpu")
     assert result.returncode == 0, result.stderr
     assert "result: PASS" in result.stdout
@@ -94,8 +102,11 @@ def test_export_cli_from_a_transformers_checkpoint_copies_the_tokenizer(tmp_path
         (["--checkpoint", "{missing}"], "checkpoint directory not found"),
         (["--checkpoint", "{broken}"], "missing tensor(s)"),
         (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+        # both were copied into an artifact the server then refused with a traceback
+        (["--checkpoint", "{untokenizable}"], "untokenizable/tokenizer.json: not a tokenizer.json the tokenizers library reads"),
+        (["--checkpoint", "{untemplated}"], "untemplated/chat_template.jinja: its chat template does not compile (line 1:"),
     ],
-    ids=["no such dir", "missing tensor", "unknown preset"],
+    ids=["no such dir", "missing tensor", "unknown preset", "unreadable tokenizer", "template that does not compile"],
 )
 def test_export_errors_are_one_line_with_no_partial_artifact(tmp_path, tiny_model, args, message):
     from safetensors.torch import load_file, save_file
@@ -107,7 +118,12 @@ def test_export_errors_are_one_line_with_no_partial_artifact(tmp_path, tiny_mode
     tensors = load_file(broken / "model.safetensors")
     del tensors["transformer.wpe.weight"]
     save_file(tensors, broken / "model.safetensors")
-    args = [a.format(missing=tmp_path / "nope", broken=broken) for a in args]
+    untokenizable, untemplated = tmp_path / "untokenizable", tmp_path / "untemplated"
+    for directory in (untokenizable, untemplated):
+        save_checkpoint(tiny_model, directory)
+    (untokenizable / "tokenizer.json").write_text("{}")
+    (untemplated / "chat_template.jinja").write_text("{% for message in %}{{ message }}")
+    args = [a.format(missing=tmp_path / "nope", broken=broken, untokenizable=untokenizable, untemplated=untemplated) for a in args]
     out = tmp_path / "out" / "artifact"
     result = run_cli("export", *args, "--out", str(out))
     assert result.returncode == 2
