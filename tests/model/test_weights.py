@@ -63,11 +63,14 @@ def test_reference_model_streams_only_what_is_large(sharded, monkeypatch):
     assert isinstance(weight_source_of(build(preset("tiny"))), ModelWeights)
 
 
-def test_a_shard_cut_short_is_named_when_read(tmp_path):
+def test_a_shard_cut_short_is_named_when_opened_and_when_read(tmp_path):
     save_checkpoint(build(preset("tiny-llama")), tmp_path, torch.bfloat16)
     path = tmp_path / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:-1000])
-    weights = CheckpointWeights(tmp_path)  # the header still lists every tensor: found when one is read
+    whole = path.read_bytes()
+    weights = CheckpointWeights(tmp_path)
+    path.write_bytes(whole[:-1000])  # cut after it was opened: found when a tensor past the end is read
     with pytest.raises(CheckpointError, match="model.safetensors: ends inside a tensor"):
         for key in weights.keys():
             parameter(weights, key)
+    with pytest.raises(CheckpointError, match="model.safetensors: .* lie outside the file's"):  # its header lists bytes past the end
+        CheckpointWeights(tmp_path)
