@@ -3,6 +3,7 @@ reference, export, the runtime and the server all read it; presets of it live wi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 # Families of decoder the eager reference implements. Each model_type a config.json may name maps to one.
@@ -21,6 +22,11 @@ RING_SLACK = 16
 
 # How a config.json's rope_scaling may stretch the rotary frequencies (model/rope.py computes each as transformers does).
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
+
+
+# Every count and size a config.json gives is below this (a config of 10^30 layers, or an original context of 10^30
+# positions, raised an OverflowError); the largest real ones are near 10^7 (a context).
+SIZE_LIMIT = 2**31
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,25 @@ class RopeScaling:
         object.__setattr__(self, "long_factor", tuple(float(f) for f in self.long_factor))
         if self.rope_type == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
             raise ValueError("rope_type 'longrope' needs short_factor and long_factor, one per frequency each")
+        # Frequencies are divided by these: a zero, a NaN or an infinity would turn every rotation into NaN (or a
+        # ZeroDivisionError while the tables are built), so each is refused by name.
+        numbers = {"factor": self.factor, "low_freq_factor": self.low_freq_factor, "high_freq_factor": self.high_freq_factor,
+                   "beta_fast": self.beta_fast, "beta_slow": self.beta_slow, "mscale": self.mscale,
+                   "mscale_all_dim": self.mscale_all_dim, "attention_factor": self.attention_factor}
+        for name, value in numbers.items():
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"rope_scaling's {name} must be a finite number, got {value}")
+        if not self.factor > 0:
+            raise ValueError(f"rope_scaling's factor must be positive, got {self.factor}")
+        original = self.original_max_position_embeddings
+        if original is not None and not 2 <= original < SIZE_LIMIT:  # yarn and longrope take its log
+            raise ValueError(f"rope_scaling's original_max_position_embeddings must be in [2, {SIZE_LIMIT}), got {original}")
+        if self.rope_type == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ValueError(f"rope_type 'llama3' blends between low_freq_factor and high_freq_factor, which must be 0 < low < high, "
+                             f"got {self.low_freq_factor} and {self.high_freq_factor}")
+        if not all(math.isfinite(f) and f > 0 for f in self.short_factor + self.long_factor):
+            raise ValueError("rope_type 'longrope' divides each frequency by its factor: every short_factor and long_factor must be "
+                             "a positive finite number")
 
 
 @dataclass(frozen=True)
@@ -130,6 +155,12 @@ class DecoderConfig:
         for name in ("vocab_size", "n_ctx", "d_model", "n_head", "n_layer", "d_mlp", "n_kv_head", "head_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"DecoderConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("layer_norm_eps", "rope_theta", "initializer_range", "dropout", "norm_weight_offset", "partial_rotary_factor"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"DecoderConfig.{name} must be a finite number, got {getattr(self, name)}")
+        if self.layer_norm_eps < 0 or not self.rope_theta > 1:  # yarn divides by the base's log
+            raise ValueError(f"DecoderConfig.layer_norm_eps ({self.layer_norm_eps}) must be at least 0 and rope_theta ({self.rope_theta}), "
+                             "the rotary frequencies' base, above 1")
         if self.architecture == GPT2_ARCH:
             if self.d_model % self.n_head:
                 raise ValueError(f"d_model ({self.d_model}) is not divisible by n_head ({self.n_head})")
@@ -148,8 +179,8 @@ class DecoderConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ValueError(f"DecoderConfig.hidden_act {self.hidden_act!r}: kvserve implements {', '.join(ACTIVATIONS)}")
         for name in ("query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping", "local_rope_theta"):
-            if getattr(self, name) is not None and not getattr(self, name) > 0:
-                raise ValueError(f"DecoderConfig.{name} must be positive or None, got {getattr(self, name)}")
+            if getattr(self, name) is not None and not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"DecoderConfig.{name} must be positive and finite, or None, got {getattr(self, name)}")
         if self.n_head % self.n_kv_head:
             raise ValueError(f"n_head ({self.n_head}) is not a multiple of n_kv_head ({self.n_kv_head})")
         if self.architecture == LLAMA_ARCH and (self.rotary_dim % 2 or self.rotary_dim <= 0):

@@ -8,8 +8,9 @@ activation, a bidirectional Gemma), never silently approximated.
 from __future__ import annotations
 
 import json
+import math
 
-from .config import GPT2_ARCH, MODEL_TYPES, DecoderConfig, RopeScaling
+from .config import GPT2_ARCH, MODEL_TYPES, SIZE_LIMIT, DecoderConfig, RopeScaling
 
 HF_ARCHITECTURES = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
@@ -30,12 +31,19 @@ _ROPE_FIELDS = {
 }
 
 
-# The numeric fields read from a config.json: one that holds anything but a number is named (int("x") would not say which).
+# The numeric fields read from a config.json: one that holds anything but a finite number is named (int("x") would not
+# say which, int(Infinity) raised an OverflowError), and a count or size that is not a whole number too (0.5 heads
+# became 0 and a ZeroDivisionError).
 NUMBER_FIELDS = ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_ctx", "n_inner", "layer_norm_epsilon", "hidden_size",
                  "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                  "head_dim", "rms_norm_eps", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", "sliding_window",
                  "max_window_layers", "sliding_window_pattern", "query_pre_attn_scalar", "attn_logit_softcapping",
                  "final_logit_softcapping", "rope_local_base_freq", "no_rope_layer_interval", "initializer_range")
+# {field: its least value}; every one below config.SIZE_LIMIT.
+WHOLE_NUMBER_FIELDS = dict.fromkeys(("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_ctx", "hidden_size", "num_attention_heads",
+                                     "num_key_value_heads", "num_hidden_layers", "intermediate_size", "max_position_embeddings", "head_dim"), 1) | {
+    "original_max_position_embeddings": 2, "n_inner": 0, "max_window_layers": 0, "sliding_window_pattern": 0,
+    "no_rope_layer_interval": 0}
 
 
 class GenerationConfigError(ValueError):
@@ -57,8 +65,10 @@ def config_from_hf(hf: dict, generation: dict | None = None) -> DecoderConfig:
         raise ValueError(f"unsupported architecture: model_type {model_type!r} (kvserve implements {', '.join(MODEL_TYPES)})")
     for key in NUMBER_FIELDS:
         value = hf.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)):
             raise ValueError(f"{key} must be a number, got {json.dumps(value)[:40]}")
+        if value is not None and key in WHOLE_NUMBER_FIELDS and not (value == int(value) and WHOLE_NUMBER_FIELDS[key] <= value < SIZE_LIMIT):
+            raise ValueError(f"{key} must be a whole number in [{WHOLE_NUMBER_FIELDS[key]}, {SIZE_LIMIT}), got {value}")
     if generation is not None and "eos_token_id" in generation:
         try:
             eos_ids = _token_ids(generation["eos_token_id"])
@@ -226,6 +236,9 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
         # missing factor is the context's ratio to it (the attention factor follows from it), written out.
         if original is None:
             raise ValueError(f"rope_scaling of type {rope_type!r} lacks original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, (int, float)) or not 2 <= original < SIZE_LIMIT or original != int(original):
+            raise ValueError(f"rope_scaling's original_max_position_embeddings must be a whole number in [2, {SIZE_LIMIT}), "
+                             f"got {json.dumps(original)[:40]}")
         fields["original_max_position_embeddings"] = int(original)
         if scaling.get("factor") is None:
             scaling = scaling | {"factor": _required(hf, "max_position_embeddings") / int(original)}
@@ -243,7 +256,7 @@ def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling 
     try:
         fields = {name: value if value is None else kinds.get(name, float)(value) for name, value in fields.items()}
         scaling_fields = RopeScaling(rope_type=rope_type, factor=float(scaling["factor"]), **fields)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(f"rope_scaling of type {rope_type!r}: {exc}") from None
     return float(theta), scaling_fields, float(partial)
 

@@ -255,7 +255,12 @@ class CheckpointWeights:
         self.directory = directory
         self.config = config = read_config(directory)
         tensors, path = _index_tensors(directory)
-        self.shapes = {key: tuple(param.shape) for key, param in skeleton(config).state_dict().items()}
+        try:  # a module's constructor allocates each weight (untouched) before the skeleton moves it to the meta device
+            self.shapes = {key: tuple(param.shape) for key, param in skeleton(config).state_dict().items()}
+        except RuntimeError as exc:
+            raise CheckpointError(f"{directory / 'config.json'}: its sizes (vocab_size {config.vocab_size}, hidden size {config.d_model}, "
+                                  f"{config.n_layer} layers of MLP width {config.d_mlp}) describe a tensor larger than this machine can "
+                                  f"address ({str(exc).splitlines()[0][:120]})") from None
         expected = _checkpoint_shapes(self.shapes, config)
         found: dict[str, _StoredTensor] = {}
         lm_head = None

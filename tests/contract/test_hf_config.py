@@ -55,6 +55,29 @@ def test_a_llama_config_maps_its_fields_and_generation_configs_eos_list_wins():
     ({"vocab_size": "x"}, 'vocab_size must be a number, got "x"'),  # int("x") would name no field
     ({"rms_norm_eps": [1e-5]}, r"rms_norm_eps must be a number, got \[1e-05\]"),
     ({"num_hidden_layers": True}, "num_hidden_layers must be a number, got true"),
+    # each of these raised an OverflowError or ZeroDivisionError (a traceback from export), or built a model of NaN logits
+    ({"max_position_embeddings": float("inf")}, "max_position_embeddings must be a number, got Infinity"),
+    ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a number, got NaN"),
+    ({"num_attention_heads": 0.5}, r"num_attention_heads must be a whole number in \[1, 2147483648\), got 0.5"),
+    ({"num_attention_heads": 0}, r"num_attention_heads must be a whole number in \[1, 2147483648\), got 0"),
+    ({"num_hidden_layers": 1e30}, "num_hidden_layers must be a whole number in"),
+    ({"rms_norm_eps": -1e-5}, "layer_norm_eps .* must be at least 0"),
+    ({"rope_theta": 1.0, "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+     r"rope_theta \(1.0\), the rotary frequencies' base, above 1"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0, "high_freq_factor": 4.0, "original_max_position_embeddings": 16}},
+     "'llama3' blends between low_freq_factor and high_freq_factor, which must be 0 < low < high, got 0.0 and 4.0"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4, "high_freq_factor": 4, "original_max_position_embeddings": 16}},
+     "0 < low < high, got 4.0 and 4.0"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": float("nan")}}, "rope_scaling's factor must be a finite number, got nan"),
+    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling's factor must be positive, got 0.0"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0, 0.0, 1.0, 1.0], "long_factor": [2.0] * 4}, "original_max_position_embeddings": 32},
+     "every short_factor and long_factor must be a positive finite number"),
+    ({"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "original_max_position_embeddings": 1},
+     r"original_max_position_embeddings must be a whole number in \[2, 2147483648\), got 1"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1e30}},
+     r"original_max_position_embeddings must be a whole number in \[2, 2147483648\)"),
+    ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": float("inf")},
+     "final_logit_softcapping must be a number, got Infinity"),
 ])
 def test_what_kvserve_does_not_implement_is_refused_by_name(edit, message):
     with pytest.raises(ValueError, match=message):
