@@ -307,6 +307,17 @@ def test_generate_and_health_against_nothing_or_the_wrong_port_say_so():
         one_line_error(run_cli("generate", "x", "--target", f"127.0.0.1:{web.server_port}", "--timeout", "5"), "does not speak gRPC")
     finally:
         web.shutdown()
+    unknown = "bad..host:50051"  # refused by the resolver itself, no DNS asked; it was a bare UNAVAILABLE, exit 1
+    for command in (["generate", "x", "--timeout", "5"], ["health"]):
+        one_line_error(run_cli(*command, "--target", unknown), f"{unknown}: its host name does not resolve")
+    with socket.socket() as mute:  # accepts the connection, never answers: it said only "DEADLINE_EXCEEDED: Deadline Exceeded"
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)
+        target = f"127.0.0.1:{mute.getsockname()[1]}"
+        for command in (["generate", "x", "--timeout", "2"], ["health"]):
+            result = run_cli(*command, "--target", target)
+            assert result.returncode == 1, result.stderr
+            assert f"{target} did not answer in time (DEADLINE_EXCEEDED" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_ctrl_c_during_export_ends_it_with_130_and_leaves_nothing(tmp_path):

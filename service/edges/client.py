@@ -78,9 +78,15 @@ class RequestFailed(UserError):
             message = (f"{target} does not speak gRPC (is it the HTTP API's port? `generate` and `health` use the gRPC port, "
                        f"--port of kvserve serve, 50051 by default)")
             self.exit_code = 2
-        elif code == grpc.StatusCode.UNAVAILABLE and any(word in details for word in ("connect", "Connection refused", "resolve")):
+        elif code == grpc.StatusCode.UNAVAILABLE and ("resolv" in details or "DNS" in details):  # a name DNS does not know
+            message = f"{target}: its host name does not resolve ({details})"
+            self.exit_code = 2
+        elif code == grpc.StatusCode.UNAVAILABLE and any(word in details for word in ("connect", "Connection refused")):
             message = f"nothing answers at {target} (is kvserve serve running there? `kvserve health --target {target} --wait 60` waits for it)"
             self.exit_code = 2
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:  # gRPC says only "Deadline Exceeded"
+            message = f"{target} did not answer in time (DEADLINE_EXCEEDED: it accepted the connection and stayed silent, or the " \
+                      "request outlasted its deadline, `generate --timeout`)"
         super().__init__(message)
         self.code = code
 
