@@ -1091,6 +1091,31 @@ MUTATIONS = (
         (WARM_GROUPS,),
     ),
     Mutation(
+        "a checkpoint's NaN or infinite weights are read as they are",
+        "model/checkpoint.py",
+        (("        if math.isfinite(rows.sum()):\n            return\n", "        return\n"),),
+        ("tests/model/test_checkpoint.py::test_malformed_checkpoints_are_named[nan weight]",
+         "tests/model/test_checkpoint.py::test_malformed_checkpoints_are_named[nan in a .bin]"),
+    ),
+    Mutation(
+        "a shard index may name a file outside its checkpoint directory",
+        "model/checkpoint.py",
+        ((" or Path(shard).is_absolute() or \"..\" in Path(shard).parts", ""),),
+        ("tests/model/test_checkpoint.py::test_a_shard_index_may_name_only_files_of_its_directory",),
+    ),
+    Mutation(
+        "a safetensors tensor may lie outside its file's data section",
+        "model/checkpoint.py",
+        ((" or not 0 <= begin <= end <= size - base", ""),),
+        ("tests/model/test_checkpoint.py::test_malformed_checkpoints_are_named[offsets before the data]",),
+    ),
+    Mutation(
+        "verify gives a verdict on an artifact whose tokenizer or chat template no server would load",
+        "export/parity.py",
+        (("    check_tokenizer_files(artifact.directory)\n", ""),),
+        ("tests/test_cli.py::test_a_broken_artifact_is_refused_in_one_line[verify-unreadable tokenizer.json]",),
+    ),
+    Mutation(
         "the gate's replay in a group runs the golden prompt as the chunk graph's chunk (its rows' operator unchecked)",
         "service/process/gate.py",
         (("scheduler.drive([seq] + companions if in_a_group else companions + [seq])", "scheduler.drive(companions + [seq])"),),
