@@ -210,15 +210,23 @@ def _gpt2_from_hf(hf: dict, common: dict) -> DecoderConfig:
     )
 
 
+def _object(hf: dict, key: str) -> dict:
+    """A field that holds an object (rope_parameters, rope_scaling), {} when absent or null."""
+    value = hf.get(key) or {}
+    if not isinstance(value, dict):  # .get on it raised an AttributeError
+        raise ValueError(f"{key} must be an object, got {json.dumps(value)[:40]}")
+    return value
+
+
 def _rope(hf: dict, default_theta: float = 10000.0) -> tuple[float, RopeScaling | None, float]:
     """rope_theta, the scaling and the partial rotary factor, from transformers 5's rope_parameters (Gemma 3's: its
     full_attention entry) or the older rope_theta/rope_scaling."""
-    parameters = hf.get("rope_parameters") or {}
+    parameters = _object(hf, "rope_parameters")
     parameters = parameters.get("full_attention") or parameters if isinstance(parameters.get("full_attention"), dict) else parameters
     if "rope_theta" in parameters or "rope_type" in parameters:
         theta, scaling = parameters.get("rope_theta", hf.get("rope_theta", default_theta)), parameters
     else:
-        theta, scaling = hf.get("rope_theta", default_theta), hf.get("rope_scaling") or {}
+        theta, scaling = hf.get("rope_theta", default_theta), _object(hf, "rope_scaling")
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if hf.get("model_type") == "phi3" and rope_type in ("su", "yarn"):  # Phi-3's early names for its longrope, as transformers reads them
         rope_type = "longrope"
@@ -318,7 +326,9 @@ def _gemma_from_hf(hf: dict) -> dict:
         value = hf.get(cap, defaults[cap])
         fields[cap] = None if value is None else float(value)
     if model_type == "gemma3_text":
-        local = ((hf.get("rope_parameters") or {}).get("sliding_attention") or {})
+        local = _object(hf, "rope_parameters").get("sliding_attention") or {}
+        if not isinstance(local, dict):
+            raise ValueError(f"rope_parameters' sliding_attention must be an object, got {json.dumps(local)[:40]}")
         if local.get("rope_type", "default") != "default":
             raise ValueError(f"unsupported rope_type {local['rope_type']!r} for sliding_attention layers (kvserve turns them by 'default')")
         fields["local_rope_theta"] = float(local.get("rope_theta", hf.get("rope_local_base_freq", 10000.0)))

@@ -78,6 +78,10 @@ def test_a_llama_config_maps_its_fields_and_generation_configs_eos_list_wins():
      r"original_max_position_embeddings must be a whole number in \[2, 2147483648\)"),
     ({"model_type": "gemma2", "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": float("inf")},
      "final_logit_softcapping must be a number, got Infinity"),
+    ({"rope_parameters": 1}, "rope_parameters must be an object, got 1"),  # an AttributeError
+    ({"rope_scaling": ["linear", 2.0]}, r'rope_scaling must be an object, got \["linear", 2.0\]'),
+    ({"model_type": "gemma3_text", "hidden_activation": "gelu_pytorch_tanh", "rope_parameters": {"full_attention": {}, "sliding_attention": 5}},
+     "rope_parameters' sliding_attention must be an object, got 5"),
 ])
 def test_what_kvserve_does_not_implement_is_refused_by_name(edit, message):
     with pytest.raises(ValueError, match=message):
