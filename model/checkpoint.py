@@ -246,6 +246,21 @@ def _canonical_name(name: str, config: DecoderConfig) -> str:
     return name
 
 
+def _check_sizes(config: DecoderConfig, tensors: dict[str, _StoredTensor], path: Path) -> None:
+    """The config's layer count and embedding against the tensors the files hold, before a model of the config's size is laid
+    out: a config.json of 10^7 layers built 10^7 layers' modules (minutes, gigabytes) before any tensor was compared."""
+    names = [_canonical_name(name, config) for name in tensors]
+    prefix = "transformer.h." if config.architecture == GPT2_ARCH else "model.layers."
+    layers = {int(index) for name in names if name.startswith(prefix) and (index := name[len(prefix):].split(".", 1)[0]).isdigit()}
+    if config.n_layer > len(layers):
+        raise CheckpointError(f"{path}: config.json says {config.n_layer} layers and the weights hold {len(layers)}")
+    embedding = "transformer.wte.weight" if config.architecture == GPT2_ARCH else "model.embed_tokens.weight"
+    stored = next((tensors[name] for name, key in zip(tensors, names) if key == embedding), None)
+    if stored is not None and stored.shape != (config.vocab_size, config.d_model):
+        raise CheckpointError(f"{path}: tensor {embedding!r} has shape {stored.shape}, and config.json says "
+                              f"{(config.vocab_size, config.d_model)} (vocab_size, hidden size)")
+
+
 class CheckpointWeights:
     """A checkpoint directory's weights by our parameter names (weights.WeightSource), every tensor's name, shape and
     dtype checked against the config up front, each read from its file only when asked for, as float32."""
@@ -255,6 +270,7 @@ class CheckpointWeights:
         self.directory = directory
         self.config = config = read_config(directory)
         tensors, path = _index_tensors(directory)
+        _check_sizes(config, tensors, path)
         try:  # a module's constructor allocates each weight (untouched) before the skeleton moves it to the meta device
             self.shapes = {key: tuple(param.shape) for key, param in skeleton(config).state_dict().items()}
         except RuntimeError as exc:

@@ -119,11 +119,14 @@ def _pytorch_bin_with_nan(checkpoint):
          "generation_config.json: eos_token_id must be a token id or a list of them, got 2.5"),
         (lambda d: (d / "generation_config.json").write_text('{"eos_token_id": [1, "2"]}'), "generation_config.json: eos_token_id must be"),
         (lambda d: _edit_config(d, eos_token_id=True), "config.json: eos_token_id must be a token id or a list of them, got true"),
+        # 10^7 layers' modules were built (minutes, gigabytes) before a tensor was compared
+        (lambda d: _edit_config(d, n_layer=10**7), "model.safetensors: config.json says 10000000 layers and the weights hold 2"),
+        (lambda d: _edit_config(d, vocab_size=2**30), "'transformer.wte.weight' has shape (257, 64), and config.json says (1073741824, 64)"),
     ],
     ids=["no config", "no weights", "bad json", "json list", "corrupt weights", "missing tensor", "misshaped tensor", "extra tensor", "untied head",
          "offsets before the data", "offsets past the end", "shape of floats", "header past the end", "weights a directory",
          "nan weight", "infinite embedding", "nan in a .bin", "config not utf-8", "generation config not utf-8", "float eos",
-         "string eos in a list", "boolean eos"],
+         "string eos in a list", "boolean eos", "layers the weights lack", "a vocabulary the weights lack"],
 )
 def test_malformed_checkpoints_are_named(checkpoint, breakage, message):
     breakage(checkpoint)
