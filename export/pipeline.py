@@ -20,6 +20,7 @@ import torch
 import kvserve
 from kvserve.contract import artifact as art
 from kvserve.contract import io_contract as io
+from kvserve.contract.config import LLAMA_ARCH
 from kvserve.contract.hf_config import config_to_hf
 from kvserve.errors import JobFailed, UserError
 from kvserve.model.checkpoint import TOKENIZER_FILES, CheckpointWeights
@@ -126,7 +127,7 @@ def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, r
     int8 weights, 16 streams: 82 tokens/s against 271; bench/results/cpu-2core.md, "K/V dtypes")."""
     if requested not in (AUTO, *io.ATTENTIONS):
         raise ExportError(f"unknown attention {requested!r}; choose one of auto, {', '.join(io.ATTENTIONS)}")
-    refusal = fused_attention_refusal(model, kv_cache)
+    refusal = fused_attention_refusal(model, kv_cache) or rotary_tables_refusal(model.config)
     if requested == io.FUSED and refusal:
         raise ExportError(f"--attention fused: {refusal}")
     if requested != AUTO:
@@ -134,6 +135,26 @@ def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, r
     on_cuda = provider != "cpu" and cuda_available()
     float16_cache = dtype == "float32" and kv_dtype == "float16"
     return io.STANDARD if refusal or (dtype == "float32" and on_cuda) or float16_cache else io.FUSED
+
+
+# The fused graph holds cos and sin of every position of the context (GroupQueryAttention indexes them by position), and
+# tracing it holds a few float32 copies more: tables past this share of the process's memory (1.5 GB of 24 GB, a
+# context of ~2.9 M positions at head_dim 128; Qwen2.5-1M's take 0.52 GB) are a standard graph's work, which turns each
+# step's positions alone. A config.json of 10^8 positions was killed for memory tracing the tables.
+ROTARY_TABLES_SHARE = 16
+
+
+def rotary_tables_refusal(config) -> str | None:
+    """Why the fused graph's rotary tables (float32, both of Gemma 3's bases) do not fit this machine, or None."""
+    if config.architecture != LLAMA_ARCH:
+        return None
+    tables = (2 if config.local_rope_theta is not None else 1) * 2 * (config.n_ctx + 1) * (config.rotary_dim // 2) * 4
+    limit = memory_limit()
+    if tables * ROTARY_TABLES_SHARE <= limit:
+        return None
+    return (f"its context of {config.n_ctx:,} positions makes GroupQueryAttention's rotary tables (cos and sin of every position) "
+            f"{tables / 1e9:.1f} GB, over 1/{ROTARY_TABLES_SHARE} of the {limit / 1e9:.1f} GB this process may use: --attention standard "
+            "turns each step's positions alone")
 
 
 # ONNX Runtime's CPU provider runs a float16 graph in float32: each session over it holds float32 copies of the weights

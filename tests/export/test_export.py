@@ -290,6 +290,21 @@ def test_a_float16_export_the_cpu_cannot_verify_in_its_memory_is_refused_before_
     assert pipeline.cpu_float16_refusal(tiny_model, "float32", "slots", "fused", "cpu") is None
 
 
+def test_a_context_whose_rotary_tables_outgrow_the_memory_gets_the_standard_graph(tiny_llama_model, monkeypatch):
+    """A config.json of 10^8 positions was killed for memory tracing the fused graph's tables of every position."""
+    from kvserve.export import pipeline
+
+    config = tiny_llama_model.config
+    tables = 2 * (config.n_ctx + 1) * (config.rotary_dim // 2) * 4  # cos and sin, float32
+    monkeypatch.setattr(pipeline, "memory_limit", lambda: pipeline.ROTARY_TABLES_SHARE * tables)
+    assert pipeline.choose_attention(tiny_llama_model, "slots", "float32", "cpu") == "fused"
+    monkeypatch.setattr(pipeline, "memory_limit", lambda: pipeline.ROTARY_TABLES_SHARE * tables - 1)
+    assert pipeline.choose_attention(tiny_llama_model, "slots", "float32", "cpu") == "standard"
+    with pytest.raises(pipeline.ExportError, match=rf"--attention fused: its context of {config.n_ctx:,} positions makes GroupQueryAttention's "
+                                                   r"rotary tables .* --attention standard turns each step's positions alone"):
+        pipeline.choose_attention(tiny_llama_model, "slots", "float32", "cpu", "fused")
+
+
 def test_an_export_removes_the_staging_a_killed_export_left_and_keeps_a_live_ones(tmp_path, tiny_model):
     import subprocess
     import sys
