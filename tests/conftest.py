@@ -18,6 +18,19 @@ PROVIDER = os.environ.get("KVSERVE_TEST_PROVIDER", "cpu")
 PROVIDER_NAMES = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider"}
 
 
+def json_strategies(max_text: int, max_leaves: int):
+    """hypothesis strategies of the fuzz tests: (a JSON leaf of every awkward kind: null, booleans, integers past 64
+    bits, NaN and infinities, short text; any JSON value of such leaves nested in lists and objects)."""
+    from hypothesis import strategies as st
+
+    big = 2**70
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-big, big), st.integers(-3, 300),
+                       st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=max_text))
+    nested = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+                          max_leaves=max_leaves)
+    return leaves, nested
+
+
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """Run `kvserve ARGS` as a user would, capturing output."""
     return subprocess.run(

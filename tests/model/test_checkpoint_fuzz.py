@@ -17,13 +17,11 @@ from kvserve.model.checkpoint import CheckpointError, load_checkpoint, save_chec
 from kvserve.model.decoders import build
 from kvserve.model.presets import preset
 
-EXAMPLES = 400
-BIG = 2**70
+from ..conftest import json_strategies
 
-leaves = st.one_of(st.none(), st.booleans(), st.integers(-BIG, BIG), st.integers(-3, 300),
-                   st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=8))
-any_json = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                        max_leaves=8)
+EXAMPLES = 400
+
+leaves, any_json = json_strategies(max_text=8, max_leaves=8)
 # A header entry's fields, each near what it was (an offset a few bytes off, a dimension one more) or anything at all.
 near = st.one_of(st.integers(-64, 64), st.sampled_from([-(2**63), 2**63, 2**64 + 8]))
 dtypes = st.sampled_from(["F32", "F16", "BF16", "F64", "I8", "U8", "BOOL", "F8_E4M3", "", "f32"])

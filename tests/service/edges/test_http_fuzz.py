@@ -15,18 +15,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ...conftest import TOOL_TEMPLATES
+from ...conftest import TOOL_TEMPLATES, json_strategies
 from ..conftest import serving
 
 MODEL = "tiny-chat"
 STORED = object()
 EXAMPLES = 250
-BIG = 2**70
 
-leaves = st.one_of(st.none(), st.booleans(), st.integers(-BIG, BIG), st.integers(-3, 300),
-                   st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
-any_json = st.recursive(leaves, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                        max_leaves=10)
+leaves, any_json = json_strategies(max_text=12, max_leaves=10)
 texts = st.text(max_size=24)
 roles = st.sampled_from(["user", "system", "assistant"])
 parts = st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}), max_size=2)
