@@ -24,8 +24,8 @@ RING_SLACK = 16
 ROPE_TYPES = ("linear", "dynamic", "llama3", "yarn", "longrope")
 
 
-# Every count and size a config.json gives is below this (a config of 10^30 layers, or an original context of 10^30
-# positions, raised an OverflowError); the largest real ones are near 10^7 (a context).
+# Every count and size a config.json gives is below this: a larger one is damage, and past it int() overflows what torch
+# indexes with (10^30 layers); the largest real ones are near 10^7 (a context).
 SIZE_LIMIT = 2**31
 
 
@@ -158,9 +158,10 @@ class DecoderConfig:
         for name in ("layer_norm_eps", "rope_theta", "initializer_range", "dropout", "norm_weight_offset", "partial_rotary_factor"):
             if not math.isfinite(getattr(self, name)):
                 raise ValueError(f"DecoderConfig.{name} must be a finite number, got {getattr(self, name)}")
-        if self.layer_norm_eps < 0 or not self.rope_theta > 1:  # yarn divides by the base's log
-            raise ValueError(f"DecoderConfig.layer_norm_eps ({self.layer_norm_eps}) must be at least 0 and rope_theta ({self.rope_theta}), "
-                             "the rotary frequencies' base, above 1")
+        if self.layer_norm_eps < 0:
+            raise ValueError(f"DecoderConfig.layer_norm_eps must be at least 0, got {self.layer_norm_eps}")
+        if not self.rope_theta > 1:  # yarn divides by the base's log
+            raise ValueError(f"DecoderConfig.rope_theta, the rotary frequencies' base, must be above 1, got {self.rope_theta}")
         if self.architecture == GPT2_ARCH:
             if self.d_model % self.n_head:
                 raise ValueError(f"d_model ({self.d_model}) is not divisible by n_head ({self.n_head})")

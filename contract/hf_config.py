@@ -31,9 +31,8 @@ _ROPE_FIELDS = {
 }
 
 
-# The numeric fields read from a config.json: one that holds anything but a finite number is named (int("x") would not
-# say which, int(Infinity) raised an OverflowError), and a count or size that is not a whole number too (0.5 heads
-# became 0 and a ZeroDivisionError).
+# The numeric fields read from a config.json: one that holds anything but a finite number is named (int("x") names no
+# field, int(Infinity) overflows), and a count or size that is not a whole number too (int(0.5) heads would be 0).
 NUMBER_FIELDS = ("vocab_size", "n_embd", "n_head", "n_layer", "n_positions", "n_ctx", "n_inner", "layer_norm_epsilon", "hidden_size",
                  "num_attention_heads", "num_key_value_heads", "num_hidden_layers", "intermediate_size", "max_position_embeddings",
                  "head_dim", "rms_norm_eps", "rope_theta", "partial_rotary_factor", "original_max_position_embeddings", "sliding_window",
@@ -213,7 +212,7 @@ def _gpt2_from_hf(hf: dict, common: dict) -> DecoderConfig:
 def _object(hf: dict, key: str) -> dict:
     """A field that holds an object (rope_parameters, rope_scaling), {} when absent or null."""
     value = hf.get(key) or {}
-    if not isinstance(value, dict):  # .get on it raised an AttributeError
+    if not isinstance(value, dict):  # its readers look fields up in it
         raise ValueError(f"{key} must be an object, got {json.dumps(value)[:40]}")
     return value
 

@@ -20,7 +20,7 @@ import torch
 import kvserve
 from kvserve.contract import artifact as art
 from kvserve.contract import io_contract as io
-from kvserve.contract.config import LLAMA_ARCH
+from kvserve.contract.config import LLAMA_ARCH, DecoderConfig
 from kvserve.contract.hf_config import config_to_hf
 from kvserve.errors import JobFailed, UserError
 from kvserve.model.checkpoint import TOKENIZER_FILES, CheckpointWeights
@@ -140,11 +140,11 @@ def choose_attention(model: Decoder, kv_cache: str, dtype: str, provider: str, r
 # The fused graph holds cos and sin of every position of the context (GroupQueryAttention indexes them by position), and
 # tracing it holds a few float32 copies more: tables past this share of the process's memory (1.5 GB of 24 GB, a
 # context of ~2.9 M positions at head_dim 128; Qwen2.5-1M's take 0.52 GB) are a standard graph's work, which turns each
-# step's positions alone. A config.json of 10^8 positions was killed for memory tracing the tables.
+# step's positions alone (10^8 positions at head_dim 16 went past a 4 GB memory limit tracing the tables).
 ROTARY_TABLES_SHARE = 16
 
 
-def rotary_tables_refusal(config) -> str | None:
+def rotary_tables_refusal(config: DecoderConfig) -> str | None:
     """Why the fused graph's rotary tables (float32, both of Gemma 3's bases) do not fit this machine, or None."""
     if config.architecture != LLAMA_ARCH:
         return None

@@ -248,7 +248,7 @@ def _canonical_name(name: str, config: DecoderConfig) -> str:
 
 def _check_sizes(config: DecoderConfig, tensors: dict[str, _StoredTensor], path: Path) -> None:
     """The config's layer count and embedding against the tensors the files hold, before a model of the config's size is laid
-    out: a config.json of 10^7 layers built 10^7 layers' modules (minutes, gigabytes) before any tensor was compared."""
+    out: a config.json of 10^7 layers would build 10^7 layers' modules (minutes, gigabytes) before any tensor is compared."""
     names = [_canonical_name(name, config) for name in tensors]
     prefix = "transformer.h." if config.architecture == GPT2_ARCH else "model.layers."
     layers = {int(index) for name in names if name.startswith(prefix) and (index := name[len(prefix):].split(".", 1)[0]).isdigit()}
