@@ -19,6 +19,7 @@ import mmap
 import os
 import struct
 import warnings
+import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -144,7 +145,8 @@ def _index_file(path: Path) -> dict[str, _StoredTensor]:
                     raise ValueError(f"tensor {name!r}: its byte range does not fit its shape {shape}")
                 tensors[name] = _StoredTensor(path, name, dtype, shape, base + begin)
             return tensors
-        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        # torch < 1.6 wrote a format that cannot be mapped (older GPT-2 fine-tunes carry it): read whole, as transformers does
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
         return {name: _StoredTensor(path, name, t.dtype, tuple(t.shape), loaded=t) for name, t in loaded.items()}
     except Exception as exc:  # the libraries' own errors name no file; ours does
         raise CheckpointError(f"{path}: cannot read weights ({type(exc).__name__}: {exc})") from None

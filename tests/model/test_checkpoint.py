@@ -45,6 +45,16 @@ def test_pytorch_bin_and_unprefixed_names_load(tmp_path, tiny_model):
     assert weights_checksum(load_checkpoint(tmp_path)) == weights_checksum(tiny_model)
 
 
+def test_a_pytorch_bin_in_torchs_legacy_format_loads(tmp_path, tiny_model):
+    """torch < 1.6 wrote pytorch_model.bin as a plain pickle, which cannot be mapped: it was refused ("mmap can only be
+    used with files saved with ...")."""
+    save_checkpoint(tiny_model, tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(tensors, tmp_path / "pytorch_model.bin", _use_new_zipfile_serialization=False)
+    assert weights_checksum(load_checkpoint(tmp_path)) == weights_checksum(tiny_model)
+
+
 @pytest.fixture
 def checkpoint(tmp_path):
     save_checkpoint(build(preset("tiny"), seed=1), tmp_path)
